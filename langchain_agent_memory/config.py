@@ -1,0 +1,42 @@
+"""The one settings object; every environment override is listed here.
+
+Environment variables (prefix ``AGENT_MEMORY_``):
+
+- ``AGENT_MEMORY_CACHE_DIR``: root of converted models and KV caches
+  (default ``$XDG_CACHE_HOME/langchain-agent-memory`` or ``~/.cache/langchain-agent-memory``).
+- ``AGENT_MEMORY_MODEL``: default model, a shipped name (``smollm2-135m``, ``gemma3-270m``)
+  or an mlx-lm model directory (default ``smollm2-135m``).
+- ``AGENT_MEMORY_WEIGHT_DTYPE``: dtype of converted weights (default ``float32``: on CPU
+  only fp32 matmuls go through BLAS; see benchmarks/runtime.py).
+- ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
+  before pydantic is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+WeightDType = Literal["float32", "bfloat16", "float16"]
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "langchain-agent-memory"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AGENT_MEMORY_", extra="ignore")
+
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    model: str = "smollm2-135m"
+    weight_dtype: WeightDType = "float32"
+
+
+def get_settings() -> Settings:
+    """Settings read from the environment now (cheap; not cached, so tests can override)."""
+    return Settings()

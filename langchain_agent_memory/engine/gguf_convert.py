@@ -1,0 +1,284 @@
+"""Convert a GGUF file (llama.cpp's format) into an mlx-lm model directory.
+
+The GGUF is read with the `gguf` package (the reference implementation of the format),
+every tensor is dequantized with `gguf.quants`, renamed onto mlx-lm's module tree and
+written as one safetensors file next to a `config.json`. The tokenizer is rebuilt from
+the GGUF metadata by transformers' own GGUF tokenizer builders and saved as
+`tokenizer.json` + `tokenizer_config.json` (with the chat template, when the file has one).
+
+Supported: the ``llama`` and ``gemma3`` architectures; tensors in F32/F16/BF16 and every
+block quantization `gguf.quants` can dequantize (Q4_0 ... Q8_0, the K-quants, IQ*).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .runtime import mx
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+CONVERTER_VERSION = 1  # bump when the output of a conversion changes
+
+
+class UnsupportedGGUFError(ValueError):
+    """The GGUF holds an architecture or tensor type this converter cannot turn into mlx-lm."""
+
+
+def _supported_tensor_types() -> frozenset[str]:
+    from gguf.quants import _type_traits  # the dequantizers gguf ships
+
+    return frozenset({"F32", "F16", "BF16"} | {t.name for t in _type_traits})
+
+
+# ---------------------------------------------------------------------------- names
+
+_COMMON_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES_SHARED = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+_LAYER_NAMES = {
+    "llama": {**_LAYER_NAMES_SHARED, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **_LAYER_NAMES_SHARED,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def mlx_name(architecture: str, gguf_name: str) -> str:
+    """The mlx-lm parameter name of a GGUF tensor name.
+
+    >>> mlx_name("llama", "blk.3.attn_q.weight")
+    'model.layers.3.self_attn.q_proj.weight'
+    >>> mlx_name("gemma3", "blk.0.ffn_norm.weight")
+    'model.layers.0.pre_feedforward_layernorm.weight'
+    """
+    if gguf_name in _COMMON_NAMES:
+        return _COMMON_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    names = _LAYER_NAMES[architecture]
+    if m is None or m.group(2) not in names:
+        raise UnsupportedGGUFError(
+            f"tensor {gguf_name!r} has no counterpart in mlx-lm's {architecture} model; "
+            "this GGUF is not a plain llama/gemma3 checkpoint"
+        )
+    layer, part, kind = m.groups()
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of llama Q/K weights.
+
+    llama.cpp's converter reorders each head's rows from the half-split RoPE layout of
+    Hugging Face checkpoints to interleaved pairs: ``reshape(h, 2, d/2, ...)``, swap axes 1
+    and 2. mlx-lm's llama uses the half-split layout, so we apply the inverse.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def _fields(reader: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith(prefix):
+            out[key] = field.contents()
+    return out
+
+
+def _config_for(arch: str, meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[str, Any]:
+    def g(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(g("attention.head_count"))
+    common = {
+        "hidden_size": int(g("embedding_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(g("vocab_size", vocab)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+    }
+    if g("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedGGUFError(f"RoPE scaling {g('rope.scaling.type')!r} is not supported yet")
+    if arch == "llama":
+        head_dim = int(g("attention.key_length", common["hidden_size"] // heads))
+        return {
+            "model_type": "llama",
+            **common,
+            "head_dim": head_dim,
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+        }
+    # gemma3: the GGUF lacks the sliding-window pattern, the local RoPE base and the query
+    # scale; these are the values of every released Gemma 3 text model of <=12B (head_dim 256).
+    head_dim = int(g("attention.key_length", 256))
+    return {
+        "model_type": "gemma3_text",
+        **common,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": int(g("attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+    }
+
+
+def _tokenizer_files(arch: str, meta: dict[str, Any], out: Path) -> list[int]:
+    """Write tokenizer.json / tokenizer_config.json; return the end-of-sequence ids."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    tok: dict[str, Any] = {}
+    tok_config: dict[str, Any] = {}
+    for group, target in (("tokenizer", tok), ("tokenizer_config", tok_config)):
+        for key, name in GGUF_TOKENIZER_MAPPING[group].items():
+            if f"tokenizer.{key}" in meta:
+                target[name] = meta[f"tokenizer.{key}"]
+    if tok.get("tokenizer_type") == "llama":
+        tok_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece
+    backend, _ = convert_gguf_tokenizer(arch, tok)
+    tokens: list[str] = tok["tokens"]
+    special = {
+        "bos_token": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token": meta.get("tokenizer.ggml.eos_token_id"),
+        "unk_token": meta.get("tokenizer.ggml.unknown_token_id"),
+        "pad_token": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if tok_config.get("add_bos_token") and special["bos_token"] is not None:
+        # A fast tokenizer adds BOS only through its post-processor (Gemma degenerates without it).
+        from tokenizers import processors
+
+        bos_id = int(special["bos_token"])
+        bos = tokens[bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    backend.save(str(out / "tokenizer.json"))
+    for name, idx in special.items():
+        if idx is not None:
+            tok_config[name] = tokens[int(idx)]
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config["clean_up_tokenization_spaces"] = False
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+
+    eos = [int(special["eos_token"])] if special["eos_token"] is not None else []
+    if arch == "gemma3" and "<end_of_turn>" in tokens:
+        eos.append(tokens.index("<end_of_turn>"))  # Gemma ends a turn with 106, text with 1
+    return eos
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def _tensor_array(tensor: Any) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        arr = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        arr = dequantize(np.asarray(tensor.data), kind)
+    # GGUF lists dimensions innermost first; numpy wants them outermost first.
+    return arr.reshape([int(d) for d in reversed(tensor.shape.tolist())])
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str = "float32",
+    progress: Callable[[Iterable[Any], int, str], Iterable[Any]] | None = None,
+) -> Path:
+    """Convert ``gguf_path`` into an mlx-lm directory at ``out_dir`` (atomically: the
+    directory appears complete or not at all). Returns ``out_dir``."""
+    from gguf import GGUFReader
+
+    src, out = Path(gguf_path), Path(out_dir)
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {src}")
+    try:
+        reader = GGUFReader(src)
+    except Exception as exc:  # the gguf package raises bare ValueErrors on junk
+        raise UnsupportedGGUFError(f"{src} is not a readable GGUF file: {exc}") from exc
+    meta = _fields(reader, "general.") | _fields(reader, "tokenizer.")
+    arch = str(meta.get("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    meta |= _fields(reader, f"{arch}.")
+    supported = _supported_tensor_types()
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - supported)
+    if bad:
+        raise UnsupportedGGUFError(
+            f"GGUF tensor type(s) {', '.join(bad)} cannot be dequantized; supported: {', '.join(sorted(supported))}"
+        )
+
+    names = {t.name for t in reader.tensors}
+    vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    config = _config_for(arch, meta, names, vocab)
+    mx_dtype = getattr(mx, dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weights: dict[str, mx.array] = {}
+        tensors: Iterable[Any] = reader.tensors
+        if progress is not None:
+            tensors = progress(tensors, len(reader.tensors), f"converting {src.name}")
+        for t in tensors:
+            arr = _tensor_array(t)
+            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                key = "num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"
+                arr = unpermute_qk(arr, config[key])
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                arr = arr - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+            weights[mlx_name(arch, t.name)] = mx.array(arr).astype(mx_dtype)
+        config["eos_token_id"] = _tokenizer_files(arch, meta, tmp)
+        config["converted_from"] = {"file": src.name, "converter_version": CONVERTER_VERSION, "dtype": dtype}
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if out.exists():  # another process finished first: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

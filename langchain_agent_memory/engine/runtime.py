@@ -1,0 +1,71 @@
+"""Make MLX fast on a CPU before anything imports it.
+
+The Linux CPU wheel of mlx links a reference BLAS (~3 GFLOP/s fp32 matmul on the 2-core
+development machine). `libmlx.so` resolves `cblas_sgemm` through the process's global
+symbol scope first, so a BLAS loaded with RTLD_GLOBAL *before* mlx wins. Intel's MKL from
+the `mkl` wheel exports the plain CBLAS names (the `scipy-openblas32` wheel prefixes every
+symbol with `scipy_`, so it cannot stand in) and measured 245 GFLOP/s on the same machine.
+
+Import this module (every module of the package that needs mlx imports `mx` from here).
+Set ``AGENT_MEMORY_BLAS=bundled`` to keep mlx's own BLAS (for benchmarks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: What was loaded: "mkl", "bundled" (mlx's own) or "system" (not Linux: Accelerate etc.).
+BLAS: str = "system"
+
+
+def _find_mkl_rt() -> Path | None:
+    try:
+        files = importlib.metadata.distribution("mkl").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name.startswith("libmkl_rt.so"):
+            path = Path(str(f.locate())).resolve()
+            if path.exists():
+                return path
+    return None
+
+
+def _load_fast_blas() -> str:
+    if not sys.platform.startswith("linux"):
+        return "system"  # macOS: mlx uses Accelerate; nothing to do.
+    if "mlx.core" in sys.modules:
+        logger.warning("mlx was imported before langchain_agent_memory: keeping its bundled BLAS")
+        return "bundled"
+    if os.environ.get("AGENT_MEMORY_BLAS", "").lower() == "bundled":
+        return "bundled"
+    mkl = _find_mkl_rt()
+    if mkl is None:
+        logger.warning(
+            "MKL not found (pip install mkl): mlx falls back to its reference BLAS, ~70x slower matmuls"
+        )
+        return "bundled"
+    # NOTE: MKL's runtime picks the threading layer from this variable; Intel OpenMP comes
+    # with the `mkl` wheel. Respect a value the user already set.
+    os.environ.setdefault("MKL_THREADING_LAYER", "INTEL")
+    ctypes.CDLL(str(mkl), mode=ctypes.RTLD_GLOBAL)
+    return "mkl"
+
+
+BLAS = _load_fast_blas()
+
+import mlx.core as mx  # noqa: E402  (must follow the BLAS preload)
+
+if sys.platform.startswith("linux") and not mx.metal.is_available():
+    # CUDA builds report a GPU device; only pin the CPU where no accelerator exists.
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        mx.set_default_device(mx.cpu)
+
+__all__ = ["BLAS", "mx"]
