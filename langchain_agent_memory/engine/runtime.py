@@ -16,7 +16,6 @@ import ctypes
 import importlib.metadata
 import logging
 import os
-import platform
 import sys
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import random
 import sys
 
@@ -67,7 +68,10 @@ def test_conversion_is_done_once(smollm: LoadedModel) -> None:
     assert load_model("smollm2-135m") is smollm  # one load per process
 
 
-@pytest.mark.skipif(not (sys.platform == "linux" and runtime.platform.machine() == "x86_64"), reason="x86-64 Linux")
+X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="MKL is loaded on x86-64 Linux only")
 def test_fast_blas_is_loaded() -> None:
     assert runtime.BLAS == "mkl"
 
