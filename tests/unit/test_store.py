@@ -1,0 +1,152 @@
+"""DiskBlockStore: content-addressed immutable blocks, atomic agent records, and refusals
+of corrupt, truncated, foreign or newer files (real files, no model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.store import (
+    FORMAT_VERSION,
+    AgentRecord,
+    Block,
+    BlockMissingError,
+    CacheFormatError,
+    DiskBlockStore,
+    block_hash,
+    validate_agent_id,
+)
+
+FP = "model-a"
+
+
+def _block(parent=None, tokens=(1, 2, 3), fp=FP, seed=0) -> Block:
+    mx.random.seed(seed)
+    tensors = {
+        "L0.k.q": mx.random.randint(0, 2**31, (1, 1, len(tokens), 8)).astype(mx.uint32),
+        "L0.k.scales": mx.random.normal((1, 1, len(tokens), 1)).astype(mx.float16),
+        "L0.v": mx.random.normal((1, 1, len(tokens), 64)).astype(mx.bfloat16),
+    }
+    return Block(block_hash(parent, list(tokens), fp), parent, list(tokens), tensors)
+
+
+def test_hash_is_chained_and_model_specific() -> None:
+    a = block_hash(None, [1, 2, 3], FP)
+    assert a == block_hash(None, [1, 2, 3], FP)  # stable: no per-process seed
+    assert a != block_hash(None, [1, 2, 4], FP)
+    assert a != block_hash(None, [1, 2, 3], "model-b")
+    assert block_hash(a, [5], FP) != block_hash(block_hash(None, [9], FP), [5], FP)
+
+
+def test_round_trip_and_immutability(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _block()
+    written = store.put_block(blk)
+    assert written > blk.nbytes  # tensors + header
+    assert store.put_block(blk) == 0  # content-addressed: never rewritten
+    back = store.get_block(blk.hash)
+    assert back.token_ids == [1, 2, 3] and back.parent is None
+    for k, v in blk.tensors.items():
+        assert back.tensors[k].dtype == v.dtype
+        assert mx.array_equal(back.tensors[k], v).item()
+    assert list(store.block_hashes()) == [blk.hash]
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob(".*.safetensors"))
+
+
+def _corrupt(path: Path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_tensor_bit_is_detected(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _block()
+    store.put_block(blk)
+    _corrupt(store.block_path(blk.hash), 3)
+    with pytest.raises(CacheFormatError, match="checksum"):
+        store.get_block(blk.hash)
+
+
+def test_truncated_block_is_detected(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _block()
+    store.put_block(blk)
+    path = store.block_path(blk.hash)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(CacheFormatError, match="unreadable"):
+        store.get_block(blk.hash)
+
+
+def test_flipped_header_byte_is_detected(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _block()
+    store.put_block(blk)
+    path = store.block_path(blk.hash)
+    data = bytearray(path.read_bytes())
+    i = data.index(b'"token_ids"') + 16  # inside the header's JSON text
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError):
+        store.get_block(blk.hash)
+
+
+def test_another_models_block_under_the_right_name(tmp_path: Path) -> None:
+    mine = DiskBlockStore(tmp_path, FP)
+    theirs = DiskBlockStore(tmp_path, "model-b")
+    blk = _block(fp="model-b")
+    theirs.put_block(blk)
+    target = mine.block_path(blk.hash)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(theirs.block_path(blk.hash).read_bytes())
+    with pytest.raises(CacheFormatError, match="another model"):
+        mine.get_block(blk.hash)
+
+
+def test_missing_block(tmp_path: Path) -> None:
+    with pytest.raises(BlockMissingError):
+        DiskBlockStore(tmp_path, FP).get_block(block_hash(None, [7], FP))
+
+
+def test_newer_format_directory_is_refused(tmp_path: Path) -> None:
+    DiskBlockStore(tmp_path, FP)
+    (tmp_path / FP / "format.json").write_text(json.dumps({"format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(CacheFormatError, match=r"newer langchain-agent-memory.*upgrade"):
+        DiskBlockStore(tmp_path, FP)
+
+
+def test_agent_records_round_trip(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    rec = AgentRecord("thread-1:planner", [block_hash(None, [1], FP)], [1], [3], "abc")
+    store.put_agent(rec)
+    back = store.get_agent("thread-1:planner")
+    assert back is not None and back.blocks == rec.blocks and back.text == "abc"
+    assert store.get_agent("other") is None
+    assert [r.agent_id for r in store.agents()] == ["thread-1:planner"]
+    assert store.delete_agent("thread-1:planner") and store.get_agent("thread-1:planner") is None
+
+
+def test_newer_agent_record_is_refused(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    store.put_agent(AgentRecord("a", [], [], [], ""))
+    path = store.agent_path("a")
+    data = json.loads(path.read_text())
+    data["format_version"] = FORMAT_VERSION + 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(CacheFormatError, match="newer"):
+        store.get_agent("a")
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "a\\b", "a\x00b", ".hidden", "x" * 257, "tab\there"])
+def test_bad_agent_ids_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="agent_id"):
+        validate_agent_id(bad)
+
+
+@pytest.mark.parametrize("good", ["researcher", "thread-1:planner|sub", "user 42", "é-agent", "x" * 256])
+def test_good_agent_ids(good: str, tmp_path: Path) -> None:
+    path = DiskBlockStore(tmp_path, FP).agent_path(good)
+    assert path.parent == tmp_path / FP / "agents"
