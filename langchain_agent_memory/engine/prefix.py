@@ -93,21 +93,18 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 def match(stored: TokenizedText, prompt: str) -> PrefixMatch:
-    if not stored.ids:
+    if not stored.ids or not prompt:
         return PrefixMatch(MatchKind.MISS, 0, 0)
     common = common_prefix_length(stored.text, prompt)
-    if common == len(stored.text) and stored.ends[-1] == len(stored.text):
-        if len(prompt) > common:
-            return PrefixMatch(MatchKind.EXTEND, len(stored.ids), common)
-        # EXACT: re-run the last token for its logits.
-        keep = _last_boundary(stored, len(stored.ids) - 1, common)
-        return PrefixMatch(MatchKind.EXACT if keep else MatchKind.MISS, keep, _chars(stored, keep))
-    keep = _last_boundary(stored, len(stored.ids), common)
-    if keep == len(stored.ids):  # the stored text ends in a split character: back off one
-        keep = _last_boundary(stored, keep - 1, common)
+    if common == len(stored.text) < len(prompt) and stored.ends[-1] == common:
+        return PrefixMatch(MatchKind.EXTEND, len(stored.ids), common)
+    # Keep tokens that end inside the common prefix, and at least one character of the
+    # prompt to run: a cache holds keys and values, not the logits of its last token.
+    keep = _last_boundary(stored, len(stored.ids), min(common, len(prompt) - 1))
     if keep == 0:
         return PrefixMatch(MatchKind.MISS, 0, 0)
-    return PrefixMatch(MatchKind.DIVERGE, keep, _chars(stored, keep))
+    kind = MatchKind.EXACT if prompt == stored.text else MatchKind.DIVERGE
+    return PrefixMatch(kind, keep, _chars(stored, keep))
 
 
 def _chars(stored: TokenizedText, n_tokens: int) -> int:

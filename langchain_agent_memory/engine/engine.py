@@ -1,0 +1,491 @@
+"""The engine facade: ``Engine.generate(agent_id, prompt_text, params)`` and ``stream``.
+
+One request: match the prompt text against the agent's cache (hot in memory, else its
+blocks from the pool / disk), prefill only what is new, decode, then commit the request's
+keys and values (prompt tail *and* generated tokens) into the stored form and write the
+new blocks. Nothing here knows about LangChain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..config import get_settings
+from . import fast_ops
+from .cache import KVQuant, LayerCache, install_attention_hook, make_layer_caches
+from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill
+from .models import LoadedModel, load_model
+from .pool import BlockPool
+from .prefix import NOT_A_BOUNDARY, MatchKind, TokenizedText, match, tokenize
+from .runtime import mx
+from .spec import ModelCacheSpec
+from .store import (
+    BLOCK_TOKENS,
+    AgentRecord,
+    Block,
+    BlockHash,
+    CacheFormatError,
+    DiskBlockStore,
+    block_hash,
+    validate_agent_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class CacheSource(str, Enum):
+    COLD = "cold"  # nothing reused: full prefill
+    WARM = "warm"  # reused, read (at least partly) from disk
+    HOT = "hot"  # reused from memory
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOutcome:
+    source: CacheSource
+    match: MatchKind
+
+    def __str__(self) -> str:
+        return (
+            self.source.value
+            if self.source is CacheSource.COLD
+            else f"{self.source.value}-{self.match.value}"
+        )
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Timings:
+    load_s: float = 0.0  # building the cache from blocks (memory or disk)
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # request start -> first token sampled
+    decode_s: float = 0.0
+    save_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    outcome: CacheOutcome
+    finish_reason: str  # "stop" (end of turn or stop sequence) or "length"
+    timings: Timings
+    bytes_written: int = 0
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """A piece of generated text; the last chunk of a stream carries ``result``."""
+
+    text: str
+    result: GenerationResult | None = None
+
+
+@dataclass(slots=True)
+class _AgentState:
+    tokens: TokenizedText  # what the committed cache stands for
+    blocks: list[BlockHash]
+    layers: list[LayerCache] | None  # live caches (hot), or None (rebuild from blocks)
+
+
+def model_fingerprint(model_dir: Path, spec: ModelCacheSpec, quant: KVQuant) -> str:
+    """Identity of (weights, KV layout, KV quantization): caches are only valid under it."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with f.open("rb") as fh:  # the safetensors header: every tensor's name, shape, offsets
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, 1 << 24)))
+    h.update(spec.to_json().encode())
+    h.update(quant.label.encode())
+    return f"{model_dir.name[:40]}-{quant.label}-{h.hexdigest()[:16]}"
+
+
+class Engine:
+    """Persistent per-agent KV caches around one mlx-lm model."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        kv_bits: int | None = 4,
+        kv_group_size: int = 64,
+        hot_budget_bytes: int = 512 << 20,
+        hot_agents: int = 16,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        settings = get_settings()
+        self.cache_dir = Path(cache_dir or settings.cache_dir)
+        self.lm: LoadedModel = load_model(model, cache_dir=self.cache_dir)
+        fast_ops.install()
+        install_attention_hook()
+        self.spec = ModelCacheSpec.from_model(self.lm.model)
+        self.quant = KVQuant(kv_bits, kv_group_size)
+        self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant)
+        self.store = DiskBlockStore(self.cache_dir / "kv", self.fingerprint)
+        self.pool = BlockPool(self.store, hot_budget_bytes)
+        self.chunk_tokens = chunk_tokens
+        self.hot_agents = hot_agents
+        self._agents: OrderedDict[str, _AgentState] = OrderedDict()  # hot agents, LRU order
+        self._lock = threading.RLock()  # MLX is not thread-safe: one request at a time
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.lm.tokenizer
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self, agent_id: str, prompt: str, params: GenerationParams | None = None
+    ) -> GenerationResult:
+        result = None
+        for chunk in self.stream(agent_id, prompt, params):
+            result = chunk.result or result
+        assert result is not None
+        return result
+
+    def stream(
+        self, agent_id: str, prompt: str, params: GenerationParams | None = None
+    ) -> Iterator[StreamChunk]:
+        validate_agent_id(agent_id)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        params = params or GenerationParams()
+        with self._lock:
+            yield from self._run(agent_id, prompt, params)
+
+    def delete(self, agent_id: str) -> bool:
+        """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
+        with self._lock:
+            self._agents.pop(agent_id, None)
+            record = self._read_record(agent_id)
+            if record is None:
+                return False
+            self.store.delete_agent(agent_id)
+            self.pool.set_chain(record.blocks, [])
+            return True
+
+    def cached_tokens(self, agent_id: str) -> int:
+        with self._lock:
+            state = self._agents.get(agent_id)
+            if state is not None:
+                return len(state.tokens)
+            record = self._read_record(agent_id)
+            return len(record.token_ids) if record else 0
+
+    def drop_hot(self, agent_id: str | None = None) -> None:
+        """Forget live caches (one agent, or all): the next request reloads from blocks."""
+        with self._lock:
+            if agent_id is None:
+                self._agents.clear()
+            else:
+                self._agents.pop(agent_id, None)
+
+    # ------------------------------------------------------------------ one request
+
+    def _run(self, agent_id: str, prompt: str, params: GenerationParams) -> Iterator[StreamChunk]:
+        t_start = time.perf_counter()
+        timings = Timings()
+        state, source = self._lookup(agent_id)
+        m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
+        layers: list[LayerCache] | None = None
+        if state is not None and m.kind is not MatchKind.MISS:
+            t0 = time.perf_counter()
+            layers, from_disk = self._materialize(state, m.reuse_tokens)
+            timings.load_s = time.perf_counter() - t0
+            if from_disk:
+                source = CacheSource.WARM
+        if layers is None:
+            m = match(TokenizedText(""), prompt)
+            layers = make_layer_caches(self.spec, self.quant)
+            source = CacheSource.COLD
+            known = TokenizedText("")
+        else:
+            assert state is not None
+            known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
+            known.truncate(m.reuse_tokens)
+            if self._kept(known, prompt) != m.reuse_chars:
+                raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
+        reused = len(known)
+        tail = self._tail(known, prompt)
+        prompt_tokens = len(known) + len(tail)
+
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        from mlx_lm.sample_utils import make_sampler
+
+        sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1.0 else 0.0)
+        t0 = time.perf_counter()
+        logits = prefill(self.lm.model, tail.ids, layers, self.chunk_tokens)
+        token = self._sample(sampler, logits)
+        timings.prefill_s = time.perf_counter() - t0
+        timings.ttft_s = time.perf_counter() - t_start
+        known.extend(tail)
+
+        # ---- decode: `token` is sampled but not yet fed through the model
+        t0 = time.perf_counter()
+        eos = set(self.tokenizer.eos_token_ids)
+        generated: list[int] = []
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        hold = max((len(s) for s in params.stop if s), default=1) - 1  # a stop may be mid-way
+        text, emitted, finish, ended_by_eos = "", 0, "length", False
+        while len(generated) < params.max_tokens:
+            if token in eos:
+                finish, ended_by_eos = "stop", True
+                break
+            generated.append(token)
+            detok.add_token(token)
+            text = detok.text
+            cut = _find_stop(text, params.stop, emitted - hold)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            if len(text) - hold > emitted:
+                yield StreamChunk(text[emitted : len(text) - hold])
+                emitted = len(text) - hold
+            if len(generated) == params.max_tokens:
+                break
+            token = self._sample(sampler, decode_step(self.lm.model, token, layers))
+        if finish == "length" or ended_by_eos:
+            detok.finalize()
+            text = detok.text
+            cut = _find_stop(text, params.stop, emitted - hold)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+        timings.decode_s = time.perf_counter() - t0
+        if len(text) > emitted:
+            yield StreamChunk(text[emitted:])
+
+        # ---- commit the KV of the prompt and of every generated token that went through
+        # the model (all but the last sampled one, unless that one was end-of-turn)
+        t0 = time.perf_counter()
+        fed = generated if ended_by_eos else generated[:-1]
+        if layers[0].offset != len(known) + len(fed):
+            raise RuntimeError("cache length and token count disagree (this is a bug)")
+        gen = self._generated_tokens(known.ids[-1] if known.ids else None, fed)
+        if finish == "stop" and not ended_by_eos:  # a stop sequence: keep nothing past it
+            gen.truncate(_last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(text))))
+        known.extend(gen)
+        written = self._commit(agent_id, state, known, layers)
+        timings.save_s = time.perf_counter() - t0
+
+        outcome = CacheOutcome(source, m.kind if source is not CacheSource.COLD else MatchKind.MISS)
+        result = GenerationResult(
+            text=text,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(generated) + int(ended_by_eos),
+            reused_tokens=reused,
+            outcome=outcome,
+            finish_reason=finish,
+            timings=timings,
+            bytes_written=written,
+        )
+        yield StreamChunk("", result)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sample(self, sampler: Any, logits: mx.array) -> int:
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return int(sampler(logprobs[None]).item())
+
+    def _lookup(self, agent_id: str) -> tuple[_AgentState | None, CacheSource]:
+        state = self._agents.get(agent_id)
+        if state is not None:
+            self._agents.move_to_end(agent_id)
+            return state, CacheSource.HOT
+        record = self._read_record(agent_id)
+        if record is None:
+            return None, CacheSource.COLD
+        tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
+        return _AgentState(tokens, record.blocks, None), CacheSource.HOT
+
+    def _read_record(self, agent_id: str) -> AgentRecord | None:
+        try:
+            return self.store.get_agent(agent_id)
+        except CacheFormatError as exc:
+            logger.warning("agent %r: cache record unusable (%s); prefilling from scratch", agent_id, exc)
+            return None
+
+    def _materialize(self, state: _AgentState, n_tokens: int) -> tuple[list[LayerCache] | None, bool]:
+        """Layer caches holding the first ``n_tokens`` of ``state`` and whether any block
+        came from disk; ``(None, False)`` if the stored cache is unusable (logged)."""
+        live = state.layers
+        if live is not None and all(_holds_window(layer, n_tokens) for layer in live):
+            for layer in live:
+                layer.trim_to(n_tokens)
+            state.layers = None  # handed over to this request
+            return live, False
+        try:
+            return self._from_blocks(state.blocks, n_tokens)
+        except CacheFormatError as exc:
+            logger.warning("cache unusable (%s); falling back to a full prefill", exc)
+            for h in state.blocks:
+                try:
+                    self.store.get_block(h)
+                except CacheFormatError:
+                    if self.store.quarantine_block(h) is not None:
+                        logger.warning("quarantined block %s", h[:12])
+            return None, False
+
+    def _from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
+        layers = make_layer_caches(self.spec, self.quant)
+        parts = self.quant.parts()
+        # The first block each layer needs: 0 for full attention, the window's for sliding.
+        first = [
+            0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
+            for layer in layers
+        ]
+        n_blocks = -(-n_tokens // BLOCK_TOKENS)
+        if len(chain) < n_blocks:
+            raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
+        blocks, from_disk = [], False
+        for b in range(min(first), n_blocks):
+            block, hot = self.pool.get(chain[b])
+            blocks.append(block)
+            from_disk |= not hot
+        base = min(first)
+        for i, layer in enumerate(layers):
+            own = blocks[first[i] - base :]
+            k = tuple(mx.concatenate([blk.tensors[_name(i, "k", p)] for blk in own], axis=2) for p in parts)
+            v = tuple(mx.concatenate([blk.tensors[_name(i, "v", p)] for blk in own], axis=2) for p in parts)
+            layer.load(first[i] * BLOCK_TOKENS, k, v)
+            layer.trim_to(n_tokens)
+        return layers, from_disk
+
+    def _tail(self, known: TokenizedText, prompt: str) -> TokenizedText:
+        """Tokens to prefill after ``known``; at least one (fresh logits need a forward pass)."""
+        rest = prompt[len(known.text) :]
+        if not known.ids:
+            bos = self.tokenizer.bos_token
+            add_special = bos is None or not prompt.startswith(bos)
+            return tokenize(self.tokenizer, prompt, add_special_tokens=add_special)
+        if rest:
+            return tokenize(self.tokenizer, rest, add_special_tokens=False)
+        raise RuntimeError("empty tail after a match (this is a bug)")
+
+    @staticmethod
+    def _kept(known: TokenizedText, prompt: str) -> int:
+        return len(known.text) if prompt.startswith(known.text) else -1
+
+    def _generated_tokens(self, anchor: int | None, ids: list[int]) -> TokenizedText:
+        """Generated ids, their text as it continues the context, and each token's end.
+
+        Decoded after an ``anchor`` token (the last context token) so that tokenizers that
+        drop a leading space at the start of a decode keep it here.
+        """
+        head = [anchor] if anchor is not None else []
+        base = self.tokenizer.decode(head)
+        ends: list[int] = []
+        for i in range(len(ids)):
+            piece = self.tokenizer.decode(head + ids[: i + 1])[len(base) :]
+            ends.append(NOT_A_BOUNDARY if piece.endswith("\ufffd") else len(piece))
+        full = self.tokenizer.decode(head + ids)[len(base) :] if ids else ""
+        # A prefix decode that is not a prefix of the whole is not a safe place to cut.
+        ends = [e if e == NOT_A_BOUNDARY or e <= len(full) else NOT_A_BOUNDARY for e in ends]
+        if ends and ends[-1] != len(full):
+            ends[-1] = NOT_A_BOUNDARY
+        return TokenizedText(full, ids, ends)
+
+    def _commit(
+        self, agent_id: str, old: _AgentState | None, known: TokenizedText, layers: list[LayerCache]
+    ) -> int:
+        n = len(known)
+        for layer in layers:
+            layer.commit()
+            if layer.offset > n:
+                layer.trim_to(n)
+        old_blocks = old.blocks if old else []
+        # Blocks before the first one this request touched are unchanged.
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
+        written = 0
+        for b in range(-(-n // BLOCK_TOKENS)):
+            a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, n)
+            h = block_hash(parent, known.ids[a:z], self.fingerprint)
+            if not self.pool.is_hot(h) and not self.store.has_block(h):
+                tensors: dict[str, mx.array] = {}
+                for i, layer in enumerate(layers):
+                    if a < layer.start:
+                        raise RuntimeError(f"block {b} not in memory for layer {i} (this is a bug)")
+                    k, v = layer.committed_slice(a, z)
+                    for p, arr in zip(self.quant.parts(), k, strict=True):
+                        tensors[_name(i, "k", p)] = arr
+                    for p, arr in zip(self.quant.parts(), v, strict=True):
+                        tensors[_name(i, "v", p)] = arr
+                written += self.pool.put(Block(h, parent, known.ids[a:z], tensors))
+            chain.append(h)
+            parent = h
+        record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
+        written += self.store.put_agent(record)
+        self.pool.set_chain(old_blocks, chain)
+        # Sliding layers keep their window and the last (partial) block, for the next save.
+        for layer in layers:
+            if layer.spec.window is not None:
+                layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
+        self._agents[agent_id] = _AgentState(known, chain, layers)
+        self._agents.move_to_end(agent_id)
+        while len(self._agents) > self.hot_agents:
+            self._agents.popitem(last=False)
+        return written
+
+    def stats(self) -> dict[str, Any]:
+        s = self.pool.snapshot_stats()
+        return {
+            "fingerprint": self.fingerprint,
+            "hot_agents": len(self._agents),
+            "pool": json.loads(json.dumps(s, default=lambda o: {k: getattr(o, k) for k in o.__slots__})),
+        }
+
+
+def _name(layer: int, kv: str, part: str) -> str:
+    return f"L{layer}.{kv}.{part}" if part else f"L{layer}.{kv}"
+
+
+def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, max(0, search_from))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _holds_window(layer: LayerCache, n_tokens: int) -> bool:
+    """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
+    if layer.pending_k is not None or layer.offset < n_tokens:
+        return False
+    if layer.spec.window is None:
+        return layer.start == 0
+    return layer.start <= max(0, n_tokens - layer.spec.window)
+
+
+def _last_clean(tokens: TokenizedText, limit: int) -> int:
+    k = limit
+    while k > 0 and tokens.ends[k - 1] == NOT_A_BOUNDARY:
+        k -= 1
+    return k
