@@ -26,7 +26,7 @@ from .cache import KVQuant, LayerCache, install_attention_hook, make_layer_cache
 from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill
 from .models import LoadedModel, load_model
 from .pool import BlockPool
-from .prefix import NOT_A_BOUNDARY, MatchKind, TokenizedText, match, tokenize
+from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize
 from .runtime import mx
 from .spec import ModelCacheSpec
 from .store import (
@@ -36,6 +36,7 @@ from .store import (
     BlockHash,
     CacheFormatError,
     DiskBlockStore,
+    NewerFormatError,
     block_hash,
     validate_agent_id,
 )
@@ -138,7 +139,8 @@ class Engine:
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
-        self.lm: LoadedModel = load_model(model, cache_dir=self.cache_dir)
+        # Converted models live in the settings' cache directory, shared by every engine.
+        self.lm: LoadedModel = load_model(model)
         fast_ops.install()
         install_attention_hook()
         self.spec = ModelCacheSpec.from_model(self.lm.model)
@@ -195,6 +197,12 @@ class Engine:
             record = self._read_record(agent_id)
             return len(record.token_ids) if record else 0
 
+    def cached_text(self, agent_id: str) -> str:
+        """The text the agent's cache stands for (prompt and kept reply), or ""."""
+        with self._lock:
+            state, _ = self._lookup(agent_id)
+            return state.tokens.text if state else ""
+
     def drop_hot(self, agent_id: str | None = None) -> None:
         """Forget live caches (one agent, or all): the next request reloads from blocks."""
         with self._lock:
@@ -218,18 +226,15 @@ class Engine:
             if from_disk:
                 source = CacheSource.WARM
         if layers is None:
-            m = match(TokenizedText(""), prompt)
-            layers = make_layer_caches(self.spec, self.quant)
-            source = CacheSource.COLD
-            known = TokenizedText("")
+            known, tail, layers, m, source = self._cold_start(prompt, timings)
         else:
             assert state is not None
             known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
             known.truncate(m.reuse_tokens)
-            if self._kept(known, prompt) != m.reuse_chars:
+            if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
                 raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
+            tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
         reused = len(known)
-        tail = self._tail(known, prompt)
         prompt_tokens = len(known) + len(tail)
 
         if params.seed is not None:
@@ -325,6 +330,8 @@ class Engine:
     def _read_record(self, agent_id: str) -> AgentRecord | None:
         try:
             return self.store.get_agent(agent_id)
+        except NewerFormatError:
+            raise  # a newer version's cache: refuse rather than overwrite it
         except CacheFormatError as exc:
             logger.warning("agent %r: cache record unusable (%s); prefilling from scratch", agent_id, exc)
             return None
@@ -375,20 +382,39 @@ class Engine:
             layer.trim_to(n_tokens)
         return layers, from_disk
 
-    def _tail(self, known: TokenizedText, prompt: str) -> TokenizedText:
-        """Tokens to prefill after ``known``; at least one (fresh logits need a forward pass)."""
-        rest = prompt[len(known.text) :]
-        if not known.ids:
-            bos = self.tokenizer.bos_token
-            add_special = bos is None or not prompt.startswith(bos)
-            return tokenize(self.tokenizer, prompt, add_special_tokens=add_special)
-        if rest:
-            return tokenize(self.tokenizer, rest, add_special_tokens=False)
-        raise RuntimeError("empty tail after a match (this is a bug)")
-
-    @staticmethod
-    def _kept(known: TokenizedText, prompt: str) -> int:
-        return len(known.text) if prompt.startswith(known.text) else -1
+    def _cold_start(
+        self, prompt: str, timings: Timings
+    ) -> tuple[TokenizedText, TokenizedText, list[LayerCache], Any, CacheSource]:
+        """No cache of the agent's own: reuse whole blocks any agent stored for the same
+        leading tokens (a shared system prompt), else start empty."""
+        bos = self.tokenizer.bos_token
+        full = tokenize(self.tokenizer, prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
+        # Whole blocks only, and never the last token (its logits must be computed).
+        for b in range((len(full) - 1) // BLOCK_TOKENS):
+            h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
+            if not (self.pool.is_hot(h) or self.store.has_block(h)):
+                break
+            chain.append(h)
+            parent = h
+        while chain and full.ends[len(chain) * BLOCK_TOKENS - 1] == NOT_A_BOUNDARY:
+            chain.pop()
+        if chain:
+            n = len(chain) * BLOCK_TOKENS
+            t0 = time.perf_counter()
+            try:
+                layers, from_disk = self._from_blocks(chain, n)
+            except CacheFormatError as exc:
+                logger.warning("shared blocks unusable (%s); prefilling from scratch", exc)
+            else:
+                timings.load_s = time.perf_counter() - t0
+                known, tail = full.split(n)
+                source = CacheSource.WARM if from_disk else CacheSource.HOT
+                return known, tail, layers, PrefixMatch(MatchKind.SHARED, n, len(known.text)), source
+        empty = TokenizedText("")
+        miss = PrefixMatch(MatchKind.MISS, 0, 0)
+        return empty, full, make_layer_caches(self.spec, self.quant), miss, CacheSource.COLD
 
     def _generated_tokens(self, anchor: int | None, ids: list[int]) -> TokenizedText:
         """Generated ids, their text as it continues the context, and each token's end.

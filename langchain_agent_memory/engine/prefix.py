@@ -11,6 +11,8 @@ common prefix:
 - ``EXTEND``: the stored text is a prefix of the prompt: prefill only the new tail.
 - ``DIVERGE``: the texts part somewhere: keep the tokens that end at or before the
   point where they part (at any overlap), trim the rest, prefill from there.
+- ``SHARED``: the agent has no usable cache, but the prompt starts with whole blocks
+  another agent stored (same tokens at the same positions: the same keys and values).
 - ``MISS``: nothing reusable.
 
 >>> stored = TokenizedText("Hello world", [1, 2], [5, 11])
@@ -35,6 +37,7 @@ class MatchKind(str, Enum):
     EXACT = "exact"
     EXTEND = "extend"
     DIVERGE = "diverge"
+    SHARED = "shared"  # no cache of its own, but whole blocks another agent stored
     MISS = "miss"
 
 
@@ -60,6 +63,17 @@ class TokenizedText:
         self.text += other.text
         self.ids += other.ids
         self.ends += [e + base if e != NOT_A_BOUNDARY else e for e in other.ends]
+
+    def split(self, n_tokens: int) -> tuple[TokenizedText, TokenizedText]:
+        """(first ``n_tokens`` tokens, the rest with ends counted from where they start)."""
+        cut = self.ends[n_tokens - 1] if n_tokens else 0
+        if cut == NOT_A_BOUNDARY:
+            raise ValueError("cannot split after a token that ends inside a character")
+        rest = [e - cut if e != NOT_A_BOUNDARY else e for e in self.ends[n_tokens:]]
+        return (
+            TokenizedText(self.text[:cut], self.ids[:n_tokens], self.ends[:n_tokens]),
+            TokenizedText(self.text[cut:], self.ids[n_tokens:], rest),
+        )
 
     def truncate(self, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` tokens and exactly the text they stand for."""

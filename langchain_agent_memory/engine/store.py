@@ -50,6 +50,10 @@ class CacheFormatError(ValueError):
     """A stored file cannot be used: corrupt, truncated, another model's, or a newer format."""
 
 
+class NewerFormatError(CacheFormatError):
+    """Written by a newer version of this package: refused, and never overwritten."""
+
+
 class BlockMissingError(CacheFormatError):
     """A block an agent record refers to is not in the store."""
 
@@ -129,7 +133,7 @@ class AgentRecord:
         data = json.loads(raw)
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise CacheFormatError(_version_message("agent record", version))
+            raise _version_error("agent record", version)
         return cls(
             agent_id=data["agent_id"],
             blocks=[BlockHash(b) for b in data["blocks"]],
@@ -140,13 +144,13 @@ class AgentRecord:
         )
 
 
-def _version_message(what: str, version: Any) -> str:
+def _version_error(what: str, version: Any) -> CacheFormatError:
     if isinstance(version, int) and version > FORMAT_VERSION:
-        return (
+        return NewerFormatError(
             f"{what} has format version {version}, written by a newer langchain-agent-memory; "
             f"this version reads format {FORMAT_VERSION}: upgrade the package"
         )
-    return f"{what} has unknown format version {version!r} (expected {FORMAT_VERSION})"
+    return CacheFormatError(f"{what} has unknown format version {version!r} (expected {FORMAT_VERSION})")
 
 
 class BlockStore(Protocol):
@@ -204,7 +208,7 @@ class DiskBlockStore:
         if fmt.exists():
             version = json.loads(fmt.read_text()).get("format_version")
             if version != FORMAT_VERSION:
-                raise CacheFormatError(_version_message(f"cache directory {self.dir}", version))
+                raise _version_error(f"cache directory {self.dir}", version)
         else:
             meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
             atomic_write_bytes(fmt, json.dumps(meta).encode())
@@ -265,7 +269,7 @@ class DiskBlockStore:
             raise CacheFormatError(f"block file {path} is unreadable (truncated or corrupt): {exc}") from exc
         version = meta.get("format_version")
         if version != str(FORMAT_VERSION):
-            raise CacheFormatError(_version_message(f"block {path.name}", _int_or(version)))
+            raise _version_error(f"block {path.name}", _int_or(version))
         if meta.get("fingerprint") != self.fingerprint:
             raise CacheFormatError(
                 f"block {path.name} was written for model/quantization {meta.get('fingerprint')!r}, "

@@ -1,0 +1,192 @@
+"""The persistent KV engine on the real default model, real files: reload equals the
+uninterrupted run, prefix matching, shared blocks, restarts, corruption, bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from langchain_agent_memory import corpus
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.prefix import MatchKind
+from langchain_agent_memory.engine.store import BLOCK_TOKENS, FORMAT_VERSION, CacheFormatError
+
+GREEDY = GenerationParams(max_tokens=10)
+
+
+def _chat(engine: Engine, system: str, turns: list[tuple[str, str | None]]) -> str:
+    messages = [{"role": "system", "content": system}]
+    for user, assistant in turns:
+        messages.append({"role": "user", "content": user})
+        if assistant is not None:
+            messages.append({"role": "assistant", "content": assistant})
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:1800]
+
+
+def _two_turns(engine: Engine, agent: str, restart_dir: Path | None = None) -> tuple[str, str, object]:
+    p1 = _chat(engine, SYSTEM, [("What is this license called?", None)])
+    r1 = engine.generate(agent, p1, GREEDY)
+    if restart_dir is not None:  # a new engine: new pool, nothing in memory
+        engine = Engine("smollm2-135m", cache_dir=restart_dir, kv_bits=engine.quant.bits)
+    p2 = _chat(engine, SYSTEM, [("What is this license called?", r1.text), ("Who wrote it?", None)])
+    r2 = engine.generate(agent, p2, GREEDY)
+    return r1.text, r2.text, r2
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4, 8])
+def test_reload_gives_the_uninterrupted_output(
+    smollm: LoadedModel, tmp_path: Path, kv_bits: int | None
+) -> None:
+    hot = Engine("smollm2-135m", cache_dir=tmp_path / "a", kv_bits=kv_bits)
+    a1, a2, hot_r2 = _two_turns(hot, "agent")
+    cold = Engine("smollm2-135m", cache_dir=tmp_path / "b", kv_bits=kv_bits)
+    b1, b2, warm_r2 = _two_turns(cold, "agent", restart_dir=tmp_path / "b")
+    assert (b1, b2) == (a1, a2)
+    assert str(hot_r2.outcome) == "hot-extend" and str(warm_r2.outcome) == "warm-extend"
+    assert warm_r2.reused_tokens == hot_r2.reused_tokens > 350
+    assert warm_r2.prompt_tokens - warm_r2.reused_tokens < 40  # only the new turn was prefilled
+
+
+def test_exact_extend_diverge(smollm: LoadedModel, tmp_path: Path) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    p = _chat(eng, SYSTEM, [("Summarise the license in one line.", None)])
+    eng.generate("a", p, GREEDY)
+    stored = eng.cached_text("a")
+    n = eng.cached_tokens("a")
+    assert stored.startswith(p) and len(stored) > len(p)
+
+    exact = eng.generate("a", stored, GREEDY)
+    assert exact.outcome.match is MatchKind.EXACT
+    assert exact.reused_tokens == n - 1  # the last token is re-run for its logits
+
+    stored = eng.cached_text("a")
+    n = eng.cached_tokens("a")
+    extend = eng.generate("a", stored + " And also", GREEDY)
+    assert extend.outcome.match is MatchKind.EXTEND and extend.reused_tokens == n
+
+    cut = len(p) // 2
+    diverge = eng.generate("a", p[:cut] + " SOMETHING ELSE ENTIRELY", GREEDY)
+    assert diverge.outcome.match is MatchKind.DIVERGE
+    ids = eng.tokenizer.encode(p[:cut], add_special_tokens=False)
+    assert abs(diverge.reused_tokens - len(ids)) <= 2  # up to the last boundary in the prefix
+
+
+def test_stream_equals_generate_and_stop_sequences(smollm: LoadedModel, tmp_path: Path) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    prompt = _chat(eng, "You are helpful.", [("Count from one to ten in words, separated by commas.", None)])
+    full = eng.generate("s1", prompt, GenerationParams(max_tokens=24))
+    chunks = list(eng.stream("s2", prompt, GenerationParams(max_tokens=24)))
+    assert "".join(c.text for c in chunks) == full.text
+    assert chunks[-1].result is not None and chunks[-1].result.text == full.text
+    assert len(full.text) >= 8, full.text
+    stop = full.text[len(full.text) // 2 :][:2]  # a stop sequence the model will produce
+    expected = full.text[: full.text.find(stop)]
+    stopped = eng.generate("s3", prompt, GenerationParams(max_tokens=24, stop=["NEVER-SEEN", stop]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == expected
+    streamed = "".join(c.text for c in eng.stream("s4", prompt, GenerationParams(max_tokens=24, stop=[stop])))
+    assert streamed == expected  # text held back while it could still become the stop
+    kept = eng.cached_text("s3")[len(prompt) :]
+    assert expected.startswith(kept) or kept.startswith(expected), (kept, expected)
+    assert stop not in kept  # nothing past the stop is kept in the cache
+
+
+def test_two_agents_store_a_shared_system_prompt_once(smollm: LoadedModel, tmp_path: Path) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    system = "Use this text.\n\n" + corpus.python_docs()[:5000]  # > 1K tokens
+    ra = eng.generate("a", _chat(eng, system, [("What is a for loop?", None)]), GREEDY)
+    rb = eng.generate("b", _chat(eng, system, [("What does assert do?", None)]), GREEDY)
+    chain_a = eng.store.get_agent("a").blocks  # type: ignore[union-attr]
+    chain_b = eng.store.get_agent("b").blocks  # type: ignore[union-attr]
+    shared = len(set(chain_a) & set(chain_b))
+    assert shared >= 1000 // BLOCK_TOKENS
+    files = list(eng.store.blocks_dir.rglob("*.safetensors"))
+    assert len(files) == len(set(chain_a) | set(chain_b))
+    # The second agent wrote only its own tail blocks.
+    assert rb.bytes_written < ra.bytes_written * (len(chain_b) - shared + 1) / len(chain_a)
+    assert rb.reused_tokens >= shared * BLOCK_TOKENS  # and reused the shared prefix's KV
+
+
+def test_restart_in_a_second_process(smollm: LoadedModel, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from langchain_agent_memory.engine.engine import Engine, GenerationParams
+        eng = Engine("smollm2-135m", cache_dir=sys.argv[1], kv_bits=4)
+        r = eng.generate("agent", sys.argv[2], GenerationParams(max_tokens=10))
+        print(json.dumps({"text": r.text, "outcome": str(r.outcome), "reused": r.reused_tokens}))
+        """
+    )
+    eng = Engine("smollm2-135m", cache_dir=tmp_path / "mem", kv_bits=4)
+    p1 = _chat(eng, SYSTEM, [("What is this license called?", None)])
+    r1 = eng.generate("agent", p1, GREEDY)
+    p2 = _chat(eng, SYSTEM, [("What is this license called?", r1.text), ("Is it free?", None)])
+    uninterrupted = eng.generate("agent", p2, GREEDY)
+
+    def run(prompt: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "disk"), prompt],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run(p1)
+    second = run(p2)
+    assert first["outcome"] == "cold" and first["text"] == r1.text
+    assert second["outcome"] == "warm-extend" and second["reused"] == uninterrupted.reused_tokens
+    assert second["text"] == uninterrupted.text
+
+
+def test_corrupt_block_falls_back_to_prefill_and_is_repaired(
+    smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    p = _chat(eng, SYSTEM, [("What is this license called?", None)])
+    first = eng.generate("a", p, GREEDY)
+    record = eng.store.get_agent("a")
+    assert record is not None
+    victim = eng.store.block_path(record.blocks[0])
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    with caplog.at_level(logging.WARNING):
+        again = fresh.generate("a", p, GREEDY)
+    assert str(again.outcome) == "cold" and again.text == first.text
+    assert any("falling back to a full prefill" in r.message for r in caplog.records)
+    assert list((fresh.store.dir / "quarantine").iterdir())  # kept aside, not deleted
+    fresh.store.get_block(record.blocks[0])  # the save rewrote a good copy
+
+
+def test_newer_format_record_is_refused_not_overwritten(smollm: LoadedModel, tmp_path: Path) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    p = _chat(eng, "Be brief.", [("Hi", None)])
+    eng.generate("a", p, GenerationParams(max_tokens=2))
+    path = eng.store.agent_path("a")
+    data = json.loads(path.read_text())
+    data["format_version"] = FORMAT_VERSION + 1
+    path.write_text(json.dumps(data))
+    before = path.read_bytes()
+    fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    with pytest.raises(CacheFormatError, match="newer"):
+        fresh.generate("a", p, GenerationParams(max_tokens=2))
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/../../b", "nul\x00id", "x" * 300])
+def test_bad_agent_ids(smollm: LoadedModel, tmp_path: Path, bad: str) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    with pytest.raises(ValueError, match="agent_id"):
+        eng.generate(bad, "hello", GenerationParams(max_tokens=1))
+    assert not list(tmp_path.rglob("*.json"))[1:]  # nothing but format.json written
