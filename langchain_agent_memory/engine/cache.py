@@ -28,6 +28,9 @@ from .spec import LayerSpec, ModelCacheSpec
 SCALE_DTYPE = mx.float16
 #: Keys and values at 16 bits ("FP16 mode"): float16.
 HALF_DTYPE = mx.float16
+#: Below this many queries (decode, short tails) attention multiplies the packed 4/8-bit
+#: tensors directly; above it (prefill chunks) the layer's keys are dequantized for BLAS.
+DEQUANTIZE_MIN_QUERIES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,24 +140,83 @@ class LayerCache:
         first_q = self.offset - L
         # Keys a sliding-window layer can no longer see are not even read.
         lo = self.start if window is None else max(self.start, first_q - window + 1)
-        ks, vs = [], []
+        committed = None
         if self.keys is not None and self.values is not None and lo < self.committed_end:
             a, b = lo - self.start, self.committed_end - self.start
-            ks.append(self.quant.decode(_slice(self.keys, a, b), queries.dtype))
-            vs.append(self.quant.decode(_slice(self.values, a, b), queries.dtype))
+            committed = (_slice(self.keys, a, b), _slice(self.values, a, b))
+        pending = None
         if self.pending_k is not None and self.pending_v is not None:
             skip = max(0, lo - self.committed_end)
-            ks.append(self.pending_k[:, :, skip:].astype(queries.dtype))
-            vs.append(self.pending_v[:, :, skip:].astype(queries.dtype))
+            pending = (self.pending_k[:, :, skip:], self.pending_v[:, :, skip:])
+        if L < DEQUANTIZE_MIN_QUERIES and self.quant.bits is not None:
+            return self._attend_quantized(queries, scale, committed, pending, first_q)
+        # A prefill chunk: this layer's visible keys at full precision for one BLAS matmul
+        # (the 4-bit kernels are several times slower on CPU); freed after the call.
+        ks, vs = [], []
+        if committed is not None:
+            ks.append(self.quant.decode(committed[0], queries.dtype))
+            vs.append(self.quant.decode(committed[1], queries.dtype))
+        if pending is not None:
+            ks.append(pending[0].astype(queries.dtype))
+            vs.append(pending[1].astype(queries.dtype))
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        first_k = self.offset - k.shape[2]
+        return _sdpa(queries, k, v, scale, self._mask(first_q, L, k.shape[2]))
+
+    def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
+        """Causal and, for sliding layers, window mask over the keys that were read."""
+        first_k = self.offset - n_keys
+        if L == 1 and (self.spec.window is None or n_keys <= self.spec.window):
+            return None  # one query sees every key that was read
         q_pos = mx.arange(first_q, self.offset)[:, None]
         k_pos = mx.arange(first_k, self.offset)[None]
         mask = k_pos <= q_pos
-        if window is not None:
-            mask = mask & (q_pos - k_pos < window)
-        return _sdpa(queries, k, v, scale, mask)
+        if self.spec.window is not None:
+            mask = mask & (q_pos - k_pos < self.spec.window)
+        return mask
+
+    def _attend_quantized(
+        self,
+        queries: mx.array,
+        scale: float,
+        committed: tuple[tuple[mx.array, ...], tuple[mx.array, ...]] | None,
+        pending: tuple[mx.array, mx.array] | None,
+        first_q: int,
+    ) -> mx.array:
+        """Decode-sized attention straight on the packed 4/8-bit keys and values
+        (``mx.quantized_matmul``), with this request's full-precision tokens beside them."""
+        B, H, L, D = queries.shape
+        kv = self.spec.kv_heads
+        rep = H // kv
+        dtype = queries.dtype
+        q = (queries * scale).reshape(B, kv, rep * L, D)
+        gs, bits = self.quant.group_size, self.quant.bits
+        scores, sizes = [], []
+        if committed is not None:
+            kq, ks, kb = committed[0]
+            scores.append(mx.quantized_matmul(q, kq, ks.astype(dtype), kb.astype(dtype), True, gs, bits))
+            sizes.append(kq.shape[2])
+        if pending is not None:
+            scores.append(q @ pending[0].astype(dtype).swapaxes(-1, -2))
+            sizes.append(pending[0].shape[2])
+        s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+        mask = self._mask(first_q, L, sum(sizes))
+        if mask is not None:
+            s = s.reshape(B, kv, rep, L, -1)
+            s = mx.where(mask, s, mx.finfo(s.dtype).min).reshape(B, kv, rep * L, -1)
+        w = mx.softmax(s, axis=-1, precise=True)
+        out = None
+        at = 0
+        if committed is not None:
+            vq, vs, vb = committed[1]
+            wc = w[..., : sizes[0]]
+            out = mx.quantized_matmul(wc, vq, vs.astype(dtype), vb.astype(dtype), False, gs, bits)
+            at = sizes[0]
+        if pending is not None:
+            part = w[..., at:] @ pending[1].astype(dtype)
+            out = part if out is None else out + part
+        assert out is not None
+        return out.reshape(B, H, L, -1)
 
     # ---------------------------------------------------------------- lifecycle
 
