@@ -1,0 +1,215 @@
+"""fast_ops: the polynomial exp and the BLAS attention agree with mlx's own kernels (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from langchain_agent_memory.engine import fast_ops
+from langchain_agent_memory.engine.runtime import mx
+
+
+def _rel(out: mx.array, ref: mx.array) -> float:
+    a = np.array(out.astype(mx.float32), dtype=np.float64)
+    b = np.array(ref.astype(mx.float32), dtype=np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("n", [1000, 200_001])  # shapeless kernels / per-shape kernels
+def test_fast_exp_relative_error(n: int) -> None:
+    xs = np.concatenate(
+        [np.linspace(-80, 80, n, dtype=np.float32), np.random.default_rng(0).uniform(-80, 80, n)]
+    ).astype(np.float32)
+    got = np.array(fast_ops.fast_exp(mx.array(xs)), dtype=np.float64)
+    ref = np.exp(xs.astype(np.float64))
+    assert float(np.max(np.abs(got - ref) / ref)) <= 2e-7
+
+
+def test_fast_exp_special_values() -> None:
+    x = mx.array([-math.inf, -1e30, -1000.0, -90.0, 0.0, 1.0, 100.0, math.nan])
+    got = np.array(fast_ops.fast_exp(x))
+    assert list(got[:4]) == [0.0, 0.0, 0.0, 0.0]
+    assert got[4] == 1.0
+    assert got[5] == pytest.approx(math.e, rel=2e-7)
+    assert np.isfinite(got[6]) and got[6] > 1e38  # saturates instead of inf
+    assert np.isnan(got[7])
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 4096)])
+def test_fast_softmax_matches_mx(shape: tuple[int, ...]) -> None:
+    x = mx.random.normal(shape, key=mx.random.key(1)) * 5
+    assert _rel(fast_ops.fast_softmax(x), mx.softmax(x, axis=-1)) < 1e-6
+    assert _rel(fast_ops.fast_softmax(x, axis=0), mx.softmax(x, axis=0)) < 1e-6
+
+
+def test_fast_softmax_masks_minus_inf() -> None:
+    x = mx.array([[0.0, -math.inf, 1.0], [-math.inf, 2.0, -math.inf]])
+    got = np.array(fast_ops.fast_softmax(x))
+    assert got[0, 1] == 0.0 and got[1, 0] == 0.0 and got[1, 2] == 0.0
+    assert got[1, 1] == pytest.approx(1.0)
+    assert got[0, 2] == pytest.approx(1 / (1 + math.exp(-1)), rel=1e-6)
+
+
+def test_activations_match_float64() -> None:
+    g = mx.random.normal((1, 1, 100_000), key=mx.random.key(2)) * 4
+    x = mx.random.normal((1, 1, 100_000), key=mx.random.key(3))
+    gd = np.array(g, dtype=np.float64)
+    xd = np.array(x, dtype=np.float64)
+    silu = gd / (1 + np.exp(-gd))
+    gelu = 0.5 * gd * (1 + np.tanh(math.sqrt(2 / math.pi) * (gd + 0.044715 * gd**3)))
+
+    def close(out: mx.array, ref: np.ndarray) -> None:
+        got = np.array(out, dtype=np.float64)
+        assert float(np.max(np.abs(got - ref) / np.maximum(np.abs(ref), 1e-3))) < 2e-6
+
+    close(fast_ops.fast_silu(g), silu)
+    close(fast_ops.fast_swiglu(g, x), silu * xd)
+    close(fast_ops.gelu_approx(g), gelu)
+    close(fast_ops.gelu_approx_mul(g, x), gelu * xd)
+
+
+def test_small_activations_are_mlx_own() -> None:
+    # One decoded token: the single compiled mlx op is cheaper than building ours.
+    g = mx.random.normal((1, 1, 1536), key=mx.random.key(4)) * 4
+    x = mx.random.normal((1, 1, 1536), key=mx.random.key(5))
+    assert _rel(fast_ops.fast_silu(g), nn.silu(g)) < 1e-6
+    assert _rel(fast_ops.fast_swiglu(g, x), nn.silu(g) * x) < 1e-6
+    assert _rel(fast_ops.gelu_approx(g), nn.gelu_approx(g)) < 1e-6
+    assert _rel(fast_ops.gelu_approx_mul(g, x), nn.gelu_approx(g) * x) < 1e-6
+
+
+def _qkv(h: int, kv: int, L: int, kL: int, d: int, seed: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    return (
+        mx.random.normal((1, h, L, d), key=k1),
+        mx.random.normal((1, kv, kL, d), key=k2),
+        mx.random.normal((1, kv, kL, d), key=k3),
+    )
+
+
+def _masks(h: int, L: int, kL: int) -> dict[str, object]:
+    rng = np.random.default_rng(L * 1000 + kL)
+    keep = rng.random((L, kL)) < 0.7
+    keep[:, -1] = True  # no fully masked row (additive -inf would give NaN, as in mx.fast)
+    causal = np.arange(kL - L, kL)[:, None] >= np.arange(kL)[None]
+    window = causal & (np.arange(kL - L, kL)[:, None] < np.arange(kL)[None] + 16)
+    per_head = rng.random((1, h, L, kL)) < 0.6
+    per_head[..., -1] = True
+    return {
+        "none": None,
+        "causal": "causal",
+        "bool": mx.array(keep),
+        "bool-window": mx.array(window),
+        "bool-4d": mx.array(keep[None, None]),
+        "bool-per-head": mx.array(per_head),
+        "additive": mx.array(np.where(keep, rng.normal(size=(L, kL)), -np.inf).astype(np.float32)),
+        "additive-3d": mx.array(np.where(per_head[0], 0.0, -1e9).astype(np.float32)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("h", "kv", "L", "kL", "d"),
+    [
+        (4, 2, 1, 37, 16),  # decode, tiny: mx.fast path
+        (9, 3, 1, 2000, 64),  # decode: SmolLM2-like GQA
+        (4, 1, 1, 4500, 32),  # decode: Gemma-like (one KV head)
+        (4, 4, 7, 20, 8),  # no GQA, cache offset
+        (9, 3, 40, 120, 64),  # prefill chunk after a cached prefix (per-shape kernels)
+        (4, 1, 64, 64, 32),
+        (2, 1, 300, 340, 16),  # long enough for the causal query blocks
+    ],
+)
+def test_attention_matches_mx_fast(h: int, kv: int, L: int, kL: int, d: int) -> None:
+    q, k, v = _qkv(h, kv, L, kL, d)
+    scale = d**-0.5
+    for name, mask in _masks(h, L, kL).items():
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        out = fast_ops.attention(q, k, v, scale, mask)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert _rel(out, ref) < 1e-5, name
+
+
+def test_attention_one_dimensional_mask() -> None:
+    # RotatingKVCache.make_mask gives a (kL,) boolean mask for one query past the window.
+    q, k, v = _qkv(4, 1, 1, 5000, 32)
+    mask = mx.arange(5000) >= 1000
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5
+
+
+@pytest.mark.parametrize(("L", "kL"), [(40, 90), (300, 300)])  # short; long (query blocks)
+def test_attention_fully_masked_row_is_uniform_like_mx_fast(L: int, kL: int) -> None:
+    q, k, v = _qkv(4, 2, L, kL, 16)
+    keep = np.arange(kL - L, kL)[:, None] >= np.arange(kL)[None]
+    keep[3] = False
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mx.array(keep))
+    assert _rel(fast_ops.attention(q, k, v, 0.25, mx.array(keep)), ref) < 1e-5
+
+
+def test_attention_float16() -> None:
+    q, k, v = (a.astype(mx.float16) for a in _qkv(9, 3, 50, 80, 64))
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    out = fast_ops.attention(q, k, v, 0.125, "causal")
+    assert out.dtype == mx.float16
+    assert _rel(out, ref) < 2e-3  # both round the output to float16
+
+
+def test_install_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models import activations, base, gemma3_text, llama
+
+    # Start from mlx-lm's own functions whatever an earlier test (or the engine's attention
+    # hook) installed; monkeypatch puts all of it back afterwards.
+    original_mlp = fast_ops._originals.get((gemma3_text.MLP, "__call__"), (gemma3_text.MLP.__call__,))[0]
+    monkeypatch.setattr(fast_ops, "_originals", {})
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    monkeypatch.setattr(gemma3_text, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    monkeypatch.setattr(llama, "swiglu", activations.swiglu)
+    monkeypatch.setattr(gemma3_text.MLP, "__call__", original_mlp)
+
+    assert not fast_ops.installed()
+    assert fast_ops.install() and fast_ops.install() and fast_ops.installed()
+    assert llama.swiglu is fast_ops.fast_swiglu
+    wrapper = llama.scaled_dot_product_attention
+    assert wrapper is gemma3_text.scaled_dot_product_attention
+    assert wrapper.__wrapped__ is base.scaled_dot_product_attention
+    assert gemma3_text.MLP.__call__ is not original_mlp
+
+    # Quantized caches keep mlx-lm's path (tuples of packed keys); float ones use ours.
+    q, k, v = _qkv(4, 2, 3, 33, 64)
+
+    class QuantCache:
+        bits, group_size = 8, 64
+
+    qk, qv = mx.quantize(k, group_size=64, bits=8), mx.quantize(v, group_size=64, bits=8)
+    # (mlx-lm scales the queries in place: give each call its own copy)
+    out = wrapper(q + 0, qk, qv, cache=QuantCache(), scale=0.125, mask="causal")
+    ref = base.quantized_scaled_dot_product_attention(q + 0, qk, qv, 0.125, "causal", 64, 8)
+    assert _rel(out, ref) < 1e-6
+    out = wrapper(q, k, v, cache=None, scale=0.125, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert _rel(out, ref) < 1e-5
+
+    fast_ops.uninstall()
+    assert not fast_ops.installed()
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert llama.swiglu is activations.swiglu
+    assert gemma3_text.MLP.__call__ is original_mlp
+
+
+def test_install_keeps_an_earlier_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models import base, gemma3_text, llama
+
+    def earlier(*args: object, **kwargs: object) -> mx.array:
+        return base.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(fast_ops, "_originals", {})
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", earlier)
+    monkeypatch.setattr(gemma3_text, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    monkeypatch.setattr(llama, "swiglu", llama.swiglu)
+    monkeypatch.setattr(gemma3_text.MLP, "__call__", gemma3_text.MLP.__call__)
+    fast_ops.install()
+    assert llama.scaled_dot_product_attention is earlier
+    assert gemma3_text.scaled_dot_product_attention is not base.scaled_dot_product_attention
