@@ -27,7 +27,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NewType, Protocol
@@ -178,20 +178,28 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, write: Callable[[str], object], suffix: str = ".tmp") -> int:
+    """Write ``path`` through ``write(temp_path)``, then fsync and rename: readers see the
+    old file or the new one, never a torn one. Returns the size written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        size = os.path.getsize(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    return size
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> int:
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 class DiskBlockStore:
@@ -238,21 +246,10 @@ class DiskBlockStore:
             "token_ids": json.dumps(block.token_ids),
             "checksum": tensor_checksum(tensors),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{block.hash}.", suffix=".safetensors", dir=path.parent)
-        os.close(fd)
-        try:
-            mx.save_safetensors(tmp, tensors, metadata=meta)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            size = os.path.getsize(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(path.parent)
-        return size
+        # mx.save_safetensors appends ".safetensors" to a name that lacks it.
+        return atomic_write(
+            path, lambda tmp: mx.save_safetensors(tmp, tensors, metadata=meta), ".safetensors"
+        )
 
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         """Read a block (all tensors, or only ``names``), verified against its header.
