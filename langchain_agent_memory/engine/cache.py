@@ -17,8 +17,11 @@ on a sliding layer that keeps more than ``window`` tokens is silently wrong.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .runtime import mx
 from .spec import LayerSpec, ModelCacheSpec
@@ -33,41 +36,115 @@ HALF_DTYPE = mx.float16
 DEQUANTIZE_MIN_QUERIES = 16
 
 
+@functools.cache
+def rotation(dim: int) -> mx.array:
+    """A fixed orthonormal (dim, dim) rotation: random signs times a normalised Hadamard
+    matrix (block-diagonal when ``dim`` is not a power of two).
+
+    Rotating keys and queries alike leaves every score unchanged (q R . k R = q . k) while
+    spreading outlier channels over the whole head, which is what hurts 4-bit groups. The
+    signs come from a seed fixed per ``dim``: every process builds the same matrix.
+    """
+    block = dim & -dim  # largest power of two dividing dim
+    if block < 16:
+        raise ValueError(f"head dim {dim} has no power-of-two block >= 16 to rotate")
+    h = np.array([[1.0]])
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    h /= np.sqrt(block)
+    full = np.kron(np.eye(dim // block), h)
+    signs = np.random.default_rng(dim).choice([-1.0, 1.0], size=dim)
+    return mx.array((signs[:, None] * full).astype(np.float32))
+
+
 @dataclass(frozen=True, slots=True)
-class KVQuant:
-    """How committed K/V are stored. ``bits=None``: 16-bit floats."""
+class TensorCodec:
+    """How one of K or V is stored: ``bits=None`` is float16; else affine ``bits``-bit
+    groups of ``group_size`` channels with float16 scales and biases, optionally after the
+    fixed rotation of the head dimension (``rotate``)."""
 
     bits: int | None = 4
     group_size: int = 64
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (None, 2, 3, 4, 6, 8):
-            raise ValueError(f"kv_bits must be 4, 8 (or 2, 3, 6) or None for 16-bit; got {self.bits!r}")
+            raise ValueError(f"kv bits must be 4, 8 (or 2, 3, 6) or None for 16-bit; got {self.bits!r}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
 
     @property
     def label(self) -> str:
-        return "fp16" if self.bits is None else f"q{self.bits}g{self.group_size}"
+        if self.bits is None:
+            return "f16" + ("h" if self.rotate else "")
+        return f"{self.bits}g{self.group_size}" + ("h" if self.rotate else "")
 
     def parts(self) -> tuple[str, ...]:
         return ("",) if self.bits is None else ("q", "scales", "biases")
 
+    def bytes_per_value(self) -> float:
+        return 2.0 if self.bits is None else self.bits / 8 + 4 / self.group_size
+
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        """Full-precision (B, H, N, D) -> stored form (tuple of arrays, last axes packed)."""
+        """Full precision (B, H, N, D) -> stored form (tuple of arrays, last axis packed)."""
+        if self.rotate:
+            x = x.astype(mx.float32) @ rotation(x.shape[-1])
         if self.bits is None:
             return (x.astype(HALF_DTYPE),)
         q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return q, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
     def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        """Stored form -> full precision (used per layer and per call, never kept)."""
+        """Stored form -> full precision, still rotated if ``rotate`` (per layer and call)."""
         if self.bits is None:
             return parts[0].astype(dtype)
         q, scales, biases = parts
         return mx.dequantize(
             q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuant:
+    """How committed keys and values are stored (see ``KV_PRESETS``)."""
+
+    keys: TensorCodec = TensorCodec()
+    values: TensorCodec = TensorCodec()
+
+    @classmethod
+    def uniform(cls, bits: int | None, group_size: int = 64, rotate: bool = False) -> KVQuant:
+        codec = TensorCodec(bits, group_size, rotate)
+        return cls(codec, codec)
+
+    @property
+    def label(self) -> str:
+        return f"k{self.keys.label}-v{self.values.label}"
+
+    def bytes_per_value(self) -> float:
+        return (self.keys.bytes_per_value() + self.values.bytes_per_value()) / 2
+
+
+#: Named KV formats (``Engine(kv="...")``). ``q4`` is what the reference system measured.
+KV_PRESETS: dict[str, KVQuant] = {
+    "fp16": KVQuant.uniform(None),
+    "q8": KVQuant.uniform(8),
+    "q4": KVQuant.uniform(4),
+    "q4g32": KVQuant.uniform(4, 32),
+    "q4-rot": KVQuant.uniform(4, rotate=True),
+    "k8v4": KVQuant(TensorCodec(8), TensorCodec(4)),
+    "k8v4-rot": KVQuant(TensorCodec(8, rotate=True), TensorCodec(4, rotate=True)),
+}
+
+
+def kv_format(kv: str | KVQuant | int | None) -> KVQuant:
+    """A ``KVQuant`` from a preset name, a bit width (4, 8; None = 16-bit) or itself."""
+    if isinstance(kv, KVQuant):
+        return kv
+    if isinstance(kv, str):
+        if kv not in KV_PRESETS:
+            raise ValueError(f"unknown KV format {kv!r}; choose one of {sorted(KV_PRESETS)}")
+        return KV_PRESETS[kv]
+    return KVQuant.uniform(kv)
 
 
 def _concat(a: tuple[mx.array, ...] | None, b: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
@@ -148,20 +225,27 @@ class LayerCache:
         if self.pending_k is not None and self.pending_v is not None:
             skip = max(0, lo - self.committed_end)
             pending = (self.pending_k[:, :, skip:], self.pending_v[:, :, skip:])
-        if L < DEQUANTIZE_MIN_QUERIES and self.quant.bits is not None:
-            return self._attend_quantized(queries, scale, committed, pending, first_q)
+        if L < DEQUANTIZE_MIN_QUERIES:
+            return self._attend_small(queries, scale, committed, pending, first_q)
         # A prefill chunk: this layer's visible keys at full precision for one BLAS matmul
-        # (the 4-bit kernels are several times slower on CPU); freed after the call.
+        # (the 4-bit kernels are several times slower on CPU); freed after the call. With
+        # a rotated codec everything is moved into the rotated space (queries and this
+        # request's keys / values: L rows) rather than the stored keys out of it (N rows).
+        kc, vc = self.quant.keys, self.quant.values
+        dtype = queries.dtype
+        q = queries @ rotation(queries.shape[-1]) if kc.rotate else queries
         ks, vs = [], []
         if committed is not None:
-            ks.append(self.quant.decode(committed[0], queries.dtype))
-            vs.append(self.quant.decode(committed[1], queries.dtype))
+            ks.append(kc.decode(committed[0], dtype))
+            vs.append(vc.decode(committed[1], dtype))
         if pending is not None:
-            ks.append(pending[0].astype(queries.dtype))
-            vs.append(pending[1].astype(queries.dtype))
+            pk, pv = pending[0].astype(dtype), pending[1].astype(dtype)
+            ks.append(pk @ rotation(pk.shape[-1]) if kc.rotate else pk)
+            vs.append(pv @ rotation(pv.shape[-1]) if vc.rotate else pv)
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        return _sdpa(queries, k, v, scale, self._mask(first_q, L, k.shape[2]))
+        out = _sdpa(q, k, v, scale, self._mask(first_q, L, k.shape[2]))
+        return out @ rotation(out.shape[-1]).T if vc.rotate else out
 
     def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
         """Causal and, for sliding layers, window mask over the keys that were read."""
@@ -175,7 +259,7 @@ class LayerCache:
             mask = mask & (q_pos - k_pos < self.spec.window)
         return mask
 
-    def _attend_quantized(
+    def _attend_small(
         self,
         queries: mx.array,
         scale: float,
@@ -183,19 +267,19 @@ class LayerCache:
         pending: tuple[mx.array, mx.array] | None,
         first_q: int,
     ) -> mx.array:
-        """Decode-sized attention straight on the packed 4/8-bit keys and values
+        """Decode-sized attention straight on the stored (packed 4/8-bit) keys and values
         (``mx.quantized_matmul``), with this request's full-precision tokens beside them."""
         B, H, L, D = queries.shape
         kv = self.spec.kv_heads
         rep = H // kv
         dtype = queries.dtype
+        kc, vc = self.quant.keys, self.quant.values
         q = (queries * scale).reshape(B, kv, rep * L, D)
-        gs, bits = self.quant.group_size, self.quant.bits
         scores, sizes = [], []
         if committed is not None:
-            kq, ks, kb = committed[0]
-            scores.append(mx.quantized_matmul(q, kq, ks.astype(dtype), kb.astype(dtype), True, gs, bits))
-            sizes.append(kq.shape[2])
+            qk = q @ rotation(D) if kc.rotate else q
+            scores.append(_matmul_stored(qk, committed[0], kc, dtype, transpose=True))
+            sizes.append(committed[0][0].shape[2])
         if pending is not None:
             scores.append(q @ pending[0].astype(dtype).swapaxes(-1, -2))
             sizes.append(pending[0].shape[2])
@@ -206,14 +290,12 @@ class LayerCache:
             s = mx.where(mask, s, mx.finfo(s.dtype).min).reshape(B, kv, rep * L, -1)
         w = mx.softmax(s, axis=-1, precise=True)
         out = None
-        at = 0
         if committed is not None:
-            vq, vs, vb = committed[1]
-            wc = w[..., : sizes[0]]
-            out = mx.quantized_matmul(wc, vq, vs.astype(dtype), vb.astype(dtype), False, gs, bits)
-            at = sizes[0]
+            out = _matmul_stored(w[..., : sizes[0]], committed[1], vc, dtype, transpose=False)
+            if vc.rotate:
+                out = out @ rotation(out.shape[-1]).T
         if pending is not None:
-            part = w[..., at:] @ pending[1].astype(dtype)
+            part = w[..., sum(sizes[:-1]) :] @ pending[1].astype(dtype)
             out = part if out is None else out + part
         assert out is not None
         return out.reshape(B, H, L, -1)
@@ -224,8 +306,8 @@ class LayerCache:
         """Move this request's tokens into the committed (stored) form."""
         if self.pending_k is None or self.pending_v is None:
             return
-        self.keys = _concat(self.keys, self.quant.encode(self.pending_k))
-        self.values = _concat(self.values, self.quant.encode(self.pending_v))
+        self.keys = _concat(self.keys, self.quant.keys.encode(self.pending_k))
+        self.values = _concat(self.values, self.quant.values.encode(self.pending_v))
         self.pending_k = self.pending_v = None
 
     def committed_slice(self, a: int, b: int) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
@@ -263,6 +345,19 @@ class LayerCache:
         self.start, self.keys, self.values = start, keys, values
         self.offset = start + keys[0].shape[2]
         self.pending_k = self.pending_v = None
+
+
+def _matmul_stored(
+    x: mx.array, parts: tuple[mx.array, ...], codec: TensorCodec, dtype: mx.Dtype, transpose: bool
+) -> mx.array:
+    """``x @ W.T`` (transpose) or ``x @ W`` for W in its stored form, without unpacking it."""
+    if codec.bits is None:
+        w = parts[0].astype(dtype)
+        return x @ (w.swapaxes(-1, -2) if transpose else w)
+    q, scales, biases = parts
+    return mx.quantized_matmul(
+        x, q, scales.astype(dtype), biases.astype(dtype), transpose, codec.group_size, codec.bits
+    )
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:

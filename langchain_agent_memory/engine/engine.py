@@ -23,6 +23,7 @@ from typing import Any
 from ..config import get_settings
 from . import fast_ops
 from .cache import KVQuant, LayerCache, install_attention_hook, make_layer_caches
+from .cache import kv_format as kv_format_of
 from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill
 from .models import LoadedModel, load_model
 from .pool import BlockPool
@@ -132,7 +133,7 @@ class Engine:
         *,
         cache_dir: str | Path | None = None,
         kv_bits: int | None = 4,
-        kv_group_size: int = 64,
+        kv_format: str | KVQuant | None = None,
         hot_budget_bytes: int = 512 << 20,
         hot_agents: int = 16,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -144,7 +145,8 @@ class Engine:
         fast_ops.install()
         install_attention_hook()
         self.spec = ModelCacheSpec.from_model(self.lm.model)
-        self.quant = KVQuant(kv_bits, kv_group_size)
+        # kv_format (a KV_PRESETS name or a KVQuant) wins over the kv_bits shorthand.
+        self.quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
         self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant)
         self.store = DiskBlockStore(self.cache_dir / "kv", self.fingerprint)
         self.pool = BlockPool(self.store, hot_budget_bytes)
@@ -359,7 +361,7 @@ class Engine:
 
     def _from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
         layers = make_layer_caches(self.spec, self.quant)
-        parts = self.quant.parts()
+        kparts, vparts = self.quant.keys.parts(), self.quant.values.parts()
         # The first block each layer needs: 0 for full attention, the window's for sliding.
         first = [
             0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
@@ -376,8 +378,8 @@ class Engine:
         base = min(first)
         for i, layer in enumerate(layers):
             own = blocks[first[i] - base :]
-            k = tuple(mx.concatenate([blk.tensors[_name(i, "k", p)] for blk in own], axis=2) for p in parts)
-            v = tuple(mx.concatenate([blk.tensors[_name(i, "v", p)] for blk in own], axis=2) for p in parts)
+            k = tuple(mx.concatenate([blk.tensors[_name(i, "k", p)] for blk in own], axis=2) for p in kparts)
+            v = tuple(mx.concatenate([blk.tensors[_name(i, "v", p)] for blk in own], axis=2) for p in vparts)
             layer.load(first[i] * BLOCK_TOKENS, k, v)
             layer.trim_to(n_tokens)
         return layers, from_disk
@@ -457,9 +459,9 @@ class Engine:
                     if a < layer.start:
                         raise RuntimeError(f"block {b} not in memory for layer {i} (this is a bug)")
                     k, v = layer.committed_slice(a, z)
-                    for p, arr in zip(self.quant.parts(), k, strict=True):
+                    for p, arr in zip(self.quant.keys.parts(), k, strict=True):
                         tensors[_name(i, "k", p)] = arr
-                    for p, arr in zip(self.quant.parts(), v, strict=True):
+                    for p, arr in zip(self.quant.values.parts(), v, strict=True):
                         tensors[_name(i, "v", p)] = arr
                 written += self.pool.put(Block(h, parent, known.ids[a:z], tensors))
             chain.append(h)
