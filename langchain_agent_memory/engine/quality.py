@@ -51,3 +51,68 @@ def perplexity(
         scored_to = end
         start += stride
     return math.exp(nll / count)
+
+
+def _fill_pending(model: Any, caches: list[Any], token_ids: Sequence[int], chunk: int = 512) -> None:
+    """Run ``token_ids`` through the model into the caches' full-precision pending part."""
+    from .forward import prefill
+
+    prefill(model, token_ids, caches, chunk)
+
+
+def clone_with_format(caches: list[Any], quant: Any) -> list[Any]:
+    """Copies of layer caches whose pending tokens will be stored as ``quant`` on commit
+    (a full-precision prefill done once serves every KV format compared)."""
+    from .cache import LayerCache
+
+    out = []
+    for c in caches:
+        n = LayerCache(c.spec, quant, c.dtype)
+        n.start, n.offset = c.start, c.offset
+        n.pending_k, n.pending_v = c.pending_k, c.pending_v
+        out.append(n)
+    return out
+
+
+def stored_context_nll(
+    model: Any, caches: list[Any], targets: Sequence[int], score_chunk: int = 32
+) -> tuple[float, int]:
+    """Negative log-likelihood of ``targets`` continuing the context in ``caches`` (which is
+    committed first, i.e. stored in its KV format), fed ``score_chunk`` tokens at a time
+    with a commit after each: every scored token attends to stored keys for all but the
+    < ``score_chunk`` tokens before it in its own chunk, as in a conversation."""
+    from .forward import logits_from_hidden
+
+    for c in caches:
+        c.commit()
+    nll, count = 0.0, 0
+    ids = list(targets)
+    for start in range(0, len(ids) - 1, score_chunk):
+        chunk = ids[start : start + score_chunk + 1]
+        hidden = model.model(mx.array(chunk[:-1])[None], cache=caches)
+        logits = logits_from_hidden(model, hidden)[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = mx.take_along_axis(logprobs, mx.array(chunk[1:])[:, None], axis=-1)
+        nll -= float(lp.sum().item())
+        count += len(chunk) - 1
+        for c in caches:
+            c.commit()
+    return nll, count
+
+
+def kv_roundtrip_errors(caches: list[Any], quant: Any) -> list[tuple[float, float]]:
+    """Per layer, relative L2 error of K and V after a round trip through ``quant``
+    (undoing a rotation), on the pending (full-precision) keys and values of ``caches``."""
+    from .cache import rotation
+
+    out = []
+    for c in caches:
+        errs = []
+        for x, codec in ((c.pending_k, quant.keys), (c.pending_v, quant.values)):
+            x = x.astype(mx.float32)
+            back = codec.decode(codec.encode(x), mx.float32)
+            if codec.rotate:
+                back = back @ rotation(x.shape[-1]).T
+            errs.append((mx.linalg.norm(back - x) / mx.linalg.norm(x)).item())
+        out.append((errs[0], errs[1]))
+    return out

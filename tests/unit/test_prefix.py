@@ -1,0 +1,69 @@
+"""Text prefix matching: every outcome, character boundaries, split characters."""
+
+from __future__ import annotations
+
+import pytest
+
+from langchain_agent_memory.engine.prefix import (
+    NOT_A_BOUNDARY,
+    MatchKind,
+    TokenizedText,
+    common_prefix_length,
+    match,
+)
+
+# "Hello" " world" "," " bye"  -> ends 5, 11, 12, 16
+STORED = TokenizedText("Hello world, bye", [10, 11, 12, 13], [5, 11, 12, 16])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kind", "tokens", "chars"),
+    [
+        ("Hello world, bye and more", MatchKind.EXTEND, 4, 16),
+        ("Hello world, bye", MatchKind.EXACT, 3, 12),  # last token re-run for its logits
+        ("Hello world, hi", MatchKind.DIVERGE, 3, 12),
+        ("Hello wor", MatchKind.DIVERGE, 1, 5),  # a prefix of the stored text: trim
+        ("Hello world", MatchKind.DIVERGE, 1, 5),  # ends on a boundary: still one token to run
+        ("Help", MatchKind.MISS, 0, 0),
+        ("", MatchKind.MISS, 0, 0),
+    ],
+)
+def test_outcomes(prompt: str, kind: MatchKind, tokens: int, chars: int) -> None:
+    m = match(STORED, prompt)
+    assert (m.kind, m.reuse_tokens, m.reuse_chars) == (kind, tokens, chars)
+    assert m.reuse_chars < len(prompt) or kind is MatchKind.MISS  # something left to run
+
+
+def test_never_cuts_inside_a_character() -> None:
+    # byte-level BPE: an emoji split over two tokens; only the second ends a character
+    stored = TokenizedText("ab\U0001f600c", [1, 2, 3, 4], [2, NOT_A_BOUNDARY, 3, 4])
+    m = match(stored, "ab\U0001f600X")
+    assert (m.reuse_tokens, m.reuse_chars) == (3, 3)
+    m = match(stored, "ab\U0001f601")
+    assert (m.reuse_tokens, m.reuse_chars) == (1, 2)  # backs off past the split token
+
+
+def test_extend_needs_a_clean_last_token() -> None:
+    stored = TokenizedText("ab\U0001f600", [1, 2, 3], [2, NOT_A_BOUNDARY, NOT_A_BOUNDARY])
+    m = match(stored, "ab\U0001f600 more")
+    assert m.kind is MatchKind.DIVERGE and m.reuse_tokens == 1
+
+
+def test_split_truncate_extend_round_trip() -> None:
+    t = TokenizedText(STORED.text, STORED.ids[:], STORED.ends[:])
+    head, tail = t.split(2)
+    assert (head.text, head.ids, head.ends) == ("Hello world", [10, 11], [5, 11])
+    assert (tail.text, tail.ids, tail.ends) == (", bye", [12, 13], [1, 5])
+    head.extend(tail)
+    assert (head.text, head.ids, head.ends) == (STORED.text, STORED.ids, STORED.ends)
+    head.truncate(3)
+    assert (head.text, head.ids) == ("Hello world,", [10, 11, 12])
+    with pytest.raises(ValueError, match="inside a character"):
+        TokenizedText("ab", [1, 2], [NOT_A_BOUNDARY, 2]).truncate(1)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "n"), [("", "x", 0), ("abc", "abd", 2), ("abc", "abc", 3), ("ab", "abc", 2)]
+)
+def test_common_prefix_length(a: str, b: str, n: int) -> None:
+    assert common_prefix_length(a, b) == n
