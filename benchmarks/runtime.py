@@ -165,8 +165,12 @@ def llama_cpp_perplexity() -> dict[str, Any]:
 
 def save(rows: list[dict], conv: dict, ref: dict, a: argparse.Namespace) -> None:
     RESULTS.mkdir(exist_ok=True)
-    payload = {"rows": rows, "conversion_seconds": conv, "llama_cpp_reference": ref, "args": vars(a)}
+    payload = {"rows": rows, "conversion_seconds": conv, "reference": ref, "args": vars(a)}
     (RESULTS / "runtime.json").write_text(json.dumps(payload, indent=2))
+
+
+def references() -> dict[str, Any]:
+    return {"llama_cpp": llama_cpp_in_subprocess(), "mlx_gguf_reader": mlx_gguf_reference()}
 
 
 def llama_cpp_in_subprocess() -> dict[str, Any]:
@@ -176,6 +180,56 @@ def llama_cpp_in_subprocess() -> dict[str, Any]:
     if out.returncode != 0:
         return {"failed": f"exit code {out.returncode}", "stderr": out.stderr[-500:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mlx_gguf_reference() -> dict[str, Any]:
+    """SmolLM2 straight from its GGUF through mlx's own GGUF reader: Q4_1 / Q8_0 tensors
+    loaded as mlx-quantized weights (group 32) and run by mlx's quantized kernels. This
+    checks our dequantization (the `gguf` package) and layout against an independent
+    reader of the same file, on the same tokens (Gemma's Q4_K/Q5_0/Q6_K are not readable
+    by mlx, so only SmolLM2)."""
+    import mlx.nn as nn
+    import numpy as np
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    from langchain_agent_memory import corpus, load_model
+    from langchain_agent_memory.config import get_settings
+    from langchain_agent_memory.engine.gguf_convert import mlx_name, unpermute_qk
+    from langchain_agent_memory.engine.models import SHIPPED_MODELS
+    from langchain_agent_memory.engine.quality import perplexity
+    from langchain_agent_memory.engine.runtime import mx
+
+    ours = load_model("smollm2-135m")
+    src, _ = SHIPPED_MODELS["smollm2-135m"].locate(get_settings().cache_dir)
+    model, config = mlx_load_model(ours.path, lazy=True)
+    raw = mx.load(str(src))
+    weights, bits_for = {}, {}
+    for name, w in raw.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        target = mlx_name("llama", name)
+        base = name.removesuffix(".weight")
+        parts = {"weight": w}
+        if f"{base}.scales" in raw:
+            parts["scales"] = raw[f"{base}.scales"].astype(mx.float32)
+            parts["biases"] = raw[f"{base}.biases"].astype(mx.float32)
+            bits_for[target.removesuffix(".weight")] = w.shape[-1] * 32 // (parts["scales"].shape[-1] * 32)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
+            parts = {k: mx.array(unpermute_qk(np.array(v), heads)) for k, v in parts.items()}
+        for kind, arr in parts.items():
+            weights[target.removesuffix("weight") + kind] = arr
+    nn.quantize(
+        model,
+        class_predicate=lambda path, m: (
+            {"group_size": 32, "bits": bits_for[path]} if path in bits_for else False
+        ),
+    )
+    model.load_weights(list(weights.items()))
+    ids = ours.tokenizer.encode(corpus.apache_license())[:PPL_TOKENS]
+    ref = perplexity(model, ids, window=512, stride=256)
+    conv = perplexity(ours.model, ids, window=512, stride=256)
+    return {"smollm2-135m": {"ppl_mlx_gguf_reader": ref, "ppl_converted": conv, "relative": conv / ref - 1}}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -215,13 +269,20 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="MKL + float32 only, no llama.cpp")
-    ap.add_argument("--reference-only", action="store_true", help="only llama.cpp's perplexity (JSON)")
+    ap.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--references", action="store_true", help="only the GGUF references, into runtime.json")
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a)))
         return
     if a.reference_only:
         print(json.dumps(llama_cpp_perplexity()))
+        return
+    if a.references:  # re-measure only the references, into the existing results
+        payload = json.loads((RESULTS / "runtime.json").read_text())
+        payload["reference"] = references()
+        (RESULTS / "runtime.json").write_text(json.dumps(payload, indent=2))
+        print(json.dumps(payload["reference"], indent=2))
         return
 
     from rich.console import Console
@@ -260,8 +321,8 @@ def main() -> None:
         progress.update(task, description="GGUF conversion")
         conv = conversion_times()
         progress.advance(task)
-        progress.update(task, description="llama.cpp perplexity")
-        ref = {"skipped": "--quick"} if a.quick else llama_cpp_in_subprocess()
+        progress.update(task, description="GGUF reference perplexities")
+        ref = {"skipped": "--quick"} if a.quick else references()
         progress.advance(task)
 
     table = Table(title=f"prefill ({a.prefill_tokens} tokens) and decode on {os.cpu_count()} CPU cores")
@@ -283,7 +344,7 @@ def main() -> None:
         )  # fmt: skip
     console.print(table)
     console.print({"conversion_seconds": {k: round(v, 1) for k, v in conv.items()}})
-    console.print({"llama_cpp_reference": ref})
+    console.print({"reference": ref})
 
     save(rows, conv, ref, a)
     plot(rows, RESULTS / "runtime.png")
