@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.store import BLOCK_TOKENS, FORMAT_VERSION, CacheFormatError
+from langchain_agent_memory.engine.store import BLOCK_TOKENS, FORMAT_VERSION, AgentRecord, CacheFormatError
 
 GREEDY = GenerationParams(max_tokens=10)
 
@@ -121,7 +121,7 @@ def test_restart_in_a_second_process(smollm: LoadedModel, tmp_path: Path) -> Non
     script = textwrap.dedent(
         """
         import json, sys
-        from langchain_agent_memory.engine.engine import Engine, GenerationParams
+        from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
         eng = Engine("smollm2-135m", cache_dir=sys.argv[1], kv_bits=4)
         r = eng.generate("agent", sys.argv[2], GenerationParams(max_tokens=10))
         print(json.dumps({"text": r.text, "outcome": str(r.outcome), "reused": r.reused_tokens}))
@@ -147,14 +147,20 @@ def test_restart_in_a_second_process(smollm: LoadedModel, tmp_path: Path) -> Non
     assert second["text"] == uninterrupted.text
 
 
-def test_corrupt_block_falls_back_to_prefill_and_is_repaired(
-    smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def _stored_agent(tmp_path: Path) -> tuple[Engine, str, GenerationResult, AgentRecord]:
+    """An engine whose agent "a" has a stored cache of two blocks."""
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("What is this license called?", None)])
     first = eng.generate("a", p, GREEDY)
     record = eng.store.get_agent("a")
-    assert record is not None
+    assert record is not None and len(record.blocks) == 2
+    return eng, p, first, record
+
+
+def test_corrupt_block_falls_back_to_prefill_and_is_repaired(
+    smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    eng, p, first, record = _stored_agent(tmp_path)
     victim = eng.store.block_path(record.blocks[0])
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
@@ -195,11 +201,7 @@ def test_bad_agent_ids(smollm: LoadedModel, tmp_path: Path, bad: str) -> None:
 def test_missing_block_falls_back_to_prefill(
     smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
-    p = _chat(eng, SYSTEM, [("What is this license called?", None)])
-    first = eng.generate("a", p, GREEDY)
-    record = eng.store.get_agent("a")
-    assert record is not None
+    eng, p, first, record = _stored_agent(tmp_path)
     eng.store.block_path(record.blocks[-1]).unlink()
     fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     with caplog.at_level(logging.WARNING):
