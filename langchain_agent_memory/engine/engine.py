@@ -8,8 +8,8 @@ new blocks. Nothing here knows about LangChain.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -480,11 +480,10 @@ class Engine:
         return written
 
     def stats(self) -> dict[str, Any]:
-        s = self.pool.snapshot_stats()
         return {
             "fingerprint": self.fingerprint,
             "hot_agents": len(self._agents),
-            "pool": json.loads(json.dumps(s, default=lambda o: {k: getattr(o, k) for k in o.__slots__})),
+            "pool": dataclasses.asdict(self.pool.snapshot_stats()),
         }
 
 
