@@ -1,6 +1,6 @@
 """KV-cache fidelity: what each stored KV format does to the model, on both shipped models.
 
-    .venv/bin/python benchmarks/fidelity.py                     # every preset (~20 min)
+    .venv/bin/python benchmarks/fidelity.py                     # every preset (> 20 min per model)
     .venv/bin/python benchmarks/fidelity.py --formats fp16 q4 q4-rot --models gemma3-270m
 
 Text: the Python reference manual's topics from CPython's own ``pydoc_data`` (held-out
@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--formats", nargs="+", default=None, help="KV_PRESETS names (fp16 always included)")
     ap.add_argument("--windows", type=int, default=12, help="512-token windows for the perplexity")
+    ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS), help="long-context lengths")
     a = ap.parse_args()
 
     from rich.console import Console
@@ -196,7 +197,7 @@ def main() -> None:
     console = Console()
     results: dict[str, Any] = {}
     with Progress(console=console) as progress:
-        task = progress.add_task("fidelity", total=len(a.models) * (4 + len(CONTEXTS) + len(formats)))
+        task = progress.add_task("fidelity", total=len(a.models) * (4 + len(a.contexts) + len(formats)))
 
         def step(what: str = "") -> None:
             progress.advance(task)
@@ -206,13 +207,13 @@ def main() -> None:
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
-            ids = text_ids(lm.tokenizer, max(CONTEXTS) + 512)
+            ids = text_ids(lm.tokenizer, max(a.contexts) + 512)
             r: dict[str, Any] = {"fp16_bytes_per_token": spec.fp16_bytes_per_token()}
             progress.update(task, description=f"{model_name}: perplexity (512 windows)")
             r["ppl_512"] = window_perplexity(lm, spec, formats, ids, a.windows)
             step(f"{model_name}: long contexts")
             r["ppl_long"] = {}
-            for ctx in CONTEXTS:
+            for ctx in a.contexts:
                 r["ppl_long"][str(ctx)] = long_perplexity(lm, spec, formats, ids, ctx)
                 step()
             progress.update(task, description=f"{model_name}: per-layer K/V error")
@@ -226,7 +227,8 @@ def main() -> None:
 
     for model_name, r in results.items():
         table = Table(title=f"{model_name}: KV formats vs 16-bit KV")
-        cols = ["format", "ppl 512", "Δ%", *[f"ppl {c // 1024}K" for c in CONTEXTS], "K err", "V err"]
+        contexts = [int(c) for c in r["ppl_long"]]
+        cols = ["format", "ppl 512", "Δ%", *[f"ppl {c // 1024}K" for c in contexts], "K err", "V err"]
         cols += ["greedy ≥32", "agree median", "bytes/tok", "×FP16", "prefill tok/s"]
         for c in cols:
             table.add_column(c, justify="right")
@@ -239,7 +241,7 @@ def main() -> None:
                 name,
                 f"{r['ppl_512'][name]:.3f}",
                 f"{100 * (r['ppl_512'][name] / base - 1):+.2f}",
-                *[f"{r['ppl_long'][str(c)][name]:.3f}" for c in CONTEXTS],
+                *[f"{r['ppl_long'][str(c)][name]:.3f}" for c in contexts],
                 f"{statistics.mean(e[0] for e in errs):.3f}",
                 f"{statistics.mean(e[1] for e in errs):.3f}",
                 f"{sum(x >= 32 for x in agree)}/{len(agree)}",
