@@ -207,7 +207,7 @@ def main() -> None:
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
-            ids = text_ids(lm.tokenizer, max(a.contexts) + 512)
+            ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 512)  # prefill_speed reads 2,560
             r: dict[str, Any] = {"fp16_bytes_per_token": spec.fp16_bytes_per_token()}
             progress.update(task, description=f"{model_name}: perplexity (512 windows)")
             r["ppl_512"] = window_perplexity(lm, spec, formats, ids, a.windows)
