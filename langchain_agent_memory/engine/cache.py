@@ -82,9 +82,6 @@ class TensorCodec:
     def parts(self) -> tuple[str, ...]:
         return ("",) if self.bits is None else ("q", "scales", "biases")
 
-    def bytes_per_value(self) -> float:
-        return 2.0 if self.bits is None else self.bits / 8 + 4 / self.group_size
-
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
         """Full precision (B, H, N, D) -> stored form (tuple of arrays, last axis packed)."""
         if self.rotate:
@@ -119,9 +116,6 @@ class KVQuant:
     @property
     def label(self) -> str:
         return f"k{self.keys.label}-v{self.values.label}"
-
-    def bytes_per_value(self) -> float:
-        return (self.keys.bytes_per_value() + self.values.bytes_per_value()) / 2
 
 
 #: Named KV formats (``Engine(kv="...")``). ``q4`` is what the reference system measured.

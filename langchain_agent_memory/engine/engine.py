@@ -327,6 +327,8 @@ class Engine:
         if record is None:
             return None, CacheSource.COLD
         tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
+        # HOT until a block has to be read from disk (``_materialize`` says so): blocks
+        # still in the pool's memory tier serve a recorded agent without any I/O.
         return _AgentState(tokens, record.blocks, None), CacheSource.HOT
 
     def _read_record(self, agent_id: str) -> AgentRecord | None:

@@ -11,7 +11,6 @@ import base64
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import sys
 import threading
@@ -176,7 +175,3 @@ def load_model(
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
         _LOADED[path] = loaded
         return loaded
-
-
-def model_config(path: Path) -> dict[str, Any]:
-    return json.loads((path / "config.json").read_text())
