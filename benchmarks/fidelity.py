@@ -17,8 +17,9 @@ format (``KV_PRESETS``):
   full precision (identical for every format), turn 2 decodes 48 tokens over turn 1's
   stored cache. Agreement = leading tokens equal to the 16-bit run's.
 - Bytes per token of the stored cache, and the Q/FP16 ratio.
-- Prefill tok/s of 512 new tokens over a stored 2K context (attention over the stored
-  keys: dequantized per layer for BLAS).
+- Prefill tok/s of 512 new tokens and decode tok/s of 16 steps over a stored 2K context
+  (prefill attends to the stored keys dequantized per layer for BLAS; decode attends to
+  the packed ones).
 
 Writes benchmarks/results/fidelity.json and fidelity.png.
 """
@@ -45,6 +46,14 @@ QUESTIONS = [
     ("class", "What does a class definition execute?"),
     ("lambda", "What can a lambda expression contain?"),
     ("while", "How do I leave a while loop early?"),
+    ("function", "When are default parameter values evaluated?"),
+    ("return", "What does return do inside a generator?"),
+    ("global", "What does the global statement declare?"),
+    ("yield", "What does a yield expression return?"),
+    ("raise", "What does raise from do?"),
+    ("del", "What does deleting a name do?"),
+    ("slicings", "What does a slicing select?"),
+    ("dict", "What does a dictionary display create?"),
 ]
 
 
@@ -52,23 +61,6 @@ def text_ids(tok: Any, n: int) -> list[int]:
     from langchain_agent_memory import corpus
 
     return tok.encode(corpus.python_docs())[:n]
-
-
-def window_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], windows: int) -> dict:
-    from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.quality import _fill_pending, clone_with_format, stored_context_nll
-
-    nll = dict.fromkeys(formats, 0.0)
-    count = dict.fromkeys(formats, 0)
-    for w in range(windows):
-        window = ids[w * 256 : w * 256 + 512]
-        base = make_layer_caches(spec, KVQuant.uniform(None))
-        _fill_pending(lm.model, base, window[:256])
-        for name, fmt in formats.items():
-            n, c = stored_context_nll(lm.model, clone_with_format(base, fmt), window[255:])
-            nll[name] += n
-            count[name] += c
-    return {name: math.exp(nll[name] / count[name]) for name in formats}
 
 
 def long_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], context: int) -> dict:
@@ -150,26 +142,36 @@ def greedy_agreement(model_name: str, formats: dict[str, Any], progress: Any) ->
     return {"agreement": agreement, "bytes_per_token": bytes_per_token}
 
 
-def prefill_speed(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
+def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
+    """Per format: prefill tok/s of 512 new tokens and decode tok/s of 16 steps, both over
+    a stored 2K context (best of 2)."""
     from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.forward import prefill
+    from langchain_agent_memory.engine.forward import decode_step, prefill
     from langchain_agent_memory.engine.quality import _fill_pending, clone_with_format
     from langchain_agent_memory.engine.runtime import mx
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
     _fill_pending(lm.model, base, ids[:2048])
-    out = {}
+    out: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
     for name, fmt in formats.items():
-        best = float("inf")
+        best_p = best_d = float("inf")
         for _ in range(2):
             caches = clone_with_format(base, fmt)
             for c in caches:
                 c.commit()
-            mx.eval([c.keys for c in caches] + [c.values for c in caches])
+            mx.eval([c.state for c in caches])
             t0 = time.perf_counter()
             mx.eval(prefill(lm.model, ids[2048:2560], caches))
-            best = min(best, time.perf_counter() - t0)
-        out[name] = 512 / best
+            best_p = min(best_p, time.perf_counter() - t0)
+            for c in caches:
+                c.commit()  # decode attends to 2,560 stored tokens
+            mx.eval([c.state for c in caches])
+            t0 = time.perf_counter()
+            for t in ids[2560:2576]:
+                mx.eval(decode_step(lm.model, t, caches))
+            best_d = min(best_d, time.perf_counter() - t0)
+        out["prefill"][name] = 512 / best_p
+        out["decode"][name] = 16 / best_d
     return out
 
 
@@ -188,6 +190,7 @@ def main() -> None:
     from langchain_agent_memory import load_model
     from langchain_agent_memory.engine import fast_ops
     from langchain_agent_memory.engine.cache import KV_PRESETS, install_attention_hook
+    from langchain_agent_memory.engine.quality import stored_perplexity
     from langchain_agent_memory.engine.spec import ModelCacheSpec
 
     fast_ops.install()
@@ -207,10 +210,10 @@ def main() -> None:
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
-            ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 512)  # prefill_speed reads 2,560
+            ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 528)  # speeds reads 2,576
             r: dict[str, Any] = {"fp16_bytes_per_token": spec.fp16_bytes_per_token()}
             progress.update(task, description=f"{model_name}: perplexity (512 windows)")
-            r["ppl_512"] = window_perplexity(lm, spec, formats, ids, a.windows)
+            r["ppl_512"] = stored_perplexity(lm.model, spec, formats, ids, a.windows)
             step(f"{model_name}: long contexts")
             r["ppl_long"] = {}
             for ctx in a.contexts:
@@ -219,7 +222,8 @@ def main() -> None:
             progress.update(task, description=f"{model_name}: per-layer K/V error")
             r["layer_errors"] = layer_errors(lm, spec, formats, ids)
             step(f"{model_name}: prefill speed")
-            r["prefill_tok_s"] = prefill_speed(lm, spec, formats, ids)
+            speed = speeds(lm, spec, formats, ids)
+            r["prefill_tok_s"], r["decode_tok_s"] = speed["prefill"], speed["decode"]
             step(f"{model_name}: greedy agreement")
             r.update(greedy_agreement(model_name, formats, step))
             step()
@@ -229,7 +233,7 @@ def main() -> None:
         table = Table(title=f"{model_name}: KV formats vs 16-bit KV")
         contexts = [int(c) for c in r["ppl_long"]]
         cols = ["format", "ppl 512", "Δ%", *[f"ppl {c // 1024}K" for c in contexts], "K err", "V err"]
-        cols += ["greedy ≥32", "agree median", "bytes/tok", "×FP16", "prefill tok/s"]
+        cols += ["greedy ≥32", "agree median", "bytes/tok", "×FP16", "prefill tok/s", "decode tok/s"]
         for c in cols:
             table.add_column(c, justify="right")
         base = r["ppl_512"]["fp16"]
@@ -249,6 +253,7 @@ def main() -> None:
                 f"{bpt:.0f}",
                 f"{bpt / r['bytes_per_token']['fp16']:.3f}",
                 f"{r['prefill_tok_s'][name]:.0f}",
+                f"{r['decode_tok_s'][name]:.1f}",
             )
         console.print(table)
 
@@ -265,20 +270,27 @@ def plot(results: dict, names: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
-    for ax, (model_name, r) in zip(axes[0], results.items(), strict=True):
+    fig, axes = plt.subplots(2, len(results), figsize=(6.5 * len(results), 8.5), squeeze=False)
+    for col, (model_name, r) in enumerate(results.items()):
         base = r["ppl_512"]["fp16"]
+        top, bottom = axes[0][col], axes[1][col]
         for name in names:
             ratio = r["bytes_per_token"][name] / r["bytes_per_token"]["fp16"]
             delta = 100 * (r["ppl_512"][name] / base - 1)
-            ax.scatter(ratio, delta, s=40)
-            ax.annotate(name, (ratio, delta), fontsize=8, xytext=(4, 4), textcoords="offset points")
-        ax.axhline(3.0, color="C3", ls="--", lw=1, label="+3 % target")
-        ax.axvline(0.35, color="C7", ls=":", lw=1, label="0.35x bytes")
-        ax.set_xlabel("stored bytes / 16-bit bytes")
-        ax.set_ylabel("perplexity change vs 16-bit KV (%)")
-        ax.set_title(model_name)
-        ax.legend(fontsize=8)
+            agree = r["agreement"][name]
+            share = 100 * sum(x >= 32 for x in agree) / len(agree)
+            for ax, y in ((top, delta), (bottom, share)):
+                ax.scatter(ratio, y, s=40)
+                ax.annotate(name, (ratio, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+        top.axhline(3.0, color="C3", ls="--", lw=1, label="+3 % target")
+        top.set_ylabel("perplexity change vs 16-bit KV (%)")
+        top.set_title(model_name)
+        bottom.axhline(50, color="C3", ls="--", lw=1, label="most prompts")
+        bottom.set_ylabel("prompts with >= 32 tokens equal to 16-bit KV (%)")
+        for ax in (top, bottom):
+            ax.axvline(0.35, color="C7", ls=":", lw=1, label="0.35x bytes")
+            ax.set_xlabel("stored bytes / 16-bit bytes")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

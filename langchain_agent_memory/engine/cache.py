@@ -68,7 +68,7 @@ class TensorCodec:
     rotate: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (None, 2, 3, 4, 6, 8):
+        if self.bits not in (None, 2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv bits must be 4, 8 (or 2, 3, 6) or None for 16-bit; got {self.bits!r}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
@@ -103,10 +103,17 @@ class TensorCodec:
 
 @dataclass(frozen=True, slots=True)
 class KVQuant:
-    """How committed keys and values are stored (see ``KV_PRESETS``)."""
+    """How committed keys and values are stored (see ``KV_PRESETS``).
+
+    ``head_tokens``: the first tokens of every sequence are kept at 16 bits. Most heads
+    park much of their attention on them (attention sinks), so their quantization error is
+    not averaged away over many keys the way every other token's is; at 4 bits it alone
+    moved SmolLM2's greedy output off the 16-bit one on several prompts (README, KV formats).
+    """
 
     keys: TensorCodec = TensorCodec()
     values: TensorCodec = TensorCodec()
+    head_tokens: int = 0
 
     @classmethod
     def uniform(cls, bits: int | None, group_size: int = 64, rotate: bool = False) -> KVQuant:
@@ -115,45 +122,76 @@ class KVQuant:
 
     @property
     def label(self) -> str:
-        return f"k{self.keys.label}-v{self.values.label}"
+        head = f"-h{self.head_tokens}" if self.head_tokens and self.keys.bits is not None else ""
+        return f"k{self.keys.label}-v{self.values.label}{head}"
 
 
-#: Named KV formats (``Engine(kv="...")``). ``q4`` is what the reference system measured.
+#: 16-bit and unrotated: how head tokens are stored and pending tokens are held.
+FULL = TensorCodec(None)
+
+#: Named KV formats (``Engine(kv_format="...")``). ``q4`` is what the reference system
+#: measured; the README lists each with its measured perplexity, agreement and bytes.
 KV_PRESETS: dict[str, KVQuant] = {
     "fp16": KVQuant.uniform(None),
     "q8": KVQuant.uniform(8),
     "q4": KVQuant.uniform(4),
     "q4g32": KVQuant.uniform(4, 32),
     "q4-rot": KVQuant.uniform(4, rotate=True),
-    "k8v4": KVQuant(TensorCodec(8), TensorCodec(4)),
+    "q4-rot-h4": KVQuant(TensorCodec(4, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
+    "k6v4-rot-h4": KVQuant(TensorCodec(6, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
     "k8v4-rot": KVQuant(TensorCodec(8, rotate=True), TensorCodec(4, rotate=True)),
 }
 
 
+#: What ``kv_bits`` selects. 4: the best measured format at <= 0.35x the 16-bit bytes
+#: (benchmarks/fidelity.py: plain ``q4`` moves greedy output off the 16-bit one within
+#: ~5 tokens on most prompts of both shipped models; this one keeps >= 32 on 12 of 16).
+KV_BITS_PRESET: dict[int | None, str] = {4: "k6v4-rot-h4", 8: "q8", None: "fp16"}
+
+
 def kv_format(kv: str | KVQuant | int | None) -> KVQuant:
-    """A ``KVQuant`` from a preset name, a bit width (4, 8; None = 16-bit) or itself."""
+    """A ``KVQuant`` from a preset name, a ``kv_bits`` value (``KV_BITS_PRESET``: 4, 8 or
+    None for 16-bit) or itself."""
     if isinstance(kv, KVQuant):
         return kv
     if isinstance(kv, str):
         if kv not in KV_PRESETS:
             raise ValueError(f"unknown KV format {kv!r}; choose one of {sorted(KV_PRESETS)}")
         return KV_PRESETS[kv]
-    return KVQuant.uniform(kv)
+    if kv not in KV_BITS_PRESET:
+        raise ValueError(f"kv_bits must be 4, 8 or None (16-bit); got {kv!r}. Other formats: kv_format=")
+    return KV_PRESETS[KV_BITS_PRESET[kv]]
 
 
-def _concat(a: tuple[mx.array, ...] | None, b: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+Parts = tuple[mx.array, ...]
+#: A run of consecutive visible tokens: K parts, V parts and the codecs they are stored in.
+Segment = tuple[Parts, Parts, TensorCodec, TensorCodec]
+
+
+def _concat(a: Parts | None, b: Parts) -> Parts:
     if a is None:
         return b
     return tuple(mx.concatenate([x, y], axis=2) for x, y in zip(a, b, strict=True))
 
 
-def _slice(parts: tuple[mx.array, ...], start: int, stop: int) -> tuple[mx.array, ...]:
+def _slice(parts: Parts, start: int, stop: int) -> Parts:
     return tuple(p[:, :, start:stop] for p in parts)
+
+
+def _rotated(x: mx.array, already: bool, want: bool) -> mx.array:
+    """``x`` in the rotated space when ``want`` (only unrotated -> rotated ever happens)."""
+    return x @ rotation(x.shape[-1]) if want and not already else x
 
 
 class LayerCache:
     """One layer of one agent's cache (mlx-lm cache protocol: ``offset``,
-    ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory."""
+    ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory:
+
+    - head: positions ``[0, n_head)`` at 16 bits (``KVQuant.head_tokens``; only while
+      ``start == 0``),
+    - body: positions ``[body_start, committed_end)`` in the KV format,
+    - pending: this request's tokens ``[committed_end, offset)`` at full precision.
+    """
 
     def __init__(self, spec: LayerSpec, quant: KVQuant, dtype: mx.Dtype) -> None:
         self.spec = spec
@@ -161,8 +199,10 @@ class LayerCache:
         self.dtype = dtype
         self.start = 0  # absolute position of the first token held in memory
         self.offset = 0  # absolute position after the last token
-        self.keys: tuple[mx.array, ...] | None = None  # committed, stored form
-        self.values: tuple[mx.array, ...] | None = None
+        self.head_k: mx.array | None = None  # committed first tokens, 16-bit
+        self.head_v: mx.array | None = None
+        self.keys: Parts | None = None  # committed, stored form
+        self.values: Parts | None = None
         self.pending_k: mx.array | None = None  # this request's tokens, full precision
         self.pending_v: mx.array | None = None
 
@@ -173,9 +213,17 @@ class LayerCache:
         return self.offset - (0 if self.pending_k is None else self.pending_k.shape[2])
 
     @property
+    def n_head(self) -> int:
+        return 0 if self.head_k is None else self.head_k.shape[2]
+
+    @property
+    def body_start(self) -> int:
+        return self.start + self.n_head
+
+    @property
     def nbytes(self) -> int:
         arrays = [*(self.keys or ()), *(self.values or ())]
-        arrays += [a for a in (self.pending_k, self.pending_v) if a is not None]
+        arrays += [a for a in (self.head_k, self.head_v, self.pending_k, self.pending_v) if a is not None]
         return sum(int(a.nbytes) for a in arrays)
 
     # ---------------------------------------------------------------- mlx-lm protocol
@@ -200,9 +248,25 @@ class LayerCache:
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return (self.keys, self.values, self.pending_k, self.pending_v)
+        return (self.head_k, self.head_v, self.keys, self.values, self.pending_k, self.pending_v)
 
     # ---------------------------------------------------------------- attention
+
+    def _segments(self, lo: int) -> list[Segment]:
+        """The tokens from absolute position ``lo`` on, oldest first, as they are held."""
+        segments: list[Segment] = []
+        if self.head_k is not None and self.head_v is not None and lo < self.n_head:
+            segments.append(((self.head_k[:, :, lo:],), (self.head_v[:, :, lo:],), FULL, FULL))
+        b0, end = self.body_start, self.committed_end
+        if self.keys is not None and self.values is not None and max(lo, b0) < end:
+            a, b = max(lo, b0) - b0, end - b0
+            segments.append(
+                (_slice(self.keys, a, b), _slice(self.values, a, b), self.quant.keys, self.quant.values)
+            )
+        if self.pending_k is not None and self.pending_v is not None:
+            skip = max(0, lo - end)
+            segments.append(((self.pending_k[:, :, skip:],), (self.pending_v[:, :, skip:],), FULL, FULL))
+        return segments
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """Attention of ``queries`` (the last L positions) over every visible key."""
@@ -211,35 +275,22 @@ class LayerCache:
         first_q = self.offset - L
         # Keys a sliding-window layer can no longer see are not even read.
         lo = self.start if window is None else max(self.start, first_q - window + 1)
-        committed = None
-        if self.keys is not None and self.values is not None and lo < self.committed_end:
-            a, b = lo - self.start, self.committed_end - self.start
-            committed = (_slice(self.keys, a, b), _slice(self.values, a, b))
-        pending = None
-        if self.pending_k is not None and self.pending_v is not None:
-            skip = max(0, lo - self.committed_end)
-            pending = (self.pending_k[:, :, skip:], self.pending_v[:, :, skip:])
+        segments = self._segments(lo)
         if L < DEQUANTIZE_MIN_QUERIES:
-            return self._attend_small(queries, scale, committed, pending, first_q)
+            return self._attend_small(queries, scale, segments, first_q)
         # A prefill chunk: this layer's visible keys at full precision for one BLAS matmul
         # (the 4-bit kernels are several times slower on CPU); freed after the call. With
-        # a rotated codec everything is moved into the rotated space (queries and this
-        # request's keys / values: L rows) rather than the stored keys out of it (N rows).
-        kc, vc = self.quant.keys, self.quant.values
+        # a rotated codec everything is moved into the rotated space (queries, head and
+        # this request's keys / values: few rows) rather than the stored keys out of it.
+        krot, vrot = self.quant.keys.rotate, self.quant.values.rotate
         dtype = queries.dtype
-        q = queries @ rotation(queries.shape[-1]) if kc.rotate else queries
-        ks, vs = [], []
-        if committed is not None:
-            ks.append(kc.decode(committed[0], dtype))
-            vs.append(vc.decode(committed[1], dtype))
-        if pending is not None:
-            pk, pv = pending[0].astype(dtype), pending[1].astype(dtype)
-            ks.append(pk @ rotation(pk.shape[-1]) if kc.rotate else pk)
-            vs.append(pv @ rotation(pv.shape[-1]) if vc.rotate else pv)
+        q = _rotated(queries, False, krot)
+        ks = [_rotated(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
+        vs = [_rotated(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         out = _sdpa(q, k, v, scale, self._mask(first_q, L, k.shape[2]))
-        return out @ rotation(out.shape[-1]).T if vc.rotate else out
+        return out @ rotation(out.shape[-1]).T if vrot else out
 
     def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
         """Causal and, for sliding layers, window mask over the keys that were read."""
@@ -254,29 +305,21 @@ class LayerCache:
         return mask
 
     def _attend_small(
-        self,
-        queries: mx.array,
-        scale: float,
-        committed: tuple[tuple[mx.array, ...], tuple[mx.array, ...]] | None,
-        pending: tuple[mx.array, mx.array] | None,
-        first_q: int,
+        self, queries: mx.array, scale: float, segments: list[Segment], first_q: int
     ) -> mx.array:
         """Decode-sized attention straight on the stored (packed 4/8-bit) keys and values
-        (``mx.quantized_matmul``), with this request's full-precision tokens beside them."""
+        (``mx.quantized_matmul``), segment by segment."""
         B, H, L, D = queries.shape
         kv = self.spec.kv_heads
         rep = H // kv
         dtype = queries.dtype
-        kc, vc = self.quant.keys, self.quant.values
         q = (queries * scale).reshape(B, kv, rep * L, D)
-        scores, sizes = [], []
-        if committed is not None:
-            qk = q @ rotation(D) if kc.rotate else q
-            scores.append(_matmul_stored(qk, committed[0], kc, dtype, transpose=True))
-            sizes.append(committed[0][0].shape[2])
-        if pending is not None:
-            scores.append(q @ pending[0].astype(dtype).swapaxes(-1, -2))
-            sizes.append(pending[0].shape[2])
+        q_rot = q @ rotation(D) if any(kc.rotate for _, _, kc, _ in segments) else q
+        scores = [
+            _matmul_stored(q_rot if kc.rotate else q, kp, kc, dtype, transpose=True)
+            for kp, _, kc, _ in segments
+        ]
+        sizes = [s.shape[-1] for s in scores]
         s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
         mask = self._mask(first_q, L, sum(sizes))
         if mask is not None:
@@ -284,13 +327,13 @@ class LayerCache:
             s = mx.where(mask, s, mx.finfo(s.dtype).min).reshape(B, kv, rep * L, -1)
         w = mx.softmax(s, axis=-1, precise=True)
         out = None
-        if committed is not None:
-            out = _matmul_stored(w[..., : sizes[0]], committed[1], vc, dtype, transpose=False)
+        a = 0
+        for (_, vp, _, vc), n in zip(segments, sizes, strict=True):
+            part = _matmul_stored(w[..., a : a + n], vp, vc, dtype, transpose=False)
             if vc.rotate:
-                out = out @ rotation(out.shape[-1]).T
-        if pending is not None:
-            part = w[..., sum(sizes[:-1]) :] @ pending[1].astype(dtype)
+                part = part @ rotation(part.shape[-1]).T
             out = part if out is None else out + part
+            a += n
         assert out is not None
         return out.reshape(B, H, L, -1)
 
@@ -300,28 +343,48 @@ class LayerCache:
         """Move this request's tokens into the committed (stored) form."""
         if self.pending_k is None or self.pending_v is None:
             return
-        self.keys = _concat(self.keys, self.quant.keys.encode(self.pending_k))
-        self.values = _concat(self.values, self.quant.values.encode(self.pending_v))
+        k, v = self.pending_k, self.pending_v
+        n_head = max(0, min(self.quant.head_tokens, self.offset) - self.committed_end)
+        if n_head and self.start == 0 and self.keys is None:
+            hk, hv = k[:, :, :n_head].astype(HALF_DTYPE), v[:, :, :n_head].astype(HALF_DTYPE)
+            self.head_k = hk if self.head_k is None else mx.concatenate([self.head_k, hk], axis=2)
+            self.head_v = hv if self.head_v is None else mx.concatenate([self.head_v, hv], axis=2)
+            k, v = k[:, :, n_head:], v[:, :, n_head:]
+        if k.shape[2]:
+            self.keys = _concat(self.keys, self.quant.keys.encode(k))
+            self.values = _concat(self.values, self.quant.values.encode(v))
         self.pending_k = self.pending_v = None
 
-    def committed_slice(self, a: int, b: int) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
-        """Stored K and V of absolute positions [a, b) (must be committed and in memory)."""
-        if not (self.start <= a <= b <= self.committed_end) or self.keys is None or self.values is None:
+    def committed_slice(
+        self, a: int, b: int
+    ) -> tuple[tuple[mx.array, mx.array] | None, tuple[Parts, Parts] | None]:
+        """Stored (head K, V) and (body K parts, V parts) of absolute positions [a, b)
+        (committed and in memory); either is None where the range has none of it."""
+        if not (self.start <= a <= b <= self.committed_end):
             raise RuntimeError(
                 f"positions [{a}, {b}) not committed in memory [{self.start}, {self.committed_end})"
             )
-        return _slice(self.keys, a - self.start, b - self.start), _slice(
-            self.values, a - self.start, b - self.start
-        )
+        head = body = None
+        if self.head_k is not None and self.head_v is not None and a < self.n_head:
+            z = min(b, self.n_head)
+            head = (self.head_k[:, :, a:z], self.head_v[:, :, a:z])
+        b0 = self.body_start
+        if self.keys is not None and self.values is not None and max(a, b0) < b:
+            lo, hi = max(a, b0) - b0, b - b0
+            body = (_slice(self.keys, lo, hi), _slice(self.values, lo, hi))
+        return head, body
 
     def drop_before(self, position: int) -> None:
         """Free committed tokens before ``position`` (sliding layers past their window)."""
-        cut = min(position, self.committed_end) - self.start
-        if cut <= 0 or self.keys is None or self.values is None:
-            return
-        n = self.committed_end - self.start
-        self.keys, self.values = _slice(self.keys, cut, n), _slice(self.values, cut, n)
-        self.start += cut
+        cut = min(position, self.committed_end)
+        b0 = self.body_start
+        if cut <= self.start or cut < b0:
+            return  # nothing to free, or only part of the (few) head tokens
+        self.head_k = self.head_v = None
+        if self.keys is not None and self.values is not None:
+            n = self.committed_end - b0
+            self.keys, self.values = _slice(self.keys, cut - b0, n), _slice(self.values, cut - b0, n)
+        self.start = cut
 
     def trim_to(self, n_tokens: int) -> None:
         """Keep positions < ``n_tokens`` (committed tokens only; ``start <= n_tokens``)."""
@@ -329,15 +392,33 @@ class LayerCache:
             raise RuntimeError("trim_to with pending tokens: commit first (this is a bug)")
         if n_tokens < self.start:
             raise RuntimeError("cannot trim below the first token in memory; rebuild from blocks")
-        if self.keys is not None and self.values is not None:
-            keep = n_tokens - self.start
+        b0 = self.body_start
+        if n_tokens <= b0:
+            self.keys = self.values = None
+            if self.head_k is not None and self.head_v is not None:
+                self.head_k, self.head_v = self.head_k[:, :, :n_tokens], self.head_v[:, :, :n_tokens]
+                if n_tokens == 0:
+                    self.head_k = self.head_v = None
+        elif self.keys is not None and self.values is not None:
+            keep = n_tokens - b0
             self.keys, self.values = _slice(self.keys, 0, keep), _slice(self.values, 0, keep)
         self.offset = n_tokens
 
-    def load(self, start: int, keys: tuple[mx.array, ...], values: tuple[mx.array, ...]) -> None:
-        """Set committed contents to positions [start, start + N) in stored form."""
-        self.start, self.keys, self.values = start, keys, values
-        self.offset = start + keys[0].shape[2]
+    def load(
+        self,
+        start: int,
+        head: tuple[mx.array, mx.array] | None,
+        keys: Parts | None,
+        values: Parts | None,
+    ) -> None:
+        """Set committed contents: ``head`` (only with ``start == 0``) then the body, in
+        stored form, from absolute position ``start``."""
+        if head is not None and start != 0:
+            raise ValueError("head tokens are positions 0.. and need start == 0")
+        self.start = start
+        self.head_k, self.head_v = head if head is not None else (None, None)
+        self.keys, self.values = keys, values
+        self.offset = self.body_start + (0 if keys is None else keys[0].shape[2])
         self.pending_k = self.pending_v = None
 
 

@@ -363,7 +363,6 @@ class Engine:
 
     def _from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
         layers = make_layer_caches(self.spec, self.quant)
-        kparts, vparts = self.quant.keys.parts(), self.quant.values.parts()
         # The first block each layer needs: 0 for full attention, the window's for sliding.
         first = [
             0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
@@ -378,13 +377,33 @@ class Engine:
             blocks.append(block)
             from_disk |= not hot
         base = min(first)
+        try:
+            self._load_layers(layers, blocks, first, base, n_tokens)
+        except KeyError as exc:
+            raise CacheFormatError(f"a block lacks tensor {exc}; it was written by another version") from None
+        return layers, from_disk
+
+    def _load_layers(
+        self, layers: list[LayerCache], blocks: list[Block], first: list[int], base: int, n_tokens: int
+    ) -> None:
+        kparts, vparts = self.quant.keys.parts(), self.quant.values.parts()
         for i, layer in enumerate(layers):
             own = blocks[first[i] - base :]
-            k = tuple(mx.concatenate([blk.tensors[_name(i, "k", p)] for blk in own], axis=2) for p in kparts)
-            v = tuple(mx.concatenate([blk.tensors[_name(i, "v", p)] for blk in own], axis=2) for p in vparts)
-            layer.load(first[i] * BLOCK_TOKENS, k, v)
+            head = None
+            if first[i] == 0 and _name(i, "k", HEAD_PART) in own[0].tensors:
+                head = (own[0].tensors[_name(i, "k", HEAD_PART)], own[0].tensors[_name(i, "v", HEAD_PART)])
+            body = [blk for blk in own if _name(i, "k", kparts[0]) in blk.tensors]
+            k = v = None
+            if body:
+                k = tuple(_joined(body, _name(i, "k", p)) for p in kparts)
+                v = tuple(_joined(body, _name(i, "v", p)) for p in vparts)
+            layer.load(first[i] * BLOCK_TOKENS, head, k, v)
+            held = sum(len(blk.token_ids) for blk in own)
+            if layer.offset != first[i] * BLOCK_TOKENS + held:
+                raise CacheFormatError(
+                    f"layer {i}: blocks hold {layer.offset - layer.start} tokens of K/V for {held} token ids"
+                )
             layer.trim_to(n_tokens)
-        return layers, from_disk
 
     def _cold_start(
         self, prompt: str, timings: Timings
@@ -460,11 +479,14 @@ class Engine:
                 for i, layer in enumerate(layers):
                     if a < layer.start:
                         raise RuntimeError(f"block {b} not in memory for layer {i} (this is a bug)")
-                    k, v = layer.committed_slice(a, z)
-                    for p, arr in zip(self.quant.keys.parts(), k, strict=True):
-                        tensors[_name(i, "k", p)] = arr
-                    for p, arr in zip(self.quant.values.parts(), v, strict=True):
-                        tensors[_name(i, "v", p)] = arr
+                    head, body = layer.committed_slice(a, z)
+                    if head is not None:
+                        tensors[_name(i, "k", HEAD_PART)], tensors[_name(i, "v", HEAD_PART)] = head
+                    if body is not None:
+                        for p, arr in zip(self.quant.keys.parts(), body[0], strict=True):
+                            tensors[_name(i, "k", p)] = arr
+                        for p, arr in zip(self.quant.values.parts(), body[1], strict=True):
+                            tensors[_name(i, "v", p)] = arr
                 written += self.pool.put(Block(h, parent, known.ids[a:z], tensors))
             chain.append(h)
             parent = h
@@ -489,8 +511,16 @@ class Engine:
         }
 
 
+#: Tensor-name part of a block's head tokens (``KVQuant.head_tokens``, block 0 only).
+HEAD_PART = "head"
+
+
 def _name(layer: int, kv: str, part: str) -> str:
     return f"L{layer}.{kv}.{part}" if part else f"L{layer}.{kv}"
+
+
+def _joined(blocks: list[Block], name: str) -> mx.array:
+    return mx.concatenate([blk.tensors[name] for blk in blocks], axis=2)
 
 
 def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:

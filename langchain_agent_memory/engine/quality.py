@@ -100,6 +100,30 @@ def stored_context_nll(
     return nll, count
 
 
+def stored_perplexity(
+    model: Any, spec: Any, formats: dict[str, Any], token_ids: Sequence[int], windows: int
+) -> dict[str, float]:
+    """Perplexity per KV format with 512-token windows moved by 256: in each window the
+    first 256 tokens are the context (prefilled once at full precision, then *stored* in
+    the format) and the next 256 are scored as ``stored_context_nll`` does."""
+    from .cache import KVQuant, make_layer_caches
+
+    nll = dict.fromkeys(formats, 0.0)
+    count = dict.fromkeys(formats, 0)
+    ids = list(token_ids)
+    if len(ids) < (windows + 1) * 256:
+        raise ValueError(f"{windows} windows need {(windows + 1) * 256} tokens; got {len(ids)}")
+    for w in range(windows):
+        window = ids[w * 256 : w * 256 + 512]
+        base = make_layer_caches(spec, KVQuant.uniform(None))
+        _fill_pending(model, base, window[:256])
+        for name, fmt in formats.items():
+            n, c = stored_context_nll(model, clone_with_format(base, fmt), window[255:])
+            nll[name] += n
+            count[name] += c
+    return {name: math.exp(nll[name] / count[name]) for name in formats}
+
+
 def kv_roundtrip_errors(caches: list[Any], quant: Any) -> list[tuple[float, float]]:
     """Per layer, relative L2 error of K and V after a round trip through ``quant``
     (undoing a rotation), on the pending (full-precision) keys and values of ``caches``."""

@@ -66,3 +66,82 @@ def test_error_ordering_of_the_presets(n_queries: int) -> None:
     assert err["q8"] < err["k8v4-rot"] < err["q4"]
     assert err["q4-rot"] < err["q4"]  # the outlier channel no longer owns the 4-bit range
     assert err["q4g32"] < err["q4"]
+
+
+HEAD4 = KVQuant(TensorCodec(4, rotate=True), TensorCodec(4, rotate=True), head_tokens=4)
+
+
+def _committed_in_pieces(kv: KVQuant, pieces: list[int]) -> LayerCache:
+    k, v = _kv(n=sum(pieces))
+    cache = LayerCache(LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None), kv, mx.float32)
+    a = 0
+    for n in pieces:
+        cache.update_and_fetch(k[:, :, a : a + n], v[:, :, a : a + n])
+        cache.commit()
+        a += n
+    return cache
+
+
+def test_head_tokens_are_kept_exactly_however_the_commits_fall() -> None:
+    k, _ = _kv(n=300)
+    for pieces in ([300], [2, 1, 297], [4, 296], [3, 5, 292]):
+        cache = _committed_in_pieces(HEAD4, pieces)
+        assert cache.n_head == 4 and cache.body_start == 4 and cache.offset == 300
+        np.testing.assert_array_equal(np.array(cache.head_k), np.array(k[:, :, :4].astype(mx.float16)))
+        assert cache.keys is not None and cache.keys[0].shape[2] == 296
+    one = _committed_in_pieces(HEAD4, [300])
+    split = _committed_in_pieces(HEAD4, [3, 5, 292])
+    assert one.keys is not None and split.keys is not None
+    for a, b in zip(one.keys, split.keys, strict=True):  # per-token quantization: same bytes
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_head_tokens_through_slice_trim_drop_and_load() -> None:
+    cache = _committed_in_pieces(HEAD4, [300])
+    head, body = cache.committed_slice(0, 256)  # block 0: the head and 252 body tokens
+    assert head is not None and head[0].shape[2] == 4 and body is not None and body[0][0].shape[2] == 252
+    head, body = cache.committed_slice(256, 300)
+    assert head is None and body is not None and body[0][0].shape[2] == 44
+    # A reload from the two blocks' tensors attends exactly like the cache it came from.
+    h0, b0 = cache.committed_slice(0, 256)
+    _, b1 = cache.committed_slice(256, 300)
+    assert h0 is not None and b0 is not None and b1 is not None
+    joined = tuple(
+        tuple(mx.concatenate([x, y], axis=2) for x, y in zip(p, q, strict=True))
+        for p, q in zip(b0, b1, strict=True)
+    )
+    loaded = LayerCache(cache.spec, HEAD4, mx.float32)
+    loaded.load(0, h0, *joined)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(2))
+    for c in (cache, loaded):
+        k1, v1 = _kv(n=1)
+        c.update_and_fetch(k1, v1)
+    np.testing.assert_array_equal(np.array(cache.attend(q, 0.125)), np.array(loaded.attend(q, 0.125)))
+    for c in (cache, loaded):
+        c.commit()
+        c.trim_to(300)  # drop the probe token again
+    loaded.trim_to(2)  # inside the head
+    assert loaded.n_head == 2 and loaded.keys is None and loaded.offset == 2
+    cache.drop_before(2)  # would split the head: nothing is freed
+    assert cache.start == 0 and cache.n_head == 4
+    cache.drop_before(100)
+    assert cache.start == 100 and cache.head_k is None and cache.keys is not None
+    assert cache.keys[0].shape[2] == 200
+
+
+def test_head_tokens_cut_the_error_of_an_attention_sink() -> None:
+    """One key that most queries attend to (a sink) with a value far from the rest: its
+    4-bit error is not averaged away; kept at 16 bits, the output error drops."""
+    k, v = _kv()
+    k = k.at[:, :, 0].add(40.0 * mx.ones((64,)) / 8)
+    v = v.at[:, :, 0].multiply(6.0)
+    spec = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None)
+    plain = KVQuant(HEAD4.keys, HEAD4.values)
+    outs = []
+    for fmt in (KVQuant.uniform(None), plain, HEAD4):
+        cache = LayerCache(spec, fmt, mx.float32)
+        cache.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+        cache.commit()
+        cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+        outs.append(cache.attend(mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)) + 2.0, 0.125))
+    assert _rel(outs[2], outs[0]) < 0.5 * _rel(outs[1], outs[0])
