@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -24,6 +24,7 @@ from ..config import get_settings
 from . import fast_ops
 from .cache import KVQuant, LayerCache, install_attention_hook, make_layer_caches
 from .cache import kv_format as kv_format_of
+from .constrain import TokenConstraint
 from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill
 from .models import LoadedModel, load_model
 from .pool import BlockPool
@@ -41,6 +42,7 @@ from .store import (
     block_hash,
     validate_agent_id,
 )
+from .worker import Job, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: Restricts sampling to what a grammar allows (``constrain.GrammarConstraint``); it is
+    #: stateful: one per request.
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(slots=True)
@@ -89,7 +94,7 @@ class GenerationResult:
     completion_tokens: int
     reused_tokens: int
     outcome: CacheOutcome
-    finish_reason: str  # "stop" (end of turn or stop sequence) or "length"
+    finish_reason: str  # "stop" (end of turn or stop sequence), "length" or "cancelled"
     timings: Timings
     bytes_written: int = 0
 
@@ -153,7 +158,8 @@ class Engine:
         self.chunk_tokens = chunk_tokens
         self.hot_agents = hot_agents
         self._agents: OrderedDict[str, _AgentState] = OrderedDict()  # hot agents, LRU order
-        self._lock = threading.RLock()  # MLX is not thread-safe: one request at a time
+        self._lock = threading.RLock()  # guards the agent table and the pool
+        self._worker = Worker()  # every request's MLX work runs on this one thread
 
     @property
     def tokenizer(self) -> Any:
@@ -170,15 +176,40 @@ class Engine:
         assert result is not None
         return result
 
+    async def agenerate(
+        self, agent_id: str, prompt: str, params: GenerationParams | None = None
+    ) -> GenerationResult:
+        result = None
+        async for chunk in self.astream(agent_id, prompt, params):
+            result = chunk.result or result
+        assert result is not None
+        return result
+
     def stream(
         self, agent_id: str, prompt: str, params: GenerationParams | None = None
     ) -> Iterator[StreamChunk]:
+        """Text chunks as they are decoded; the last one carries the ``GenerationResult``.
+        Runs on the engine's worker thread; closing the iterator early stops decoding (what
+        was generated is kept in the cache, ``finish_reason == "cancelled"``)."""
+        return self._worker.iterate(self._job(agent_id, prompt, params))
+
+    def astream(
+        self, agent_id: str, prompt: str, params: GenerationParams | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """``stream`` for an event loop: the loop never blocks on MLX work."""
+        return self._worker.aiterate(self._job(agent_id, prompt, params))
+
+    def _job(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Job[StreamChunk]:
         validate_agent_id(agent_id)
         if not prompt:
             raise ValueError("prompt is empty")
-        params = params or GenerationParams()
-        with self._lock:
-            yield from self._run(agent_id, prompt, params)
+        checked = params or GenerationParams()
+
+        def job(cancel: threading.Event) -> Iterator[StreamChunk]:
+            with self._lock:
+                yield from self._run(agent_id, prompt, checked, cancel)
+
+        return job
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
@@ -215,7 +246,9 @@ class Engine:
 
     # ------------------------------------------------------------------ one request
 
-    def _run(self, agent_id: str, prompt: str, params: GenerationParams) -> Iterator[StreamChunk]:
+    def _run(
+        self, agent_id: str, prompt: str, params: GenerationParams, cancel: threading.Event
+    ) -> Iterator[StreamChunk]:
         t_start = time.perf_counter()
         timings = Timings()
         state, source = self._lookup(agent_id)
@@ -246,7 +279,7 @@ class Engine:
         sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1.0 else 0.0)
         t0 = time.perf_counter()
         logits = prefill(self.lm.model, tail.ids, layers, self.chunk_tokens)
-        token = self._sample(sampler, logits)
+        token = self._sample(sampler, logits, params.constraint)
         timings.prefill_s = time.perf_counter() - t0
         timings.ttft_s = time.perf_counter() - t_start
         known.extend(tail)
@@ -275,8 +308,11 @@ class Engine:
                 emitted = len(text) - hold
             if len(generated) == params.max_tokens:
                 break
-            token = self._sample(sampler, decode_step(self.lm.model, token, layers))
-        if finish == "length" or ended_by_eos:
+            if cancel.is_set():
+                finish = "cancelled"
+                break
+            token = self._sample(sampler, decode_step(self.lm.model, token, layers), params.constraint)
+        if finish in ("length", "cancelled") or ended_by_eos:
             detok.finalize()
             text = detok.text
             cut = _find_stop(text, params.stop, emitted - hold)
@@ -314,9 +350,14 @@ class Engine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _sample(self, sampler: Any, logits: mx.array) -> int:
+    def _sample(self, sampler: Any, logits: mx.array, constraint: TokenConstraint | None) -> int:
+        if constraint is not None:
+            logits = constraint.mask(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return int(sampler(logprobs[None]).item())
+        token = int(sampler(logprobs[None]).item())
+        if constraint is not None:
+            constraint.advance(token)
+        return token
 
     def _lookup(self, agent_id: str) -> tuple[_AgentState | None, CacheSource]:
         state = self._agents.get(agent_id)
@@ -509,6 +550,39 @@ class Engine:
             "hot_agents": len(self._agents),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
         }
+
+
+_SHARED: dict[tuple[Path, Path, str], Engine] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_engine(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    kv_bits: int | None = 4,
+    kv_format: str | KVQuant | None = None,
+    hot_budget_bytes: int | None = None,
+) -> Engine:
+    """The process's one engine for (model, cache directory, KV format): every chat model
+    and checkpointer naming the same three shares its caches, pool and worker thread. A
+    larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it."""
+    lm = load_model(model)
+    root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
+    quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
+    key = (lm.path, root, quant.label)
+    with _SHARED_LOCK:
+        engine = _SHARED.get(key)
+        if engine is None:
+            engine = Engine(model, cache_dir=root, kv_format=quant, **_budget(hot_budget_bytes))
+            _SHARED[key] = engine
+        elif hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
+            engine.pool.hot_budget_bytes = hot_budget_bytes
+        return engine
+
+
+def _budget(hot_budget_bytes: int | None) -> dict[str, int]:
+    return {} if hot_budget_bytes is None else {"hot_budget_bytes": hot_budget_bytes}
 
 
 #: Tensor-name part of a block's head tokens (``KVQuant.head_tokens``, block 0 only).

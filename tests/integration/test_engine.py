@@ -226,3 +226,53 @@ def test_sampling_is_reproducible_with_a_seed(smollm: LoadedModel, tmp_path: Pat
               for s in range(3)}  # fmt: skip
     assert a.text == b.text
     assert len(others) > 1  # different seeds sample different continuations
+
+
+async def test_async_stream_leaves_the_event_loop_free(smollm: LoadedModel, tmp_path: Path) -> None:
+    import asyncio
+
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    prompt = _chat(eng, SYSTEM, [("What is this license called?", None)])
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    chunks = [c async for c in eng.astream("a", prompt, GREEDY)]
+    ticker.cancel()
+    # The loop kept running during the (> 1 s) prefill: MLX work is on the worker thread.
+    assert ticks >= 20
+    assert chunks[-1].result is not None
+    assert "".join(c.text for c in chunks) == eng.generate("b", prompt, GREEDY).text
+
+
+def test_closing_a_stream_early_cancels_and_keeps_what_was_generated(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    prompt = _chat(eng, "You are helpful.", [("Write a long poem about the sea.", None)])
+    stream = eng.stream("a", prompt, GenerationParams(max_tokens=200))
+    first = next(stream).text
+    stream.close()
+    # The next request queues behind the cancelled one, which commits first.
+    again = eng.generate("a", eng.cached_text("a"), GenerationParams(max_tokens=1))
+    assert again.outcome.match is MatchKind.EXACT
+    kept = eng.cached_text("a")[len(prompt) :]
+    assert kept.startswith(first.strip()[:3]) and eng.cached_tokens("a") < again.prompt_tokens + 200
+
+
+def test_requests_from_many_threads_equal_serial_ones(smollm: LoadedModel, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    prompts = [_chat(eng, "You are helpful.", [(q, None)]) for q in ("Name a fruit.", "Name a city.", "Hi!")]
+    serial = [eng.generate(f"s{i}", p, GREEDY).text for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(3) as pool:
+        threaded = list(
+            pool.map(lambda ip: eng.generate(f"t{ip[0]}", ip[1], GREEDY).text, enumerate(prompts))
+        )
+    assert threaded == serial

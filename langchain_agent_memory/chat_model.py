@@ -1,0 +1,423 @@
+"""``ChatAgentMemory``: a LangChain chat model whose every agent keeps its KV cache.
+
+Drop-in where ``ChatOllama()`` would go::
+
+    from langchain_agent_memory import ChatAgentMemory
+
+    llm = ChatAgentMemory()  # embedded default model, 4-bit KV, ~/.cache/langchain-agent-memory
+    llm.invoke("Hello")
+
+Each call is rendered to text with the model's chat template (``prompt.render``) and runs
+on the shared engine of its (model, cache directory, KV format), whose agent cache is
+picked by ``namespace.agent_namespace``: an explicit ``agent_id``, else the LangGraph
+thread and node. The engine matches the text against that agent's cache, prefills only
+what is new, and keeps the reply's keys and values for the next turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import ToolCallChunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ConfigDict, Field, field_validator
+
+from . import prompt
+from .engine.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
+from .engine.engine import Engine, GenerationParams, GenerationResult, shared_engine
+from .engine.store import validate_agent_id
+from .namespace import agent_namespace
+
+#: ``tool_choice`` values that force some tool call.
+_ANY_TOOL = ("any", "required", True)
+
+
+class ChatAgentMemory(BaseChatModel):
+    """Chat model on a local MLX model with a persistent KV cache per agent.
+
+    Args:
+        model: a shipped model name (``smollm2-135m``, ``gemma3-270m``), an mlx-lm model
+            directory or a ``.gguf`` file; default ``AGENT_MEMORY_MODEL`` or ``smollm2-135m``.
+        agent_id: the cache to use; default: per LangGraph thread and node (see
+            ``namespace``), ``"default"`` outside a graph. Per call: ``agent_id=`` kwarg.
+        temperature, top_p, seed: sampling (``temperature=0``: greedy).
+        max_tokens: most tokens to generate per call.
+        stop: stop sequences (the stop text and anything after it are not returned or kept).
+        kv_bits: 4 (default, ``k6v4-rot-h4``: 0.34x the 16-bit bytes), 8, or None for
+            16-bit KV; ``kv_format`` names any preset (``cache.KV_PRESETS``) instead.
+        cache_dir: where caches live; default ``AGENT_MEMORY_CACHE_DIR``.
+        hot_budget_mb: memory for the in-memory block tier (shared per engine).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model: str | None = None
+    agent_id: str | None = None
+    temperature: float = 0.0
+    max_tokens: int = Field(default=256, ge=1)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    kv_bits: Literal[4, 8] | None = 4
+    kv_format: str | None = None
+    cache_dir: str | None = None
+    hot_budget_mb: int = Field(default=512, ge=0)
+
+    @field_validator("agent_id")
+    @classmethod
+    def _valid_agent_id(cls, value: str | None) -> str | None:
+        return None if value is None else validate_agent_id(value)
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def _llm_type(self) -> str:
+        return "agent-memory"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "kv_format": self.kv_format or self.kv_bits,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+        }
+
+    @property
+    def model_name(self) -> str:
+        from .config import get_settings
+
+        return self.model or get_settings().model
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "agent-memory"
+        params["ls_model_name"] = self.model_name
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    @property
+    def engine(self) -> Engine:
+        """The shared engine (created on first use: construction stays cheap)."""
+        return shared_engine(
+            self.model,
+            cache_dir=self.cache_dir,
+            kv_bits=self.kv_bits,
+            kv_format=self.kv_format,
+            hot_budget_bytes=self.hot_budget_mb << 20,
+        )
+
+    # ------------------------------------------------------------------ one call
+
+    def _request(
+        self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]
+    ) -> _Request:
+        engine = self.engine
+        metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata", {})
+        agent = agent_namespace(kwargs.get("agent_id") or self.agent_id, metadata)
+        tools: list[dict[str, Any]] = kwargs.get("tools") or []
+        choice = kwargs.get("tool_choice")
+        if choice == "none":
+            tools = []
+        fmt = kwargs.get("response_format")
+        schema = None
+        if fmt is not None:
+            schema = fmt.get("schema", {"type": "object"}) if isinstance(fmt, dict) else {"type": "object"}
+        text = prompt.render(engine.tokenizer, messages, tools or None, schema)
+        stops = [*(self.stop or []), *(stop or [])]
+        if not engine.tokenizer.chat_template:
+            stops.append(prompt.TRANSCRIPT_TURN_END)
+        constraint = None
+        forced = _forced_tools(tools, choice)
+        if forced:
+            grammar = tool_call_grammar(forced, prompt.TOOL_CALL_OPEN, prompt.TOOL_CALL_CLOSE)
+            constraint = GrammarConstraint(engine.tokenizer, grammar)
+        elif schema is not None:
+            constraint = GrammarConstraint(engine.tokenizer, json_schema_grammar(schema))
+        params = GenerationParams(
+            max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            seed=kwargs.get("seed", self.seed),
+            stop=stops,
+            constraint=constraint,
+        )
+        return _Request(engine, agent, text, params, parse_tools=bool(tools), hide_text=bool(forced))
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        req = self._request(messages, stop, run_manager, kwargs)
+        return _chat_result(req, req.engine.generate(req.agent, req.text, req.params))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        req = self._request(messages, stop, run_manager, kwargs)
+        return _chat_result(req, await req.engine.agenerate(req.agent, req.text, req.params))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        req = self._request(messages, stop, run_manager, kwargs)
+        shaper = _StreamShaper(req)
+        for chunk in req.engine.stream(req.agent, req.text, req.params):
+            for out in shaper.feed(chunk.text, chunk.result):
+                if run_manager and out.text:
+                    run_manager.on_llm_new_token(out.text, chunk=out)
+                yield out
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        req = self._request(messages, stop, run_manager, kwargs)
+        shaper = _StreamShaper(req)
+        async for chunk in req.engine.astream(req.agent, req.text, req.params):
+            for out in shaper.feed(chunk.text, chunk.result):
+                if run_manager and out.text:
+                    await run_manager.on_llm_new_token(out.text, chunk=out)
+                yield out
+
+    # ------------------------------------------------------------------ tools and structure
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer ``tools`` (rendered in the system message, see ``prompt``). ``tool_choice``:
+        ``"auto"``/None (the model decides), ``"none"``, ``"any"``/``"required"`` (some
+        tool), a tool name or ``{"type": "function", "function": {"name": ...}}`` — a forced
+        call is decoded under the tool's JSON schema, so it is always a valid call."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        names = {t["function"]["name"] for t in formatted}
+        wanted = _choice_name(tool_choice)
+        if wanted is not None and wanted not in names:
+            raise ValueError(
+                f"tool_choice names {wanted!r}, which is not among the bound tools {sorted(names)}"
+            )
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """Replies parsed into ``schema`` (a Pydantic class, TypedDict, JSON schema or
+        OpenAI tool dict). Every method decodes under the schema, so the output parses:
+        ``json_schema`` (default: the reply is the JSON object), ``function_calling`` (a
+        forced tool call), ``json_mode`` (any JSON object; describe it in the prompt)."""
+        kwargs.pop("strict", None)  # decoding is always constrained: every reply is strict
+        if kwargs:
+            raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable[Any, Any]
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools(
+                [schema], tool_choice=name, ls_structured_output_format=_ls_format(schema, method)
+            )
+            if is_pydantic:
+                parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+            else:
+                parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        elif method in ("json_schema", "json_mode"):
+            json_schema = convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}
+            llm = self.bind(
+                response_format={"type": "json_schema", "schema": json_schema},
+                ls_structured_output_format=_ls_format(schema, method),
+            )
+            if is_pydantic and method == "json_schema":
+                parser = PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
+            else:
+                parser = JsonOutputParser()
+        else:
+            raise ValueError(
+                f"method must be 'json_schema', 'function_calling' or 'json_mode'; got {method!r}"
+            )
+        if not include_raw:
+            return llm | parser
+        assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | assign.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _Request:
+    __slots__ = ("agent", "engine", "hide_text", "params", "parse_tools", "text")
+
+    def __init__(
+        self,
+        engine: Engine,
+        agent: str,
+        text: str,
+        params: GenerationParams,
+        parse_tools: bool,
+        hide_text: bool,
+    ) -> None:
+        self.engine, self.agent, self.text, self.params = engine, agent, text, params
+        self.parse_tools, self.hide_text = parse_tools, hide_text
+
+
+def _choice_name(choice: Any) -> str | None:
+    if isinstance(choice, dict):
+        return choice.get("function", {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice not in ("auto", "none", "any", "required"):
+        return choice
+    return None
+
+
+def _forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
+    if not tools or choice in (None, "auto", "none", False):
+        return []
+    if choice in _ANY_TOOL:
+        return tools
+    name = _choice_name(choice)
+    return [t for t in tools if t["function"]["name"] == name]
+
+
+def _ls_format(schema: Any, method: str) -> dict[str, Any]:
+    try:
+        return {"kwargs": {"method": method}, "schema": convert_to_openai_tool(schema)}
+    except Exception:  # only tracing metadata: never fail the call over it
+        return {"kwargs": {"method": method}}
+
+
+def _usage(result: GenerationResult) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=result.prompt_tokens,
+        output_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+        input_token_details={"cache_read": result.reused_tokens},
+    )
+
+
+def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any]:
+    return {
+        "model_name": req.engine.lm.name,
+        "model_provider": "agent-memory",
+        "finish_reason": result.finish_reason,
+        "agent_id": req.agent,
+        "cache": str(result.outcome),
+        "cached_tokens": result.reused_tokens,
+        "time_to_first_token_s": round(result.timings.ttft_s, 4),
+        "prefill_s": round(result.timings.prefill_s, 4),
+        "decode_s": round(result.timings.decode_s, 4),
+        "bytes_written": result.bytes_written,
+    }
+
+
+def _chat_result(req: _Request, result: GenerationResult) -> ChatResult:
+    content, calls, invalid = prompt.parse_reply(result.text) if req.parse_tools else (result.text, [], [])
+    message = AIMessage(
+        content=content,
+        tool_calls=calls,
+        invalid_tool_calls=invalid,
+        usage_metadata=_usage(result),
+        response_metadata=_response_metadata(req, result),
+    )
+    return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+class _StreamShaper:
+    """Engine text chunks -> message chunks: text is streamed as it comes, except what may
+    be (or is) a ``<tool_call>`` block, which is parsed at the end into tool-call chunks;
+    the last chunk (``chunk_position="last"``) carries usage and metadata."""
+
+    def __init__(self, req: _Request) -> None:
+        self.req = req
+        self.text = ""
+        self.emitted = 0
+        self.in_call = req.hide_text
+
+    def feed(self, piece: str, result: GenerationResult | None) -> list[ChatGenerationChunk]:
+        out: list[ChatGenerationChunk] = []
+        self.text += piece
+        if not self.in_call:
+            limit = len(self.text)
+            if self.req.parse_tools:
+                at = self.text.find("<tool_call>", self.emitted)
+                if at != -1:
+                    limit, self.in_call = at, True
+                else:
+                    limit = _safe_end(self.text, "<tool_call>")
+            if limit > self.emitted:
+                out.append(
+                    ChatGenerationChunk(message=AIMessageChunk(content=self.text[self.emitted : limit]))
+                )
+                self.emitted = limit
+        if result is not None:
+            out.append(self._last(result))
+        return out
+
+    def _last(self, result: GenerationResult) -> ChatGenerationChunk:
+        content, calls, invalid = (
+            prompt.parse_reply(result.text) if self.req.parse_tools else (result.text, [], [])
+        )
+        rest = content[self.emitted :] if content.startswith(self.text[: self.emitted]) else ""
+        chunks = [
+            ToolCallChunk(
+                name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i, type="tool_call_chunk"
+            )
+            for i, c in enumerate(calls)
+        ]
+        # A chunk's tool calls are re-parsed from its chunks (leniently: a cut-off call would
+        # pass as a call), so an unparsable call is returned as the text it was.
+        rest += "".join(prompt.TOOL_CALL_OPEN + (c["args"] or "") for c in invalid)
+        message = AIMessageChunk(
+            content=rest,
+            tool_call_chunks=chunks,
+            usage_metadata=_usage(result),
+            response_metadata=_response_metadata(self.req, result),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+
+def _safe_end(text: str, tag: str) -> int:
+    """End of the part of ``text`` that cannot be the start of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
