@@ -60,6 +60,10 @@ class ChatAgentMemory(BaseChatModel):
             16-bit KV; ``kv_format`` names any preset (``cache.KV_PRESETS``) instead.
         cache_dir: where caches live; default ``AGENT_MEMORY_CACHE_DIR``.
         hot_budget_mb: memory for the in-memory block tier (shared per engine).
+        timeout: seconds after which decoding stops (``finish_reason="timeout"``).
+
+    Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
+    ``temperature``, ``max_tokens``, ``top_p``, ``seed``, ``tools``, ``tool_choice``.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -75,6 +79,8 @@ class ChatAgentMemory(BaseChatModel):
     kv_format: str | None = None
     cache_dir: str | None = None
     hot_budget_mb: int = Field(default=512, ge=0)
+    timeout: float | None = Field(default=None, gt=0)
+    max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
 
     @field_validator("agent_id")
     @classmethod
@@ -106,7 +112,7 @@ class ChatAgentMemory(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "agent-memory"
-        params["ls_model_name"] = self.model_name
+        params["ls_model_name"] = kwargs.get("model") or self.model_name
         params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
         params["ls_temperature"] = kwargs.get("temperature", self.temperature)
         if stop or self.stop:
@@ -116,8 +122,11 @@ class ChatAgentMemory(BaseChatModel):
     @property
     def engine(self) -> Engine:
         """The shared engine (created on first use: construction stays cheap)."""
+        return self._engine_for(self.model)
+
+    def _engine_for(self, model: str | None) -> Engine:
         return shared_engine(
-            self.model,
+            model,
             cache_dir=self.cache_dir,
             kv_bits=self.kv_bits,
             kv_format=self.kv_format,
@@ -129,7 +138,7 @@ class ChatAgentMemory(BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]
     ) -> _Request:
-        engine = self.engine
+        engine = self._engine_for(kwargs.get("model", self.model))
         metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata", {})
         agent = agent_namespace(kwargs.get("agent_id") or self.agent_id, metadata)
         tools: list[dict[str, Any]] = kwargs.get("tools") or []
@@ -158,6 +167,7 @@ class ChatAgentMemory(BaseChatModel):
             seed=kwargs.get("seed", self.seed),
             stop=stops,
             constraint=constraint,
+            timeout_s=self.timeout,
         )
         return _Request(engine, agent, text, params, parse_tools=bool(tools), hide_text=bool(forced))
 

@@ -76,6 +76,8 @@ class GenerationParams:
     #: Restricts sampling to what a grammar allows (``constrain.GrammarConstraint``); it is
     #: stateful: one per request.
     constraint: TokenConstraint | None = None
+    #: Stop decoding after this many seconds from the request's start (``"timeout"``).
+    timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -94,7 +96,7 @@ class GenerationResult:
     completion_tokens: int
     reused_tokens: int
     outcome: CacheOutcome
-    finish_reason: str  # "stop" (end of turn or stop sequence), "length" or "cancelled"
+    finish_reason: str  # "stop" (end of turn or stop sequence), "length", "cancelled", "timeout"
     timings: Timings
     bytes_written: int = 0
 
@@ -311,8 +313,11 @@ class Engine:
             if cancel.is_set():
                 finish = "cancelled"
                 break
+            if params.timeout_s is not None and time.perf_counter() - t_start > params.timeout_s:
+                finish = "timeout"
+                break
             token = self._sample(sampler, decode_step(self.lm.model, token, layers), params.constraint)
-        if finish in ("length", "cancelled") or ended_by_eos:
+        if finish in ("length", "cancelled", "timeout") or ended_by_eos:
             detok.finalize()
             text = detok.text
             cut = _find_stop(text, params.stop, emitted - hold)

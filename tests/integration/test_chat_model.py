@@ -1,0 +1,158 @@
+"""ChatAgentMemory beyond the standard suite: the cache is reused across turns, LangGraph
+threads and nodes get their own caches, tools and structured output are valid, messages
+of every kind render."""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from pydantic import BaseModel
+
+from langchain_agent_memory import ChatAgentMemory, corpus
+from langchain_agent_memory.engine.models import LoadedModel
+
+SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:2400]
+
+
+def test_second_turn_reads_the_first_from_the_cache(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), agent_id="lawyer", max_tokens=12)
+    history = [SystemMessage(SYSTEM), HumanMessage("What is this license called?")]
+    first = llm.invoke(history)
+    history += [first, HumanMessage("Can I use it commercially?")]
+    second = llm.invoke(history)
+    u1, u2 = first.usage_metadata, second.usage_metadata
+    assert u1 is not None and u2 is not None
+    assert u1["input_token_details"]["cache_read"] == 0 and u1["input_tokens"] > 500
+    assert u2["input_token_details"]["cache_read"] >= u1["input_tokens"]
+    assert second.response_metadata["cache"] == "hot-extend"
+    assert (
+        second.response_metadata["time_to_first_token_s"] < first.response_metadata["time_to_first_token_s"]
+    )
+
+
+class _State(TypedDict):
+    log: Annotated[list[str], operator.add]
+
+
+def test_langgraph_nodes_and_threads_get_their_own_caches(smollm: LoadedModel, tmp_path: Path) -> None:
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+
+    def node(name: str):  # type: ignore[no-untyped-def]
+        def run(state: _State) -> dict:
+            reply = llm.invoke([HumanMessage(f"Say hello to {name}.")])
+            return {"log": [reply.response_metadata["agent_id"]]}
+
+        return run
+
+    g = StateGraph(_State)
+    g.add_node("planner", node("the planner"))
+    g.add_node("writer", node("the writer"))
+    g.add_edge(START, "planner")
+    g.add_edge("planner", "writer")
+    g.add_edge("writer", END)
+    app = g.compile(checkpointer=InMemorySaver())
+    one = app.invoke({"log": []}, {"configurable": {"thread_id": "t1"}})["log"]
+    two = app.invoke({"log": []}, {"configurable": {"thread_id": "t2"}})["log"]
+    assert one == ["t1:planner", "t1:writer"]
+    assert two[-2:] == ["t2:planner", "t2:writer"]
+    engine = llm.engine
+    assert all(engine.cached_tokens(a) > 0 for a in ["t1:planner", "t1:writer", "t2:planner", "t2:writer"])
+
+
+def test_subgraph_nodes_nest_under_their_parent(smollm: LoadedModel, tmp_path: Path) -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2)
+
+    def critic(state: _State) -> dict:
+        return {"log": [llm.invoke("Hi").response_metadata["agent_id"]]}
+
+    inner = StateGraph(_State)
+    inner.add_node("critic", critic)
+    inner.add_edge(START, "critic")
+    inner.add_edge("critic", END)
+    outer = StateGraph(_State)
+    outer.add_node("team", inner.compile())
+    outer.add_edge(START, "team")
+    outer.add_edge("team", END)
+    log = outer.compile().invoke({"log": []})["log"]
+    assert log == ["no-thread:team|critic"]
+
+
+def test_every_message_kind_renders_and_the_reply_extends_the_cache(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), agent_id="tools", max_tokens=8)
+    call = {"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1", "type": "tool_call"}
+    messages = [
+        SystemMessage([{"type": "text", "text": "You can add numbers."}]),
+        HumanMessage([{"type": "text", "text": "What is 2 + 3?"}]),
+        AIMessage("", tool_calls=[call]),
+        ToolMessage("5", tool_call_id="call_1"),
+    ]
+    reply = llm.invoke(messages)  # no trailing human message: allowed
+    assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] > 0
+    text = llm.engine.cached_text("tools")
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
+    assert "<tool_response>\n5\n</tool_response>" in text
+    with pytest.raises(ValueError, match="text only"):
+        llm.invoke([HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}])])
+
+
+def _magic_function(input: int) -> int:
+    """Applies a magic function to an input."""
+    return input + 2
+
+
+@pytest.mark.parametrize(
+    "choice", ["any", "_magic_function", {"type": "function", "function": {"name": "_magic_function"}}]
+)
+def test_forced_tool_choice_yields_a_valid_call(smollm: LoadedModel, tmp_path: Path, choice: object) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path)).bind_tools([_magic_function], tool_choice=choice)
+    for reply in (
+        llm.invoke("What is magic_function(3)?"),
+        _joined(llm.stream("What is magic_function(3)?")),
+    ):
+        assert len(reply.tool_calls) == 1, reply
+        call = reply.tool_calls[0]
+        assert call["name"] == "_magic_function" and isinstance(call["args"]["input"], int)
+        assert set(call["args"]) == {"input"}
+
+
+def test_unknown_tool_choice_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not among the bound tools"):
+        ChatAgentMemory(cache_dir=str(tmp_path)).bind_tools([_magic_function], tool_choice="nope")
+
+
+class _Person(BaseModel):
+    name: str
+    age: int
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_structured_output_is_validated(smollm: LoadedModel, tmp_path: Path, method: str) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path))
+    question = "Alice is 31 years old. Give her name and age as JSON."
+    if method == "json_mode":
+        out = llm.with_structured_output({"type": "object"}, method="json_mode").invoke(question)
+        assert isinstance(out, dict)
+    else:
+        out = llm.with_structured_output(_Person, method=method).invoke(question)  # type: ignore[arg-type]
+        assert isinstance(out, _Person)
+        assert (out.name, out.age) == ("Alice", 31)
+
+
+def _joined(chunks):  # type: ignore[no-untyped-def]
+    chunks = list(chunks)
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert chunks[-1].chunk_position == "last"
+    return full

@@ -1,0 +1,63 @@
+"""Prompt rendering and reply parsing (prompt.py) with the shipped models' real tokenizers:
+the documented tool format, append-only rendering (so a next turn extends the cache), and
+text-only content."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+from langchain_agent_memory import prompt
+from langchain_agent_memory.engine.models import LoadedModel
+
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}
+]
+
+
+def test_reply_text_and_calls_are_parsed() -> None:
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls, invalid = prompt.parse_reply(text)
+    assert content == "Let me add."
+    assert [(c["name"], c["args"]) for c in calls] == [("add", {"a": 1})] and not invalid
+    assert calls[0]["id"] and calls[0]["id"].startswith("call_")
+
+
+def test_a_cut_off_or_malformed_call_is_invalid_not_lost() -> None:
+    _, calls, invalid = prompt.parse_reply('<tool_call>\n{"name": "add", "argum')
+    assert not calls and len(invalid) == 1 and invalid[0]["args"].startswith('{"name"')
+    assert prompt.parse_reply("no calls here") == ("no calls here", [], [])
+
+
+def test_a_generated_call_renders_back_to_the_same_text(smollm: LoadedModel) -> None:
+    """What the model wrote is what the next turn's prompt shows: the cache extends."""
+    generated = prompt.tool_call_text({"name": "add", "args": {"a": 2, "b": 3}})
+    _, calls, _ = prompt.parse_reply(generated)
+    rendered = prompt.render(smollm.tokenizer, [HumanMessage("2+3?"), AIMessage("", tool_calls=calls)])
+    assert f"<|im_start|>assistant\n{generated}<|im_end|>" in rendered
+
+
+def test_rendering_is_append_only(smollm: LoadedModel) -> None:
+    turn1 = [SystemMessage("Be brief."), HumanMessage("Hi")]
+    p1 = prompt.render(smollm.tokenizer, turn1, TOOLS)
+    p2 = prompt.render(smollm.tokenizer, [*turn1, AIMessage("Hello!"), HumanMessage("Bye")], TOOLS)
+    assert p2.startswith(p1 + "Hello!")
+
+
+def test_tools_and_tool_results_are_shown(smollm: LoadedModel) -> None:
+    msgs = [HumanMessage("2+3?"), ToolMessage("5", tool_call_id="c1")]
+    text = prompt.render(smollm.tokenizer, msgs, TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "add"' in text
+    assert "<|im_start|>tool\n<tool_response>\n5\n</tool_response>" in text
+
+
+def test_base_models_get_a_transcript(gemma: LoadedModel) -> None:
+    text = prompt.render(gemma.tokenizer, [SystemMessage("Be brief."), HumanMessage("Hi")])
+    assert text == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+
+
+def test_non_text_content_is_refused_with_a_reason(smollm: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="reads text only"):
+        prompt.render(smollm.tokenizer, [HumanMessage([{"type": "image", "url": "x"}])])
+    with pytest.raises(ValueError, match="at least one message"):
+        prompt.render(smollm.tokenizer, [])
