@@ -16,7 +16,8 @@ format (``KV_PRESETS``):
 - Greedy agreement with 16-bit KV: a two-turn exchange per prompt; turn 1 runs wholly at
   full precision (identical for every format), turn 2 decodes 48 tokens over turn 1's
   stored cache. Agreement = leading tokens equal to the 16-bit run's.
-- Bytes per token of the stored cache, and the Q/FP16 ratio.
+- Bytes per token of the stored cache (the agreement runs' ~800-token caches, and one
+  full 256-token block: what long caches are made of), and the ratio to 16-bit.
 - Prefill tok/s of 512 new tokens and decode tok/s of 16 steps over a stored 2K context
   (prefill attends to the stored keys dequantized per layer for BLAS; decode attends to
   the packed ones).
@@ -142,6 +143,24 @@ def greedy_agreement(model_name: str, formats: dict[str, Any], progress: Any) ->
     return {"agreement": agreement, "bytes_per_token": bytes_per_token}
 
 
+def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dict[str, list[float]]:
+    """Per format, bytes per token of the first three block files of a 700-token cache:
+    block 0 (which holds the head tokens), block 1 (a full block: what long caches are made
+    of) and the partial tail block."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    out = {}
+    for name, fmt in formats.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            eng = Engine(model_name, cache_dir=tmp, kv_format=fmt)
+            eng.generate("a", eng.tokenizer.decode(ids[:700]), GenerationParams(max_tokens=1))
+            record = eng.store.get_agent("a")
+            assert record is not None
+            sizes = [next(Path(tmp).rglob(f"{h}.safetensors")).stat().st_size for h in record.blocks]
+            out[name] = [size / (min(256, len(record.token_ids) - 256 * i)) for i, size in enumerate(sizes)]
+    return out
+
+
 def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
     """Per format: prefill tok/s of 512 new tokens and decode tok/s of 16 steps, both over
     a stored 2K context (best of 2)."""
@@ -181,6 +200,11 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=None, help="KV_PRESETS names (fp16 always included)")
     ap.add_argument("--windows", type=int, default=12, help="512-token windows for the perplexity")
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS), help="long-context lengths")
+    ap.add_argument(
+        "--speeds-only",
+        action="store_true",
+        help="re-measure only the speeds and block bytes (quiet machine), updating fidelity.json",
+    )
     a = ap.parse_args()
 
     from rich.console import Console
@@ -197,7 +221,7 @@ def main() -> None:
     install_attention_hook()
     names = ["fp16", *[n for n in (a.formats or KV_PRESETS) if n != "fp16"]]
     formats = {n: KV_PRESETS[n] for n in names}
-    console = Console()
+    console = Console(width=max(Console().width, 180))  # the table is wide; keep it whole in logs
     results: dict[str, Any] = {}
     with Progress(console=console) as progress:
         task = progress.add_task("fidelity", total=len(a.models) * (4 + len(a.contexts) + len(formats)))
@@ -207,10 +231,19 @@ def main() -> None:
             if what:
                 progress.update(task, description=what)
 
+        out = HERE / "results"
+        if a.speeds_only:
+            results = json.loads((out / "fidelity.json").read_text())
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
             ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 528)  # speeds reads 2,576
+            if a.speeds_only:
+                r = results[model_name]
+                speed = speeds(lm, spec, formats, ids)
+                r["prefill_tok_s"], r["decode_tok_s"] = speed["prefill"], speed["decode"]
+                r["block_bytes_per_token"] = block_bytes(model_name, formats, ids)
+                continue
             r: dict[str, Any] = {"fp16_bytes_per_token": spec.fp16_bytes_per_token()}
             progress.update(task, description=f"{model_name}: perplexity (512 windows)")
             r["ppl_512"] = stored_perplexity(lm.model, spec, formats, ids, a.windows)
@@ -224,6 +257,7 @@ def main() -> None:
             step(f"{model_name}: prefill speed")
             speed = speeds(lm, spec, formats, ids)
             r["prefill_tok_s"], r["decode_tok_s"] = speed["prefill"], speed["decode"]
+            r["block_bytes_per_token"] = block_bytes(model_name, formats, ids)
             step(f"{model_name}: greedy agreement")
             r.update(greedy_agreement(model_name, formats, step))
             step()
@@ -233,7 +267,8 @@ def main() -> None:
         table = Table(title=f"{model_name}: KV formats vs 16-bit KV")
         contexts = [int(c) for c in r["ppl_long"]]
         cols = ["format", "ppl 512", "Δ%", *[f"ppl {c // 1024}K" for c in contexts], "K err", "V err"]
-        cols += ["greedy ≥32", "agree median", "bytes/tok", "×FP16", "prefill tok/s", "decode tok/s"]
+        cols += ["greedy ≥32", "agree median", "bytes/tok", "×FP16", "full block ×FP16"]
+        cols += ["prefill tok/s", "decode tok/s"]
         for c in cols:
             table.add_column(c, justify="right")
         base = r["ppl_512"]["fp16"]
@@ -252,12 +287,12 @@ def main() -> None:
                 f"{statistics.median(agree):.0f}",
                 f"{bpt:.0f}",
                 f"{bpt / r['bytes_per_token']['fp16']:.3f}",
+                f"{r['block_bytes_per_token'][name][1] / r['block_bytes_per_token']['fp16'][1]:.3f}",
                 f"{r['prefill_tok_s'][name]:.0f}",
                 f"{r['decode_tok_s'][name]:.1f}",
             )
         console.print(table)
 
-    out = HERE / "results"
     out.mkdir(exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps(results, indent=2))
     plot(results, list(formats), out / "fidelity.png")

@@ -1,11 +1,13 @@
-"""Two agents on the embedded default model, three turns each, with a per-turn
-time-to-first-token table.
+"""Two agents of a LangGraph graph on the embedded default model, three turns each, with a
+per-turn time-to-first-token table.
 
-Each agent has its own system prompt of real text (>= 1K tokens): a licensing assistant
-that holds the Apache License 2.0, and a Python tutor that holds three topics of the
-Python reference manual. Every turn re-sends the whole conversation, as a chat app does;
-the engine recognises the agent's earlier text and prefills only the new turn. Run it
-twice: the second run starts warm, from the caches the first one left on disk.
+Each agent is a graph node that calls ``ChatAgentMemory()``; its KV cache is picked by
+(thread, node), so the two agents never share one. Each has a system prompt of real text
+(>= 1K tokens): a licensing assistant that holds the Apache License 2.0, and a Python
+tutor that holds three topics of the Python reference manual. Every turn re-sends the
+whole conversation, as a chat app does; the engine recognises the agent's earlier text and
+prefills only the new turn. Run it twice: the second run starts warm, from the caches the
+first one left on disk.
 
     python examples/quickstart.py [--max-tokens 48] [--model smollm2-135m] [--fresh]
 """
@@ -13,29 +15,27 @@ twice: the second run starts warm, from the caches the first one left on disk.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import operator
+import time
+from typing import Annotated, TypedDict
 
+from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
 from rich.console import Console
 from rich.table import Table
 
-from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory import ChatAgentMemory, corpus
+
+THREAD = "quickstart"
 
 
-@dataclass
-class Agent:
-    name: str
-    system: str
-    questions: list[str]
-    history: list[dict[str, str]] = field(default_factory=list)
-
-
-def agents() -> list[Agent]:
+def team() -> dict[str, tuple[str, list[str]]]:
+    """node name -> (system prompt, one question per turn)."""
     lic = corpus.apache_license()
     py = "\n\n".join(corpus.python_docs_topic(t) for t in ("assert", "for", "exceptions"))
-    return [
-        Agent(
-            "licensing",
+    return {
+        "licensing": (
             "You are a licensing assistant. Answer briefly, using this license text:\n\n" + lic,
             [
                 "What is the name of this license?",
@@ -43,8 +43,7 @@ def agents() -> list[Agent]:
                 "Do I have to keep the copyright notice?",
             ],
         ),
-        Agent(
-            "python-tutor",
+        "python_tutor": (
             "You are a Python tutor. Answer briefly, using this part of the Python reference:\n\n" + py,
             [
                 "What does the assert statement do?",
@@ -52,7 +51,36 @@ def agents() -> list[Agent]:
                 "What happens when an exception is not handled?",
             ],
         ),
-    ]
+    }
+
+
+class State(TypedDict):
+    turn: int
+    licensing: Annotated[list[AnyMessage], operator.add]
+    python_tutor: Annotated[list[AnyMessage], operator.add]
+    rows: Annotated[list[tuple], operator.add]
+
+
+def agent_node(llm: ChatAgentMemory, name: str, system: str, questions: list[str]):  # type: ignore[no-untyped-def]
+    def run(state: State) -> dict:
+        question = HumanMessage(questions[state["turn"]])
+        history = state[name]  # type: ignore[literal-required]
+        reply = llm.invoke([SystemMessage(system), *history, question])
+        meta, usage = reply.response_metadata, reply.usage_metadata or {}
+        row = (
+            meta["agent_id"],
+            state["turn"] + 1,
+            usage.get("input_tokens", 0),
+            usage.get("input_token_details", {}).get("cache_read", 0),
+            meta["cache"],
+            meta["time_to_first_token_s"],
+            usage.get("output_tokens", 0) / meta["decode_s"] if meta["decode_s"] else 0.0,
+            question.content,
+            reply.content.strip(),
+        )
+        return {name: [question, reply], "rows": [row]}
+
+    return run
 
 
 def main() -> None:
@@ -63,41 +91,37 @@ def main() -> None:
     args = ap.parse_args()
 
     console = Console()
+    llm = ChatAgentMemory(model=args.model, max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
     with console.status("loading the model (converted once on first use)"):
-        engine = Engine(args.model)
-    lm = engine.lm
+        engine = llm.engine
     console.print(
-        f"model [bold]{lm.name}[/] loaded in {lm.load_seconds:.1f} s; KV caches in {engine.store.dir}"
+        f"model [bold]{engine.lm.name}[/] ready in {time.perf_counter() - t0:.1f} s; "
+        f"KV format {engine.quant.label}; caches in {engine.store.dir}"
     )
 
-    table = Table(title="time to first token per turn")
-    for col in ("agent", "turn", "prompt tokens", "reused", "cache", "TTFT s", "decode tok/s"):
-        table.add_column(col, justify="right")
-    team = agents()
+    graph = StateGraph(State)
+    previous = START
+    for name, (system, questions) in team().items():
+        graph.add_node(name, agent_node(llm, name, system, questions))
+        graph.add_edge(previous, name)
+        previous = name
+    graph.add_edge(previous, END)
+    app = graph.compile(checkpointer=InMemorySaver())
     if args.fresh:
-        for agent in team:
-            engine.delete(f"quickstart:{agent.name}")
-    params = GenerationParams(max_tokens=args.max_tokens)
-    for turn in range(3):
-        for agent in team:
-            question = agent.questions[turn]
-            agent.history.append({"role": "user", "content": question})
-            messages = [{"role": "system", "content": agent.system}, *agent.history]
-            prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            r = engine.generate(f"quickstart:{agent.name}", prompt, params)
-            answer = r.text.strip()
-            agent.history.append({"role": "assistant", "content": r.text})
-            console.print(f"[bold]{agent.name}[/] turn {turn + 1}: {question}\n  -> {answer}")
-            decode_tps = r.completion_tokens / r.timings.decode_s if r.timings.decode_s else 0.0
-            table.add_row(
-                agent.name,
-                str(turn + 1),
-                str(r.prompt_tokens),
-                str(r.reused_tokens),
-                str(r.outcome),
-                f"{r.timings.ttft_s:.2f}",
-                f"{decode_tps:.1f}",
-            )
+        for name in team():
+            engine.delete(f"{THREAD}:{name}")
+
+    config = {"configurable": {"thread_id": THREAD}}
+    state: dict = {}
+    for turn in range(3):  # the checkpointer carries each agent's history to the next turn
+        state = app.invoke({"turn": turn, "licensing": [], "python_tutor": [], "rows": []}, config)
+    table = Table(title="time to first token per turn")
+    for col in ("agent (thread:node)", "turn", "prompt tokens", "reused", "cache", "TTFT s", "decode tok/s"):
+        table.add_column(col, justify="right")
+    for agent, turn, prompt_tokens, reused, cache, ttft, tps, question, answer in state["rows"]:
+        console.print(f"[bold]{agent}[/] turn {turn}: {question}\n  -> {answer}")
+        table.add_row(agent, str(turn), str(prompt_tokens), str(reused), cache, f"{ttft:.2f}", f"{tps:.1f}")
     console.print(table)
 
 

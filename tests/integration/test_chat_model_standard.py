@@ -9,10 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from langchain_agent_memory import ChatAgentMemory
+from langchain_agent_memory import ChatAgentMemory, corpus
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,24 @@ class TestChatAgentMemoryIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        """The second of two identical calls reads all but the last prompt token from the
+        cache (the last is re-run for its logits)."""
+        llm = ChatAgentMemory(**self.chat_model_params, agent_id=f"cache-read-{stream}", max_tokens=4)
+        messages = [HumanMessage("Summarise:\n\n" + corpus.apache_license()[:1500])]
+        llm.invoke(messages)
+        if not stream:
+            second = llm.invoke(messages)
+        else:
+            chunks = list(llm.stream(messages))
+            second = chunks[0]
+            for c in chunks[1:]:
+                second = second + c
+        usage = second.usage_metadata
+        assert usage is not None and usage["input_token_details"]["cache_read"] >= usage["input_tokens"] - 8
+        return second  # type: ignore[return-value]
