@@ -254,7 +254,8 @@ class ChatAgentMemory(BaseChatModel):
         """Replies parsed into ``schema`` (a Pydantic class, TypedDict, JSON schema or
         OpenAI tool dict). Every method decodes under the schema, so the output parses:
         ``json_schema`` (default: the reply is the JSON object), ``function_calling`` (a
-        forced tool call), ``json_mode`` (any JSON object; describe it in the prompt)."""
+        forced tool call), ``json_mode`` (a JSON object, decoded under ``schema`` too
+        unless it is a bare ``{"type": "object"}``: describe the object in the prompt)."""
         kwargs.pop("strict", None)  # decoding is always constrained: every reply is strict
         if kwargs:
             raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
@@ -263,23 +264,19 @@ class ChatAgentMemory(BaseChatModel):
         if method == "function_calling":
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools(
-                [schema], tool_choice=name, ls_structured_output_format=_ls_format(schema, method)
-            )
+            llm = self.bind_tools([schema], tool_choice=name, **_ls_format(schema, method))
             if is_pydantic:
                 parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
             else:
                 parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
         elif method in ("json_schema", "json_mode"):
-            json_schema = convert_to_json_schema(schema) if method == "json_schema" else {"type": "object"}
+            # json_mode is decoded like json_schema when the schema says more than "an
+            # object": stricter than a JSON mode, and the reply always parses into the schema.
+            json_schema = convert_to_json_schema(schema) if schema else {"type": "object"}
             llm = self.bind(
-                response_format={"type": "json_schema", "schema": json_schema},
-                ls_structured_output_format=_ls_format(schema, method),
+                response_format={"type": "json_schema", "schema": json_schema}, **_ls_format(schema, method)
             )
-            if is_pydantic and method == "json_schema":
-                parser = PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
-            else:
-                parser = JsonOutputParser()
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
             raise ValueError(
                 f"method must be 'json_schema', 'function_calling' or 'json_mode'; got {method!r}"
@@ -328,10 +325,13 @@ def _forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, An
 
 
 def _ls_format(schema: Any, method: str) -> dict[str, Any]:
+    """Tracing metadata for LangSmith: ``{"ls_structured_output_format": ...}`` when the
+    schema converts to a tool (a bare ``{"type": "object"}`` does not), else nothing."""
     try:
-        return {"kwargs": {"method": method}, "schema": convert_to_openai_tool(schema)}
+        tool = convert_to_openai_tool(schema)
     except Exception:  # only tracing metadata: never fail the call over it
-        return {"kwargs": {"method": method}}
+        return {}
+    return {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": tool}}
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:

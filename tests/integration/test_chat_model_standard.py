@@ -60,6 +60,17 @@ class TestChatAgentMemoryIntegration(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M does not call a tool unless forced: asked 'What is the weather in "
+        "San Francisco, CA?' with get_weather bound (tool_choice auto) it answered in text, 'The "
+        "weather in San Francisco, CA, is a combination of the San Francisco Snow Fall and the San "
+        "Francisco Snow City.' Forced tool_choice always yields a valid call (test_tool_choice).",
+        strict=True,
+    )
+    def test_agent_loop(self, model: ChatAgentMemory) -> None:
+        super().test_agent_loop(model)
+
     @property
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
