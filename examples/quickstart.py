@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="delete the agents' caches first")
     args = ap.parse_args()
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # keep the table whole in logs
     llm = ChatAgentMemory(model=args.model, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     with console.status("loading the model (converted once on first use)"):

@@ -272,7 +272,7 @@ class ChatAgentMemory(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             # json_mode is decoded like json_schema when the schema says more than "an
             # object": stricter than a JSON mode, and the reply always parses into the schema.
-            json_schema = convert_to_json_schema(schema) if schema else {"type": "object"}
+            json_schema = _json_schema(schema)
             llm = self.bind(
                 response_format={"type": "json_schema", "schema": json_schema}, **_ls_format(schema, method)
             )
@@ -322,6 +322,16 @@ def _forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, An
         return tools
     name = _choice_name(choice)
     return [t for t in tools if t["function"]["name"] == name]
+
+
+def _json_schema(schema: dict[str, Any] | type | None) -> dict[str, Any]:
+    """A JSON schema from a Pydantic class, TypedDict, OpenAI tool dict or titled schema; an
+    untitled dict is taken as the JSON schema itself (``{"type": "object"}``: any object)."""
+    if not schema:
+        return {"type": "object"}
+    if isinstance(schema, dict) and "title" not in schema and "function" not in schema:
+        return schema
+    return convert_to_json_schema(schema)
 
 
 def _ls_format(schema: Any, method: str) -> dict[str, Any]:
