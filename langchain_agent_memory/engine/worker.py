@@ -63,15 +63,6 @@ class Worker:
     def on_worker(self) -> bool:
         return threading.get_ident() == self._thread_id
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the worker thread (inline when already there)."""
-        if self.on_worker:
-            return fn(*args)
-        return self.submit(fn, *args).result()
-
-    async def acall(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self.submit(fn, *args))
-
     def iterate(self, job: Job[T]) -> Iterator[T]:
         """The items of ``job`` (run on the worker), yielded on the calling thread."""
         if self.on_worker:
@@ -81,12 +72,7 @@ class Worker:
         cancel = threading.Event()
         self.submit(_drain, job, cancel, items.put)
         try:
-            while True:
-                kind, item = items.get()
-                if kind == _END:
-                    return
-                if kind == _ERROR:
-                    raise item
+            while (item := _unpack(items.get())) is not _DONE:
                 yield item
         finally:
             cancel.set()  # the consumer stopped early (or the job ended: harmless)
@@ -102,15 +88,21 @@ class Worker:
 
         self.submit(_drain, job, cancel, put)
         try:
-            while True:
-                kind, item = await items.get()
-                if kind == _END:
-                    return
-                if kind == _ERROR:
-                    raise item
+            while (item := _unpack(await items.get())) is not _DONE:
                 yield item
         finally:
             cancel.set()
+
+
+_DONE = object()
+
+
+def _unpack(entry: tuple[int, Any]) -> Any:
+    """A queued item, ``_DONE`` at the end, or the job's exception raised here."""
+    kind, item = entry
+    if kind == _ERROR:
+        raise item
+    return _DONE if kind == _END else item
 
 
 def _drain(job: Job[Any], cancel: threading.Event, put: Callable[[tuple[int, Any]], None]) -> None:
