@@ -224,6 +224,24 @@ class Engine:
             self.pool.set_chain(record.blocks, [])
             return True
 
+    def agent_records(self, prefix: str = "") -> list[AgentRecord]:
+        """The stored records of every agent whose id starts with ``prefix``."""
+        with self._lock:
+            return [r for r in self.store.agents() if r.agent_id.startswith(prefix)]
+
+    def set_agent(self, agent_id: str, source: AgentRecord) -> None:
+        """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
+        restore. Blocks are shared (reference counts move), no tensor is copied."""
+        validate_agent_id(agent_id)
+        with self._lock:
+            old = self._read_record(agent_id)
+            record = AgentRecord(
+                agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
+            )
+            self.store.put_agent(record)
+            self.pool.set_chain(old.blocks if old else [], record.blocks)
+            self._agents.pop(agent_id, None)  # a live copy would stand for the old text
+
     def cached_tokens(self, agent_id: str) -> int:
         with self._lock:
             state = self._agents.get(agent_id)

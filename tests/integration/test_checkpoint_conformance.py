@@ -1,14 +1,18 @@
-"""langgraph-checkpoint-conformance on the SQLite checkpointer: every base capability and
-every extended one (delete_for_runs, copy_thread, prune) must pass."""
+"""langgraph-checkpoint-conformance: every base capability and every extended one
+(delete_for_runs, copy_thread, prune) must pass, for the SQLite checkpointer and for
+AgentMemorySaver on top of it (real engine, real cache directory)."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
+import pytest
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
 
+from langchain_agent_memory.checkpoint import AgentMemorySaver
+from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
 
 
@@ -20,10 +24,20 @@ async def _sqlite_checkpoints():  # type: ignore[no-untyped-def]
         saver.conn.close()
 
 
-async def test_sqlite_checkpoints_full_conformance() -> None:
-    report = await validate(_sqlite_checkpoints)
+@checkpointer_test(name="AgentMemorySaver")
+async def _agent_memory_saver():  # type: ignore[no-untyped-def]
+    with tempfile.TemporaryDirectory() as tmp:
+        yield AgentMemorySaver(cache_dir=tmp)
+
+
+@pytest.mark.parametrize("registered", [_sqlite_checkpoints, _agent_memory_saver], ids=lambda r: r.name)
+async def test_full_conformance(registered, smollm: LoadedModel) -> None:  # type: ignore[no-untyped-def]
+    report = await validate(registered)
     report.print_report()
     failures = {cap: r.failures for cap, r in report.results.items() if r.passed is not True}
     assert not failures, failures
     assert {c.value for c in ALL_CAPABILITIES} <= {c for c, r in report.results.items() if r.detected}
     assert report.conformance_level() == "FULL"
+    passed = sum(r.tests_passed for r in report.results.values())
+    print(f"{registered.name}: {passed} conformance tests passed")
+    assert passed >= 40

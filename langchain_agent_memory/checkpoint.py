@@ -1,0 +1,254 @@
+"""``AgentMemorySaver``: a LangGraph checkpointer that also keeps each thread's agent KV
+caches in step with its checkpoints.
+
+Checkpoints themselves go to another saver (default: ``SqliteCheckpoints`` in the cache
+directory; any ``BaseCheckpointSaver``, e.g. LangGraph's PostgresSaver, can be passed).
+On top of it this saver keeps *links*, in ``agent_links.sqlite`` beside the caches: for
+each checkpoint, the thread's agents (ids ``{thread_id}:...``, see ``namespace``) and the
+cache each stood at. A cache state is kept as a *snapshot*: an agent record named
+``@snapshot:{digest}`` in the block store, so its blocks stay referenced (and shared, never
+copied) for as long as a checkpoint links to it.
+
+- ``delete_thread`` deletes the thread's caches and links (blocks are freed once nothing
+  refers to them); ``copy_thread`` forks them (the copy's agents share every block and then
+  diverge on their own); ``prune`` and ``delete_for_runs`` drop the links of the
+  checkpoints they delete (``prune(strategy="delete")`` also deletes the caches).
+- Time travel: ``get_tuple`` of an explicit, older checkpoint sets the thread's agents back
+  to the caches they had there, so a resumed (or forked) run extends them exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+)
+
+from .config import get_settings
+from .engine.engine import Engine, shared_engine
+from .engine.store import AgentRecord
+from .sqlite_checkpoints import SqliteCheckpoints
+from .threaded_async import ThreadedAsync
+
+SNAPSHOT_PREFIX = "@snapshot:"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS links (
+    thread_id TEXT NOT NULL,
+    checkpoint_ns TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,
+    agent_id TEXT NOT NULL,
+    snapshot TEXT NOT NULL,
+    PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, agent_id)
+);
+"""
+
+
+def record_digest(record: AgentRecord) -> str:
+    """Identity of a cache state (blocks, tokens, text), independent of the agent's id."""
+    payload = json.dumps([record.blocks, record.token_ids, record.token_ends, record.text])
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
+    """Checkpoints plus the agent caches they stand for.
+
+    Args:
+        checkpoints: where checkpoints go (default ``SqliteCheckpoints`` at
+            ``{cache_dir}/checkpoints.sqlite``).
+        cache_dir, model, kv_bits, kv_format: the engine whose caches are linked: the same
+            values as the graph's ``ChatAgentMemory`` (both default alike), so both share one
+            engine.
+    """
+
+    def __init__(
+        self,
+        checkpoints: BaseCheckpointSaver | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        model: str | None = None,
+        kv_bits: int | None = 4,
+        kv_format: str | None = None,
+    ) -> None:
+        root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        self.inner = (
+            checkpoints if checkpoints is not None else SqliteCheckpoints(root / "checkpoints.sqlite")
+        )
+        super().__init__(serde=self.inner.serde)
+        self.cache_dir = root
+        self._engine_args: dict[str, Any] = {
+            "model": model,
+            "cache_dir": root,
+            "kv_bits": kv_bits,
+            "kv_format": kv_format,
+        }
+        self._db = sqlite3.connect(str(root / "agent_links.sqlite"), check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.RLock()
+
+    @property
+    def engine(self) -> Engine:
+        return shared_engine(**self._engine_args)
+
+    @property
+    def config_specs(self) -> list:
+        return self.inner.config_specs
+
+    def get_next_version(self, current: Any, channel: None) -> Any:
+        return self.inner.get_next_version(current, channel)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        tup = self.inner.get_tuple(config)
+        if tup is not None and config["configurable"].get("checkpoint_id"):
+            self._restore_if_older(tup)
+        return tup
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        return self.inner.list(config, filter=filter, before=before, limit=limit)
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        saved = self.inner.put(config, checkpoint, metadata, new_versions)
+        c = saved["configurable"]
+        self._link(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"])
+        return saved
+
+    def put_writes(
+        self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
+    ) -> None:
+        self.inner.put_writes(config, writes, task_id, task_path)
+
+    def delete_thread(self, thread_id: str) -> None:
+        self.inner.delete_thread(thread_id)
+        self._forget_thread(str(thread_id))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        doomed = [
+            t.config["configurable"]
+            for run_id in run_ids
+            for t in self.inner.list(None, filter={"run_id": run_id})
+        ]
+        self.inner.delete_for_runs(run_ids)
+        with self._lock, self._db:
+            self._db.executemany(
+                "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+                [(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]) for c in doomed],
+            )
+        self._collect_snapshots()
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        self.inner.copy_thread(source_thread_id, target_thread_id)
+        src, dst = str(source_thread_id), str(target_thread_id)
+        engine = self.engine
+        for record in engine.agent_records(f"{src}:"):
+            engine.set_agent(dst + record.agent_id[len(src) :], record)
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO links SELECT ?, checkpoint_ns, checkpoint_id, "
+                "? || substr(agent_id, ?), snapshot FROM links WHERE thread_id = ?",
+                (dst, dst, len(src) + 1, src),
+            )
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        self.inner.prune(thread_ids, strategy=strategy)
+        for thread_id in map(str, thread_ids):
+            if strategy == "delete":
+                self._forget_thread(thread_id)
+                continue
+            kept = {
+                (t.config["configurable"].get("checkpoint_ns", ""), t.config["configurable"]["checkpoint_id"])
+                for t in self.inner.list({"configurable": {"thread_id": thread_id}})
+            }
+            with self._lock, self._db:
+                rows = self._db.execute(
+                    "SELECT DISTINCT checkpoint_ns, checkpoint_id FROM links WHERE thread_id = ?",
+                    (thread_id,),
+                ).fetchall()
+                self._db.executemany(
+                    "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+                    [(thread_id, ns, cid) for ns, cid in rows if (ns, cid) not in kept],
+                )
+        self._collect_snapshots()
+
+    # ------------------------------------------------------------------ links
+
+    def linked_agents(self, config: RunnableConfig) -> dict[str, str]:
+        """agent id -> snapshot digest for the checkpoint named by ``config``."""
+        c = config["configurable"]
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT agent_id, snapshot FROM links WHERE thread_id = ? AND checkpoint_ns = ? "
+                "AND checkpoint_id = ?",
+                (str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]),
+            ).fetchall()
+        return dict(rows)
+
+    def _link(self, thread_id: str, ns: str, checkpoint_id: str) -> None:
+        engine = self.engine
+        rows = []
+        for record in engine.agent_records(f"{thread_id}:"):
+            digest = record_digest(record)
+            if engine.store.get_agent(SNAPSHOT_PREFIX + digest) is None:
+                engine.set_agent(SNAPSHOT_PREFIX + digest, record)
+            rows.append((thread_id, ns, checkpoint_id, record.agent_id, digest))
+        with self._lock, self._db:
+            self._db.executemany("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?)", rows)
+
+    def _restore_if_older(self, tup: CheckpointTuple) -> None:
+        """Set the thread's agents back to their caches at ``tup`` if it is not the latest."""
+        c = tup.config["configurable"]
+        latest = self.inner.get_tuple(
+            {"configurable": {"thread_id": c["thread_id"], "checkpoint_ns": c.get("checkpoint_ns", "")}}
+        )
+        if latest is None or latest.config["configurable"]["checkpoint_id"] == c["checkpoint_id"]:
+            return
+        engine = self.engine
+        for agent_id, digest in self.linked_agents(tup.config).items():
+            snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + digest)
+            current = engine.store.get_agent(agent_id)
+            if snapshot is not None and (current is None or record_digest(current) != digest):
+                engine.set_agent(agent_id, snapshot)
+
+    def _forget_thread(self, thread_id: str) -> None:
+        engine = self.engine
+        for record in engine.agent_records(f"{thread_id}:"):
+            engine.delete(record.agent_id)
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM links WHERE thread_id = ?", (thread_id,))
+        self._collect_snapshots()
+
+    def _collect_snapshots(self) -> None:
+        """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
+        engine = self.engine
+        with self._lock:
+            live = {row[0] for row in self._db.execute("SELECT DISTINCT snapshot FROM links")}
+        for record in engine.agent_records(SNAPSHOT_PREFIX):
+            if record.agent_id[len(SNAPSHOT_PREFIX) :] not in live:
+                engine.delete(record.agent_id)

@@ -1,0 +1,115 @@
+"""AgentMemorySaver's links between checkpoints and agent caches, on a real LangGraph graph
+with ChatAgentMemory nodes: delete frees the files, copy shares blocks and diverges on its
+own, prune collects old snapshots, time travel restores the caches of a checkpoint."""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import pytest
+from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
+
+from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
+from langchain_agent_memory.checkpoint import SNAPSHOT_PREFIX
+from langchain_agent_memory.engine.models import LoadedModel
+
+SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:1500]
+
+
+class State(TypedDict):
+    messages: Annotated[list[AnyMessage], operator.add]
+
+
+def _app(tmp: Path):  # type: ignore[no-untyped-def]
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp), max_tokens=6)
+    saver = AgentMemorySaver(cache_dir=tmp)
+
+    def lawyer(state: State) -> dict:
+        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    g = StateGraph(State)
+    g.add_node("lawyer", lawyer)
+    g.add_edge(START, "lawyer")
+    g.add_edge("lawyer", END)
+    return g.compile(checkpointer=saver), saver, llm.engine
+
+
+def _cfg(thread: str) -> dict:
+    return {"configurable": {"thread_id": thread}}
+
+
+def _block_files(tmp: Path) -> set[str]:
+    return {p.stem for p in (tmp / "kv").rglob("blocks/*/*.safetensors")}
+
+
+@pytest.fixture
+def two_turns(smollm: LoadedModel, tmp_path: Path):  # type: ignore[no-untyped-def]
+    app, saver, engine = _app(tmp_path)
+    app.invoke({"messages": [HumanMessage("What is this license called?")]}, _cfg("t1"))
+    app.invoke({"messages": [HumanMessage("Who wrote it?")]}, _cfg("t1"))
+    return app, saver, engine, tmp_path
+
+
+def test_every_checkpoint_links_the_cache_it_stood_at(two_turns) -> None:  # type: ignore[no-untyped-def]
+    app, saver, engine, _ = two_turns
+    history = list(app.get_state_history(_cfg("t1")))
+    linked = [saver.linked_agents(s.config) for s in history]
+    after_turns = [links for links in linked if links]
+    assert all(set(links) == {"t1:lawyer"} for links in after_turns)
+    assert len({links["t1:lawyer"] for links in after_turns}) == 2  # one cache state per turn
+    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    assert len(snapshots) == 2
+    latest = engine.store.get_agent("t1:lawyer")
+    assert latest is not None and any(s.blocks == latest.blocks for s in snapshots)
+
+
+def test_delete_thread_frees_the_cache_files(two_turns) -> None:  # type: ignore[no-untyped-def]
+    app, saver, engine, tmp = two_turns
+    assert _block_files(tmp)
+    saver.delete_thread("t1")
+    assert engine.agent_records() == []  # the agent and every snapshot
+    assert _block_files(tmp) == set()
+    assert app.get_state(_cfg("t1")).values == {}
+
+
+def test_copy_thread_shares_blocks_and_diverges_on_its_own(two_turns) -> None:  # type: ignore[no-untyped-def]
+    app, saver, engine, tmp = two_turns
+    before = _block_files(tmp)
+    saver.copy_thread("t1", "t2")
+    assert _block_files(tmp) == before  # a fork copies no tensors
+    source = engine.store.get_agent("t1:lawyer")
+    fork = engine.store.get_agent("t2:lawyer")
+    assert source is not None and fork is not None and fork.blocks == source.blocks
+    out = app.invoke({"messages": [HumanMessage("Can I sell copies?")]}, _cfg("t2"))
+    assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
+    assert engine.store.get_agent("t1:lawyer") == source  # the source is untouched
+    assert engine.cached_tokens("t2:lawyer") > len(source.token_ids)
+    assert len(app.get_state(_cfg("t1")).values["messages"]) == 4
+
+
+def test_prune_collects_the_snapshots_of_pruned_checkpoints(two_turns) -> None:  # type: ignore[no-untyped-def]
+    _, saver, engine, tmp = two_turns
+    saver.prune(["t1"], strategy="keep_latest")
+    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    assert len(snapshots) == 1
+    assert snapshots[0].blocks == engine.store.get_agent("t1:lawyer").blocks  # type: ignore[union-attr]
+    saver.prune(["t1"], strategy="delete")
+    assert engine.agent_records() == [] and _block_files(tmp) == set()
+
+
+def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  # type: ignore[no-untyped-def]
+    app, saver, engine, _ = two_turns
+    turn1 = next(s for s in app.get_state_history(_cfg("t1")) if len(s.values.get("messages", [])) == 2)
+    snapshot = saver.linked_agents(turn1.config)["t1:lawyer"]
+    stored_after_turn1 = engine.store.get_agent(SNAPSHOT_PREFIX + snapshot)
+    assert stored_after_turn1 is not None
+    assert len(engine.cached_text("t1:lawyer")) > len(stored_after_turn1.text)  # now at turn 2
+    # Resume from turn 1 with another question: the node extends turn 1's cache exactly.
+    forked = app.invoke({"messages": [HumanMessage("Is it free?")]}, turn1.config)
+    reply = forked["messages"][-1]
+    assert reply.response_metadata["cache"].endswith("-extend")  # hot: its blocks are in memory
+    assert reply.usage_metadata["input_token_details"]["cache_read"] == len(stored_after_turn1.token_ids)
