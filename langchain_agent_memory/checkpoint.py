@@ -9,6 +9,12 @@ cache each stood at. A cache state is kept as a *snapshot*: an agent record name
 ``@snapshot:{digest}`` in the block store, so its blocks stay referenced (and shared, never
 copied) for as long as a checkpoint links to it.
 
+Which state a checkpoint links is decided by time, not by when ``put`` is called: LangGraph
+saves checkpoints in the background by default (``durability="async"``), so the put of
+checkpoint N can arrive after the nodes of step N+1 have already extended the caches. The
+engine reports every commit (``Engine.commit_listeners``); the saver keeps that history and
+links, for each agent, its last commit before the checkpoint's own timestamp.
+
 - ``delete_thread`` deletes the thread's caches and links (blocks are freed once nothing
   refers to them); ``copy_thread`` forks them (the copy's agents share every block and then
   diverge on their own); ``prune`` and ``delete_for_runs`` drop the links of the
@@ -23,7 +29,9 @@ import hashlib
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +53,12 @@ from .threaded_async import ThreadedAsync
 SNAPSHOT_PREFIX = "@snapshot:"
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS history (
+    agent_id TEXT NOT NULL,
+    committed_at REAL NOT NULL,
+    snapshot TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS history_agent ON history (agent_id, committed_at);
 CREATE TABLE IF NOT EXISTS links (
     thread_id TEXT NOT NULL,
     checkpoint_ns TEXT NOT NULL,
@@ -98,6 +112,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         self._db = sqlite3.connect(str(root / "agent_links.sqlite"), check_same_thread=False)
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
+        # Built now, not lazily: the commit history must start before the first node runs.
+        self.engine.commit_listeners.append(self._on_commit)
 
     @property
     def engine(self) -> Engine:
@@ -137,7 +153,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         saved = self.inner.put(config, checkpoint, metadata, new_versions)
         c = saved["configurable"]
-        self._link(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"])
+        at = datetime.fromisoformat(checkpoint["ts"]).timestamp()
+        self._link(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"], at)
         return saved
 
     def put_writes(
@@ -169,6 +186,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         engine = self.engine
         for record in engine.agent_records(f"{src}:"):
             engine.set_agent(dst + record.agent_id[len(src) :], record)
+            self._remember(dst + record.agent_id[len(src) :], record, time.time())
         with self._lock, self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO links SELECT ?, checkpoint_ns, checkpoint_id, "
@@ -210,16 +228,37 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
             ).fetchall()
         return dict(rows)
 
-    def _link(self, thread_id: str, ns: str, checkpoint_id: str) -> None:
+    def _on_commit(self, record: AgentRecord) -> None:
+        """A request committed ``record``: keep it as a snapshot in the history."""
+        if not record.agent_id.startswith(SNAPSHOT_PREFIX):
+            self._remember(record.agent_id, record, record.updated_at)
+
+    def _remember(self, agent_id: str, record: AgentRecord, at: float) -> None:
+        digest = record_digest(record)
         engine = self.engine
-        rows = []
-        for record in engine.agent_records(f"{thread_id}:"):
-            digest = record_digest(record)
-            if engine.store.get_agent(SNAPSHOT_PREFIX + digest) is None:
-                engine.set_agent(SNAPSHOT_PREFIX + digest, record)
-            rows.append((thread_id, ns, checkpoint_id, record.agent_id, digest))
+        if engine.store.get_agent(SNAPSHOT_PREFIX + digest) is None:
+            engine.set_agent(SNAPSHOT_PREFIX + digest, record)
         with self._lock, self._db:
-            self._db.executemany("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?)", rows)
+            self._db.execute("INSERT INTO history VALUES (?, ?, ?)", (agent_id, at, digest))
+
+    def _link(self, thread_id: str, ns: str, checkpoint_id: str, at: float) -> None:
+        """Link each of the thread's agents to its last commit before ``at``; older history
+        of those agents can no longer be chosen by a later checkpoint and is dropped."""
+        prefix = f"{thread_id}:"
+        with self._lock, self._db:
+            rows = self._db.execute(
+                "SELECT agent_id, snapshot, MAX(committed_at) FROM history "
+                "WHERE substr(agent_id, 1, ?) = ? AND committed_at <= ? GROUP BY agent_id",
+                (len(prefix), prefix, at),
+            ).fetchall()
+            self._db.executemany(
+                "INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?)",
+                [(thread_id, ns, checkpoint_id, agent, digest) for agent, digest, _ in rows],
+            )
+            self._db.executemany(
+                "DELETE FROM history WHERE agent_id = ? AND committed_at < ?",
+                [(agent, when) for agent, _, when in rows],
+            )
 
     def _restore_if_older(self, tup: CheckpointTuple) -> None:
         """Set the thread's agents back to their caches at ``tup`` if it is not the latest."""
@@ -240,15 +279,20 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         engine = self.engine
         for record in engine.agent_records(f"{thread_id}:"):
             engine.delete(record.agent_id)
+        prefix = f"{thread_id}:"
         with self._lock, self._db:
             self._db.execute("DELETE FROM links WHERE thread_id = ?", (thread_id,))
+            self._db.execute("DELETE FROM history WHERE substr(agent_id, 1, ?) = ?", (len(prefix), prefix))
         self._collect_snapshots()
 
     def _collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
         engine = self.engine
         with self._lock:
-            live = {row[0] for row in self._db.execute("SELECT DISTINCT snapshot FROM links")}
+            live = {
+                row[0]
+                for row in self._db.execute("SELECT snapshot FROM links UNION SELECT snapshot FROM history")
+            }
         for record in engine.agent_records(SNAPSHOT_PREFIX):
             if record.agent_id[len(SNAPSHOT_PREFIX) :] not in live:
                 engine.delete(record.agent_id)

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -162,6 +162,9 @@ class Engine:
         self._agents: OrderedDict[str, _AgentState] = OrderedDict()  # hot agents, LRU order
         self._lock = threading.RLock()  # guards the agent table and the pool
         self._worker = Worker()  # every request's MLX work runs on this one thread
+        #: Called with each new agent record right after a request commits it (on the
+        #: worker thread, under the engine lock): a checkpointer keeps cache history here.
+        self.commit_listeners: list[Callable[[AgentRecord], None]] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -557,6 +560,8 @@ class Engine:
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
         written += self.store.put_agent(record)
         self.pool.set_chain(old_blocks, chain)
+        for listener in self.commit_listeners:
+            listener(record)
         # Sliding layers keep their window and the last (partial) block, for the next save.
         for layer in layers:
             if layer.spec.window is not None:
