@@ -21,6 +21,8 @@ links, for each agent, its last commit before the checkpoint's own timestamp.
   checkpoints they delete (``prune(strategy="delete")`` also deletes the caches).
 - Time travel: ``get_tuple`` of an explicit, older checkpoint sets the thread's agents back
   to the caches they had there, so a resumed (or forked) run extends them exactly.
+- Prefetch: ``get_tuple`` also starts loading the caches of the nodes the checkpoint runs
+  next (``next_nodes``) on the engine's worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,13 @@ def record_digest(record: AgentRecord) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def next_nodes(checkpoint: Checkpoint) -> set[str]:
+    """The nodes a checkpoint has triggered but not yet run: LangGraph keeps a pending
+    trigger as a ``branch:to:{node}`` channel value until the node consumes it."""
+    marker = "branch:to:"
+    return {ch[len(marker) :] for ch in checkpoint.get("channel_values", {}) if ch.startswith(marker)}
+
+
 class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     """Checkpoints plus the agent caches they stand for.
 
@@ -85,6 +95,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         cache_dir, model, kv_bits, kv_format: the engine whose caches are linked: the same
             values as the graph's ``ChatAgentMemory`` (both default alike), so both share one
             engine.
+        prefetch: when a thread is read to run (``get_tuple``), load the caches of the
+            nodes it runs next into memory in the background.
     """
 
     def __init__(
@@ -95,6 +107,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         model: str | None = None,
         kv_bits: int | None = 4,
         kv_format: str | None = None,
+        prefetch: bool = True,
     ) -> None:
         root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
         root.mkdir(parents=True, exist_ok=True)
@@ -112,6 +125,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         self._db = sqlite3.connect(str(root / "agent_links.sqlite"), check_same_thread=False)
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
+        self.prefetch = prefetch
+        self.last_prefetch: Future[int] | None = None  # the latest background load, if any
         # Built now, not lazily: the commit history must start before the first node runs.
         self.engine.commit_listeners.append(self._on_commit)
 
@@ -132,6 +147,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         tup = self.inner.get_tuple(config)
         if tup is not None and config["configurable"].get("checkpoint_id"):
             self._restore_if_older(tup)
+        if tup is not None and self.prefetch:
+            self._prefetch_next(tup)
         return tup
 
     def list(
@@ -259,6 +276,22 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
                 "DELETE FROM history WHERE agent_id = ? AND committed_at < ?",
                 [(agent, when) for agent, _, when in rows],
             )
+
+    def _prefetch_next(self, tup: CheckpointTuple) -> None:
+        """Start loading, in the background, the caches of the nodes that run next (a
+        resumed thread's first node then gets its first token from memory)."""
+        nodes = next_nodes(tup.checkpoint)
+        if not nodes:
+            return
+        prefix = f"{tup.config['configurable']['thread_id']}:"
+        engine = self.engine
+        agents = [
+            r.agent_id
+            for r in engine.agent_records(prefix)
+            if r.agent_id[len(prefix) :].split("|", 1)[0] in nodes
+        ]
+        if agents:
+            self.last_prefetch = engine.prefetch(agents)
 
     def _restore_if_older(self, tup: CheckpointTuple) -> None:
         """Set the thread's agents back to their caches at ``tup`` if it is not the latest."""

@@ -14,7 +14,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -226,6 +227,31 @@ class Engine:
             self.store.delete_agent(agent_id)
             self.pool.set_chain(record.blocks, [])
             return True
+
+    def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
+        """Load these agents' caches into memory in the background (on the worker thread):
+        blocks read and layer caches built, so each one's next request starts hot. Agents
+        already live or without a cache are skipped; the future gives how many were loaded."""
+        wanted = list(agent_ids)
+
+        def job() -> int:
+            loaded = 0
+            with self._lock:
+                for agent_id in wanted:
+                    live = self._agents.get(agent_id)
+                    if live is not None and live.layers is not None:
+                        continue
+                    state, _ = self._lookup(agent_id)
+                    if state is None:
+                        continue
+                    layers, _ = self._materialize(state, len(state.tokens))
+                    if layers is not None:
+                        state.layers = layers
+                        self._keep_hot(agent_id, state)
+                        loaded += 1
+            return loaded
+
+        return self._worker.submit(job)
 
     def agent_records(self, prefix: str = "") -> list[AgentRecord]:
         """The stored records of every agent whose id starts with ``prefix``."""
@@ -566,11 +592,14 @@ class Engine:
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
-        self._agents[agent_id] = _AgentState(known, chain, layers)
+        self._keep_hot(agent_id, _AgentState(known, chain, layers))
+        return written
+
+    def _keep_hot(self, agent_id: str, state: _AgentState) -> None:
+        self._agents[agent_id] = state
         self._agents.move_to_end(agent_id)
         while len(self._agents) > self.hot_agents:
             self._agents.popitem(last=False)
-        return written
 
     def stats(self) -> dict[str, Any]:
         return {

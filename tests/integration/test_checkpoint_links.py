@@ -113,3 +113,38 @@ def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  
     reply = forked["messages"][-1]
     assert reply.response_metadata["cache"].endswith("-extend")  # hot: its blocks are in memory
     assert reply.usage_metadata["input_token_details"]["cache_read"] == len(stored_after_turn1.token_ids)
+
+
+def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_path: Path) -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+    saver = AgentMemorySaver(cache_dir=tmp_path)
+
+    def agent(name: str):  # type: ignore[no-untyped-def]
+        def run(state: State) -> dict:
+            system = SystemMessage(f"You are the {name}.\n\n" + SYSTEM)
+            return {"messages": [llm.invoke([system, *state["messages"]])]}
+
+        return run
+
+    g = StateGraph(State)
+    g.add_node("writer", agent("writer"))
+    g.add_node("critic", agent("critic"))
+    g.add_edge(START, "writer")
+    g.add_edge("writer", "critic")
+    g.add_edge("critic", END)
+    app = g.compile(checkpointer=saver, interrupt_before=["critic"])
+    cfg = _cfg("t1")
+    app.invoke({"messages": [HumanMessage("Name the license.")]}, cfg)
+    app.invoke(None, cfg)  # the critic runs: both agents now have caches
+    app.invoke({"messages": [HumanMessage("Who wrote it?")]}, cfg)  # stops before the critic
+    engine = llm.engine
+    engine.drop_hot()  # as after a restart: nothing live
+    assert engine.stats()["hot_agents"] == 0
+    saver.get_tuple(cfg)  # what a resume reads first
+    assert saver.last_prefetch is not None and saver.last_prefetch.result() == 1
+    assert engine.stats()["hot_agents"] == 1  # the critic (next), not the writer
+    out = app.invoke(None, cfg)
+    assert out["messages"][-1].response_metadata["agent_id"] == "t1:critic"
+    assert out["messages"][-1].response_metadata["cache"] == "hot-extend"
