@@ -281,14 +281,13 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         """Start loading, in the background, the caches of the nodes that run next (a
         resumed thread's first node then gets its first token from memory)."""
         nodes = next_nodes(tup.checkpoint)
-        if not nodes:
-            return
         prefix = f"{tup.config['configurable']['thread_id']}:"
         engine = self.engine
+        # Nothing pending: the thread ran to its end and a new input will start it again,
+        # so any of its agents may be next: all are loaded, in the order they last ran.
+        records = sorted(engine.agent_records(prefix), key=lambda r: r.updated_at)
         agents = [
-            r.agent_id
-            for r in engine.agent_records(prefix)
-            if r.agent_id[len(prefix) :].split("|", 1)[0] in nodes
+            r.agent_id for r in records if not nodes or r.agent_id[len(prefix) :].split("|", 1)[0] in nodes
         ]
         if agents:
             self.last_prefetch = engine.prefetch(agents)

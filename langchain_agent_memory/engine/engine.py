@@ -229,29 +229,40 @@ class Engine:
             return True
 
     def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
-        """Load these agents' caches into memory in the background (on the worker thread):
-        blocks read and layer caches built, so each one's next request starts hot. Agents
-        already live or without a cache are skipped; the future gives how many were loaded."""
-        wanted = list(agent_ids)
+        """Load these agents' caches into memory in the background (on the worker thread),
+        in the order given: blocks read and layer caches built, so each one's next request
+        starts hot. Agents already live or without a cache are skipped. A request that
+        arrives meanwhile goes first: the rest is queued again behind it. The future gives
+        how many were loaded."""
+        done: Future[int] = Future()
+        self._worker.submit(self._prefetch_some, list(agent_ids), 0, done)
+        return done
 
-        def job() -> int:
-            loaded = 0
-            with self._lock:
-                for agent_id in wanted:
-                    live = self._agents.get(agent_id)
-                    if live is not None and live.layers is not None:
-                        continue
-                    state, _ = self._lookup(agent_id)
-                    if state is None:
-                        continue
-                    layers, _ = self._materialize(state, len(state.tokens))
-                    if layers is not None:
-                        state.layers = layers
-                        self._keep_hot(agent_id, state)
-                        loaded += 1
-            return loaded
+    def _prefetch_some(self, wanted: list[str], loaded: int, done: Future[int]) -> None:
+        try:
+            self._prefetch_from(wanted, loaded, done)
+        except Exception as exc:  # a prefetch is an optimisation: report, never hang a waiter
+            logger.warning("prefetch failed: %s", exc)
+            done.set_exception(exc)
 
-        return self._worker.submit(job)
+    def _prefetch_from(self, wanted: list[str], loaded: int, done: Future[int]) -> None:
+        with self._lock:
+            for i, agent_id in enumerate(wanted):
+                if i and self._worker.has_waiting:  # a request waits: let it run first
+                    self._worker.submit(self._prefetch_some, wanted[i:], loaded, done)
+                    return
+                live = self._agents.get(agent_id)
+                if live is not None and live.layers is not None:
+                    continue
+                state, _ = self._lookup(agent_id)
+                if state is None:
+                    continue
+                layers, _ = self._materialize(state, len(state.tokens))
+                if layers is not None:
+                    state.layers = layers
+                    self._keep_hot(agent_id, state)
+                    loaded += 1
+        done.set_result(loaded)
 
     def agent_records(self, prefix: str = "") -> list[AgentRecord]:
         """The stored records of every agent whose id starts with ``prefix``."""

@@ -48,6 +48,11 @@ class Worker:
             except BaseException as exc:
                 future.set_exception(exc)
 
+    @property
+    def has_waiting(self) -> bool:
+        """Whether a job is queued behind the running one (background work yields to it)."""
+        return not self._jobs.empty()
+
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
