@@ -253,7 +253,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     def _remember(self, agent_id: str, record: AgentRecord, at: float) -> None:
         digest = record_digest(record)
         engine = self.engine
-        if engine.store.get_agent(SNAPSHOT_PREFIX + digest) is None:
+        if not engine.store.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
             engine.set_agent(SNAPSHOT_PREFIX + digest, record)
         with self._lock, self._db:
             self._db.execute("INSERT INTO history VALUES (?, ?, ?)", (agent_id, at, digest))

@@ -31,7 +31,7 @@ class Worker:
     write is atomic (``store.atomic_write``)."""
 
     def __init__(self, name: str = "agent-memory-mlx") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread_id: int | None = None
@@ -39,8 +39,8 @@ class Worker:
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
-        while (entry := self._jobs.get()) is not None:
-            future, fn, args = entry
+        while True:
+            future, fn, args = self._jobs.get()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -57,12 +57,6 @@ class Worker:
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         return future
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Let queued jobs finish, then end the thread (not at interpreter exit: see above)."""
-        self._jobs.put(None)
-        if not self.on_worker:
-            self._thread.join(timeout)
 
     @property
     def on_worker(self) -> bool:
