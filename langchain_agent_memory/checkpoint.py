@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS links (
     snapshot TEXT NOT NULL,
     PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, agent_id)
 );
+CREATE TABLE IF NOT EXISTS snapshots (digest TEXT PRIMARY KEY);
 """
 
 
@@ -195,13 +196,20 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
                 "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
                 [(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]) for c in doomed],
             )
+        # The threads now end at an earlier checkpoint (or have none): their agents go back
+        # to the caches linked there, and those of deleted runs only are deleted.
+        for thread_id in {str(c["thread_id"]) for c in doomed}:
+            latest = self.inner.get_tuple({"configurable": {"thread_id": thread_id}})
+            self._set_agents_to(
+                thread_id, self.linked_agents(latest.config) if latest else {}, drop_rest=True
+            )
         self._collect_snapshots()
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         self.inner.copy_thread(source_thread_id, target_thread_id)
         src, dst = str(source_thread_id), str(target_thread_id)
         engine = self.engine
-        for record in engine.agent_records(f"{src}:"):
+        for record in self._thread_agents(src):
             engine.set_agent(dst + record.agent_id[len(src) :], record)
             self._remember(dst + record.agent_id[len(src) :], record, time.time())
         with self._lock, self._db:
@@ -256,6 +264,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         if not engine.store.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
             engine.set_agent(SNAPSHOT_PREFIX + digest, record)
         with self._lock, self._db:
+            self._db.execute("INSERT OR IGNORE INTO snapshots VALUES (?)", (digest,))
             self._db.execute("INSERT INTO history VALUES (?, ?, ?)", (agent_id, at, digest))
 
     def _link(self, thread_id: str, ns: str, checkpoint_id: str, at: float) -> None:
@@ -285,7 +294,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         engine = self.engine
         # Nothing pending: the thread ran to its end and a new input will start it again,
         # so any of its agents may be next: all are loaded, in the order they last ran.
-        records = sorted(engine.agent_records(prefix), key=lambda r: r.updated_at)
+        records = sorted(self._thread_agents(prefix[:-1]), key=lambda r: r.updated_at)
         agents = [
             r.agent_id for r in records if not nodes or r.agent_id[len(prefix) :].split("|", 1)[0] in nodes
         ]
@@ -300,16 +309,38 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         )
         if latest is None or latest.config["configurable"]["checkpoint_id"] == c["checkpoint_id"]:
             return
+        self._set_agents_to(str(c["thread_id"]), self.linked_agents(tup.config), drop_rest=False)
+
+    def _set_agents_to(self, thread_id: str, links: dict[str, str], *, drop_rest: bool) -> None:
+        """Set the thread's agents to the snapshots in ``links`` (agent id -> digest); with
+        ``drop_rest``, delete its agents that no remaining checkpoint links."""
         engine = self.engine
-        for agent_id, digest in self.linked_agents(tup.config).items():
+        for agent_id, digest in links.items():
             snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + digest)
             current = engine.store.get_agent(agent_id)
             if snapshot is not None and (current is None or record_digest(current) != digest):
                 engine.set_agent(agent_id, snapshot)
+                # Now the agent's latest state: a checkpoint put before its next commit
+                # (the input of a resumed run) must link this, not the state it replaced.
+                with self._lock, self._db:
+                    self._db.execute("DELETE FROM history WHERE agent_id = ?", (agent_id,))
+                self._remember(agent_id, snapshot, time.time())
+        if not drop_rest:
+            return
+        with self._lock:
+            linked = {
+                row[0]
+                for row in self._db.execute("SELECT agent_id FROM links WHERE thread_id = ?", (thread_id,))
+            }
+        for record in self._thread_agents(thread_id):
+            if record.agent_id not in linked:
+                engine.delete(record.agent_id)
+                with self._lock, self._db:
+                    self._db.execute("DELETE FROM history WHERE agent_id = ?", (record.agent_id,))
 
     def _forget_thread(self, thread_id: str) -> None:
         engine = self.engine
-        for record in engine.agent_records(f"{thread_id}:"):
+        for record in self._thread_agents(thread_id):
             engine.delete(record.agent_id)
         prefix = f"{thread_id}:"
         with self._lock, self._db:
@@ -317,14 +348,34 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
             self._db.execute("DELETE FROM history WHERE substr(agent_id, 1, ?) = ?", (len(prefix), prefix))
         self._collect_snapshots()
 
+    def _thread_agents(self, thread_id: str) -> list[AgentRecord]:
+        """The stored caches of the thread's agents: those the saver has seen commit or
+        linked (found through the saver's tables, not by reading every record)."""
+        prefix = f"{thread_id}:"
+        with self._lock:
+            ids = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT agent_id FROM history WHERE substr(agent_id, 1, ?) = ? "
+                    "UNION SELECT agent_id FROM links WHERE thread_id = ?",
+                    (len(prefix), prefix, thread_id),
+                )
+            ]
+        store = self.engine.store
+        return [r for r in map(store.get_agent, ids) if r is not None]
+
     def _collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
         engine = self.engine
         with self._lock:
-            live = {
+            dead = [
                 row[0]
-                for row in self._db.execute("SELECT snapshot FROM links UNION SELECT snapshot FROM history")
-            }
-        for record in engine.agent_records(SNAPSHOT_PREFIX):
-            if record.agent_id[len(SNAPSHOT_PREFIX) :] not in live:
-                engine.delete(record.agent_id)
+                for row in self._db.execute(
+                    "SELECT digest FROM snapshots WHERE digest NOT IN "
+                    "(SELECT snapshot FROM links UNION SELECT snapshot FROM history)"
+                )
+            ]
+        for digest in dead:  # records first: a crash here leaves rows that the next pass retries
+            engine.delete(SNAPSHOT_PREFIX + digest)
+        with self._lock, self._db:
+            self._db.executemany("DELETE FROM snapshots WHERE digest = ?", [(d,) for d in dead])

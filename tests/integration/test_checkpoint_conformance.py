@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from langgraph.checkpoint.conformance import checkpointer_test, validate
-from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
+from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES, BASE_CAPABILITIES
+from langgraph.checkpoint.memory import InMemorySaver
 
 from langchain_agent_memory.checkpoint import AgentMemorySaver
 from langchain_agent_memory.engine.models import LoadedModel
@@ -41,3 +42,20 @@ async def test_full_conformance(registered, smollm: LoadedModel) -> None:  # typ
     passed = sum(r.tests_passed for r in report.results.values())
     print(f"{registered.name}: {passed} conformance tests passed")
     assert passed >= 40
+
+
+@checkpointer_test(name="AgentMemorySaver(InMemorySaver)")
+async def _wrapping_in_memory():  # type: ignore[no-untyped-def]
+    with tempfile.TemporaryDirectory() as tmp:
+        yield AgentMemorySaver(InMemorySaver(), cache_dir=tmp)
+
+
+async def test_wrapping_another_saver_passes_its_capabilities(smollm: LoadedModel) -> None:
+    """Checkpoints can live in another saver (InMemorySaver here, PostgresSaver in
+    production): everything that saver supports (the base capabilities) passes through."""
+    report = await validate(_wrapping_in_memory, capabilities={c.value for c in BASE_CAPABILITIES})
+    report.print_report()
+    results = {cap: r for cap, r in report.results.items() if cap in {c.value for c in BASE_CAPABILITIES}}
+    assert results and all(r.passed is True for r in results.values()), {
+        c: r.failures for c, r in results.items()
+    }

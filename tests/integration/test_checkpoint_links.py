@@ -101,6 +101,25 @@ def test_prune_collects_the_snapshots_of_pruned_checkpoints(two_turns) -> None: 
     assert engine.agent_records() == [] and _block_files(tmp) == set()
 
 
+def test_delete_for_runs_drops_that_runs_links_and_snapshot(smollm: LoadedModel, tmp_path: Path) -> None:
+    app, saver, engine = _app(tmp_path)
+    for run_id, question in (("run-1", "What is this license called?"), ("run-2", "Who wrote it?")):
+        app.invoke(
+            {"messages": [HumanMessage(question)]}, {"configurable": {"thread_id": "t1", "run_id": run_id}}
+        )
+    assert len(engine.agent_records(SNAPSHOT_PREFIX)) == 2
+    saver.delete_for_runs(["run-2"])
+    remaining = list(app.get_state_history(_cfg("t1")))
+    assert remaining and all(len(s.values.get("messages", [])) <= 2 for s in remaining)
+    linked = {d for s in remaining for d in saver.linked_agents(s.config).values()}
+    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    assert len(linked) == 1 and [s.agent_id for s in snapshots] == [SNAPSHOT_PREFIX + linked.pop()]
+    # The turn-1 snapshot's blocks are all still on disk: its checkpoints can be resumed.
+    assert set(snapshots[0].blocks) <= _block_files(tmp_path)
+    # The thread now ends at turn 1, and so does its agent's cache.
+    assert engine.store.get_agent("t1:lawyer").text == snapshots[0].text  # type: ignore[union-attr]
+
+
 def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  # type: ignore[no-untyped-def]
     app, saver, engine, _ = two_turns
     turn1 = next(s for s in app.get_state_history(_cfg("t1")) if len(s.values.get("messages", [])) == 2)
@@ -113,6 +132,13 @@ def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  
     reply = forked["messages"][-1]
     assert reply.response_metadata["cache"].endswith("-extend")  # hot: its blocks are in memory
     assert reply.usage_metadata["input_token_details"]["cache_read"] == len(stored_after_turn1.token_ids)
+    # The fork's input checkpoint (put before the node ran) links turn 1's cache, not turn 2's.
+    fork_input = next(
+        s
+        for s in app.get_state_history(_cfg("t1"))
+        if s.parent_config == turn1.config and s.metadata["source"] == "input"
+    )
+    assert saver.linked_agents(fork_input.config)["t1:lawyer"] == snapshot
 
 
 def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_path: Path) -> None:
