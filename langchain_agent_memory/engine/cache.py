@@ -98,9 +98,36 @@ class TensorCodec:
         if self.bits is None:
             return parts[0].astype(dtype)
         q, scales, biases = parts
+        if mx.default_device() == mx.cpu:
+            return unpack_affine(q, scales.astype(dtype), biases.astype(dtype), self.bits, self.group_size)
         return mx.dequantize(
             q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
         )
+
+
+def unpack_affine(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """``mx.dequantize`` on CPU, as vectorised shifts and masks: mlx's CPU kernel unpacks
+    one value at a time (6-bit keys of a 2.3K-token layer took 5.2 ms, this 0.9 ms; 4-bit
+    0.9 -> 0.7 ms), and a short prefill over a long cache dequantizes every layer.
+
+    mlx packs values as a little-endian bit stream: ``lcm(bits, 8)`` bits hold a whole
+    number of values (3 and 6 bits: 3 bytes; 5 bits: 5 bytes; 2, 4, 8 bits: any word).
+    """
+    lead = q.shape[:-1]
+    if 32 % bits == 0:
+        words, per_word, word_type = q, 32 // bits, mx.uint32
+    else:
+        run_bytes = int(np.lcm(bits, 8)) // 8
+        word_type = mx.uint32 if run_bytes <= 4 else mx.uint64
+        by = mx.view(q, mx.uint8).reshape(*lead, -1, run_bytes).astype(word_type)
+        words = by[..., 0]
+        for j in range(1, run_bytes):
+            words = words | (by[..., j] << (8 * j))
+        per_word = run_bytes * 8 // bits
+    shifts = mx.arange(0, per_word * bits, bits, dtype=word_type)
+    values = ((words[..., None] >> shifts) & ((1 << bits) - 1)).astype(scales.dtype)
+    values = values.reshape(*lead, scales.shape[-1], group_size)
+    return (values * scales[..., None] + biases[..., None]).reshape(*lead, -1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine.cache import KV_PRESETS, KVQuant, LayerCache, TensorCodec, rotation
+from langchain_agent_memory.engine.cache import (
+    KV_PRESETS,
+    KVQuant,
+    LayerCache,
+    TensorCodec,
+    rotation,
+    unpack_affine,
+)
 from langchain_agent_memory.engine.runtime import mx
 from langchain_agent_memory.engine.spec import LayerSpec
 
@@ -145,3 +152,16 @@ def test_head_tokens_cut_the_error_of_an_attention_sink() -> None:
         cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
         outs.append(cache.attend(mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)) + 2.0, 0.125))
     assert _rel(outs[2], outs[0]) < 0.5 * _rel(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_cpu_unpacking_equals_mlx_dequantize(bits: int, group_size: int, dtype: mx.Dtype) -> None:
+    x = mx.random.normal((1, 3, 37, 128), key=mx.random.key(bits))
+    q, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    scales, biases = scales.astype(dtype), biases.astype(dtype)
+    expected = mx.dequantize(q, scales, biases, group_size=group_size, bits=bits)
+    got = unpack_affine(q, scales, biases, bits, group_size)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert mx.array_equal(got, expected).item()
