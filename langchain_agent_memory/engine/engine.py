@@ -37,7 +37,9 @@ from .store import (
     AgentRecord,
     Block,
     BlockHash,
+    BlockMissingError,
     CacheFormatError,
+    CacheWriteError,
     DiskBlockStore,
     NewerFormatError,
     block_hash,
@@ -219,14 +221,13 @@ class Engine:
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
-        with self._lock:
+        with self._lock, self.store.locked():
             self._agents.pop(agent_id, None)
             record = self._read_record(agent_id)
-            if record is None:
-                return False
-            self.store.delete_agent(agent_id)
-            self.pool.set_chain(record.blocks, [])
-            return True
+            gone = self.store.delete_agent(agent_id)  # an unreadable record goes too
+            if record is not None:
+                self.pool.release(record.blocks)
+            return gone
 
     def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
         """Load these agents' caches into memory in the background (on the worker thread),
@@ -257,7 +258,7 @@ class Engine:
                 state, _ = self._lookup(agent_id)
                 if state is None:
                     continue
-                layers, _ = self._materialize(state, len(state.tokens))
+                layers, _ = self._materialize(agent_id, state, len(state.tokens))
                 if layers is not None:
                     state.layers = layers
                     self._keep_hot(agent_id, state)
@@ -267,19 +268,26 @@ class Engine:
     def agent_records(self, prefix: str = "") -> list[AgentRecord]:
         """The stored records of every agent whose id starts with ``prefix``."""
         with self._lock:
-            return [r for r in self.store.agents() if r.agent_id.startswith(prefix)]
+            return list(self.store.agents(prefix))
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
         restore. Blocks are shared (reference counts move), no tensor is copied."""
         validate_agent_id(agent_id)
-        with self._lock:
+        with self._lock, self.store.locked():
+            missing = [h for h in source.blocks if not self.store.has_block(h)]
+            if missing:
+                raise BlockMissingError(
+                    f"cannot set agent {agent_id!r} to {source.agent_id!r}'s cache: "
+                    f"{len(missing)} of its blocks are gone (deleted by another process?)"
+                )
             old = self._read_record(agent_id)
             record = AgentRecord(
                 agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
             )
             self.store.put_agent(record)
-            self.pool.set_chain(old.blocks if old else [], record.blocks)
+            if old is not None:
+                self.pool.release(old.blocks, record.blocks)
             self._agents.pop(agent_id, None)  # a live copy would stand for the old text
 
     def cached_tokens(self, agent_id: str) -> int:
@@ -316,7 +324,7 @@ class Engine:
         layers: list[LayerCache] | None = None
         if state is not None and m.kind is not MatchKind.MISS:
             t0 = time.perf_counter()
-            layers, from_disk = self._materialize(state, m.reuse_tokens)
+            layers, from_disk = self._materialize(agent_id, state, m.reuse_tokens)
             timings.load_s = time.perf_counter() - t0
             if from_disk:
                 source = CacheSource.WARM
@@ -444,7 +452,9 @@ class Engine:
             logger.warning("agent %r: cache record unusable (%s); prefilling from scratch", agent_id, exc)
             return None
 
-    def _materialize(self, state: _AgentState, n_tokens: int) -> tuple[list[LayerCache] | None, bool]:
+    def _materialize(
+        self, agent_id: str, state: _AgentState, n_tokens: int
+    ) -> tuple[list[LayerCache] | None, bool]:
         """Layer caches holding the first ``n_tokens`` of ``state`` and whether any block
         came from disk; ``(None, False)`` if the stored cache is unusable (logged)."""
         live = state.layers
@@ -456,14 +466,30 @@ class Engine:
         try:
             return self._from_blocks(state.blocks, n_tokens)
         except CacheFormatError as exc:
-            logger.warning("cache unusable (%s); falling back to a full prefill", exc)
-            for h in state.blocks:
+            quarantined = self._quarantine_bad(state.blocks)
+            aside = f"; {quarantined} bad block file(s) moved to quarantine/" if quarantined else ""
+            logger.warning(
+                "agent %r: stored cache unusable (%s)%s; falling back to a full prefill, "
+                "the next save rewrites it",
+                agent_id,
+                exc,
+                aside,
+            )
+            return None, False
+
+    def _quarantine_bad(self, chain: list[BlockHash]) -> int:
+        """Move every unreadable block of ``chain`` aside; return how many were moved."""
+        moved = 0
+        with self.store.locked():
+            for h in chain:
+                self.pool.forget(h)
                 try:
                     self.store.get_block(h)
+                except BlockMissingError:
+                    continue
                 except CacheFormatError:
-                    if self.store.quarantine_block(h) is not None:
-                        logger.warning("quarantined block %s", h[:12])
-            return None, False
+                    moved += self.store.quarantine_block(h) is not None
+        return moved
 
     def _from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
         layers = make_layer_caches(self.spec, self.quant)
@@ -571,32 +597,29 @@ class Engine:
             if layer.offset > n:
                 layer.trim_to(n)
         old_blocks = old.blocks if old else []
-        # Blocks before the first one this request touched are unchanged.
-        chain: list[BlockHash] = []
-        parent: BlockHash | None = None
-        written = 0
-        for b in range(-(-n // BLOCK_TOKENS)):
-            a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, n)
-            h = block_hash(parent, known.ids[a:z], self.fingerprint)
-            if not self.pool.is_hot(h) and not self.store.has_block(h):
-                tensors: dict[str, mx.array] = {}
-                for i, layer in enumerate(layers):
-                    if a < layer.start:
-                        raise RuntimeError(f"block {b} not in memory for layer {i} (this is a bug)")
-                    head, body = layer.committed_slice(a, z)
-                    if head is not None:
-                        tensors[_name(i, "k", HEAD_PART)], tensors[_name(i, "v", HEAD_PART)] = head
-                    if body is not None:
-                        for p, arr in zip(self.quant.keys.parts(), body[0], strict=True):
-                            tensors[_name(i, "k", p)] = arr
-                        for p, arr in zip(self.quant.values.parts(), body[1], strict=True):
-                            tensors[_name(i, "v", p)] = arr
-                written += self.pool.put(Block(h, parent, known.ids[a:z], tensors))
-            chain.append(h)
-            parent = h
-        record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
-        written += self.store.put_agent(record)
-        self.pool.set_chain(old_blocks, chain)
+        chain = self._chain_of(known)
+        # Blocks first, then the record that names them, then the blocks it no longer
+        # names: a crash at any point leaves the old record or the new one, each with all
+        # of its blocks. Under the directory lock, so another process's delete cannot
+        # remove a block between the check that it exists and the record naming it.
+        written, new_blocks = 0, []
+        with self.store.locked():
+            try:
+                for b, h in enumerate(chain):
+                    if not self.store.has_block(h):
+                        written += self.pool.put(self._block_of(b, chain, known, layers))
+                        new_blocks.append(h)
+                record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
+                written += self.store.put_agent(record)
+            except (OSError, CacheWriteError) as exc:
+                self.pool.release(new_blocks)  # written for a record that was not
+                if isinstance(exc, CacheWriteError):
+                    raise
+                raise CacheWriteError(
+                    f"could not save agent {agent_id!r}'s cache under {self.store.dir}: {exc}. "
+                    "Its previous cache is intact; free space (or fix permissions) and retry"
+                ) from exc
+            self.pool.release(old_blocks, chain)
         for listener in self.commit_listeners:
             listener(record)
         # Sliding layers keep their window and the last (partial) block, for the next save.
@@ -605,6 +628,39 @@ class Engine:
                 layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
         self._keep_hot(agent_id, _AgentState(known, chain, layers))
         return written
+
+    def _chain_of(self, known: TokenizedText) -> list[BlockHash]:
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for a in range(0, len(known), BLOCK_TOKENS):
+            parent = block_hash(parent, known.ids[a : a + BLOCK_TOKENS], self.fingerprint)
+            chain.append(parent)
+        return chain
+
+    def _block_of(
+        self, b: int, chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
+    ) -> Block:
+        """Block ``b`` of ``chain``: from the hot tier if there, else from the layer caches."""
+        hot = self.pool.hot_block(chain[b])
+        if hot is not None:  # held in memory but its file is gone (deleted by another process)
+            return hot
+        a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))
+        tensors: dict[str, mx.array] = {}
+        for i, layer in enumerate(layers):
+            if a < layer.start:  # a sliding layer dropped it, and another process deleted it
+                raise CacheWriteError(
+                    f"block {b} of this cache was deleted by another process and is no longer in "
+                    "memory; the cache was not saved (the next request prefills)"
+                )
+            head, body = layer.committed_slice(a, z)
+            if head is not None:
+                tensors[_name(i, "k", HEAD_PART)], tensors[_name(i, "v", HEAD_PART)] = head
+            if body is not None:
+                for p, arr in zip(self.quant.keys.parts(), body[0], strict=True):
+                    tensors[_name(i, "k", p)] = arr
+                for p, arr in zip(self.quant.values.parts(), body[1], strict=True):
+                    tensors[_name(i, "v", p)] = arr
+        return Block(chain[b], chain[b - 1] if b else None, known.ids[a:z], tensors)
 
     def _keep_hot(self, agent_id: str, state: _AgentState) -> None:
         self._agents[agent_id] = state

@@ -1,15 +1,15 @@
-"""The block pool: blocks shared between agents, reference-counted by the agent records
-that name them, with a hot tier in memory under a byte budget (LRU) over the store.
+"""The block pool: blocks shared between agents, with a hot tier in memory under a byte
+budget (LRU) over the store.
 
-Reference counts are derived, not stored: at start they are counted from the agent
-records on disk, and every chain change goes through ``set_chain``. A block whose count
-drops to zero is deleted from memory and from the store.
+Which blocks are still needed is the store's index (every agent record's references,
+across processes), not a count kept here: a block is deleted when a chain change leaves
+no record naming it, checked under the store's directory lock.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,9 +36,6 @@ class BlockPool:
         self.hot_budget_bytes = hot_budget_bytes
         self._hot: OrderedDict[BlockHash, Block] = OrderedDict()
         self._hot_bytes = 0
-        self._refs: Counter[BlockHash] = Counter()
-        for record in store.agents():
-            self._refs.update(record.blocks)
         self.stats = PoolStats()
 
     # ------------------------------------------------------------------ reads
@@ -58,8 +55,8 @@ class BlockPool:
     def is_hot(self, h: BlockHash) -> bool:
         return h in self._hot
 
-    def refcount(self, h: BlockHash) -> int:
-        return self._refs[h]
+    def hot_block(self, h: BlockHash) -> Block | None:
+        return self._hot.get(h)
 
     # ------------------------------------------------------------------ writes
 
@@ -72,19 +69,23 @@ class BlockPool:
         self._admit(block)
         return written
 
-    def set_chain(self, old: Iterable[BlockHash], new: Iterable[BlockHash]) -> None:
-        """An agent's chain changed from ``old`` to ``new``: move references, free orphans."""
-        self._refs.update(new)
-        self._refs.subtract(old)
-        for h in set(old) - set(new):
-            if self._refs[h] <= 0:
-                del self._refs[h]
-                self._drop(h)
+    def release(self, old: Iterable[BlockHash], new: Iterable[BlockHash] = ()) -> None:
+        """A chain changed from ``old`` to ``new`` (its record is already stored): delete
+        the blocks of ``old`` that no agent record names any more."""
+        keep = set(new)
+        with self.store.locked():
+            for h in dict.fromkeys(old):
+                if h not in keep and not self.store.is_referenced(h):
+                    self._drop(h)
 
-    def _drop(self, h: BlockHash) -> None:
+    def forget(self, h: BlockHash) -> None:
+        """Drop the memory copy only (the file stays)."""
         block = self._hot.pop(h, None)
         if block is not None:
             self._hot_bytes -= block.nbytes
+
+    def _drop(self, h: BlockHash) -> None:
+        self.forget(h)
         self.store.delete_block(h)
         self.stats.blocks_deleted += 1
 

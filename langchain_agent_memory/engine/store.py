@@ -5,27 +5,34 @@ models, or of other KV quantizations, never mix)::
 
     <root>/<fingerprint>/format.json                  {"format_version": 1, "fingerprint": ...}
     <root>/<fingerprint>/blocks/<h[:2]>/<h>.safetensors
-    <root>/<fingerprint>/agents/<sha256(agent id)[:32]>.json
+    <root>/<fingerprint>/index.sqlite                 agent records and their block references
+    <root>/<fingerprint>/lock                         the directory lock (flock) for mutations
+    <root>/<fingerprint>/quarantine/                  bad block files, moved aside for inspection
 
 A block file holds the KV tensors of up to 256 tokens for every layer, named
 ``L{layer}.{k|v}.{q|scales|biases}`` (quantized) or ``L{layer}.{k|v}`` (16-bit), and a
 header with the format version, fingerprint, parent hash, token ids and a SHA-256 of the
 tensor bytes. Blocks are content-addressed (``block_hash``) and immutable: writing one
 that exists is a no-op. Every write is atomic (temp file, fsync, rename, fsync of the
-directory): a crash leaves the old file or the new one, never a torn one.
+directory; SQLite transactions for the index): a crash leaves the old file or the new
+one, never a torn one, and a record is written only after all of its blocks.
 
-Agent files are named by a hash of the id, so no id can name a path outside the root;
-ids are still validated (``validate_agent_id``) so that mistakes surface early.
+Agent ids are keys in the index, never paths, so no id can name a file; ids are still
+validated (``validate_agent_id``) so that mistakes surface early. Several processes may
+share a directory: mutations run under its lock (``DiskBlockStore.locked``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +63,10 @@ class NewerFormatError(CacheFormatError):
 
 class BlockMissingError(CacheFormatError):
     """A block an agent record refers to is not in the store."""
+
+
+class CacheWriteError(RuntimeError):
+    """A cache could not be saved (disk full, permissions...); the previous one is intact."""
 
 
 def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
@@ -154,20 +165,27 @@ def _version_error(what: str, version: Any) -> CacheFormatError:
 
 
 class BlockStore(Protocol):
-    """Where blocks and agent records persist. Every backend passes tests/unit/test_store.py."""
+    """Where blocks and agent records persist. Every backend passes tests/unit/test_store.py.
+
+    Mutations that must not interleave with another process's (a commit: blocks then
+    record; a delete: record then orphaned blocks) run inside ``with store.locked():``.
+    """
 
     fingerprint: str
 
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
     def has_block(self, h: BlockHash) -> bool: ...
     def put_block(self, block: Block) -> int: ...
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
     def delete_block(self, h: BlockHash) -> None: ...
+    def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def block_hashes(self) -> Iterator[BlockHash]: ...
+    def is_referenced(self, h: BlockHash) -> bool: ...
     def put_agent(self, record: AgentRecord) -> int: ...
     def get_agent(self, agent_id: str) -> AgentRecord | None: ...
     def has_agent(self, agent_id: str) -> bool: ...
     def delete_agent(self, agent_id: str) -> bool: ...
-    def agents(self) -> Iterator[AgentRecord]: ...
+    def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
 
 
 def _fsync_dir(path: Path) -> None:
@@ -179,11 +197,15 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+#: Temporary files of ``atomic_write`` start with this (and are hidden: a leading dot).
+TEMP_PREFIX = "."
+
+
 def atomic_write(path: Path, write: Callable[[str], object], suffix: str = ".tmp") -> int:
     """Write ``path`` through ``write(temp_path)``, then fsync and rename: readers see the
     old file or the new one, never a torn one. Returns the size written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -203,24 +225,110 @@ def atomic_write_bytes(path: Path, data: bytes) -> int:
     return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
+class DirectoryLock:
+    """An exclusive lock over one cache directory, across processes (``flock`` on a lock
+    file) and threads; re-entrant within a thread, so a commit can hold it around the
+    writes and deletes it is made of."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._thread_lock = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        self._thread_lock.acquire()
+        if self._depth == 0:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            except BaseException:
+                self._thread_lock.release()
+                raise
+            self._fd = fd
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+        self._thread_lock.release()
+
+
+_INDEX_SCHEMA = """
+CREATE TABLE IF NOT EXISTS agents (
+    agent_id TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS refs (
+    agent_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    block TEXT NOT NULL,
+    PRIMARY KEY (agent_id, pos)
+);
+CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
+"""
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """What ``DiskBlockStore.recover`` found and fixed when the store was opened."""
+
+    temp_files_removed: int = 0
+    orphan_blocks_removed: int = 0
+    missing_blocks: int = 0
+    records_migrated: int = 0
+
+
 class DiskBlockStore:
-    """Blocks as safetensors files and agent records as JSON files under one directory."""
+    """Blocks as safetensors files, agent records in a SQLite index, under one directory.
+
+    The index (``index.sqlite``) holds each agent's record and its block references, so
+    that which blocks are still needed is known across processes (no in-memory count can
+    be: another process may have committed or deleted since). On open, ``recover`` undoes
+    what a killed process may have left: temporary files, and blocks written for a record
+    it never committed (or left behind by a delete it did not finish).
+    """
 
     def __init__(self, root: str | os.PathLike[str], fingerprint: str) -> None:
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint
         self.blocks_dir = self.dir / "blocks"
-        self.agents_dir = self.dir / "agents"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.agents_dir.mkdir(parents=True, exist_ok=True)
-        fmt = self.dir / "format.json"
-        if fmt.exists():
-            version = json.loads(fmt.read_text()).get("format_version")
-            if version != FORMAT_VERSION:
-                raise _version_error(f"cache directory {self.dir}", version)
-        else:
-            meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
-            atomic_write_bytes(fmt, json.dumps(meta).encode())
+        self._lock = DirectoryLock(self.dir / "lock")
+        with self._lock:
+            fmt = self.dir / "format.json"
+            if fmt.exists():
+                try:
+                    version = json.loads(fmt.read_text()).get("format_version")
+                except (json.JSONDecodeError, AttributeError) as exc:
+                    raise CacheFormatError(
+                        f"{fmt} is corrupt ({exc}); move the directory {self.dir} aside to start afresh"
+                    ) from exc
+                if version != FORMAT_VERSION:
+                    raise _version_error(f"cache directory {self.dir}", version)
+            else:
+                meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
+                atomic_write_bytes(fmt, json.dumps(meta).encode())
+            self._db = sqlite3.connect(str(self.dir / "index.sqlite"), check_same_thread=False, timeout=60)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
+            self._db.executescript(_INDEX_SCHEMA)
+            self._db_lock = threading.RLock()
+            self.recovery = self.recover()
+
+    def locked(self) -> DirectoryLock:
+        """Hold the directory's exclusive lock (re-entrant in this thread)."""
+        return self._lock
+
+    def close(self) -> None:
+        with self._db_lock:
+            self._db.close()
 
     # ------------------------------------------------------------------ blocks
 
@@ -302,7 +410,7 @@ class DiskBlockStore:
 
     def block_hashes(self) -> Iterator[BlockHash]:
         for p in self.blocks_dir.glob("*/*.safetensors"):
-            if not p.name.startswith("."):
+            if not p.name.startswith(TEMP_PREFIX):
                 yield BlockHash(p.stem)
 
     def quarantine_block(self, h: BlockHash) -> Path | None:
@@ -310,52 +418,143 @@ class DiskBlockStore:
         src = self.block_path(h)
         if not src.exists():
             return None
-        dst = self.dir / "quarantine" / f"{h}.{int(time.time())}.safetensors"
+        dst = self.dir / "quarantine" / f"{h}.{time.time_ns()}.safetensors"
         dst.parent.mkdir(exist_ok=True)
         os.replace(src, dst)
         return dst
 
     # ------------------------------------------------------------------ agents
 
-    def agent_path(self, agent_id: str) -> Path:
-        validate_agent_id(agent_id)
-        return self.agents_dir / (hashlib.sha256(agent_id.encode()).hexdigest()[:32] + ".json")
-
     def put_agent(self, record: AgentRecord) -> int:
-        data = record.to_json().encode()
-        atomic_write_bytes(self.agent_path(record.agent_id), data)
-        return len(data)
+        """Store ``record`` and its block references in one transaction; its blocks must
+        already be stored (a crash then never leaves a record naming a missing block)."""
+        validate_agent_id(record.agent_id)
+        data = record.to_json()
+        refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
+        with self._db_lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO agents VALUES (?, ?)", (record.agent_id, data))
+            self._db.execute("DELETE FROM refs WHERE agent_id = ?", (record.agent_id,))
+            self._db.executemany("INSERT INTO refs VALUES (?, ?, ?)", refs)
+        return len(data.encode())
 
     def has_agent(self, agent_id: str) -> bool:
-        return self.agent_path(agent_id).exists()
+        validate_agent_id(agent_id)
+        with self._db_lock:
+            return (
+                self._db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+                is not None
+            )
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
-        path = self.agent_path(agent_id)
-        try:
-            raw = path.read_text()
-        except FileNotFoundError:
+        validate_agent_id(agent_id)
+        with self._db_lock:
+            row = self._db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+        if row is None:
             return None
-        try:
-            record = AgentRecord.from_json(raw)
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CacheFormatError(f"agent record {path} is corrupt: {exc}") from exc
+        record = _parse_record(row[0], f"agent record {agent_id!r}")
         if record.agent_id != agent_id:
-            raise CacheFormatError(f"agent record {path} belongs to {record.agent_id!r}")
+            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
         return record
 
     def delete_agent(self, agent_id: str) -> bool:
-        try:
-            self.agent_path(agent_id).unlink()
-        except FileNotFoundError:
-            return False
-        return True
+        validate_agent_id(agent_id)
+        with self._db_lock, self._db:
+            gone = self._db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
+            self._db.execute("DELETE FROM refs WHERE agent_id = ?", (agent_id,))
+        return gone > 0
 
-    def agents(self) -> Iterator[AgentRecord]:
-        for p in sorted(self.agents_dir.glob("*.json")):
+    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+        """Every record whose agent id starts with ``prefix`` (unreadable ones skipped, with
+        a log line)."""
+        with self._db_lock:
+            rows = self._db.execute(
+                "SELECT agent_id, record FROM agents WHERE substr(agent_id, 1, ?) = ? ORDER BY agent_id",
+                (len(prefix), prefix),
+            ).fetchall()
+        for agent_id, raw in rows:
             try:
-                yield AgentRecord.from_json(p.read_text())
-            except (CacheFormatError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                logger.warning("skipping unreadable agent record %s: %s", p, exc)
+                yield _parse_record(raw, f"agent record {agent_id!r}")
+            except CacheFormatError as exc:
+                logger.warning("skipping unreadable agent record: %s", exc)
+
+    def is_referenced(self, h: BlockHash) -> bool:
+        with self._db_lock:
+            return self._db.execute("SELECT 1 FROM refs WHERE block = ? LIMIT 1", (h,)).fetchone() is not None
+
+    def refcount(self, h: BlockHash) -> int:
+        """How many agent records name block ``h``."""
+        with self._db_lock:
+            return self._db.execute(
+                "SELECT COUNT(DISTINCT agent_id) FROM refs WHERE block = ?", (h,)
+            ).fetchone()[0]
+
+    def referenced_blocks(self) -> set[BlockHash]:
+        with self._db_lock:
+            return {BlockHash(r[0]) for r in self._db.execute("SELECT DISTINCT block FROM refs")}
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self) -> RecoveryReport:
+        """Bring the directory back to a consistent state after a crash: remove temporary
+        files, move records of the previous layout (one JSON file per agent) into the
+        index, and delete block files no record names. Runs on open, under the lock, so
+        no live writer's files are touched."""
+        report = RecoveryReport()
+        with self._lock:
+            for tmp in [*self.blocks_dir.glob(f"*/{TEMP_PREFIX}*"), *self.dir.glob(f"{TEMP_PREFIX}*.tmp")]:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    report.temp_files_removed += 1
+            report.records_migrated = self._migrate_json_records()
+            referenced = self.referenced_blocks()
+            for h in list(self.block_hashes()):
+                if h not in referenced:
+                    self.delete_block(h)
+                    report.orphan_blocks_removed += 1
+            report.missing_blocks = sum(1 for h in referenced if not self.has_block(h))
+        if report.temp_files_removed or report.orphan_blocks_removed:
+            logger.info(
+                "cache %s: removed %d temporary files and %d unreferenced blocks left by an interrupted save",
+                self.dir,
+                report.temp_files_removed,
+                report.orphan_blocks_removed,
+            )
+        if report.missing_blocks:
+            logger.warning(
+                "cache %s: %d blocks named by agent records are missing (deleted outside this "
+                "package?); those agents will prefill again",
+                self.dir,
+                report.missing_blocks,
+            )
+        return report
+
+    def _migrate_json_records(self) -> int:
+        legacy = self.dir / "agents"
+        if not legacy.is_dir():
+            return 0
+        moved = 0
+        for p in sorted(legacy.glob("*.json")):
+            try:
+                record = _parse_record(p.read_text(), f"agent record {p}")
+            except CacheFormatError as exc:
+                logger.warning("not migrating %s: %s", p, exc)
+                continue
+            if not self.has_agent(record.agent_id):
+                self.put_agent(record)
+                moved += 1
+            p.unlink()
+        with contextlib.suppress(OSError):
+            legacy.rmdir()
+        return moved
+
+
+def _parse_record(raw: str, what: str) -> AgentRecord:
+    try:
+        return AgentRecord.from_json(raw)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, CacheFormatError):
+            raise
+        raise CacheFormatError(f"{what} is corrupt: {exc}") from exc
 
 
 def _int_or(value: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -179,15 +180,15 @@ def test_newer_format_record_is_refused_not_overwritten(smollm: LoadedModel, tmp
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, "Be brief.", [("Hi", None)])
     eng.generate("a", p, GenerationParams(max_tokens=2))
-    path = eng.store.agent_path("a")
-    data = json.loads(path.read_text())
-    data["format_version"] = FORMAT_VERSION + 1
-    path.write_text(json.dumps(data))
-    before = path.read_bytes()
+    index = sqlite3.connect(eng.store.dir / "index.sqlite")
+    (raw,) = index.execute("SELECT record FROM agents WHERE agent_id = 'a'").fetchone()
+    newer = json.dumps({**json.loads(raw), "format_version": FORMAT_VERSION + 1})
+    index.execute("UPDATE agents SET record = ? WHERE agent_id = 'a'", (newer,))
+    index.commit()
     fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     with pytest.raises(CacheFormatError, match="newer"):
         fresh.generate("a", p, GenerationParams(max_tokens=2))
-    assert path.read_bytes() == before
+    assert index.execute("SELECT record FROM agents WHERE agent_id = 'a'").fetchone() == (newer,)
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/../../b", "nul\x00id", "x" * 300])

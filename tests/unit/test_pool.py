@@ -1,5 +1,5 @@
-"""BlockPool: exact LRU eviction order under the byte budget, refcounts from agent
-records, orphans freed from disk, evicted blocks still on disk."""
+"""BlockPool: exact LRU eviction order under the byte budget, evicted blocks still on disk,
+and blocks deleted once no agent record (of any process) names them."""
 
 from __future__ import annotations
 
@@ -34,24 +34,28 @@ def test_lru_eviction_order_and_disk_fallback(tmp_path: Path) -> None:
     assert pool.hot_hashes()[-1] == b[1].hash
 
 
-def test_refcounts_free_orphans_only(tmp_path: Path) -> None:
+def test_release_deletes_only_blocks_no_record_names(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     shared, mine, theirs = _block(1), _block(2), _block(3)
     pool = BlockPool(store, hot_budget_bytes=1 << 20)
     for blk in (shared, mine, theirs):
         pool.put(blk)
-    pool.set_chain([], [shared.hash, mine.hash])
-    pool.set_chain([], [shared.hash, theirs.hash])
-    assert pool.refcount(shared.hash) == 2
-    pool.set_chain([shared.hash, mine.hash], [])  # agent A deleted
-    assert not store.has_block(mine.hash)
+    store.put_agent(AgentRecord("a", [shared.hash, mine.hash], [1, 2], [1, 2], "xy"))
+    store.put_agent(AgentRecord("b", [shared.hash, theirs.hash], [1, 3], [1, 2], "xz"))
+    assert store.refcount(shared.hash) == 2
+    store.delete_agent("a")
+    pool.release([shared.hash, mine.hash])  # agent a deleted
+    assert not store.has_block(mine.hash) and not pool.is_hot(mine.hash)
     assert store.has_block(shared.hash) and store.has_block(theirs.hash)
 
 
-def test_refcounts_are_rebuilt_from_agent_records(tmp_path: Path) -> None:
+def test_references_are_seen_by_another_process(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block(1)
     store.put_block(blk)
     store.put_agent(AgentRecord("a", [blk.hash], [1], [1], "x"))
-    store.put_agent(AgentRecord("b", [blk.hash], [1], [1], "x"))
-    assert BlockPool(store, 1 << 20).refcount(blk.hash) == 2  # a new process counts again
+    other = DiskBlockStore(tmp_path, FP)  # as a second process opens it
+    other.put_agent(AgentRecord("b", [blk.hash], [1], [1], "x"))
+    store.delete_agent("a")
+    BlockPool(store, 1 << 20).release([blk.hash])  # b, written by the other, still names it
+    assert store.has_block(blk.hash) and store.refcount(blk.hash) == 1

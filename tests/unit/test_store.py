@@ -4,6 +4,7 @@ of corrupt, truncated, foreign or newer files (real files, no model)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -129,15 +130,54 @@ def test_agent_records_round_trip(tmp_path: Path) -> None:
     assert store.delete_agent("thread-1:planner") and store.get_agent("thread-1:planner") is None
 
 
+def _edit_record(store: DiskBlockStore, agent_id: str, edit) -> None:  # type: ignore[no-untyped-def]
+    """Change a stored record in the index file, as another version (or damage) would."""
+    db = sqlite3.connect(store.dir / "index.sqlite")
+    (raw,) = db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+    db.execute("UPDATE agents SET record = ? WHERE agent_id = ?", (edit(raw), agent_id))
+    db.commit()
+    db.close()
+
+
 def test_newer_agent_record_is_refused(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     store.put_agent(AgentRecord("a", [], [], [], ""))
-    path = store.agent_path("a")
-    data = json.loads(path.read_text())
-    data["format_version"] = FORMAT_VERSION + 1
-    path.write_text(json.dumps(data))
+    _edit_record(
+        store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": FORMAT_VERSION + 1})
+    )
     with pytest.raises(CacheFormatError, match="newer"):
         store.get_agent("a")
+
+
+def test_corrupt_agent_record_is_a_format_error(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    store.put_agent(AgentRecord("a", [], [], [], ""))
+    _edit_record(store, "a", lambda raw: raw[: len(raw) // 2])
+    with pytest.raises(CacheFormatError, match="corrupt"):
+        store.get_agent("a")
+    assert list(store.agents()) == []  # listing skips it (with a log line)
+
+
+def test_open_removes_temp_files_and_unreferenced_blocks(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    kept, orphan = _block(tokens=(1,)), _block(tokens=(2,))
+    store.put_block(kept)
+    store.put_block(orphan)  # a save killed before its record was written
+    store.put_agent(AgentRecord("a", [kept.hash], [1], [1], "x"))
+    temp = store.block_path(kept.hash).parent / f".{kept.hash}.safetensors.abc.safetensors"
+    temp.write_bytes(b"half a block")  # a save killed mid-write
+    report = DiskBlockStore(tmp_path, FP).recovery
+    assert (report.temp_files_removed, report.orphan_blocks_removed, report.missing_blocks) == (1, 1, 0)
+    assert not temp.exists() and not store.has_block(orphan.hash) and store.has_block(kept.hash)
+
+
+def test_records_of_the_json_layout_are_migrated(tmp_path: Path) -> None:
+    legacy = tmp_path / FP / "agents"
+    legacy.mkdir(parents=True)
+    (legacy / "0123.json").write_text(AgentRecord("old-agent", [], [5], [1], "x").to_json())
+    store = DiskBlockStore(tmp_path, FP)
+    assert store.recovery.records_migrated == 1 and not legacy.exists()
+    assert store.get_agent("old-agent") is not None
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "a\\b", "a\x00b", ".hidden", "x" * 257, "tab\there"])
@@ -146,7 +186,12 @@ def test_bad_agent_ids_are_refused(bad: str) -> None:
         validate_agent_id(bad)
 
 
-@pytest.mark.parametrize("good", ["researcher", "thread-1:planner|sub", "user 42", "é-agent", "x" * 256])
-def test_good_agent_ids(good: str, tmp_path: Path) -> None:
-    path = DiskBlockStore(tmp_path, FP).agent_path(good)
-    assert path.parent == tmp_path / FP / "agents"
+@pytest.mark.parametrize(
+    "good", ["researcher", "thread-1:planner|sub", "user 42", "é-agent", "x" * 256, "a'; DROP"]
+)
+def test_good_agent_ids_round_trip_and_name_no_file(good: str, tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    before = {p.name for p in (tmp_path / FP).iterdir()}
+    store.put_agent(AgentRecord(good, [], [1], [1], "x"))
+    assert store.get_agent(good).agent_id == good  # type: ignore[union-attr]
+    assert {p.name for p in (tmp_path / FP).iterdir()} == before  # only the index changed
