@@ -221,13 +221,9 @@ class Engine:
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
-        with self._lock, self.store.locked():
+        with self._lock:
             self._agents.pop(agent_id, None)
-            record = self._read_record(agent_id)
-            gone = self.store.delete_agent(agent_id)  # an unreadable record goes too
-            if record is not None:
-                self.pool.release(record.blocks)
-            return gone
+            return self.pool.delete_agent(agent_id)
 
     def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
         """Load these agents' caches into memory in the background (on the worker thread),
@@ -274,20 +270,11 @@ class Engine:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
         restore. Blocks are shared (reference counts move), no tensor is copied."""
         validate_agent_id(agent_id)
-        with self._lock, self.store.locked():
-            missing = [h for h in source.blocks if not self.store.has_block(h)]
-            if missing:
-                raise BlockMissingError(
-                    f"cannot set agent {agent_id!r} to {source.agent_id!r}'s cache: "
-                    f"{len(missing)} of its blocks are gone (deleted by another process?)"
-                )
-            old = self._read_record(agent_id)
+        with self._lock:
             record = AgentRecord(
                 agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
             )
-            self.store.put_agent(record)
-            if old is not None:
-                self.pool.release(old.blocks, record.blocks)
+            self.pool.set_agent(record)
             self._agents.pop(agent_id, None)  # a live copy would stand for the old text
 
     def cached_tokens(self, agent_id: str) -> int:
@@ -596,30 +583,11 @@ class Engine:
             layer.commit()
             if layer.offset > n:
                 layer.trim_to(n)
-        old_blocks = old.blocks if old else []
         chain = self._chain_of(known)
-        # Blocks first, then the record that names them, then the blocks it no longer
-        # names: a crash at any point leaves the old record or the new one, each with all
-        # of its blocks. Under the directory lock, so another process's delete cannot
-        # remove a block between the check that it exists and the record naming it.
-        written, new_blocks = 0, []
-        with self.store.locked():
-            try:
-                for b, h in enumerate(chain):
-                    if not self.store.has_block(h):
-                        written += self.pool.put(self._block_of(b, chain, known, layers))
-                        new_blocks.append(h)
-                record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
-                written += self.store.put_agent(record)
-            except (OSError, CacheWriteError) as exc:
-                self.pool.release(new_blocks)  # written for a record that was not
-                if isinstance(exc, CacheWriteError):
-                    raise
-                raise CacheWriteError(
-                    f"could not save agent {agent_id!r}'s cache under {self.store.dir}: {exc}. "
-                    "Its previous cache is intact; free space (or fix permissions) and retry"
-                ) from exc
-            self.pool.release(old_blocks, chain)
+        record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
+        written = self.pool.save_agent(
+            record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
+        )
         for listener in self.commit_listeners:
             listener(record)
         # Sliding layers keep their window and the last (partial) block, for the next save.

@@ -9,11 +9,21 @@ no record naming it, checked under the store's directory lock.
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .store import Block, BlockHash, BlockStore
+from .store import (
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    BlockStore,
+    CacheFormatError,
+    CacheWriteError,
+    NewerFormatError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,65 @@ class BlockPool:
             self.stats.blocks_written += 1
         self._admit(block)
         return written
+
+    def save_agent(
+        self, record: AgentRecord, block_of: Callable[[int], Block], old: Iterable[BlockHash] = ()
+    ) -> int:
+        """Persist ``record``: first each of its blocks not yet stored (``block_of(i)`` builds
+        block ``i``), then the record, then delete the blocks it replaced (``old``, and those
+        of the stored record) that nothing names any more. A crash at any point leaves the old
+        record or the new one, each with all of its blocks. Under the directory lock, so that
+        another process's delete cannot remove a block between the check that it exists and
+        the record naming it. Returns the bytes written; raises ``CacheWriteError`` (the old
+        record and its blocks untouched) if the disk refuses a write."""
+        written, new_blocks = 0, []
+        with self.store.locked():
+            replaced = set(old) | set(self._stored_chain(record.agent_id))
+            try:
+                for i, h in enumerate(record.blocks):
+                    if not self.store.has_block(h):
+                        written += self.put(block_of(i))
+                        new_blocks.append(h)
+                written += self.store.put_agent(record)
+            except (OSError, sqlite3.Error, CacheWriteError) as exc:
+                self.release(new_blocks)  # written for a record that was not
+                if isinstance(exc, CacheWriteError):
+                    raise
+                raise CacheWriteError(
+                    f"could not save agent {record.agent_id!r}'s cache: {exc}. Its previous cache "
+                    "is intact; free disk space (or fix the cache directory's permissions) and retry"
+                ) from exc
+            self.release(replaced, record.blocks)
+        return written
+
+    def set_agent(self, record: AgentRecord) -> None:
+        """Store ``record``, whose blocks are all stored already (a fork, a snapshot, a
+        restore: blocks are shared, none is copied)."""
+        with self.store.locked():
+            missing = [h for h in record.blocks if not self.store.has_block(h)]
+            if missing:
+                raise BlockMissingError(
+                    f"cannot point agent {record.agent_id!r} at {len(record.blocks)} blocks: "
+                    f"{len(missing)} of them are gone (deleted by another process?)"
+                )
+            self.save_agent(record, lambda i: self.get(record.blocks[i])[0])
+
+    def delete_agent(self, agent_id: str) -> bool:
+        """Delete an agent's record (even an unreadable one) and the blocks only it named."""
+        with self.store.locked():
+            chain = self._stored_chain(agent_id)
+            gone = self.store.delete_agent(agent_id)
+            self.release(chain)
+        return gone
+
+    def _stored_chain(self, agent_id: str) -> list[BlockHash]:
+        try:
+            record = self.store.get_agent(agent_id)
+        except NewerFormatError:
+            raise  # a newer version's record: never overwritten or deleted by this one
+        except CacheFormatError:
+            return []  # unreadable: its blocks are collected when the store is next opened
+        return record.blocks if record else []
 
     def release(self, old: Iterable[BlockHash], new: Iterable[BlockHash] = ()) -> None:
         """A chain changed from ``old`` to ``new`` (its record is already stored): delete
