@@ -17,3 +17,19 @@ def smollm() -> LoadedModel:
 def gemma() -> LoadedModel:
     """Gemma 3 270M, the base model with sliding-window attention."""
     return load_model("gemma3-270m")
+
+
+#: Figures a test measured (kills, detections, ...), printed after the run: name -> text.
+FIGURES: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session")
+def figures() -> dict[str, str]:
+    return FIGURES
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.section("measured figures")
+        for name, text in FIGURES.items():
+            terminalreporter.write_line(f"{name}: {text}")
