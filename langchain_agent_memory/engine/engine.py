@@ -436,7 +436,16 @@ class Engine:
         except NewerFormatError:
             raise  # a newer version's cache: refuse rather than overwrite it
         except CacheFormatError as exc:
-            logger.warning("agent %r: cache record unusable (%s); prefilling from scratch", agent_id, exc)
+            # Moved aside (so this is said once), references kept: the next save reuses
+            # the record's sound blocks and rewrites it.
+            self.store.quarantine_agent(agent_id)
+            logger.warning(
+                "agent %r: stored cache record unusable (%s); moved to quarantine/, falling back "
+                "to prefill (sound blocks shared by content are still reused), the next save "
+                "rewrites it",
+                agent_id,
+                exc,
+            )
             return None
 
     def _materialize(
@@ -456,8 +465,8 @@ class Engine:
             quarantined = self._quarantine_bad(state.blocks)
             aside = f"; {quarantined} bad block file(s) moved to quarantine/" if quarantined else ""
             logger.warning(
-                "agent %r: stored cache unusable (%s)%s; falling back to a full prefill, "
-                "the next save rewrites it",
+                "agent %r: stored cache unusable (%s)%s; falling back to prefill (sound blocks "
+                "shared by content are still reused), the next save rewrites it",
                 agent_id,
                 exc,
                 aside,

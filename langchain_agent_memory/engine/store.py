@@ -179,6 +179,7 @@ class BlockStore(Protocol):
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
     def delete_block(self, h: BlockHash) -> None: ...
     def quarantine_block(self, h: BlockHash) -> Path | None: ...
+    def quarantine_agent(self, agent_id: str) -> Path | None: ...
     def block_hashes(self) -> Iterator[BlockHash]: ...
     def is_referenced(self, h: BlockHash) -> bool: ...
     def put_agent(self, record: AgentRecord) -> int: ...
@@ -423,6 +424,23 @@ class DiskBlockStore:
         os.replace(src, dst)
         return dst
 
+    def quarantine_agent(self, agent_id: str) -> Path | None:
+        """Move an unreadable record out of the index into ``quarantine/`` (its blocks stay:
+        the next save of the agent reuses those that are sound)."""
+        validate_agent_id(agent_id)
+        with self._lock:
+            with self._db_lock:
+                row = self._db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+            if row is None:
+                return None
+            name = hashlib.sha256(agent_id.encode()).hexdigest()[:32]
+            dst = self.dir / "quarantine" / f"agent-{name}.{time.time_ns()}.json"
+            dst.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(dst, row[0].encode())
+            with self._db_lock, self._db:
+                self._db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,))
+            return dst
+
     # ------------------------------------------------------------------ agents
 
     def put_agent(self, record: AgentRecord) -> int:
@@ -506,6 +524,8 @@ class DiskBlockStore:
                     tmp.unlink()
                     report.temp_files_removed += 1
             report.records_migrated = self._migrate_json_records()
+            with self._db_lock, self._db:  # references of quarantined records
+                self._db.execute("DELETE FROM refs WHERE agent_id NOT IN (SELECT agent_id FROM agents)")
             referenced = self.referenced_blocks()
             for h in list(self.block_hashes()):
                 if h not in referenced:
