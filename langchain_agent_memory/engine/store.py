@@ -141,11 +141,21 @@ class AgentRecord:
 
     @classmethod
     def from_json(cls, raw: str) -> AgentRecord:
+        """Parse a stored record; anything but a well-formed one is ``CacheFormatError``."""
+        try:
+            return cls._from_json(raw)
+        except CacheFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, shape, types
+            raise CacheFormatError(f"agent record is corrupt: {exc!r}") from exc
+
+    @classmethod
+    def _from_json(cls, raw: str) -> AgentRecord:
         data = json.loads(raw)
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise _version_error("agent record", version)
-        return cls(
+        record = cls(
             agent_id=data["agent_id"],
             blocks=[BlockHash(b) for b in data["blocks"]],
             token_ids=list(data["token_ids"]),
@@ -153,6 +163,16 @@ class AgentRecord:
             text=data["text"],
             updated_at=float(data["updated_at"]),
         )
+        # Well-formed JSON with the wrong shapes must not reach the engine.
+        if not (
+            isinstance(record.agent_id, str)
+            and isinstance(record.text, str)
+            and all(isinstance(b, str) and len(b) == 64 for b in record.blocks)
+            and all(type(t) is int for t in record.token_ids + record.token_ends)
+            and len(record.token_ids) == len(record.token_ends)
+        ):
+            raise CacheFormatError("agent record fields have the wrong types or lengths")
+        return record
 
 
 def _version_error(what: str, version: Any) -> CacheFormatError:
@@ -307,7 +327,7 @@ class DiskBlockStore:
             if fmt.exists():
                 try:
                     version = json.loads(fmt.read_text()).get("format_version")
-                except (json.JSONDecodeError, AttributeError) as exc:
+                except (ValueError, AttributeError) as exc:  # bad JSON or UTF-8, not an object
                     raise CacheFormatError(
                         f"{fmt} is corrupt ({exc}); move the directory {self.dir} aside to start afresh"
                     ) from exc
@@ -571,10 +591,8 @@ class DiskBlockStore:
 def _parse_record(raw: str, what: str) -> AgentRecord:
     try:
         return AgentRecord.from_json(raw)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        if isinstance(exc, CacheFormatError):
-            raise
-        raise CacheFormatError(f"{what} is corrupt: {exc}") from exc
+    except CacheFormatError as exc:
+        raise type(exc)(f"{what}: {exc}") from exc
 
 
 def _int_or(value: Any) -> Any:

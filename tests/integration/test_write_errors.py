@@ -1,0 +1,107 @@
+"""A full disk or a permission error during a save (injected at the file layer: the disk
+of a test machine cannot be filled safely): the error reaches the caller with a message
+that says what happened and what to do, the previous cache stays loadable (a new engine
+resumes it, same output), no temporary or half-written file is left, and a retry once the
+disk is writable again saves normally."""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+
+from langchain_agent_memory import ChatAgentMemory, corpus
+from langchain_agent_memory.engine import store as store_module
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.store import TEMP_PREFIX, CacheWriteError, DiskBlockStore
+
+GREEDY = GenerationParams(max_tokens=6)
+CONTEXT = "You answer questions about this license.\n\n" + corpus.apache_license()
+FIRST = CONTEXT[:1200] + "\n\nQ: Its name?\nA:"
+SECOND = CONTEXT[:2600] + "\n\nQ: Who wrote it?\nA:"  # extends FIRST's text by new blocks
+
+
+def _failing_file_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
+    """Every atomic file write gets half of its data out, then fails with ``error``."""
+    real = store_module.atomic_write
+
+    def atomic_write(path: Path, write: Callable[[str], object], suffix: str = ".tmp") -> int:
+        def half_then_fail(tmp: str) -> None:
+            write(tmp)
+            Path(tmp).write_bytes(Path(tmp).read_bytes()[:1000])
+            raise error
+
+        return real(path, half_then_fail, suffix)
+
+    monkeypatch.setattr(store_module, "atomic_write", atomic_write)
+
+
+def _failing_index(monkeypatch: pytest.MonkeyPatch, error: sqlite3.Error) -> None:
+    def put_agent(self: DiskBlockStore, record: object) -> int:
+        raise error
+
+    monkeypatch.setattr(DiskBlockStore, "put_agent", put_agent)
+
+
+FAULTS = {
+    "disk-full-block": (
+        lambda mp: _failing_file_writes(mp, OSError(errno.ENOSPC, "No space left on device")),
+        "No space left",
+    ),
+    "permission-block": (
+        lambda mp: _failing_file_writes(mp, PermissionError(errno.EACCES, "Permission denied")),
+        "Permission denied",
+    ),
+    "disk-full-index": (
+        lambda mp: _failing_index(mp, sqlite3.OperationalError("database or disk is full")),
+        "disk is full",
+    ),
+}
+
+
+def _clean(store: DiskBlockStore) -> None:
+    assert not [p for p in store.dir.rglob(f"{TEMP_PREFIX}*") if p.is_file()], "a temporary file was left"
+    assert set(store.block_hashes()) == store.referenced_blocks(), "a block no record names was left"
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=str)
+def test_a_failed_save_keeps_the_previous_cache(
+    fault: str, smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, figures: dict[str, str]
+) -> None:
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    first = engine.generate("lawyer", FIRST, GREEDY)
+    before = engine.store.get_agent("lawyer")
+    inject, says = FAULTS[fault]
+    with monkeypatch.context() as mp:
+        inject(mp)
+        with pytest.raises(CacheWriteError, match=says) as failure:
+            engine.generate("lawyer", SECOND, GREEDY)
+    assert "previous cache is intact" in str(failure.value) and "'lawyer'" in str(failure.value)
+    assert engine.store.get_agent("lawyer") == before
+    _clean(engine.store)
+
+    restarted = Engine("smollm2-135m", cache_dir=tmp_path)  # the previous cache still loads
+    again = restarted.generate("lawyer", FIRST, GREEDY)
+    assert str(again.outcome).startswith("warm") and again.text == first.text
+    retry = engine.generate("lawyer", SECOND, GREEDY)  # writable again: saves normally
+    assert retry.bytes_written > 0 and engine.store.get_agent("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
+    _clean(engine.store)
+    figures["write errors"] = (
+        figures.get("write errors", "") + f"{fault}: raised, old cache loads, retry saves; "
+    )
+
+
+def test_the_error_reaches_a_langchain_caller(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), agent_id="lawyer", max_tokens=4)
+    messages = [SystemMessage(CONTEXT[:1500]), HumanMessage("Its name?")]
+    llm.invoke(messages)
+    _failing_file_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(CacheWriteError, match="No space left"):
+        llm.invoke([SystemMessage(CONTEXT[:3000]), HumanMessage("Who wrote it?")])
