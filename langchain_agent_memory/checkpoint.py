@@ -349,20 +349,8 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         self._collect_snapshots()
 
     def _thread_agents(self, thread_id: str) -> list[AgentRecord]:
-        """The stored caches of the thread's agents: those the saver has seen commit or
-        linked (found through the saver's tables, not by reading every record)."""
-        prefix = f"{thread_id}:"
-        with self._lock:
-            ids = [
-                row[0]
-                for row in self._db.execute(
-                    "SELECT agent_id FROM history WHERE substr(agent_id, 1, ?) = ? "
-                    "UNION SELECT agent_id FROM links WHERE thread_id = ?",
-                    (len(prefix), prefix, thread_id),
-                )
-            ]
-        store = self.engine.store
-        return [r for r in map(store.get_agent, ids) if r is not None]
+        """The stored caches of the thread's agents (ids ``{thread_id}:...``)."""
+        return self.engine.agent_records(f"{thread_id}:")
 
     def _collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
