@@ -490,9 +490,46 @@ def install_attention_hook() -> None:
             continue
 
         def hooked(queries, keys, values, cache, scale, mask, sinks=None, _previous=previous):  # type: ignore[no-untyped-def]
-            if isinstance(cache, LayerCache):
+            if isinstance(cache, (LayerCache, BatchLayerCache)):
                 return cache.attend(queries, scale)
             return _previous(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
         hooked._agent_memory_hook = True  # type: ignore[attr-defined]
         module.scaled_dot_product_attention = hooked
+
+
+class BatchLayerCache:
+    """One layer's caches of several agents, stepped together: the model runs one batched
+    forward pass (every projection and MLP multiplies a (B, L, D) batch: decode reads the
+    weights once for all agents), while each agent's attention still runs over its own
+    cache, at its own length and position (RoPE takes a vector of offsets). No padding,
+    so a batched step gives each agent exactly what a step alone would."""
+
+    def __init__(self, caches: list[LayerCache]) -> None:
+        self.caches = caches
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([c.offset for c in self.caches])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, cache in enumerate(self.caches):
+            cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+        return keys, values  # unused: attention reads each agent's cache (``attend``)
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        return mx.concatenate(
+            [c.attend(queries[i : i + 1], scale) for i, c in enumerate(self.caches)], axis=0
+        )
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> None:
+        return None  # each agent's ``attend`` masks its own keys
+
+    @property
+    def state(self) -> list[Any]:
+        return [c.state for c in self.caches]
+
+
+def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
+    """Layer-major view of several agents' layer caches, for one batched forward pass."""
+    return [BatchLayerCache(list(layer)) for layer in zip(*per_agent, strict=True)]

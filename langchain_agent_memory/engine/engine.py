@@ -23,14 +23,15 @@ from typing import Any
 
 from ..config import get_settings
 from . import fast_ops
-from .cache import KVQuant, LayerCache, install_attention_hook, make_layer_caches
+from .cache import KVQuant, LayerCache, batch_layer_caches, install_attention_hook, make_layer_caches
 from .cache import kv_format as kv_format_of
 from .constrain import TokenConstraint
-from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill
+from .forward import DEFAULT_CHUNK_TOKENS, decode_step, prefill_chunk
 from .models import LoadedModel, load_model
 from .pool import BlockPool
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize
 from .runtime import mx
+from .scheduler import Phase, Scheduler
 from .spec import ModelCacheSpec
 from .store import (
     BLOCK_TOKENS,
@@ -45,7 +46,7 @@ from .store import (
     block_hash,
     validate_agent_id,
 )
-from .worker import Job, Worker
+from .worker import Sink, Start, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,46 @@ class _AgentState:
     layers: list[LayerCache] | None  # live caches (hot), or None (rebuild from blocks)
 
 
+@dataclass(eq=False)
+class _Request:
+    """One generation request as the scheduler advances it (see ``scheduler``)."""
+
+    agent_id: str
+    prompt: str
+    params: GenerationParams
+    cancel: threading.Event
+    sink: Sink
+    arrival: int
+    phase: Phase = Phase.PREFILL
+    t_start: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=Timings)
+    # set when admitted
+    state: _AgentState | None = None
+    source: CacheSource = CacheSource.COLD
+    match: PrefixMatch | None = None
+    layers: list[LayerCache] = field(default_factory=list)
+    known: TokenizedText | None = None  # what the cache holds (grows as tokens are fed)
+    tail: TokenizedText | None = None  # the prompt's tokens still to prefill
+    prefilled: int = 0
+    reused: int = 0
+    prompt_tokens: int = 0
+    sampler: Any = None
+    detok: Any = None
+    eos: set[int] = field(default_factory=set)
+    hold: int = 0
+    # decoding
+    token: int = 0  # sampled, to be fed next
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    ended_by_eos: bool = False
+    decode_t0: float = 0.0
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.tail) - self.prefilled if self.tail is not None else 0
+
+
 def model_fingerprint(model_dir: Path, spec: ModelCacheSpec, quant: KVQuant) -> str:
     """Identity of (weights, KV layout, KV quantization): caches are only valid under it."""
     h = hashlib.sha256()
@@ -147,6 +188,7 @@ class Engine:
         hot_budget_bytes: int = 512 << 20,
         hot_agents: int = 16,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        scheduling: str = "interleave",
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -164,7 +206,12 @@ class Engine:
         self.hot_agents = hot_agents
         self._agents: OrderedDict[str, _AgentState] = OrderedDict()  # hot agents, LRU order
         self._lock = threading.RLock()  # guards the agent table and the pool
+        self._scheduler = Scheduler(
+            self._admit, self._prefill_chunk, self._decode, policy=scheduling, chunk_tokens=chunk_tokens
+        )
+        self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread
+        self._worker.stepper = self._scheduler
         #: Called with each new agent record right after a request commits it (on the
         #: worker thread, under the engine lock): a checkpointer keeps cache history here.
         self.commit_listeners: list[Callable[[AgentRecord], None]] = []
@@ -199,25 +246,13 @@ class Engine:
         """Text chunks as they are decoded; the last one carries the ``GenerationResult``.
         Runs on the engine's worker thread; closing the iterator early stops decoding (what
         was generated is kept in the cache, ``finish_reason == "cancelled"``)."""
-        return self._worker.iterate(self._job(agent_id, prompt, params))
+        return self._worker.iterate(self._start(agent_id, prompt, params))
 
     def astream(
         self, agent_id: str, prompt: str, params: GenerationParams | None = None
     ) -> AsyncIterator[StreamChunk]:
         """``stream`` for an event loop: the loop never blocks on MLX work."""
-        return self._worker.aiterate(self._job(agent_id, prompt, params))
-
-    def _job(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Job[StreamChunk]:
-        validate_agent_id(agent_id)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        checked = params or GenerationParams()
-
-        def job(cancel: threading.Event) -> Iterator[StreamChunk]:
-            with self._lock:
-                yield from self._run(agent_id, prompt, checked, cancel)
-
-        return job
+        return self._worker.aiterate(self._start(agent_id, prompt, params))
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
@@ -301,118 +336,194 @@ class Engine:
 
     # ------------------------------------------------------------------ one request
 
-    def _run(
-        self, agent_id: str, prompt: str, params: GenerationParams, cancel: threading.Event
-    ) -> Iterator[StreamChunk]:
-        t_start = time.perf_counter()
-        timings = Timings()
-        state, source = self._lookup(agent_id)
-        m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
-        layers: list[LayerCache] | None = None
-        if state is not None and m.kind is not MatchKind.MISS:
-            t0 = time.perf_counter()
-            layers, from_disk = self._materialize(agent_id, state, m.reuse_tokens)
-            timings.load_s = time.perf_counter() - t0
-            if from_disk:
-                source = CacheSource.WARM
-        if layers is None:
-            known, tail, layers, m, source = self._cold_start(prompt, timings)
-        else:
-            assert state is not None
-            known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
-            known.truncate(m.reuse_tokens)
-            if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
-                raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
-            tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
-        reused = len(known)
-        prompt_tokens = len(known) + len(tail)
+    def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
+        validate_agent_id(agent_id)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        checked = params or GenerationParams()
 
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        from mlx_lm.sample_utils import make_sampler
+        def start(cancel: threading.Event, sink: Sink) -> None:  # on the worker
+            self._arrivals += 1
+            self._scheduler.submit(_Request(agent_id, prompt, checked, cancel, sink, self._arrivals))
 
-        sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1.0 else 0.0)
-        t0 = time.perf_counter()
-        logits = prefill(self.lm.model, tail.ids, layers, self.chunk_tokens)
-        token = self._sample(sampler, logits, params.constraint)
-        timings.prefill_s = time.perf_counter() - t0
-        timings.ttft_s = time.perf_counter() - t_start
-        known.extend(tail)
+        return start
 
-        # ---- decode: `token` is sampled but not yet fed through the model
-        t0 = time.perf_counter()
-        eos = set(self.tokenizer.eos_token_ids)
-        generated: list[int] = []
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        hold = max((len(s) for s in params.stop if s), default=1) - 1  # a stop may be mid-way
-        text, emitted, finish, ended_by_eos = "", 0, "length", False
-        while len(generated) < params.max_tokens:
-            if token in eos:
-                finish, ended_by_eos = "stop", True
-                break
-            generated.append(token)
-            detok.add_token(token)
-            text = detok.text
-            cut = _find_stop(text, params.stop, emitted - hold)
+    # ------------------------------------------------------------------ a request's steps
+    # Called by the scheduler on the worker thread. A step that fails fails its request
+    # only (the error reaches that request's caller); the others go on.
+
+    def _admit(self, req: _Request) -> None:
+        """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
+        try:
+            with self._lock:
+                state, source = self._lookup(req.agent_id)
+                m = match(state.tokens, req.prompt) if state else match(TokenizedText(""), req.prompt)
+                layers: list[LayerCache] | None = None
+                if state is not None and m.kind is not MatchKind.MISS:
+                    t0 = time.perf_counter()
+                    layers, from_disk = self._materialize(req.agent_id, state, m.reuse_tokens)
+                    req.timings.load_s = time.perf_counter() - t0
+                    if from_disk:
+                        source = CacheSource.WARM
+                if layers is None:
+                    known, tail, layers, m, source = self._cold_start(req.prompt, req.timings)
+                else:
+                    assert state is not None
+                    known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
+                    known.truncate(m.reuse_tokens)
+                    if not req.prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
+                        raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
+                    tail = tokenize(self.tokenizer, req.prompt[len(known.text) :], add_special_tokens=False)
+            from mlx_lm.sample_utils import make_sampler
+
+            p = req.params
+            req.state, req.source, req.match, req.layers, req.known, req.tail = (
+                state,
+                source,
+                m,
+                layers,
+                known,
+                tail,
+            )
+            req.reused, req.prompt_tokens = len(known), len(known) + len(tail)
+            req.sampler = make_sampler(temp=p.temperature, top_p=p.top_p if p.top_p < 1.0 else 0.0)
+            req.detok = self.tokenizer.detokenizer
+            req.eos = set(self.tokenizer.eos_token_ids)
+            req.hold = max((len(s) for s in p.stop if s), default=1) - 1  # a stop may be mid-way
+        except BaseException as exc:
+            self._fail(req, exc)
+
+    def _prefill_chunk(self, req: _Request, n: int) -> None:
+        """Run up to ``n`` of the request's new tokens; after the last, sample its first."""
+        try:
+            with self._lock:
+                assert req.tail is not None and req.known is not None
+                t0 = time.perf_counter()
+                ids = req.tail.ids[req.prefilled : req.prefilled + n]
+                req.prefilled += len(ids)
+                logits = prefill_chunk(self.lm.model, ids, req.layers, last=req.remaining_prefill == 0)
+                if logits is None:
+                    req.timings.prefill_s += time.perf_counter() - t0
+                    return
+                token = self._sample(req, logits)
+                req.timings.prefill_s += time.perf_counter() - t0
+                req.timings.ttft_s = time.perf_counter() - req.t_start
+                req.known.extend(req.tail)
+                req.phase = Phase.DECODE
+                req.decode_t0 = time.perf_counter()
+                self._accept(req, token)
+        except BaseException as exc:
+            self._fail(req, exc)
+
+    def _decode(self, reqs: list[_Request]) -> None:
+        """One decode step for every decoding request, in one batched forward pass."""
+        try:
+            with self._lock:
+                if len(reqs) == 1:
+                    rows = decode_step(self.lm.model, reqs[0].token, reqs[0].layers)[None]
+                else:
+                    tokens = mx.array([r.token for r in reqs])[:, None]
+                    caches = batch_layer_caches([r.layers for r in reqs])
+                    rows = self.lm.model(tokens, cache=caches)[:, -1].astype(mx.float32)
+                for i, req in enumerate(reqs):
+                    try:
+                        self._accept(req, self._sample(req, rows[i]))
+                    except BaseException as exc:
+                        self._fail(req, exc)
+        except BaseException as exc:
+            for req in reqs:
+                self._fail(req, exc)
+
+    def _accept(self, req: _Request, token: int) -> None:
+        """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
+        timeout finish the request; otherwise its text is streamed and it is fed next."""
+        p = req.params
+        if len(req.generated) >= p.max_tokens:
+            return self._finish(req, "length")
+        if token in req.eos:
+            req.ended_by_eos = True
+            return self._finish(req, "stop")
+        req.generated.append(token)
+        req.detok.add_token(token)
+        text = req.detok.text
+        cut = _find_stop(text, p.stop, req.emitted - req.hold)
+        if cut is not None:
+            req.text = text[:cut]
+            return self._finish(req, "stop", stopped=True)
+        if len(text) - req.hold > req.emitted:
+            req.sink.item(StreamChunk(text[req.emitted : len(text) - req.hold]))
+            req.emitted = len(text) - req.hold
+        req.text = text
+        if len(req.generated) == p.max_tokens:
+            return self._finish(req, "length")
+        if req.cancel.is_set():
+            return self._finish(req, "cancelled")
+        if p.timeout_s is not None and time.perf_counter() - req.t_start > p.timeout_s:
+            return self._finish(req, "timeout")
+        req.token = token
+        return None
+
+    def _finish(self, req: _Request, finish: str, stopped: bool = False) -> None:
+        """Stream the rest of the text, commit the cache, hand over the result."""
+        assert req.known is not None
+        text = req.text
+        if not stopped:
+            req.detok.finalize()
+            text = req.detok.text
+            cut = _find_stop(text, req.params.stop, req.emitted - req.hold)
             if cut is not None:
-                text, finish = text[:cut], "stop"
-                break
-            if len(text) - hold > emitted:
-                yield StreamChunk(text[emitted : len(text) - hold])
-                emitted = len(text) - hold
-            if len(generated) == params.max_tokens:
-                break
-            if cancel.is_set():
-                finish = "cancelled"
-                break
-            if params.timeout_s is not None and time.perf_counter() - t_start > params.timeout_s:
-                finish = "timeout"
-                break
-            token = self._sample(sampler, decode_step(self.lm.model, token, layers), params.constraint)
-        if finish in ("length", "cancelled", "timeout") or ended_by_eos:
-            detok.finalize()
-            text = detok.text
-            cut = _find_stop(text, params.stop, emitted - hold)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-        timings.decode_s = time.perf_counter() - t0
-        if len(text) > emitted:
-            yield StreamChunk(text[emitted:])
-
-        # ---- commit the KV of the prompt and of every generated token that went through
-        # the model (all but the last sampled one, unless that one was end-of-turn)
+                text, finish, stopped = text[:cut], "stop", True
+        req.timings.decode_s = time.perf_counter() - req.decode_t0
+        if len(text) > req.emitted:
+            req.sink.item(StreamChunk(text[req.emitted :]))
+        # Commit the KV of the prompt and of every generated token that went through the
+        # model (all but the last sampled one, unless that one was end-of-turn).
         t0 = time.perf_counter()
-        fed = generated if ended_by_eos else generated[:-1]
-        if layers[0].offset != len(known) + len(fed):
-            raise RuntimeError("cache length and token count disagree (this is a bug)")
-        gen = self._generated_tokens(known.ids[-1] if known.ids else None, fed)
-        if finish == "stop" and not ended_by_eos:  # a stop sequence: keep nothing past it
-            gen.truncate(_last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(text))))
-        known.extend(gen)
-        written = self._commit(agent_id, state, known, layers)
-        timings.save_s = time.perf_counter() - t0
-
-        outcome = CacheOutcome(source, m.kind if source is not CacheSource.COLD else MatchKind.MISS)
+        with self._lock:
+            known, generated = req.known, req.generated
+            fed = generated if req.ended_by_eos else generated[:-1]
+            if req.layers[0].offset != len(known) + len(fed):
+                raise RuntimeError("cache length and token count disagree (this is a bug)")
+            gen = self._generated_tokens(known.ids[-1] if known.ids else None, fed)
+            if stopped:  # a stop sequence: keep nothing past it
+                gen.truncate(_last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(text))))
+            known.extend(gen)
+            written = self._commit(req.agent_id, req.state, known, req.layers)
+        req.timings.save_s = time.perf_counter() - t0
+        source = req.source
+        assert req.match is not None
         result = GenerationResult(
             text=text,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(generated) + int(ended_by_eos),
-            reused_tokens=reused,
-            outcome=outcome,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=len(generated) + int(req.ended_by_eos),
+            reused_tokens=req.reused,
+            outcome=CacheOutcome(
+                source, req.match.kind if source is not CacheSource.COLD else MatchKind.MISS
+            ),
             finish_reason=finish,
-            timings=timings,
+            timings=req.timings,
             bytes_written=written,
         )
-        yield StreamChunk("", result)
+        req.phase = Phase.DONE
+        req.sink.item(StreamChunk("", result))
+        req.sink.end()
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        req.phase = Phase.DONE
+        req.sink.error(exc)
 
     # ------------------------------------------------------------------ helpers
 
-    def _sample(self, sampler: Any, logits: mx.array, constraint: TokenConstraint | None) -> int:
+    def _sample(self, req: _Request, logits: mx.array) -> int:
+        constraint = req.params.constraint
         if constraint is not None:
             logits = constraint.mask(logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token = int(sampler(logprobs[None]).item())
+        if req.params.seed is not None and req.params.temperature > 0:
+            # Per request and step, not one global sequence: the same seed gives the same
+            # text however requests interleave.
+            mx.random.seed(req.params.seed + len(req.generated))
+        token = int(req.sampler(logprobs[None]).item())
         if constraint is not None:
             constraint.advance(token)
         return token
@@ -650,6 +761,8 @@ class Engine:
             "fingerprint": self.fingerprint,
             "hot_agents": len(self._agents),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            "scheduling": self._scheduler.policy,
+            "max_decode_batch": self._scheduler.max_batch,
         }
 
 

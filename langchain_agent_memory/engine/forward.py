@@ -30,13 +30,23 @@ def prefill(
     (shape ``(vocab,)``, float32)."""
     if not token_ids:
         raise ValueError("prefill needs at least one token")
-    hidden = None
+    logits = None
     for start in range(0, len(token_ids), chunk_tokens):
-        chunk = mx.array(token_ids[start : start + chunk_tokens])[None]
-        hidden = model.model(chunk, cache=cache)
-        # Evaluate per chunk: bounds the graph and the memory of intermediate activations.
+        chunk = token_ids[start : start + chunk_tokens]
+        logits = prefill_chunk(model, chunk, cache, last=start + chunk_tokens >= len(token_ids))
+    assert logits is not None
+    return logits
+
+
+def prefill_chunk(model: Any, token_ids: Sequence[int], cache: list[Any], last: bool) -> mx.array | None:
+    """One chunk of a prefill; the logits of its last position if it is the ``last`` one."""
+    if not token_ids:
+        raise ValueError("prefill needs at least one token")
+    hidden = model.model(mx.array(token_ids)[None], cache=cache)
+    if not last:
+        # Evaluated per chunk: bounds the graph and the memory of intermediate activations.
         mx.eval(hidden[:, -1:], [c.state for c in cache])
-    assert hidden is not None
+        return None
     return logits_from_hidden(model, hidden[:, -1:])[0, -1].astype(mx.float32)
 
 

@@ -2,37 +2,72 @@
 
 MLX arrays and mlx-lm models are not made for concurrent use, and a request holds live
 caches between steps; one worker thread runs every request, so callers never race and an
-event loop never blocks on a prefill. Streams cross threads through a queue; a consumer
-that stops reading sets the request's ``cancel`` event, which the request checks between
-tokens (and then commits what it has).
+event loop never blocks on a prefill. While requests are in progress the thread alternates
+between the jobs queued for it (new requests, prefetches) and a *step* of its stepper (the
+engine's scheduler: a batched decode step and a prefill chunk). Streams cross threads
+through a queue (a ``Sink`` on the worker side); a consumer that stops reading sets the
+request's ``cancel`` event, which the request checks between tokens (and then commits
+what it has).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-#: Builds a request's iterator on the worker thread; it should stop once ``cancel`` is set.
-Job = Callable[[threading.Event], Iterator[T]]
 
 _ITEM, _END, _ERROR = range(3)
+
+
+class Stepper(Protocol):
+    def has_work(self) -> bool: ...
+    def step(self) -> None: ...
+
+
+class Sink:
+    """The worker's end of a stream: items, then an end or an error, for one consumer."""
+
+    def __init__(self, put: Callable[[tuple[int, Any]], None]) -> None:
+        self._put = put
+        self.closed = False
+
+    def item(self, item: Any) -> None:
+        self._put((_ITEM, item))
+
+    def end(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._put((_END, None))
+
+    def error(self, exc: BaseException) -> None:
+        if not self.closed:
+            self.closed = True
+            self._put((_ERROR, exc))
+
+
+#: Starts a stream on the worker thread: given the consumer's cancel event and a sink.
+Start = Callable[[threading.Event, Sink], None]
 
 
 class Worker:
     """A daemon thread fed by a queue. Why not a ``ThreadPoolExecutor``, and why no stop at
     exit: a thread that has run MLX work and *ends* during interpreter shutdown makes MLX
     abort ("terminate called without an active exception", exit code 134); a daemon thread
-    that is still waiting when the process ends does not. Interrupted saves are safe: every
-    write is atomic (``store.atomic_write``)."""
+    that is still waiting when the process ends does not. Interrupted saves are safe (see
+    ``store``)."""
 
     def __init__(self, name: str = "agent-memory-mlx") -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
+        self.stepper: Stepper | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread_id: int | None = None
         self._thread.start()
@@ -40,18 +75,32 @@ class Worker:
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
         while True:
-            future, fn, args = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
+            stepper = self.stepper
+            if stepper is not None and stepper.has_work():
+                # The jobs queued now (not those they queue again), then one step.
+                for _ in range(self._jobs.qsize()):
+                    self._run(*self._jobs.get())
+                try:
+                    stepper.step()
+                except BaseException:  # a step fails its own requests; never the thread
+                    logger.exception("engine step failed")
                 continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
+            self._run(*self._jobs.get())
+
+    @staticmethod
+    def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
 
     @property
     def has_waiting(self) -> bool:
-        """Whether a job is queued behind the running one (background work yields to it)."""
-        return not self._jobs.empty()
+        """Whether work waits behind the running job: queued jobs, or requests in progress
+        (background work such as a prefetch yields to either)."""
+        return not self._jobs.empty() or (self.stepper is not None and self.stepper.has_work())
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
@@ -62,21 +111,22 @@ class Worker:
     def on_worker(self) -> bool:
         return threading.get_ident() == self._thread_id
 
-    def iterate(self, job: Job[T]) -> Iterator[T]:
-        """The items of ``job`` (run on the worker), yielded on the calling thread."""
+    def iterate(self, start: Start) -> Iterator[Any]:
+        """The items of the stream ``start`` opens on the worker, on the calling thread."""
         if self.on_worker:
-            yield from job(threading.Event())
-            return
+            raise RuntimeError(
+                "a stream cannot be read on the engine's own worker thread (it would wait on itself)"
+            )
         items: queue.Queue[tuple[int, Any]] = queue.Queue()
         cancel = threading.Event()
-        self.submit(_drain, job, cancel, items.put)
+        self.submit(start, cancel, Sink(items.put))
         try:
             while (item := _unpack(items.get())) is not _DONE:
                 yield item
         finally:
-            cancel.set()  # the consumer stopped early (or the job ended: harmless)
+            cancel.set()  # the consumer stopped early (or the stream ended: harmless)
 
-    async def aiterate(self, job: Job[T]) -> AsyncIterator[T]:
+    async def aiterate(self, start: Start) -> AsyncIterator[Any]:
         """Async twin of ``iterate``: the event loop only awaits a queue."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -85,7 +135,7 @@ class Worker:
         def put(entry: tuple[int, Any]) -> None:
             loop.call_soon_threadsafe(items.put_nowait, entry)
 
-        self.submit(_drain, job, cancel, put)
+        self.submit(start, cancel, Sink(put))
         try:
             while (item := _unpack(await items.get())) is not _DONE:
                 yield item
@@ -97,17 +147,8 @@ _DONE = object()
 
 
 def _unpack(entry: tuple[int, Any]) -> Any:
-    """A queued item, ``_DONE`` at the end, or the job's exception raised here."""
+    """A queued item, ``_DONE`` at the end, or the stream's exception raised here."""
     kind, item = entry
     if kind == _ERROR:
         raise item
     return _DONE if kind == _END else item
-
-
-def _drain(job: Job[Any], cancel: threading.Event, put: Callable[[tuple[int, Any]], None]) -> None:
-    try:
-        for item in job(cancel):
-            put((_ITEM, item))
-        put((_END, None))
-    except BaseException as exc:  # handed to the consumer, re-raised on its thread
-        put((_ERROR, exc))

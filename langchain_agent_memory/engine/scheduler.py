@@ -1,0 +1,103 @@
+"""Which request the engine's worker thread advances next.
+
+Every request is a small state machine (``Phase``): admitted (its cache found and loaded),
+then prefilling its new tokens chunk by chunk, then decoding one token per step, then done
+(committed). Each scheduler step runs one batched decode step for *all* decoding requests
+(one forward pass: the weights are read once for the whole batch) and one prefill chunk of
+one prefilling request. Requests join and leave the decode batch between steps.
+
+Policies:
+
+- ``"interleave"`` (default): the prefilling request with the fewest tokens left goes
+  first (shortest remaining prefill), so an agent whose cache is warm or hot (a short
+  prefill) never waits behind another agent's long cold prefill for more than one chunk;
+  while requests are decoding, prefill chunks shrink (``chunk_tokens // 4``) so their
+  tokens keep flowing.
+- ``"fcfs"``: one request at a time, in arrival order, to its end: what an engine without
+  a scheduler does (kept to measure the difference).
+
+Two requests for the same agent never run at once: the later one waits for the earlier
+one's commit (it then extends that cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
+from typing import Protocol
+
+
+class Phase(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Schedulable(Protocol):
+    agent_id: str
+    phase: Phase
+    arrival: int
+
+    @property
+    def remaining_prefill(self) -> int: ...
+
+
+POLICIES = ("interleave", "fcfs")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        admit: Callable[[Schedulable], None],
+        prefill: Callable[[Schedulable, int], None],
+        decode: Callable[[list[Schedulable]], None],
+        policy: str = "interleave",
+        chunk_tokens: int = 512,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, not {policy!r}")
+        self._admit, self._prefill, self._decode = admit, prefill, decode
+        self.policy = policy
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Schedulable] = deque()
+        self.active: list[Schedulable] = []
+        self.steps = 0
+        self.max_batch = 0  # the largest decode batch seen (for stats and tests)
+
+    def submit(self, request: Schedulable) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def step(self) -> None:
+        """Admit what can start, then one batched decode step and one prefill chunk."""
+        self._admit_waiting()
+        decoding = [r for r in self.active if r.phase is Phase.DECODE]
+        prefilling = [r for r in self.active if r.phase is Phase.PREFILL]
+        if decoding:
+            self.max_batch = max(self.max_batch, len(decoding))
+            self._decode(decoding)
+        if prefilling:
+            if self.policy == "interleave":
+                request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
+            else:
+                request = prefilling[0]
+            chunk = self.chunk_tokens if not decoding else max(1, self.chunk_tokens // 4)
+            self._prefill(request, chunk)
+        self.active = [r for r in self.active if r.phase is not Phase.DONE]
+        self.steps += 1
+
+    def _admit_waiting(self) -> None:
+        busy = {r.agent_id for r in self.active}
+        for request in list(self.waiting):
+            if self.policy == "fcfs" and self.active:
+                return
+            if request.agent_id in busy:
+                continue  # after the running request for this agent commits
+            self.waiting.remove(request)
+            self._admit(request)
+            if request.phase is not Phase.DONE:
+                self.active.append(request)
+                busy.add(request.agent_id)
