@@ -31,11 +31,8 @@ from .spec import LayerSpec, ModelCacheSpec
 SCALE_DTYPE = mx.float16
 #: Keys and values at 16 bits ("FP16 mode"): float16.
 HALF_DTYPE = mx.float16
-#: Below this many queries (a decode step) attention multiplies the packed 4/8-bit tensors
-#: directly; from it on (any prefill, even a short new turn) the layer's keys are
-#: dequantized for BLAS. mlx's CPU quantized matmul is only fast for one row: a 12-token
-#: turn over a 2.3K-token cache took 0.72-0.79 s that way, 0.26-0.40 s dequantized.
-DEQUANTIZE_MIN_QUERIES = 2
+#: The working copy of a running request's visible K/V grows by this many positions.
+WORK_STEP = 256
 
 
 @functools.cache
@@ -207,9 +204,19 @@ def _slice(parts: Parts, start: int, stop: int) -> Parts:
     return tuple(p[:, :, start:stop] for p in parts)
 
 
-def _rotated(x: mx.array, already: bool, want: bool) -> mx.array:
-    """``x`` in the rotated space when ``want`` (only unrotated -> rotated ever happens)."""
-    return x @ rotation(x.shape[-1]) if want and not already else x
+def _unrotated(x: mx.array, rotated: bool) -> mx.array:
+    """``x`` back out of the codec's rotated space (once per request, for the body)."""
+    return x @ rotation(x.shape[-1]).T if rotated else x
+
+
+@dataclass(slots=True)
+class _Working:
+    """A running request's visible K/V at full precision (rows ``[start, end)`` valid)."""
+
+    k: mx.array
+    v: mx.array
+    start: int
+    end: int
 
 
 class LayerCache:
@@ -232,14 +239,38 @@ class LayerCache:
         self.head_v: mx.array | None = None
         self.keys: Parts | None = None  # committed, stored form
         self.values: Parts | None = None
-        self.pending_k: mx.array | None = None  # this request's tokens, full precision
-        self.pending_v: mx.array | None = None
+        # This request's tokens at full precision, as appended (joined when read: a decode
+        # step then costs no copy of them).
+        self._pending: list[tuple[mx.array, mx.array]] = []
+        self._n_pending = 0
+        self._work: _Working | None = None  # see ``_visible``; dropped when the request ends
 
     # ---------------------------------------------------------------- sizes
 
     @property
     def committed_end(self) -> int:
-        return self.offset - (0 if self.pending_k is None else self.pending_k.shape[2])
+        return self.offset - self._n_pending
+
+    @property
+    def pending_k(self) -> mx.array | None:
+        return self._joined_pending()[0]
+
+    @property
+    def pending_v(self) -> mx.array | None:
+        return self._joined_pending()[1]
+
+    def set_pending(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Replace this request's tokens (``offset`` is the caller's to keep right)."""
+        self._pending = [] if keys is None or values is None else [(keys, values)]
+        self._n_pending = 0 if keys is None else keys.shape[2]
+
+    def _joined_pending(self) -> tuple[mx.array | None, mx.array | None]:
+        if not self._pending:
+            return None, None
+        if len(self._pending) > 1:
+            ks, vs = zip(*self._pending, strict=True)
+            self._pending = [(mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))]
+        return self._pending[0]
 
     @property
     def n_head(self) -> int:
@@ -252,18 +283,17 @@ class LayerCache:
     @property
     def nbytes(self) -> int:
         arrays = [*(self.keys or ()), *(self.values or ())]
-        arrays += [a for a in (self.head_k, self.head_v, self.pending_k, self.pending_v) if a is not None]
+        arrays += [a for a in (self.head_k, self.head_v) if a is not None]
+        arrays += [a for pair in self._pending for a in pair]
         return sum(int(a.nbytes) for a in arrays)
 
     # ---------------------------------------------------------------- mlx-lm protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[LayerCache, LayerCache]:
-        if self.pending_k is None:
-            self.pending_k, self.pending_v = keys, values
-        else:
-            assert self.pending_v is not None
-            self.pending_k = mx.concatenate([self.pending_k, keys], axis=2)
-            self.pending_v = mx.concatenate([self.pending_v, values], axis=2)
+        self._pending.append((keys, values))
+        self._n_pending += keys.shape[2]
+        if self._work is not None and self._work.end == self.offset:
+            self._append_work(keys, values)
         self.offset += keys.shape[2]
         # mlx-lm passes these on to its attention function; ours (installed by
         # install_attention_hook) recognises the cache and calls ``attend``.
@@ -277,7 +307,7 @@ class LayerCache:
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return (self.head_k, self.head_v, self.keys, self.values, self.pending_k, self.pending_v)
+        return (self.head_k, self.head_v, self.keys, self.values, self._pending)
 
     # ---------------------------------------------------------------- attention
 
@@ -292,34 +322,58 @@ class LayerCache:
             segments.append(
                 (_slice(self.keys, a, b), _slice(self.values, a, b), self.quant.keys, self.quant.values)
             )
-        if self.pending_k is not None and self.pending_v is not None:
+        pk, pv = self._joined_pending()
+        if pk is not None and pv is not None:
             skip = max(0, lo - end)
-            segments.append(((self.pending_k[:, :, skip:],), (self.pending_v[:, :, skip:],), FULL, FULL))
+            segments.append(((pk[:, :, skip:],), (pv[:, :, skip:],), FULL, FULL))
         return segments
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Attention of ``queries`` (the last L positions) over every visible key."""
+        """Attention of ``queries`` (the last L positions) over every visible key.
+
+        Over a full-precision working copy of the visible keys and values (``_visible``),
+        one BLAS attention: the 4-bit kernels are several times slower on CPU, and a decode
+        step over stored segments took ~20 small ops per layer where this takes a few (the
+        rotated codecs' body is rotated back once, when the copy is built).
+        """
         L = queries.shape[2]
         window = self.spec.window
         first_q = self.offset - L
         # Keys a sliding-window layer can no longer see are not even read.
         lo = self.start if window is None else max(self.start, first_q - window + 1)
+        k, v = self._visible(lo, queries.dtype)
+        return _sdpa(queries, k, v, scale, self._mask(first_q, L, k.shape[2]))
+
+    def _visible(self, lo: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Positions ``[lo, offset)`` at full precision. Built once per request (the stored
+        body unpacked), then kept in step by ``update_and_fetch`` until ``commit``: a chunked
+        prefill or a decode step does not unpack the body again."""
+        w = self._work
+        if w is not None and w.start <= lo and w.end == self.offset:
+            return w.k[:, :, lo - w.start : w.end - w.start], w.v[:, :, lo - w.start : w.end - w.start]
         segments = self._segments(lo)
-        if L < DEQUANTIZE_MIN_QUERIES:
-            return self._attend_small(queries, scale, segments, first_q)
-        # A prefill chunk: this layer's visible keys at full precision for one BLAS matmul
-        # (the 4-bit kernels are several times slower on CPU); freed after the call. With
-        # a rotated codec everything is moved into the rotated space (queries, head and
-        # this request's keys / values: few rows) rather than the stored keys out of it.
-        krot, vrot = self.quant.keys.rotate, self.quant.values.rotate
-        dtype = queries.dtype
-        q = _rotated(queries, False, krot)
-        ks = [_rotated(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
-        vs = [_rotated(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
+        ks = [_unrotated(kc.decode(kp, dtype), kc.rotate) for kp, _, kc, _ in segments]
+        vs = [_unrotated(vc.decode(vp, dtype), vc.rotate) for _, vp, _, vc in segments]
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        out = _sdpa(q, k, v, scale, self._mask(first_q, L, k.shape[2]))
-        return out @ rotation(out.shape[-1]).T if vrot else out
+        self._work = _Working(k, v, lo, self.offset)
+        return k, v
+
+    def _append_work(self, keys: mx.array, values: mx.array) -> None:
+        w = self._work
+        assert w is not None
+        n, used = keys.shape[2], w.end - w.start
+        if used + n > w.k.shape[2]:  # grow by whole steps: appends are then in place
+            extra = -(-(used + n - w.k.shape[2]) // WORK_STEP) * WORK_STEP
+            w.k = mx.concatenate(
+                [w.k[:, :, :used], mx.zeros((*w.k.shape[:2], extra, w.k.shape[3]), w.k.dtype)], 2
+            )
+            w.v = mx.concatenate(
+                [w.v[:, :, :used], mx.zeros((*w.v.shape[:2], extra, w.v.shape[3]), w.v.dtype)], 2
+            )
+        w.k[:, :, used : used + n] = keys if keys.dtype == w.k.dtype else keys.astype(w.k.dtype)
+        w.v[:, :, used : used + n] = values if values.dtype == w.v.dtype else values.astype(w.v.dtype)
+        w.end += n
 
     def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
         """Causal and, for sliding layers, window mask over the keys that were read."""
@@ -333,46 +387,13 @@ class LayerCache:
             mask = mask & (q_pos - k_pos < self.spec.window)
         return mask
 
-    def _attend_small(
-        self, queries: mx.array, scale: float, segments: list[Segment], first_q: int
-    ) -> mx.array:
-        """Decode-sized attention straight on the stored (packed 4/8-bit) keys and values
-        (``mx.quantized_matmul``), segment by segment."""
-        B, H, L, D = queries.shape
-        kv = self.spec.kv_heads
-        rep = H // kv
-        dtype = queries.dtype
-        q = (queries * scale).reshape(B, kv, rep * L, D)
-        q_rot = q @ rotation(D) if any(kc.rotate for _, _, kc, _ in segments) else q
-        scores = [
-            _matmul_stored(q_rot if kc.rotate else q, kp, kc, dtype, transpose=True)
-            for kp, _, kc, _ in segments
-        ]
-        sizes = [s.shape[-1] for s in scores]
-        s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-        mask = self._mask(first_q, L, sum(sizes))
-        if mask is not None:
-            s = s.reshape(B, kv, rep, L, -1)
-            s = mx.where(mask, s, mx.finfo(s.dtype).min).reshape(B, kv, rep * L, -1)
-        w = mx.softmax(s, axis=-1, precise=True)
-        out = None
-        a = 0
-        for (_, vp, _, vc), n in zip(segments, sizes, strict=True):
-            part = _matmul_stored(w[..., a : a + n], vp, vc, dtype, transpose=False)
-            if vc.rotate:
-                part = part @ rotation(part.shape[-1]).T
-            out = part if out is None else out + part
-            a += n
-        assert out is not None
-        return out.reshape(B, H, L, -1)
-
     # ---------------------------------------------------------------- lifecycle
 
     def commit(self) -> None:
         """Move this request's tokens into the committed (stored) form."""
-        if self.pending_k is None or self.pending_v is None:
+        k, v = self._joined_pending()
+        if k is None or v is None:
             return
-        k, v = self.pending_k, self.pending_v
         n_head = max(0, min(self.quant.head_tokens, self.offset) - self.committed_end)
         if n_head and self.start == 0 and self.keys is None:
             hk, hv = k[:, :, :n_head].astype(HALF_DTYPE), v[:, :, :n_head].astype(HALF_DTYPE)
@@ -382,7 +403,8 @@ class LayerCache:
         if k.shape[2]:
             self.keys = _concat(self.keys, self.quant.keys.encode(k))
             self.values = _concat(self.values, self.quant.values.encode(v))
-        self.pending_k = self.pending_v = None
+        self.set_pending(None, None)
+        self._work = None  # the request is over: only the stored form stays in memory
 
     def committed_slice(
         self, a: int, b: int
@@ -405,6 +427,7 @@ class LayerCache:
 
     def drop_before(self, position: int) -> None:
         """Free committed tokens before ``position`` (sliding layers past their window)."""
+        self._work = None
         cut = min(position, self.committed_end)
         b0 = self.body_start
         if cut <= self.start or cut < b0:
@@ -417,8 +440,9 @@ class LayerCache:
 
     def trim_to(self, n_tokens: int) -> None:
         """Keep positions < ``n_tokens`` (committed tokens only; ``start <= n_tokens``)."""
-        if self.pending_k is not None:
+        if self._n_pending:
             raise RuntimeError("trim_to with pending tokens: commit first (this is a bug)")
+        self._work = None
         if n_tokens < self.start:
             raise RuntimeError("cannot trim below the first token in memory; rebuild from blocks")
         b0 = self.body_start
@@ -448,20 +472,8 @@ class LayerCache:
         self.head_k, self.head_v = head if head is not None else (None, None)
         self.keys, self.values = keys, values
         self.offset = self.body_start + (0 if keys is None else keys[0].shape[2])
-        self.pending_k = self.pending_v = None
-
-
-def _matmul_stored(
-    x: mx.array, parts: tuple[mx.array, ...], codec: TensorCodec, dtype: mx.Dtype, transpose: bool
-) -> mx.array:
-    """``x @ W.T`` (transpose) or ``x @ W`` for W in its stored form, without unpacking it."""
-    if codec.bits is None:
-        w = parts[0].astype(dtype)
-        return x @ (w.swapaxes(-1, -2) if transpose else w)
-    q, scales, biases = parts
-    return mx.quantized_matmul(
-        x, q, scales.astype(dtype), biases.astype(dtype), transpose, codec.group_size, codec.bits
-    )
+        self.set_pending(None, None)
+        self._work = None
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -505,22 +517,20 @@ class BatchLayerCache:
     cache, at its own length and position (RoPE takes a vector of offsets). No padding,
     so a batched step gives each agent exactly what a step alone would."""
 
-    def __init__(self, caches: list[LayerCache]) -> None:
+    def __init__(self, caches: list[LayerCache], offsets: mx.array | None = None) -> None:
         self.caches = caches
-
-    @property
-    def offset(self) -> mx.array:
-        return mx.array([c.offset for c in self.caches])
+        # Every layer's RoPE reads the agents' positions before the step (shared array).
+        self.offset = offsets if offsets is not None else mx.array([c.offset for c in caches])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        for i, cache in enumerate(self.caches):
-            cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+        n = len(self.caches)
+        for cache, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True):
+            cache.update_and_fetch(k, v)
         return keys, values  # unused: attention reads each agent's cache (``attend``)
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
-        return mx.concatenate(
-            [c.attend(queries[i : i + 1], scale) for i, c in enumerate(self.caches)], axis=0
-        )
+        parts = mx.split(queries, len(self.caches))
+        return mx.concatenate([c.attend(q, scale) for c, q in zip(self.caches, parts, strict=True)], axis=0)
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # each agent's ``attend`` masks its own keys
@@ -532,4 +542,5 @@ class BatchLayerCache:
 
 def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
     """Layer-major view of several agents' layer caches, for one batched forward pass."""
-    return [BatchLayerCache(list(layer)) for layer in zip(*per_agent, strict=True)]
+    offsets = mx.array([layers[0].offset for layers in per_agent])
+    return [BatchLayerCache(list(layer), offsets) for layer in zip(*per_agent, strict=True)]

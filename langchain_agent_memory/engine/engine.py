@@ -425,9 +425,18 @@ class Engine:
                     tokens = mx.array([r.token for r in reqs])[:, None]
                     caches = batch_layer_caches([r.layers for r in reqs])
                     rows = self.lm.model(tokens, cache=caches)[:, -1].astype(mx.float32)
+                # Greedy rows without a grammar: one argmax and one sync for all of them.
+                plain = [
+                    i for i, r in enumerate(reqs) if r.params.temperature == 0 and r.params.constraint is None
+                ]
+                greedy = (
+                    dict(zip(plain, mx.argmax(rows[mx.array(plain)], axis=-1).tolist(), strict=True))
+                    if plain
+                    else {}
+                )
                 for i, req in enumerate(reqs):
                     try:
-                        self._accept(req, self._sample(req, rows[i]))
+                        self._accept(req, greedy[i] if i in greedy else self._sample(req, rows[i]))
                     except BaseException as exc:
                         self._fail(req, exc)
         except BaseException as exc:
@@ -824,7 +833,7 @@ def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
 
 def _holds_window(layer: LayerCache, n_tokens: int) -> bool:
     """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
-    if layer.pending_k is not None or layer.offset < n_tokens:
+    if layer.committed_end != layer.offset or layer.offset < n_tokens:
         return False
     if layer.spec.window is None:
         return layer.start == 0

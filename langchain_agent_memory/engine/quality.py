@@ -69,7 +69,7 @@ def clone_with_format(caches: list[Any], quant: Any) -> list[Any]:
     for c in caches:
         n = LayerCache(c.spec, quant, c.dtype)
         n.start, n.offset = c.start, c.offset
-        n.pending_k, n.pending_v = c.pending_k, c.pending_v
+        n.set_pending(c.pending_k, c.pending_v)
         out.append(n)
     return out
 
