@@ -10,9 +10,9 @@ Policies:
 
 - ``"interleave"`` (default): the prefilling request with the fewest tokens left goes
   first (shortest remaining prefill), so an agent whose cache is warm or hot (a short
-  prefill) never waits behind another agent's long cold prefill for more than one chunk;
-  while other requests are active, prefill chunks shrink (``chunk_tokens // 4``) so that
-  decoding agents' tokens keep flowing.
+  prefill) never waits behind another agent's long cold prefill for more than one chunk
+  (the engine's chunks are small: ``ENGINE_CHUNK_TOKENS``), and decoding agents get a token
+  between any two chunks.
 - ``"fcfs"``: one request at a time, in arrival order, to its end: what an engine without
   a scheduler does (kept to measure the difference).
 
@@ -84,10 +84,7 @@ class Scheduler:
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
             else:
                 request = prefilling[0]
-            # Alone: whole chunks. With company: quarter chunks, so that decoding agents get
-            # their tokens and a new arrival waits less (prefill speed is the same from 128
-            # tokens a chunk up on CPU: benchmarks/concurrency.py).
-            chunk = self.chunk_tokens if len(self.active) == 1 else max(1, self.chunk_tokens // 4)
+            chunk = self.chunk_tokens
             self._prefill(request, chunk)
         self.active = [r for r in self.active if r.phase is not Phase.DONE]
         self.steps += 1
