@@ -290,14 +290,18 @@ class LayerCache:
     # ---------------------------------------------------------------- mlx-lm protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[LayerCache, LayerCache]:
-        self._pending.append((keys, values))
-        self._n_pending += keys.shape[2]
         if self._work is not None and self._work.end == self.offset:
             self._append_work(keys, values)
-        self.offset += keys.shape[2]
+        self.push_pending(keys, values)
         # mlx-lm passes these on to its attention function; ours (installed by
         # install_attention_hook) recognises the cache and calls ``attend``.
         return self, self
+
+    def push_pending(self, keys: mx.array, values: mx.array) -> None:
+        """Add this request's new tokens (without touching the working copy)."""
+        self._pending.append((keys, values))
+        self._n_pending += keys.shape[2]
+        self.offset += keys.shape[2]
 
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
         return None  # masks are built in ``attend``, from positions and the layer's window
@@ -513,34 +517,121 @@ def install_attention_hook() -> None:
 class BatchLayerCache:
     """One layer's caches of several agents, stepped together: the model runs one batched
     forward pass (every projection and MLP multiplies a (B, L, D) batch: decode reads the
-    weights once for all agents), while each agent's attention still runs over its own
-    cache, at its own length and position (RoPE takes a vector of offsets). No padding,
-    so a batched step gives each agent exactly what a step alone would."""
+    weights once for all agents), each agent at its own position (RoPE takes a vector of
+    offsets). Attention:
+
+    - full-attention layers: the agents' working copies merged into one left-padded buffer
+      (built when the batch forms, appended in place for all agents at once, handed back
+      to each agent when the batch changes), one attention call with a padding mask;
+    - sliding-window layers: each agent over its own cache (windows slide apart).
+
+    Either way each agent attends to exactly its own keys, as in a step alone.
+    """
 
     def __init__(self, caches: list[LayerCache], offsets: mx.array | None = None) -> None:
         self.caches = caches
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets if offsets is not None else mx.array([c.offset for c in caches])
+        self._merged: _Merged | None = None
+        self._mergeable = len(caches) > 1 and all(c.spec.window is None for c in caches)
+
+    def step(self, offsets: mx.array) -> BatchLayerCache:
+        """The same batch, one step later (its merged buffer kept)."""
+        self.offset = offsets
+        return self
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._mergeable and self._merged is None:
+            self._merged = _Merged.of(self.caches, keys.dtype)
+        if self._merged is not None:
+            # One write for all agents; each one's new tokens are split off its rows of the
+            # buffer only when the batch dissolves (for its commit).
+            self._merged.append(keys, values)
+            for cache in self.caches:
+                cache.offset += keys.shape[2]
+            return keys, values
         n = len(self.caches)
         for cache, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True):
             cache.update_and_fetch(k, v)
-        return keys, values  # unused: attention reads each agent's cache (``attend``)
+        return keys, values  # unused: attention is ``attend``
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
+        m = self._merged
+        if m is not None:
+            mask = m.valid[:, None, None, : m.end]
+            return _sdpa(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask)
         parts = mx.split(queries, len(self.caches))
         return mx.concatenate([c.attend(q, scale) for c, q in zip(self.caches, parts, strict=True)], axis=0)
 
+    def dissolve(self) -> None:
+        """Hand each agent still running its rows of the merged buffer back (its own
+        working copy), so that it can go on alone or join another batch."""
+        m, self._merged = self._merged, None
+        if m is None:
+            return
+        new = m.end - m.base  # the tokens this batch added: each agent's newest pending ones
+        for i, cache in enumerate(self.caches):
+            k, v = m.k[i : i + 1, :, m.pads[i] : m.end], m.v[i : i + 1, :, m.pads[i] : m.end]
+            if new:
+                cache.offset -= new
+                cache.push_pending(k[:, :, -new:], v[:, :, -new:])
+            cache._work = _Working(k, v, cache.start, cache.offset)
+
     def make_mask(self, *args: Any, **kwargs: Any) -> None:
-        return None  # each agent's ``attend`` masks its own keys
+        return None  # masks are built in ``attend``
 
     @property
     def state(self) -> list[Any]:
         return [c.state for c in self.caches]
 
 
+@dataclass(slots=True)
+class _Merged:
+    """Several agents' visible K/V, right-aligned in one buffer (agent i's positions in
+    columns ``[pads[i], end)``); ``valid`` marks the columns each agent may attend to."""
+
+    k: mx.array
+    v: mx.array
+    pads: list[int]
+    end: int
+    valid: mx.array
+    base: int  # ``end`` when built: the columns from here on are the batch's new tokens
+
+    @classmethod
+    def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
+        works = [c._visible(c.start, dtype) for c in caches]
+        for c in caches:
+            c._work = None  # from now on the merged buffer holds it
+        end = max(k.shape[2] for k, _ in works)
+        cap = end + WORK_STEP
+        pads = [end - k.shape[2] for k, _ in works]
+
+        def merged(i: int) -> mx.array:
+            return mx.concatenate(
+                [
+                    mx.pad(w[i], [(0, 0), (0, 0), (p, cap - end), (0, 0)])
+                    for w, p in zip(works, pads, strict=True)
+                ],
+                axis=0,
+            )
+
+        valid = mx.arange(cap)[None, :] >= mx.array(pads)[:, None]
+        return cls(merged(0), merged(1), pads, end, valid, end)
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        if self.end + n > self.k.shape[2]:
+            extra = -(-(self.end + n - self.k.shape[2]) // WORK_STEP) * WORK_STEP
+            grow = [(0, 0), (0, 0), (0, extra), (0, 0)]
+            self.k, self.v = mx.pad(self.k, grow), mx.pad(self.v, grow)
+            self.valid = mx.pad(self.valid, [(0, 0), (0, extra)], constant_values=True)
+        self.k[:, :, self.end : self.end + n] = keys.astype(self.k.dtype)
+        self.v[:, :, self.end : self.end + n] = values.astype(self.v.dtype)
+        self.end += n
+
+
 def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
-    """Layer-major view of several agents' layer caches, for one batched forward pass."""
+    """Layer-major view of several agents' layer caches, for batched forward passes (keep
+    it for the next steps of the same agents: ``step``; ``dissolve`` it when they change)."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
     return [BatchLayerCache(list(layer), offsets) for layer in zip(*per_agent, strict=True)]

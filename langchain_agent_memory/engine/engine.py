@@ -23,7 +23,14 @@ from typing import Any
 
 from ..config import get_settings
 from . import fast_ops
-from .cache import KVQuant, LayerCache, batch_layer_caches, install_attention_hook, make_layer_caches
+from .cache import (
+    BatchLayerCache,
+    KVQuant,
+    LayerCache,
+    batch_layer_caches,
+    install_attention_hook,
+    make_layer_caches,
+)
 from .cache import kv_format as kv_format_of
 from .constrain import TokenConstraint
 from .forward import decode_step, prefill_chunk
@@ -216,6 +223,7 @@ class Engine:
             self._admit, self._prefill_chunk, self._decode, policy=scheduling, chunk_tokens=chunk_tokens
         )
         self._arrivals = 0
+        self._batch: tuple[tuple[int, ...], list[BatchLayerCache]] | None = None  # see _batch_caches
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler
         #: Called with each new agent record right after a request commits it (on the
@@ -429,8 +437,7 @@ class Engine:
                     rows = decode_step(self.lm.model, reqs[0].token, reqs[0].layers)[None]
                 else:
                     tokens = mx.array([r.token for r in reqs])[:, None]
-                    caches = batch_layer_caches([r.layers for r in reqs])
-                    rows = self.lm.model(tokens, cache=caches)[:, -1].astype(mx.float32)
+                    rows = self.lm.model(tokens, cache=self._batch_caches(reqs))[:, -1].astype(mx.float32)
                 # Greedy rows without a grammar: one argmax and one sync for all of them.
                 plain = [
                     i for i, r in enumerate(reqs) if r.params.temperature == 0 and r.params.constraint is None
@@ -448,6 +455,24 @@ class Engine:
         except BaseException as exc:
             for req in reqs:
                 self._fail(req, exc)
+
+    def _batch_caches(self, reqs: list[_Request]) -> list[BatchLayerCache]:
+        """The batch's layer caches: kept from step to step while the same requests decode
+        together (their merged buffers grow in place), rebuilt when one joins or leaves."""
+        members = tuple(id(r) for r in reqs)
+        if self._batch is not None and self._batch[0] == members:
+            offsets = mx.array([r.layers[0].offset for r in reqs])
+            return [c.step(offsets) for c in self._batch[1]]
+        self._dissolve_batch()
+        caches = batch_layer_caches([r.layers for r in reqs])
+        self._batch = (members, caches)
+        return caches
+
+    def _dissolve_batch(self) -> None:
+        if self._batch is not None:
+            for cache in self._batch[1]:
+                cache.dissolve()
+            self._batch = None
 
     def _accept(self, req: _Request, token: int) -> None:
         """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
@@ -494,6 +519,7 @@ class Engine:
         # Commit the KV of the prompt and of every generated token that went through the
         # model (all but the last sampled one, unless that one was end-of-turn).
         t0 = time.perf_counter()
+        self._dissolve_batch()  # the others go on in a new batch without this one
         with self._lock:
             known, generated = req.known, req.generated
             fed = generated if req.ended_by_eos else generated[:-1]
@@ -524,6 +550,7 @@ class Engine:
         req.sink.end()
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
+        self._dissolve_batch()
         req.phase = Phase.DONE
         req.sink.error(exc)
 
