@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.engine.runtime import mx
 from langchain_agent_memory.engine.store import Block, DiskBlockStore
@@ -110,22 +110,31 @@ def test_damaged_block_is_quarantined_and_repaired(
     victim = engine.store.block_path(record.blocks[1])
     BLOCK_DAMAGE[damage](victim, engine)
 
+    again = _falls_back_then_repairs(tmp_path, first, caplog)
+    # Only blocks before the damaged one can serve (shared by content), never the damaged one.
+    assert again.reused_tokens <= 256
+    Engine("smollm2-135m", cache_dir=tmp_path).store.get_block(record.blocks[1])  # a sound copy
+    _record_figure(figures, damage)
+
+
+def _falls_back_then_repairs(
+    tmp_path: Path, first: GenerationResult, caplog: pytest.LogCaptureFixture
+) -> GenerationResult:
+    """A new process meets the damage: one log line, the bad file aside, a prefill with the
+    same answer; the one after it resumes the repaired cache from disk."""
     restarted = Engine("smollm2-135m", cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING):
         again = restarted.generate("lawyer", PROMPT, GREEDY)
     assert again.text == first.text  # prefilled again, the same answer
-    # Only blocks before the damaged one can serve (shared by content), never the damaged one.
-    assert str(again.outcome) in ("cold", "warm-shared", "hot-shared") and again.reused_tokens <= 256
+    assert str(again.outcome) in ("cold", "warm-shared", "hot-shared")  # sound shared blocks may serve
     (line,) = _warnings(caplog)
     assert "'lawyer'" in line and "falling back to prefill" in line and "quarantine" in line
     assert len(list((restarted.store.dir / "quarantine").iterdir())) == 1  # kept aside, not deleted
-    restarted.store.get_block(record.blocks[1])  # the save wrote a sound copy
-
     repaired = Engine("smollm2-135m", cache_dir=tmp_path)
     third = repaired.generate("lawyer", PROMPT, GREEDY)
     assert str(third.outcome).startswith("warm") and third.text == first.text  # from disk again
     assert third.reused_tokens >= third.prompt_tokens - 2  # (the kept reply makes it "diverge")
-    _record_figure(figures, damage)
+    return again
 
 
 def _edit_record(engine: Engine, edit: Callable[[str], str]) -> None:
@@ -153,18 +162,5 @@ def test_damaged_record_is_quarantined_and_repaired(
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = engine.generate("lawyer", PROMPT, GREEDY)
     _edit_record(engine, RECORD_DAMAGE[damage])
-
-    restarted = Engine("smollm2-135m", cache_dir=tmp_path)
-    with caplog.at_level(logging.WARNING):
-        again = restarted.generate("lawyer", PROMPT, GREEDY)
-    assert again.text == first.text
-    assert str(again.outcome) in ("cold", "warm-shared", "hot-shared")  # its blocks may still serve
-    (line,) = _warnings(caplog)
-    assert "'lawyer'" in line and "falling back to prefill" in line and "quarantine" in line
-    assert len(list((restarted.store.dir / "quarantine").iterdir())) == 1
-
-    repaired = Engine("smollm2-135m", cache_dir=tmp_path)
-    third = repaired.generate("lawyer", PROMPT, GREEDY)
-    assert str(third.outcome).startswith("warm") and third.text == first.text  # from disk again
-    assert third.reused_tokens >= third.prompt_tokens - 2  # (the kept reply makes it "diverge")
+    _falls_back_then_repairs(tmp_path, first, caplog)
     _record_figure(figures, damage)
