@@ -162,3 +162,27 @@ def test_langgraph_fan_out_branches_run_concurrently(
         f"{len(BRANCHES)} branches, decode batch up to {llm.engine.stats()['max_decode_batch']}, "
         "answers identical to each branch alone"
     )
+
+
+@pytest.mark.parametrize("policy", ["interleave", "fcfs"])
+def test_a_warm_agent_does_not_wait_for_a_cold_prefill(smollm: object, tmp_path: Path, policy: str) -> None:
+    """B (a warm cache, a few new tokens) arrives while A's long cold prefill runs: under the
+    engine's policy B's first token comes first; first-come-first-served makes it wait."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path, scheduling=policy)
+    history = PROMPTS["lawyer"]
+    engine.generate("b", history, GenerationParams(max_tokens=2))
+    long_prompt = "Read this.\n\n" + corpus.apache_license()[:7000] + "\nQ: Its name?\nA:"
+    order: list[str] = []
+
+    def first_token(agent: str, prompt: str) -> None:
+        for _ in engine.stream(agent, prompt, GenerationParams(max_tokens=2)):
+            order.append(agent)
+            break
+
+    a = threading.Thread(target=first_token, args=("a", long_prompt))
+    a.start()
+    while not any(getattr(r, "prefilled", 0) for r in engine._scheduler.active):  # A's prefill has begun
+        threading.Event().wait(0.01)
+    first_token("b", engine.cached_text("b") + "\nQ: And who wrote it?\nA:")
+    a.join()
+    assert order == (["b", "a"] if policy == "interleave" else ["a", "b"])
