@@ -204,9 +204,11 @@ def _slice(parts: Parts, start: int, stop: int) -> Parts:
     return tuple(p[:, :, start:stop] for p in parts)
 
 
-def _unrotated(x: mx.array, rotated: bool) -> mx.array:
-    """``x`` back out of the codec's rotated space (once per request, for the body)."""
-    return x @ rotation(x.shape[-1]).T if rotated else x
+def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
+    """``x`` (rotated or not) moved into the rotated space or out of it, as wanted."""
+    if rotated == want_rotated:
+        return x
+    return x @ rotation(x.shape[-1]) if want_rotated else x @ rotation(x.shape[-1]).T
 
 
 @dataclass(slots=True)
@@ -217,6 +219,8 @@ class _Working:
     v: mx.array
     start: int
     end: int
+    krot: bool = False  # K rows in the keys codec's rotated space (during a prefill)
+    vrot: bool = False
 
 
 class LayerCache:
@@ -337,31 +341,42 @@ class LayerCache:
 
         Over a full-precision working copy of the visible keys and values (``_visible``),
         one BLAS attention: the 4-bit kernels are several times slower on CPU, and a decode
-        step over stored segments took ~20 small ops per layer where this takes a few (the
-        rotated codecs' body is rotated back once, when the copy is built).
+        step over stored segments took ~20 small ops per layer where this takes a few. With
+        a rotated codec a prefill works in the rotated space (queries, head and this
+        request's keys / values are rotated: few rows), so the first token never waits for
+        the stored body to be rotated back; that happens once, at the first decode step.
         """
         L = queries.shape[2]
         window = self.spec.window
         first_q = self.offset - L
         # Keys a sliding-window layer can no longer see are not even read.
         lo = self.start if window is None else max(self.start, first_q - window + 1)
-        k, v = self._visible(lo, queries.dtype)
-        return _sdpa(queries, k, v, scale, self._mask(first_q, L, k.shape[2]))
+        k, v, krot, vrot = self._visible(lo, queries.dtype, decode=L == 1)
+        q = queries @ rotation(queries.shape[-1]) if krot else queries
+        out = _sdpa(q, k, v, scale, self._mask(first_q, L, k.shape[2]))
+        return out @ rotation(out.shape[-1]).T if vrot else out
 
-    def _visible(self, lo: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Positions ``[lo, offset)`` at full precision. Built once per request (the stored
-        body unpacked), then kept in step by ``update_and_fetch`` until ``commit``: a chunked
-        prefill or a decode step does not unpack the body again."""
+    def _visible(self, lo: int, dtype: mx.Dtype, decode: bool) -> tuple[mx.array, mx.array, bool, bool]:
+        """Positions ``[lo, offset)`` at full precision, and whether K and V are in their
+        codec's rotated space. Built once per request (the stored body unpacked), then kept
+        in step by ``update_and_fetch`` until ``commit``: a chunked prefill or a decode step
+        does not unpack the body again. A decode step wants it unrotated (no rotation per
+        step): the first one rotates it back."""
         w = self._work
-        if w is not None and w.start <= lo and w.end == self.offset:
-            return w.k[:, :, lo - w.start : w.end - w.start], w.v[:, :, lo - w.start : w.end - w.start]
-        segments = self._segments(lo)
-        ks = [_unrotated(kc.decode(kp, dtype), kc.rotate) for kp, _, kc, _ in segments]
-        vs = [_unrotated(vc.decode(vp, dtype), vc.rotate) for _, vp, _, vc in segments]
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        self._work = _Working(k, v, lo, self.offset)
-        return k, v
+        if w is None or w.start > lo or w.end != self.offset:
+            krot, vrot = self.quant.keys.rotate and not decode, self.quant.values.rotate and not decode
+            segments = self._segments(lo)
+            ks = [_in_space(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
+            vs = [_in_space(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
+            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+            w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
+        elif decode and (w.krot or w.vrot):
+            used = w.end - w.start
+            w.k, w.v = _in_space(w.k[:, :, :used], w.krot, False), _in_space(w.v[:, :, :used], w.vrot, False)
+            w.krot = w.vrot = False
+        a, b = lo - w.start, w.end - w.start
+        return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
 
     def _append_work(self, keys: mx.array, values: mx.array) -> None:
         w = self._work
@@ -375,8 +390,8 @@ class LayerCache:
             w.v = mx.concatenate(
                 [w.v[:, :, :used], mx.zeros((*w.v.shape[:2], extra, w.v.shape[3]), w.v.dtype)], 2
             )
-        w.k[:, :, used : used + n] = keys if keys.dtype == w.k.dtype else keys.astype(w.k.dtype)
-        w.v[:, :, used : used + n] = values if values.dtype == w.v.dtype else values.astype(w.v.dtype)
+        w.k[:, :, used : used + n] = _in_space(keys.astype(w.k.dtype), False, w.krot)
+        w.v[:, :, used : used + n] = _in_space(values.astype(w.v.dtype), False, w.vrot)
         w.end += n
 
     def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
@@ -599,7 +614,7 @@ class _Merged:
 
     @classmethod
     def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
-        works = [c._visible(c.start, dtype) for c in caches]
+        works = [c._visible(c.start, dtype, decode=True)[:2] for c in caches]
         for c in caches:
             c._work = None  # from now on the merged buffer holds it
         end = max(k.shape[2] for k, _ in works)
