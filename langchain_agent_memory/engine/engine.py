@@ -805,6 +805,10 @@ class Engine:
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             "scheduling": self._scheduler.policy,
             "max_decode_batch": self._scheduler.max_batch,
+            # batch size -> generated tokens per second while that many agents decoded together
+            "decode_tokens_per_s": {
+                b: b * n / total for b, (n, total) in sorted(self._scheduler.decode_time.items()) if total
+            },
         }
 
 

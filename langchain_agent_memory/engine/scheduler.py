@@ -22,6 +22,7 @@ one's commit (it then extends that cache).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
@@ -64,6 +65,8 @@ class Scheduler:
         self.active: list[Schedulable] = []
         self.steps = 0
         self.max_batch = 0  # the largest decode batch seen (for stats and tests)
+        #: batch size -> (decode steps, seconds in them): steady-state throughput per size
+        self.decode_time: dict[int, tuple[int, float]] = {}
 
     def submit(self, request: Schedulable) -> None:
         self.waiting.append(request)
@@ -78,7 +81,10 @@ class Scheduler:
         prefilling = [r for r in self.active if r.phase is Phase.PREFILL]
         if decoding:
             self.max_batch = max(self.max_batch, len(decoding))
+            t0 = time.perf_counter()
             self._decode(decoding)
+            n, total = self.decode_time.get(len(decoding), (0, 0.0))
+            self.decode_time[len(decoding)] = (n + 1, total + time.perf_counter() - t0)
         if prefilling:
             if self.policy == "interleave":
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
