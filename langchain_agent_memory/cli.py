@@ -1,0 +1,151 @@
+"""The ``agent-memory`` command line.
+
+    agent-memory cache ls [--prefix P]      agents with a stored cache, per model/KV format
+    agent-memory cache show AGENT           one agent's cache: tokens, blocks, text
+    agent-memory cache rm AGENT...          delete agents' caches (shared blocks stay)
+    agent-memory cache gc                   remove temporary files and unreferenced blocks
+    agent-memory cache du                   disk use per model/KV format
+
+Every command reads the cache directory (``--cache-dir``, default the settings') without
+loading a model: a cache directory holds one store per model fingerprint (``kv/<fp>/``),
+and each command goes over all of them. Saves and deletes take the store's directory lock,
+so this is safe while an application is using the same directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import get_settings
+from .engine.store import DiskBlockStore
+
+app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
+cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+CacheDir = Annotated[
+    Path | None,
+    typer.Option("--cache-dir", help="Cache directory (default: AGENT_MEMORY_CACHE_DIR or ~/.cache/...)"),
+]
+
+
+def _console() -> Console:
+    return Console(width=max(Console().width, 120))
+
+
+def _stores(cache_dir: Path | None) -> Iterator[DiskBlockStore]:
+    """One ``DiskBlockStore`` per model fingerprint under ``{cache_dir}/kv``."""
+    root = Path(cache_dir or get_settings().cache_dir).expanduser() / "kv"
+    if not root.is_dir():
+        return
+    for fp_dir in sorted(p for p in root.iterdir() if (p / "format.json").exists()):
+        store = DiskBlockStore(root, fp_dir.name)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+@cache_app.command("ls")
+def ls(
+    prefix: Annotated[str, typer.Option(help="Only agents whose id starts with this")] = "",
+    cache_dir: CacheDir = None,
+) -> None:
+    """List agents with a stored cache."""
+    table = Table(title="agent caches")
+    for col in ("model / KV format", "agent", "tokens", "blocks", "updated"):
+        table.add_column(col, justify="left" if col in ("model / KV format", "agent") else "right")
+    for store in _stores(cache_dir):
+        for record in store.agents(prefix):
+            when = datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S")
+            table.add_row(
+                store.fingerprint, record.agent_id, str(len(record.token_ids)), str(len(record.blocks)), when
+            )
+    _console().print(table)
+
+
+@cache_app.command("show")
+def show(agent: str, cache_dir: CacheDir = None, chars: int = 400) -> None:
+    """Show one agent's cache: tokens, blocks, and the start and end of its text."""
+    found = False
+    for store in _stores(cache_dir):
+        record = store.get_agent(agent)
+        if record is None:
+            continue
+        found = True
+        console = _console()
+        console.print(f"[bold]{agent}[/bold] in {store.fingerprint}")
+        console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
+        for h in record.blocks:
+            path = store.block_path(h)
+            size = _size(path.stat().st_size) if path.exists() else "MISSING"
+            console.print(f"  {h[:16]}  {size}")
+        text = record.text
+        shown = text if len(text) <= 2 * chars else text[:chars] + "\n[...]\n" + text[-chars:]
+        console.print(shown, markup=False, highlight=False)
+    if not found:
+        raise typer.BadParameter(f"no stored cache for agent {agent!r}", param_hint="AGENT")
+
+
+@cache_app.command("rm")
+def rm(agents: list[str], cache_dir: CacheDir = None) -> None:
+    """Delete agents' caches; blocks other agents share stay."""
+    from .engine.pool import BlockPool
+
+    deleted = 0
+    for store in _stores(cache_dir):
+        pool = BlockPool(store, hot_budget_bytes=0)
+        for agent in agents:
+            deleted += pool.delete_agent(agent)
+    _console().print(f"deleted {deleted} agent cache(s)")
+    if not deleted:
+        raise typer.Exit(code=1)
+
+
+@cache_app.command("gc")
+def gc(cache_dir: CacheDir = None) -> None:
+    """Remove temporary files and blocks no agent names (what a killed process left)."""
+    temps = orphans = 0
+    for store in _stores(cache_dir):  # opening recovers; run it again for what came since
+        report = store.recover()
+        temps += store.recovery.temp_files_removed + report.temp_files_removed
+        orphans += store.recovery.orphan_blocks_removed + report.orphan_blocks_removed
+    _console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s)")
+
+
+@cache_app.command("du")
+def du(cache_dir: CacheDir = None) -> None:
+    """Disk use per model / KV format."""
+    table = Table(title="cache disk use")
+    for col in ("model / KV format", "agents", "blocks", "block bytes", "quarantined"):
+        table.add_column(col, justify="left" if col == "model / KV format" else "right")
+    for store in _stores(cache_dir):
+        sizes = [store.block_path(h).stat().st_size for h in store.block_hashes()]
+        quarantine = store.dir / "quarantine"
+        bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
+        agents = sum(1 for _ in store.agents())
+        table.add_row(store.fingerprint, str(agents), str(len(sizes)), _size(sum(sizes)), str(bad))
+    _console().print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
