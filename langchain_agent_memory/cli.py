@@ -143,6 +143,50 @@ def du(cache_dir: CacheDir = None) -> None:
     _console().print(table)
 
 
+@app.command("serve")
+def serve(
+    model: Annotated[
+        list[str] | None,
+        typer.Option("--model", "-m", help="Model to serve (repeat for several); default the settings'"),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: all; set --api-key)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="AGENT_MEMORY_API_KEY", help="Bearer token every /v1 request must carry"),
+    ] = None,
+    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    max_body_mb: Annotated[float, typer.Option(help="Largest request body, in MB")] = 4.0,
+    max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask")] = 4096,
+    hot_budget_mb: Annotated[int, typer.Option(help="Memory for in-memory KV blocks, in MB")] = 512,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    cache_dir: CacheDir = None,
+) -> None:
+    """Serve the OpenAI Chat Completions API; each agent (X-Agent-ID) keeps its KV cache."""
+    if kv_bits not in (4, 8, 16):
+        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
+    try:
+        import uvicorn
+
+        from .server import ServerConfig, create_app
+    except ImportError as exc:
+        raise typer.BadParameter(str(exc), param_hint="serve") from exc
+    from .config import get_settings
+
+    config = ServerConfig(
+        models=model or [get_settings().model],
+        cache_dir=str(cache_dir) if cache_dir else None,
+        kv_bits=None if kv_bits == 16 else kv_bits,  # type: ignore[arg-type]
+        api_key=api_key,
+        max_body_bytes=int(max_body_mb * (1 << 20)),
+        max_tokens_limit=max_tokens_limit,
+        hot_budget_mb=hot_budget_mb,
+    )
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        _console().print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it")
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+
+
 def main() -> None:
     app()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -81,6 +82,10 @@ class CacheOutcome:
             if self.source is CacheSource.COLD
             else f"{self.source.value}-{self.match.value}"
         )
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context window."""
 
 
 @dataclass(slots=True)
@@ -156,6 +161,7 @@ class _Request:
     prefilled: int = 0
     reused: int = 0
     prompt_tokens: int = 0
+    max_new: int = 0  # tokens it may generate: max_tokens, or what the context has left
     sampler: Any = None
     detok: Any = None
     eos: set[int] = field(default_factory=set)
@@ -202,6 +208,7 @@ class Engine:
         hot_agents: int = 16,
         chunk_tokens: int = ENGINE_CHUNK_TOKENS,
         scheduling: str = "interleave",
+        context_length: int | None = None,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -210,6 +217,9 @@ class Engine:
         fast_ops.install()
         install_attention_hook()
         self.spec = ModelCacheSpec.from_model(self.lm.model)
+        #: Most tokens (prompt + reply) one agent's context holds: the model's trained
+        #: context unless given (a longer one runs, with RoPE past what it was trained on).
+        self.context_length = context_length or _trained_context(self.lm.path)
         # kv_format (a KV_PRESETS name or a KVQuant) wins over the kv_bits shorthand.
         self.quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
         self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant)
@@ -400,6 +410,12 @@ class Engine:
                 tail,
             )
             req.reused, req.prompt_tokens = len(known), len(known) + len(tail)
+            if req.prompt_tokens >= self.context_length:
+                raise ContextLengthError(
+                    f"the prompt is {req.prompt_tokens} tokens; {self.lm.name} reads at most "
+                    f"{self.context_length} (prompt and reply): shorten the messages or start a new agent"
+                )
+            req.max_new = min(p.max_tokens, self.context_length - req.prompt_tokens)
             req.sampler = make_sampler(temp=p.temperature, top_p=p.top_p if p.top_p < 1.0 else 0.0)
             req.detok = self.tokenizer.detokenizer
             req.eos = set(self.tokenizer.eos_token_ids)
@@ -478,7 +494,7 @@ class Engine:
         """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
         timeout finish the request; otherwise its text is streamed and it is fed next."""
         p = req.params
-        if len(req.generated) >= p.max_tokens:
+        if len(req.generated) >= req.max_new:
             return self._finish(req, "length")
         if token in req.eos:
             req.ended_by_eos = True
@@ -494,7 +510,7 @@ class Engine:
             req.sink.item(StreamChunk(text[req.emitted : len(text) - req.hold]))
             req.emitted = len(text) - req.hold
         req.text = text
-        if len(req.generated) == p.max_tokens:
+        if len(req.generated) == req.max_new:
             return self._finish(req, "length")
         if req.cancel.is_set():
             return self._finish(req, "cancelled")
@@ -839,6 +855,12 @@ def shared_engine(
         elif hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
             engine.pool.hot_budget_bytes = hot_budget_bytes
         return engine
+
+
+def _trained_context(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    return int(text.get("max_position_embeddings") or 1 << 20)
 
 
 def _budget(hot_budget_bytes: int | None) -> dict[str, int]:

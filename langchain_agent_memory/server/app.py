@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP server (``agent-memory serve``).
+
+Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
+``GET /v1/models``, ``GET /health``. Each request runs on ``ChatAgentMemory`` under the
+agent named by the ``X-Agent-ID`` header or the body's ``agent_id`` (``default`` when
+neither is given), so one server keeps every client agent's KV cache, across restarts.
+
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400
+for a malformed or unsupported request, 401 without the bearer token (when one is set),
+404 for an unknown model, 413 for a body over the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from langchain_core.messages import AIMessageChunk
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..chat_model import ChatAgentMemory
+from ..engine.engine import ContextLengthError
+from ..engine.models import DEFAULT_MODEL
+from ..engine.store import validate_agent_id
+from . import replies
+from .protocol import ChatCompletionRequest, NamedToolChoice, call_kwargs, to_messages
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_AGENT = "default"
+
+
+@dataclass
+class ServerConfig:
+    """What ``agent-memory serve`` serves, and its limits."""
+
+    models: list[str] = field(default_factory=lambda: [DEFAULT_MODEL])
+    cache_dir: str | None = None
+    kv_bits: Literal[4, 8] | None = 4
+    kv_format: str | None = None
+    hot_budget_mb: int = 512
+    #: Bearer token every ``/v1`` request must carry (None: no auth; bind to loopback then).
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    #: Largest ``max_tokens`` a request may ask for, and what it gets when it asks nothing.
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 512
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+}
+
+
+def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with a 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = f"request body is over the server's limit of {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _error(413, too_big, "request_too_large")(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # a chunked body: FastAPI turns this into the 413
+                raise HTTPException(413, too_big)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """The first problem of a validation error, as one line, and the field it is in."""
+    if not errors:
+        return "malformed request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "path", "query", "header"):
+        loc = loc[1:]
+    where = ".".join(loc)
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return (f"{where}: {msg}" if where else msg) + more, where or None
+
+
+def create_app(config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    models: dict[str, ChatAgentMemory] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for name in config.models:
+            llm = ChatAgentMemory(
+                model=name,
+                cache_dir=config.cache_dir,
+                kv_bits=config.kv_bits,
+                kv_format=config.kv_format,
+                hot_budget_mb=config.hot_budget_mb,
+            )
+            engine = await asyncio.to_thread(lambda llm=llm: llm.engine)  # load before serving
+            logger.info("serving %s (KV cache %s)", name, engine.fingerprint)
+            models[name] = llm
+        yield
+
+    app = FastAPI(title="langchain-agent-memory", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return _error(400, message, "invalid_request", param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    def authorize(authorization: str | None = Header(default=None)) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), config.api_key.encode()):
+            message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            raise APIError(401, message, "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "models": list(models)}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(name) for name in models]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
+    async def get_model(name: str) -> dict[str, Any]:
+        _served(models, name)
+        return _model_card(name)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
+    async def chat_completions(
+        request: Request, x_agent_id: str | None = Header(default=None)
+    ) -> JSONResponse | EventSourceResponse:
+        # Parsed here, not by FastAPI, so that a JSON body is read whatever its
+        # Content-Type (curl -d sends a form type) and errors keep OpenAI's shape.
+        try:
+            body = ChatCompletionRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            message, param = _validation_message(exc.errors())
+            raise APIError(400, message, "invalid_request", param) from exc
+        llm = _served(models, body.model)
+        agent = _agent_of(x_agent_id, body.agent_id)
+        max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
+        if max_tokens > config.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens_limit}",
+                "invalid_request",
+                "max_tokens",
+            )
+        if body.tools and isinstance(body.tool_choice, NamedToolChoice):
+            wanted = body.tool_choice.function["name"]
+            if wanted not in {t.function.name for t in body.tools}:
+                message = f"tool_choice names {wanted!r}, which is not in tools"
+                raise APIError(400, message, "invalid_request", "tool_choice")
+        with _as_400():
+            messages = to_messages(body.messages)
+        kwargs = call_kwargs(body, agent, config.default_max_tokens)
+        headers = {"X-Agent-ID": agent}
+        cid = replies.new_id()
+        if not body.stream:
+            with _as_400():
+                message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
+            return JSONResponse(replies.completion(cid, body.model, message), headers=headers)
+
+        chunks = aiter(llm.astream(messages, stop=body.stops, **kwargs))
+        with _as_400():  # errors before the first token still get a status code
+            first = await anext(chunks)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = replies.ChunkWriter(cid, body.model, include_usage)
+        return EventSourceResponse(_events(writer, first, chunks), headers=headers, ping=15)
+
+    return app
+
+
+async def _events(
+    writer: replies.ChunkWriter, first: Any, chunks: AsyncIterator[Any]
+) -> AsyncIterator[dict[str, str]]:
+    try:
+        yield {"data": json.dumps(writer.first())}
+        chunk: AIMessageChunk = first
+        while True:
+            for out in writer.text(chunk):
+                yield {"data": json.dumps(out, ensure_ascii=False)}
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+        yield {"data": "[DONE]"}
+    finally:  # the client went away: closing the stream stops decoding
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+@contextmanager
+def _as_400() -> Iterator[None]:
+    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400."""
+    try:
+        yield
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), "context_length_exceeded", "messages") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request") from exc
+
+
+def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
+    llm = models.get(name)
+    if llm is None:
+        raise APIError(
+            404, f"model {name!r} is not served here; served: {', '.join(models)}", "model_not_found", "model"
+        )
+    return llm
+
+
+def _agent_of(header: str | None, body: str | None) -> str:
+    if header and body and header != body:
+        raise APIError(
+            400,
+            f"X-Agent-ID header {header!r} and body agent_id {body!r} differ: send one",
+            "invalid_request",
+            "agent_id",
+        )
+    agent = header or body or DEFAULT_AGENT
+    try:
+        return validate_agent_id(agent)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request", "agent_id") from exc
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "agent-memory"}

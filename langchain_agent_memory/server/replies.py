@@ -1,0 +1,118 @@
+"""LangChain reply messages -> OpenAI Chat Completions objects (``chat.completion`` and
+the ``chat.completion.chunk`` stream).
+
+Besides the standard fields, each reply carries ``agent_memory``: the agent, what its
+cache gave (``cold``, ``hot-extend``, ``warm-exact``, ...) and the server-side times, so a
+client sees whether it was served from memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from langchain_core.messages import AIMessage, AIMessageChunk
+
+#: Engine finish reasons -> OpenAI's (a timeout ends the reply early, as a length limit does).
+_FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
+#: response_metadata keys copied into ``agent_memory``.
+_META = ("agent_id", "cache", "cached_tokens", "time_to_first_token_s", "prefill_s", "decode_s")
+
+
+def new_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def usage(message: AIMessage) -> dict[str, Any]:
+    u = message.usage_metadata or {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+    cached = (u.get("input_token_details") or {}).get("cache_read", 0)
+    return {
+        "prompt_tokens": u["input_tokens"],
+        "completion_tokens": u["output_tokens"],
+        "total_tokens": u["total_tokens"],
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def finish_reason(message: AIMessage) -> str:
+    if message.tool_calls:
+        return "tool_calls"
+    return _FINISH.get(message.response_metadata.get("finish_reason", "stop"), "stop")
+
+
+def agent_memory(message: AIMessage) -> dict[str, Any]:
+    return {k: message.response_metadata[k] for k in _META if k in message.response_metadata}
+
+
+def tool_calls(message: AIMessage) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)},
+        }
+        for c in message.tool_calls
+    ]
+
+
+def completion(cid: str, model: str, message: AIMessage) -> dict[str, Any]:
+    """A whole ``chat.completion``."""
+    reply: dict[str, Any] = {"role": "assistant", "content": message.text or None}
+    if message.tool_calls:
+        reply["tool_calls"] = tool_calls(message)
+    elif reply["content"] is None:
+        reply["content"] = ""
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": reply, "finish_reason": finish_reason(message), "logprobs": None}
+        ],
+        "usage": usage(message),
+        "agent_memory": agent_memory(message),
+    }
+
+
+class ChunkWriter:
+    """``chat.completion.chunk`` objects for one streamed reply."""
+
+    def __init__(self, cid: str, model: str, include_usage: bool) -> None:
+        self.cid, self.model, self.include_usage = cid, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {
+            "id": self.cid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            **extra,
+        }
+
+    def first(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, chunk: AIMessageChunk) -> list[dict[str, Any]]:
+        """The chunks for one LangChain chunk (the last one closes the reply)."""
+        out = [self._chunk({"content": chunk.text})] if chunk.text else []
+        if chunk.chunk_position != "last":
+            return out
+        whole = AIMessage(
+            content="",
+            tool_calls=chunk.tool_calls,
+            usage_metadata=chunk.usage_metadata,
+            response_metadata=chunk.response_metadata,
+        )
+        calls = tool_calls(whole)
+        if calls:
+            out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
+        out.append(self._chunk({}, finish_reason(whole), agent_memory=agent_memory(whole)))
+        if self.include_usage:
+            out.append({**self._chunk({}), "choices": [], "usage": usage(whole)})
+        return out

@@ -1,0 +1,403 @@
+"""The OpenAI-compatible server, driven over loopback by real clients: the ``openai``
+package, ``langchain-openai``'s ``ChatOpenAI`` and raw HTTP (httpx) for the errors.
+
+The server runs in this process (uvicorn on a thread, port 0) on the session's model;
+the restart test runs ``agent-memory serve`` as a child process, twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+
+from langchain_agent_memory.corpus import apache_license
+from langchain_agent_memory.engine.engine import shared_engine
+from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.server import ServerConfig, create_app
+
+KEY = "test-key"
+MODEL = "smollm2-135m"
+BODY_LIMIT = 256 << 10
+COLORS = [{"role": "user", "content": "Name three colors, one per line."}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    cache_dir = tmp_path_factory.mktemp("server-cache")
+    config = ServerConfig(
+        models=[MODEL], cache_dir=str(cache_dir), api_key=KEY, max_body_bytes=BODY_LIMIT, max_tokens_limit=512
+    )
+    uv = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", cache_dir
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(server: tuple[str, Path]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _agent(name: str) -> dict[str, Any]:
+    return {"extra_headers": {"X-Agent-ID": name}}
+
+
+def _complete(client: openai.OpenAI, agent: str, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, **_agent(agent), **kw
+    )
+
+
+def _stream_text(client: openai.OpenAI, agent: str, messages: list[dict[str, Any]], **kw: Any) -> tuple:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **_agent(agent),
+            **kw,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+# ------------------------------------------------------------------ the openai package
+
+
+def test_openai_client_reply_then_followup_reuses_the_agents_cache(client: openai.OpenAI) -> None:
+    first = _complete(client, "oa-memory", COLORS, max_tokens=16)
+    reply = first.choices[0].message.content
+    assert reply and first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.model_extra["agent_memory"]["cache"] == "cold"
+
+    followup = [
+        *COLORS,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And a fourth?"},
+    ]
+    second = _complete(client, "oa-memory", followup, max_tokens=8)
+    # the first prompt and its reply are in the agent's cache: only the new turn is read
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.model_extra["agent_memory"]["cache"] == "hot-extend"
+
+    # the body field names the agent as well as the header does
+    third = client.chat.completions.create(
+        model=MODEL, messages=followup, max_tokens=4, temperature=0, extra_body={"agent_id": "oa-memory"}
+    )
+    assert third.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_streaming_gives_the_same_reply_as_non_streaming(client: openai.OpenAI) -> None:
+    whole = _complete(client, "oa-plain", COLORS, max_tokens=24)
+    text, chunks = _stream_text(client, "oa-stream", COLORS, max_tokens=24)
+    assert text == whole.choices[0].message.content  # both cold, greedy: the same tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_sequence_cuts_the_reply_before_it(client: openai.OpenAI) -> None:
+    full = _complete(client, "oa-stop-full", COLORS, max_tokens=24).choices[0].message.content
+    assert len(full) > 8
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = _complete(client, "oa-stop", COLORS, max_tokens=24, stop=[stop])
+    assert cut.choices[0].message.content == full[: full.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    text, _ = _stream_text(client, "oa-stop-stream", COLORS, max_tokens=24, stop=stop)
+    assert text == full[: full.find(stop)]
+
+
+def test_forced_tool_call_then_tool_result_round_trip(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = _complete(client, "oa-tools", ask, tools=[WEATHER_TOOL], tool_choice=forced, max_tokens=48)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )
+
+    # streamed: the call arrives as tool_calls deltas
+    _, chunks = _stream_text(
+        client, "oa-tools-stream", ask, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48
+    )
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+
+    # the tool's answer goes back; the reply extends the same agent's cache
+    back = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    answer = _complete(client, "oa-tools", back, tools=[WEATHER_TOOL], max_tokens=16)
+    assert answer.choices[0].message.content
+    assert answer.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
+
+
+def test_json_schema_response_format_parses(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string"}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    r = _complete(
+        client,
+        "oa-json",
+        [{"role": "user", "content": "Pick a color."}],
+        max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    )
+    assert set(json.loads(r.choices[0].message.content)) == {"color"}
+
+
+def test_closing_a_stream_stops_decoding(client: openai.OpenAI, server: tuple[str, Path]) -> None:
+    ask = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=200, temperature=0, stream=True, **_agent("oa-cancel")
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    # a second request of the agent waits for the first to end (same-agent requests run in order)
+    after = _complete(client, "oa-cancel", ask, max_tokens=1)
+    kept = shared_engine(MODEL, cache_dir=server[1]).store.get_agent("oa-cancel")
+    assert kept is not None
+    generated = len(kept.token_ids) - after.usage.prompt_tokens
+    assert generated < 100, f"decoding went on after the client left: {generated} tokens kept"
+
+
+# ------------------------------------------------------------------ langchain-openai
+
+
+def test_chat_openai_invoke_stream_and_tools(server: tuple[str, Path]) -> None:
+    def llm(agent: str, max_tokens: int = 16) -> ChatOpenAI:
+        return ChatOpenAI(
+            model=MODEL,
+            base_url=server[0] + "/v1",
+            api_key=KEY,
+            temperature=0,
+            max_tokens=max_tokens,
+            max_retries=0,
+            default_headers={"X-Agent-ID": agent},
+            stream_usage=True,
+        )
+
+    messages = [SystemMessage("You answer briefly."), HumanMessage("Name three colors.")]
+    first = llm("lc-agent").invoke(messages)
+    assert isinstance(first, AIMessage) and first.content
+    assert first.usage_metadata["input_token_details"].get("cache_read", 0) == 0
+    second = llm("lc-agent").invoke([*messages, first, HumanMessage("And one more?")])
+    assert second.usage_metadata["input_token_details"]["cache_read"] >= first.usage_metadata["input_tokens"]
+
+    chunks = list(llm("lc-stream").stream(messages))
+    assert "".join(c.content for c in chunks) == first.content  # both cold: the same reply
+    assert (
+        sum((c.usage_metadata or {}).get("output_tokens", 0) for c in chunks)
+        == (first.usage_metadata["output_tokens"])
+    )
+
+    weather = llm("lc-tools", max_tokens=48).bind_tools([WEATHER_TOOL], tool_choice="get_weather")
+    call = weather.invoke("What is the weather in Rome?").tool_calls[0]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+
+# ------------------------------------------------------------------ errors (raw HTTP)
+
+
+def _post(server: tuple[str, Path], body: Any, headers: dict[str, str] | None = None, **kw: Any) -> Any:
+    h = {"Authorization": f"Bearer {KEY}", **(headers or {})}
+    content = body if isinstance(body, (bytes, str)) or callable(body) else json.dumps(body)
+    if callable(content):
+        content = content()
+    return httpx.post(server[0] + "/v1/chat/completions", content=content, headers=h, timeout=120, **kw)
+
+
+def _ok(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "says"),
+    [
+        (b'{"model": ', {}, 400, "not valid JSON"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, {}, 400, "model: Field required"),
+        ({"model": MODEL, "messages": []}, {}, 400, "messages"),
+        (_ok(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "messages.0"),
+        (_ok(model="gpt-9"), {}, 404, "not served here"),
+        (_ok(n=2), {}, 400, "n is not supported"),
+        (_ok(logprobs=True), {}, 400, "logprobs is not supported"),
+        (_ok(max_tokens=100_000), {}, 400, "over this server's limit"),
+        (_ok(temperature=5), {}, 400, "temperature"),
+        (
+            _ok(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            {},
+            400,
+            "reads text only",
+        ),
+        (
+            _ok(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "x"}}),
+            {},
+            400,
+            "names 'x'",
+        ),
+        (
+            _ok(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{oops"}}],
+                    },
+                ]
+            ),
+            {},
+            400,
+            "not JSON",
+        ),
+        (_ok(), {"X-Agent-ID": "../../etc"}, 400, "looks like a path"),
+        (_ok(agent_id="a"), {"X-Agent-ID": "b"}, 400, "differ"),
+        (_ok(), {"Authorization": "Bearer wrong"}, 401, "API key"),
+        (_ok(), {"Authorization": ""}, 401, "API key"),
+    ],
+)
+def test_malformed_requests_get_clear_4xx(
+    server: tuple[str, Path], body: Any, headers: dict[str, str], status: int, says: str
+) -> None:
+    r = _post(server, body, headers)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert says in error["message"] and error["type"]
+
+
+def test_request_limits(server: tuple[str, Path]) -> None:
+    big = _ok(messages=[{"role": "user", "content": "x" * BODY_LIMIT}])
+    declared = _post(server, big)
+    assert declared.status_code == 413 and "limit" in declared.json()["error"]["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit counts what arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 8192):
+            yield data[i : i + 8192]
+
+    streamed = _post(server, chunked)
+    assert streamed.status_code == 413
+
+    # a prompt over the model's context (8192 tokens) is refused before any work, streamed or not
+    long = _ok(messages=[{"role": "user", "content": apache_license() * 4}])
+    for stream in (False, True):
+        r = _post(server, {**long, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_models_and_health(server: tuple[str, Path], client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(server[0] + "/health")  # no key needed: for load balancers
+    assert health.status_code == 200 and health.json()["models"] == [MODEL]
+    assert httpx.get(server[0] + "/v1/models").status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+# ------------------------------------------------------------------ restart
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(cache_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "langchain_agent_memory.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--cache-dir", str(cache_dir), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "AGENT_MEMORY_API_KEY": KEY},
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.2)
+
+
+def test_restarted_server_serves_an_agent_warm(tmp_path: Path, figures: dict[str, str]) -> None:
+    port = _free_port()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    system = {"role": "system", "content": "Answer questions about this license.\n\n" + apache_license()}
+    ask = [system, {"role": "user", "content": "Who may use the work?"}]
+    times = []
+    for turn in range(2):
+        proc = _serve(tmp_path, port)
+        try:
+            t0 = time.perf_counter()
+            r = _complete(client, "restart-agent", ask, max_tokens=8)
+            times.append((time.perf_counter() - t0, r.model_extra["agent_memory"]))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            # uvicorn shuts down gracefully, then re-raises the signal it caught
+            assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        if turn == 0:
+            first = r
+            ask = [*ask, {"role": "assistant", "content": r.choices[0].message.content}]
+            ask.append({"role": "user", "content": "And who may not?"})
+    cold, warm = times
+    assert cold[1]["cache"] == "cold" and warm[1]["cache"] == "warm-extend"
+    assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    figures["server restart, ~2.5K-token agent"] = (
+        f"cold TTFT {cold[1]['time_to_first_token_s']:.2f} s (request {cold[0]:.2f} s), "
+        f"after restart TTFT {warm[1]['time_to_first_token_s']:.2f} s (request {warm[0]:.2f} s)"
+    )
