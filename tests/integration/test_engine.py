@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
+from langchain_agent_memory.engine.engine import (
+    ContextLengthError,
+    Engine,
+    GenerationParams,
+    GenerationResult,
+)
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
 from langchain_agent_memory.engine.store import BLOCK_TOKENS, FORMAT_VERSION, AgentRecord, CacheFormatError
@@ -259,3 +264,16 @@ def test_requests_from_many_threads_equal_serial_ones(smollm: LoadedModel, tmp_p
             pool.map(lambda ip: eng.generate(f"t{ip[0]}", ip[1], GREEDY).text, enumerate(prompts))
         )
     assert threaded == serial
+
+
+def test_context_length_refuses_long_prompts_and_ends_replies(smollm: LoadedModel, tmp_path: Path) -> None:
+    assert Engine("smollm2-135m", cache_dir=tmp_path).context_length == 8192  # the model's trained context
+    engine = Engine("smollm2-135m", cache_dir=tmp_path, context_length=64)
+    prompt = _chat(engine, "Count.", [("Count from 1 to 300, separated by commas.", None)])
+    n = len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    assert 20 < n < 64
+    r = engine.generate("counter", prompt, GenerationParams(max_tokens=200))
+    assert r.finish_reason == "length" and r.prompt_tokens + r.completion_tokens == 64
+    with pytest.raises(ContextLengthError, match="reads at most 64"):
+        engine.generate("other", prompt + "1, 2, 3, " * 20, GREEDY)
+    assert engine.store.get_agent("other") is None  # nothing was stored for the refused prompt
