@@ -143,6 +143,70 @@ def du(cache_dir: CacheDir = None) -> None:
     _console().print(table)
 
 
+@app.command("convert")
+def convert(
+    gguf: Annotated[str, typer.Argument(help="A .gguf file, or a shipped model name")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Output directory (default: where models load from)")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weight dtype: float32, bfloat16 or float16")] = "float32",
+    cache_dir: CacheDir = None,
+) -> None:
+    """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
+    import time
+
+    from .engine.gguf_convert import UnsupportedGGUFError, convert_gguf
+    from .engine.models import conversion_progress, resolve_model_dir
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter("give float32, bfloat16 or float16", param_hint="--dtype")
+    t0 = time.perf_counter()
+    try:
+        if out is None:
+            root = Path(cache_dir).expanduser() if cache_dir else None
+            target, _ = resolve_model_dir(gguf, cache_dir=root, weight_dtype=dtype)
+        elif out.exists():
+            raise typer.BadParameter(f"{out} exists: remove it or give another --out", param_hint="--out")
+        else:
+            target = convert_gguf(gguf, out, dtype=dtype, progress=conversion_progress)
+    except (UnsupportedGGUFError, ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="GGUF") from exc
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    _console().print(f"{target}  ({_size(size)}, {time.perf_counter() - t0:.1f} s)")
+
+
+@app.command("chat")
+def chat(
+    agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
+    from .chat_repl import ChatOptions, run
+    from .engine.store import validate_agent_id
+
+    try:
+        validate_agent_id(agent)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--agent") from exc
+    if kv_bits not in (4, 8, 16):
+        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
+    options = ChatOptions(
+        agent=agent,
+        model=model,
+        system=system,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        kv_bits=None if kv_bits == 16 else kv_bits,
+        cache_dir=str(cache_dir) if cache_dir else None,
+    )
+    run(options, _console())
+
+
 @app.command("serve")
 def serve(
     model: Annotated[

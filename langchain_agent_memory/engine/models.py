@@ -99,7 +99,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _tqdm_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
+def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
     from tqdm.auto import tqdm
 
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr)
@@ -146,7 +146,7 @@ def resolve_model_dir(
     if not (target / "config.json").exists():
         t0 = time.perf_counter()
         logger.info("converting %s into %s (once)", gguf_path, target)
-        convert_gguf(gguf_path, target, dtype=dtype, progress=_tqdm_progress)
+        convert_gguf(gguf_path, target, dtype=dtype, progress=conversion_progress)
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - t0)
     return target, name
 

