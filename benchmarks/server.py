@@ -25,9 +25,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,29 +36,10 @@ CHARS_PER_TOKEN = 3.9  # SmolLM2 on the Python reference manual (sizes are then 
 QUESTIONS = ("What is this text about?", "Give one example from it.", "Summarise it in one line.")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start(model: str, cache_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    from langchain_agent_memory.server.process import start_server
 
-
-def start_server(model: str, cache_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    import httpx
-
-    cmd = [sys.executable, "-m", "langchain_agent_memory.cli", "serve", "--model", model]
-    cmd += ["--port", str(port), "--cache-dir", str(cache_dir), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    t0 = time.perf_counter()
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.perf_counter() - t0 > 300:
-            proc.kill()
-            raise RuntimeError("the server did not start")
-        time.sleep(0.1)
+    return start_server(["--model", model, "--cache-dir", str(cache_dir), "--log-level", "warning"], port)
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -143,6 +122,8 @@ def main() -> None:
 
     console = Console(width=max(Console().width, 120))
     docs = corpus.python_docs()
+    from langchain_agent_memory.server.process import free_port
+
     port = free_port()
     base_url = f"http://127.0.0.1:{port}/v1"
     client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
@@ -150,7 +131,7 @@ def main() -> None:
     conversations: dict[int, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
-        proc = start_server(a.model, cache, port)
+        proc = start(a.model, cache, port)
         try:
             for size in a.sizes:
                 system = {"role": "system", "content": docs[: int(size * CHARS_PER_TOKEN)]}
@@ -170,7 +151,7 @@ def main() -> None:
         finally:
             stop_server(proc)
         console.print("server restarted")
-        proc = start_server(a.model, cache, port)
+        proc = start(a.model, cache, port)
         try:
             for size in a.sizes:
                 warm = streamed(client, a.model, f"agent-{size}", conversations[size], a.reply_tokens)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +28,7 @@ from langchain_agent_memory.corpus import apache_license
 from langchain_agent_memory.engine.engine import shared_engine
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.server import ServerConfig, create_app
+from langchain_agent_memory.server.process import free_port, start_server
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -347,35 +346,13 @@ def test_models_and_health(server: tuple[str, Path], client: openai.OpenAI) -> N
 # ------------------------------------------------------------------ restart
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(cache_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "langchain_agent_memory.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--cache-dir", str(cache_dir), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "AGENT_MEMORY_API_KEY": KEY},
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        time.sleep(0.2)
+    args = ["--cache-dir", str(cache_dir), "--log-level", "warning"]
+    return start_server(args, port, env={**os.environ, "AGENT_MEMORY_API_KEY": KEY})
 
 
 def test_restarted_server_serves_an_agent_warm(tmp_path: Path, figures: dict[str, str]) -> None:
-    port = _free_port()
+    port = free_port()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
     system = {"role": "system", "content": "Answer questions about this license.\n\n" + apache_license()}
     ask = [system, {"role": "user", "content": "Who may use the work?"}]

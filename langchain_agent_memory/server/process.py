@@ -1,0 +1,47 @@
+"""Run ``agent-memory serve`` as a child process and wait until it answers (for scripts,
+benchmarks and tests that need a real server process, e.g. to restart it)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (another process may take it before it is used)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    args: list[str], port: int, *, env: Mapping[str, str] | None = None, timeout_s: float = 300
+) -> subprocess.Popen[bytes]:
+    """``agent-memory serve --port PORT ARGS...`` in a child process, returned once
+    ``/health`` answers 200 (the models are loaded by then). Raises ``RuntimeError`` with the
+    end of its stderr when it exits or does not answer within ``timeout_s``."""
+    import httpx
+
+    cmd = [sys.executable, "-m", "langchain_agent_memory.cli", "serve", "--port", str(port), *args]
+    # stderr goes to a file, not a pipe (a pipe nobody reads would block a chatty server);
+    # the child keeps writing to it after this function closes its own handle
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                log.seek(0)
+                err = log.read().decode(errors="replace")
+                raise RuntimeError(f"the server did not start: {err[-2000:]}")
+            time.sleep(0.1)
