@@ -204,18 +204,18 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             if wanted not in {t.function.name for t in body.tools}:
                 message = f"tool_choice names {wanted!r}, which is not in tools"
                 raise APIError(400, message, "invalid_request", "tool_choice")
-        with _as_400():
+        with _as_api_errors():
             messages = to_messages(body.messages)
         kwargs = call_kwargs(body, agent, config.default_max_tokens)
         headers = {"X-Agent-ID": agent}
         cid = replies.new_id()
         if not body.stream:
-            with _as_400():
+            with _as_api_errors():
                 message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
             return JSONResponse(replies.completion(cid, body.model, message), headers=headers)
 
         chunks = aiter(llm.astream(messages, stop=body.stops, **kwargs))
-        with _as_400():  # errors before the first token still get a status code
+        with _as_api_errors():  # errors before the first token still get a status code
             first = await anext(chunks)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = replies.ChunkWriter(cid, body.model, include_usage)
@@ -237,20 +237,34 @@ async def _events(
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 break
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                error = {"message": f"generation failed: {exc}", "type": "server_error", "code": None}
+                yield {"data": json.dumps({"error": error})}
+                return
         yield {"data": "[DONE]"}
     finally:  # the client went away: closing the stream stops decoding
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
 @contextmanager
-def _as_400() -> Iterator[None]:
-    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400."""
+def _as_api_errors() -> Iterator[None]:
+    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400, and any
+    other failure into a 500 with its message."""
     try:
         yield
     except ContextLengthError as exc:
         raise APIError(400, str(exc), "context_length_exceeded", "messages") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request") from exc
+    except APIError:
+        raise
+    except Exception as exc:
+        # e.g. CacheWriteError (disk full), whose message says what to do. Answered here,
+        # not by an app-wide handler: Starlette re-raises those, and uvicorn then drops
+        # the client's keep-alive connection.
+        logger.exception("request failed")
+        raise APIError(500, f"generation failed: {exc}") from exc
 
 
 def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:

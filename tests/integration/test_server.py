@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -27,6 +28,7 @@ from langchain_openai import ChatOpenAI
 from langchain_agent_memory.corpus import apache_license
 from langchain_agent_memory.engine.engine import shared_engine
 from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.store import DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.server.process import free_port, start_server
 
@@ -208,6 +210,24 @@ def test_closing_a_stream_stops_decoding(client: openai.OpenAI, server: tuple[st
     assert kept is not None
     generated = len(kept.token_ids) - after.usage.prompt_tokens
     assert generated < 100, f"decoding went on after the client left: {generated} tokens kept"
+
+
+def test_a_failed_save_is_a_500_or_an_error_in_the_stream(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(self: DiskBlockStore, record: object) -> int:  # the index write fails
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(DiskBlockStore, "put_agent", disk_full)
+        with pytest.raises(openai.InternalServerError, match="disk is full"):
+            _complete(client, "oa-full", COLORS, max_tokens=4)
+        # before the first chunk (one token: its text comes with the end) and mid-stream
+        for tokens in (1, 12):
+            with pytest.raises(openai.APIError, match="disk is full"):
+                _stream_text(client, f"oa-full-stream-{tokens}", COLORS, max_tokens=tokens)
+    # writable again: the same agent is served and saved
+    assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
 
 
 # ------------------------------------------------------------------ langchain-openai
