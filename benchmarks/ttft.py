@@ -1,16 +1,20 @@
-"""Time to first token: cold (full prefill) / warm (cache read from disk by a fresh
-process) / hot (cache in memory), at 1K-8K tokens of real text, both shipped models,
-Q4 and FP16 KV; disk bytes per token and the Q4/FP16 ratio.
+"""Time to first token of an agent's next turn: cold (full prefill) / warm (the agent's
+state read from disk by a new process) / hot (state in memory), at 1K-16K tokens of real
+text, on both shipped models, 4-bit and 16-bit KV: ours beside the peers in the same run
+(``benchmarks/peers.py``: mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``, llama.cpp's
+``llama_state_save_file`` / ``llama_state_load_file``), with the bytes of each saved state.
 
-    .venv/bin/python benchmarks/ttft.py                  # 1K 2K 4K 8K, both models (~30 min)
-    .venv/bin/python benchmarks/ttft.py --lengths 1024 2048 --models smollm2-135m
+    .venv/bin/python benchmarks/ttft.py                     # 1K..16K, both models, all systems
+    .venv/bin/python benchmarks/ttft.py --lengths 1024 2048 --models smollm2-135m --systems ours-q4
 
-Prompt: the first N tokens of the Python reference manual (CPython's pydoc_data), as plain
-text. Cold: a request on an empty cache directory. Warm: the same prompt again from a new
-process (a new Engine: every block read from disk; the engine re-runs the last token for
-its logits). Hot: the same prompt again in the process that holds the cache. Cold prefill
-runs at full precision for every KV format, so cold samples are pooled over the formats.
-Every figure is a median of 3 runs. Writes benchmarks/results/ttft.json and ttft.png.
+Context: the first N tokens of the Python reference manual (CPython's pydoc_data), as plain
+text, the same for every system. Cold: the first request, which builds the state that is
+then saved. Hot (median of 3) and warm (median of 2, each in a new process that loads the
+model before the clock starts): the context plus a ~15-token new turn, on the saved state
+(see ``peers``). SmolLM2's trained context is 8,192 tokens: its 16K rows run past it (RoPE
+extrapolated) and are marked so. llama.cpp needs ``benchmarks/setup_peers.sh``; without it
+its rows are skipped. Writes benchmarks/results/ttft.json (after every length: a long run
+keeps what it measured) and ttft.png.
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-MODES = {"q4": 4, "fp16": None}
+sys.path.insert(0, str(HERE))
+#: system -> (kind, KV setting)
+SYSTEMS: dict[str, tuple[str, Any]] = {
+    "ours-q4": ("ours", 4),
+    "ours-fp16": ("ours", None),
+    "mlx-lm-q4": ("mlx-lm", 4),
+    "mlx-lm-full": ("mlx-lm", None),
+    "llama.cpp-q4_0": ("llama.cpp", "q4_0"),
+    "llama.cpp-f16": ("llama.cpp", "f16"),
+}
+HOT_RUNS, WARM_RUNS = 3, 2
 
 
 def prompt_text(model: str, n_tokens: int) -> str:
@@ -37,18 +51,43 @@ def prompt_text(model: str, n_tokens: int) -> str:
     return tok.decode(ids)
 
 
-def one_request(model: str, cache_dir: str, kv_bits: int | None, prompt: str) -> dict[str, Any]:
-    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+def gguf_of(model: str) -> Path:
+    from langchain_agent_memory.config import get_settings
+    from langchain_agent_memory.engine.models import SHIPPED_MODELS
 
-    eng = Engine(model, cache_dir=cache_dir, kv_bits=kv_bits)
-    r = eng.generate("bench", prompt, GenerationParams(max_tokens=1))
-    return {"ttft_s": r.timings.ttft_s, "load_s": r.timings.load_s, "outcome": str(r.outcome)}
+    return SHIPPED_MODELS[model].locate(Path(get_settings().cache_dir))[0]
 
 
-def warm_in_new_process(model: str, cache_dir: str, kv_bits: int | None, prompt: str) -> dict[str, Any]:
+def applies(system: str, model: str) -> str | None:
+    """Why ``system`` cannot run on ``model`` here, or None."""
+    from peers import llama_cpp_available
+
+    kind, kv = SYSTEMS[system]
+    if kind == "mlx-lm" and kv is not None and model.startswith("gemma3"):
+        return "mlx-lm cannot quantize Gemma 3's rotating (sliding-window) caches"
+    if kind == "llama.cpp" and not llama_cpp_available():
+        return "llama-cpp-python not installed (benchmarks/setup_peers.sh)"
+    return None
+
+
+def make(system: str, model: str, state_dir: Path, context: int) -> Any:
+    from peers import LlamaCpp, MlxLm, Ours
+
+    from langchain_agent_memory import load_model
+
+    kind, kv = SYSTEMS[system]
+    if kind == "ours":
+        return Ours(model, kv, state_dir, context)
+    if kind == "mlx-lm":
+        return MlxLm(load_model(model).path, kv, state_dir)
+    return LlamaCpp(gguf_of(model), kv, state_dir, context)
+
+
+def warm(system: str, model: str, state_dir: Path, context: int, prompt: str, i: int) -> dict[str, Any]:
+    """One warm request in a new process (this script with ``--worker``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
-    cmd = [sys.executable, __file__, "--worker", model, cache_dir, str(kv_bits), f.name]
+    cmd = [sys.executable, __file__, "--worker", system, model, str(state_dir), str(context), f.name, str(i)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     Path(f.name).unlink()
     if out.returncode != 0:
@@ -56,146 +95,164 @@ def warm_in_new_process(model: str, cache_dir: str, kv_bits: int | None, prompt:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, n: int, progress: Any) -> list[dict[str, Any]]:
-    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+def worker(system: str, model: str, state_dir: str, context: str, prompt_file: str, i: str) -> dict[str, Any]:
+    from peers import LlamaCpp, MlxLm, Ours
 
+    from langchain_agent_memory import load_model
+
+    kind, kv = SYSTEMS[system]
+    prompt, d = Path(prompt_file).read_text(), Path(state_dir)
+    if kind == "ours":
+        return Ours.warm(model, kv, d, int(context), prompt, int(i))
+    if kind == "mlx-lm":
+        return MlxLm.warm(load_model(model).path, kv, d, prompt, int(i))
+    return LlamaCpp.warm(gguf_of(model), kv, d, int(context), prompt, int(i))
+
+
+def measure(model: str, n: int, systems: list[str], progress: Any) -> list[dict[str, Any]]:
     prompt = prompt_text(model, n)
-    rows, cold = [], []
-    for mode, bits in MODES.items():
+    context = n + 256  # the prompt, the new turn and tokenizer differences
+    rows = []
+    for system in systems:
+        why = applies(system, model)
+        if why is not None:
+            rows.append({"model": model, "n": n, "system": system, "skipped": why})
+            progress(3)
+            continue
         with tempfile.TemporaryDirectory() as tmp:
-            eng = Engine(model, cache_dir=tmp, kv_bits=bits)
-            one = GenerationParams(max_tokens=1)
-            r = eng.generate("bench", prompt, one)
-            assert str(r.outcome) == "cold", r.outcome
-            cold.append(r.timings.ttft_s)
-            progress()
-            hot = []
-            for _ in range(3):
-                h = eng.generate("bench", prompt, one)
-                assert h.outcome.source.value == "hot", h.outcome
-                hot.append(h.timings.ttft_s)
-            progress()
-            files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
-            disk = sum(f.stat().st_size for f in files)
-            warm = []
-            for _ in range(3):
-                w = warm_in_new_process(model, tmp, bits, prompt)
-                assert w["outcome"].startswith("warm"), w
-                warm.append(w)
-            progress()
-            rows.append(
-                {
-                    "model": model,
-                    "tokens": r.prompt_tokens,
-                    "kv": mode,
-                    "hot_s": statistics.median(hot),
-                    "warm_s": statistics.median(w["ttft_s"] for w in warm),
-                    "warm_load_s": statistics.median(w["load_s"] for w in warm),
-                    "disk_bytes": disk,
-                    "bytes_per_token": disk / r.prompt_tokens,
-                    "block_files": len(files),
-                }
-            )
-            del eng
-    # A third cold sample, then the pooled median for every row of this length.
-    with tempfile.TemporaryDirectory() as tmp:
-        cold.append(one_request(model, tmp, None, prompt)["ttft_s"])
-    progress()
-    for row in rows:
-        row["cold_s"] = statistics.median(cold)
+            obj = make(system, model, Path(tmp), context)
+            cold = obj.cold(prompt)
+            progress(1)
+            hot = [obj.hot(prompt, i)["ttft_s"] for i in range(HOT_RUNS)]
+            progress(1)
+            del obj
+            warms = [warm(system, model, Path(tmp), context, prompt, i) for i in range(WARM_RUNS)]
+            progress(1)
+        row = {
+            "model": model,
+            "n": n,
+            "system": system,
+            "tokens": cold["tokens"],
+            "cold_s": cold["ttft_s"],
+            "hot_s": statistics.median(hot),
+            "warm_s": statistics.median(w["ttft_s"] for w in warms),
+            "hot_runs": hot,
+            "warm_runs": [w["ttft_s"] for w in warms],
+            # resident memory one restored agent added to a fresh process (median)
+            "rss_delta_bytes": statistics.median(w["rss_delta_bytes"] for w in warms),
+            "disk_bytes": cold["disk_bytes"],
+            "memory_bytes": cold["memory_bytes"],
+            "beyond_trained_context": n > 8192 and model.startswith("smollm2"),
+        }
         row["cold_over_warm"] = row["cold_s"] / row["warm_s"]
         row["cold_over_hot"] = row["cold_s"] / row["hot_s"]
-        row["hot_over_warm"] = row["hot_s"] / row["warm_s"]
+        rows.append(row)
     return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Per model: warm (solid) and hot (dotted) time to first token per system, and cold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        for kv, style in (("q4", "-"), ("fp16", "--")):
-            sel = sorted(
-                (r for r in rows if r["model"] == model and r["kv"] == kv), key=lambda r: r["tokens"]
-            )
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
+    fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        top, bottom = axes[0][col], axes[1][col]
+        for system in systems:
+            sel = [r for r in rows if (r["model"], r["system"]) == (model, system)]
+            sel.sort(key=lambda r: r["n"])
+            if not sel:
+                continue
             xs = [r["tokens"] for r in sel]
-            for key, color in (("cold_s", "C3"), ("warm_s", "C0"), ("hot_s", "C2")):
-                if kv == "fp16" and key == "cold_s":
-                    continue
-                ax.plot(xs, [r[key] for r in sel], style, color=color, marker="o", label=f"{key[:-2]} {kv}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("time to first token (s)")
-        ax.set_title(model)
-        ax.legend(fontsize=8)
+            c = colors[system]
+            top.plot(xs, [r["warm_s"] for r in sel], "-", color=c, marker="o", label=f"{system} warm")
+            top.plot(xs, [r["hot_s"] for r in sel], ":", color=c, marker=".", label=f"{system} hot")
+            bottom.plot(xs, [r["cold_s"] for r in sel], "-", color=c, marker="o", label=system)
+        for ax, what in ((top, "warm / hot"), (bottom, "cold")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(f"{what} time to first token (s)")
+            ax.set_title(f"{model}: {what}")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     a = ap.parse_args()
     if a.worker:
-        model, cache_dir, bits, prompt_file = a.worker
-        kv_bits = None if bits == "None" else int(bits)
-        print(json.dumps(one_request(model, cache_dir, kv_bits, Path(prompt_file).read_text())))
+        print(json.dumps(worker(*a.worker)))
         return
 
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 130))
     rows: list[dict] = []
     with Progress(console=console) as progress:
-        steps = len(a.models) * len(a.lengths) * (3 * len(MODES) + 1)
-        task = progress.add_task("ttft", total=steps)
+        task = progress.add_task("ttft", total=len(a.models) * len(a.lengths) * len(a.systems) * 3)
         for model in a.models:
             for n in a.lengths:
                 progress.update(task, description=f"{model} {n} tokens")
-                rows += measure(model, n, lambda: progress.advance(task))
+                new = measure(model, n, a.systems, lambda k: progress.advance(task, k))
+                for r in new:
+                    if "skipped" not in r:
+                        progress.console.print(
+                            f"{model} {r['tokens']:>6} {r['system']:<15} cold {r['cold_s']:7.2f} s  "
+                            f"warm {r['warm_s']:6.3f} s  hot {r['hot_s']:6.3f} s"
+                        )
+                rows += new
+                write(rows)
 
-    table = Table(title="time to first token (median of 3), seconds")
-    cols = [
-        "model",
-        "tokens",
-        "KV",
-        "cold",
-        "warm",
-        "hot",
-        "cold/warm",
-        "cold/hot",
-        "hot/warm",
-        "bytes/token",
-    ]
-    for c in cols:
+    rows = write(rows)  # every length measured so far, this run's and earlier runs'
+    measured = [r for r in rows if "skipped" not in r]
+    table = Table(title="time to first token, seconds (hot: median of 3, warm: median of 2)")
+    for c in ("model", "tokens", "system", "cold", "warm", "hot", "cold/warm", "cold/hot", "disk MB",
+              "vs ours-q4 warm"):  # fmt: skip
         table.add_column(c, justify="right")
-    for r in rows:
+    for r in measured:
+        key = (r["model"], r["n"], "ours-q4")
+        ours = next((o for o in measured if (o["model"], o["n"], o["system"]) == key), None)
+        vs = f"{r['warm_s'] / ours['warm_s']:.1f}x" if ours else "-"
+        mark = "*" if r["beyond_trained_context"] else ""
         table.add_row(
-            r["model"], str(r["tokens"]), r["kv"], f"{r['cold_s']:.2f}", f"{r['warm_s']:.3f}",
+            r["model"], f"{r['tokens']}{mark}", r["system"], f"{r['cold_s']:.2f}", f"{r['warm_s']:.3f}",
             f"{r['hot_s']:.3f}", f"{r['cold_over_warm']:.0f}x", f"{r['cold_over_hot']:.0f}x",
-            f"{r['hot_over_warm']:.2f}", f"{r['bytes_per_token']:.0f}",
+            f"{r['disk_bytes'] / 1e6:.1f}", vs,
         )  # fmt: skip
     console.print(table)
-    ratios = {}
-    for rq in (r for r in rows if r["kv"] == "q4"):
-        rf = next(
-            r for r in rows if r["kv"] == "fp16" and (r["model"], r["tokens"]) == (rq["model"], rq["tokens"])
-        )
-        ratios[f"{rq['model']}/{rq['tokens']}"] = rq["disk_bytes"] / rf["disk_bytes"]
-    console.print({"q4_over_fp16_bytes": {k: round(v, 3) for k, v in ratios.items()}})
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ttft.json").write_text(json.dumps({"rows": rows, "q4_over_fp16_bytes": ratios}, indent=2))
-    plot(rows, RESULTS / "ttft.png")
+    console.print("* past SmolLM2's trained context (8,192 tokens)")
+    for r in rows:
+        if "skipped" in r:
+            console.print(f"skipped {r['system']} on {r['model']}: {r['skipped']}")
+    plot(measured, RESULTS / "ttft.png")
     console.print(f"wrote {RESULTS / 'ttft.json'} and ttft.png")
+
+
+def write(rows: list[dict]) -> list[dict]:
+    """Merge ``rows`` into ttft.json (a row per model, length and system: a run of some
+    lengths replaces those and keeps the others). Returns every row, sorted."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "ttft.json"
+    old = json.loads(path.read_text()).get("rows", []) if path.exists() else []
+    key = lambda r: (r["model"], r.get("n", r.get("tokens")), r["system"])  # noqa: E731
+    merged = {key(r): r for r in old if "system" in r} | {key(r): r for r in rows}
+    order = list(SYSTEMS)
+    every = sorted(merged.values(), key=lambda r: (r["model"], r["n"], order.index(r["system"])))
+    path.write_text(json.dumps({"rows": every}, indent=2))
+    return every
 
 
 if __name__ == "__main__":

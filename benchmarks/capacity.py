@@ -1,0 +1,137 @@
+"""Agent capacity: how many agents' caches fit in a memory budget at 4K, 8K and 16K
+tokens, 4-bit vs 16-bit KV, ours and the peers, from measured bytes.
+
+    .venv/bin/python benchmarks/capacity.py [--budgets-gib 1 4 16]
+
+Reads benchmarks/results/ttft.json (run ``benchmarks/ttft.py`` first): each of its rows
+saved one agent's state of N tokens and restored it in fresh processes. Three measured
+sizes per agent: the bytes of its saved state on disk, the bytes of its state in memory
+(ours: the packed blocks in the hot tier; mlx-lm: its cache arrays; llama.cpp: its state
+buffer) and the resident memory one restored agent added to a fresh process (RSS, the
+median of the warm runs: includes working buffers and allocator slack). Agents per
+budget = budget // in-memory bytes (and // RSS); beside them the 16-bit formula
+(``2 x kv_heads x head_dim x 2 bytes`` per layer and token, sliding layers capped at
+their window) that the reference paper's 0.281x figure is relative to.
+
+Writes benchmarks/results/capacity.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+LENGTHS = (4096, 8192, 16384)
+
+
+def fp16_formula_bytes(model: str, n: int) -> int:
+    from langchain_agent_memory import load_model
+    from langchain_agent_memory.engine.spec import ModelCacheSpec
+
+    spec = ModelCacheSpec.from_model(load_model(model).model)
+    return sum(
+        layer.kv_heads * (layer.k_head_dim + layer.v_head_dim) * 2 * min(n, layer.window or n)
+        for layer in spec.layers
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets-gib", nargs="+", type=float, default=[1, 4, 16])
+    a = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = [r for r in json.loads((RESULTS / "ttft.json").read_text())["rows"] if "skipped" not in r]
+    rows = [r for r in rows if r["n"] in LENGTHS]
+    if not rows:
+        raise SystemExit("no 4K/8K/16K rows in benchmarks/results/ttft.json: run benchmarks/ttft.py first")
+    console = Console(width=max(Console().width, 140))
+    out: list[dict[str, Any]] = []
+    formula: dict[tuple[str, int], int] = {}
+    for r in rows:
+        key = (r["model"], r["n"])
+        if key not in formula:
+            formula[key] = fp16_formula_bytes(r["model"], r["tokens"])
+        budgets = {
+            f"{b:g} GiB": {
+                "by_state": int(b * (1 << 30) // r["memory_bytes"]),
+                "by_rss": int(b * (1 << 30) // max(r["rss_delta_bytes"], 1)),
+            }
+            for b in a.budgets_gib
+        }
+        out.append(
+            {
+                "model": r["model"],
+                "n": r["n"],
+                "tokens": r["tokens"],
+                "system": r["system"],
+                "disk_bytes": r["disk_bytes"],
+                "memory_bytes": r["memory_bytes"],
+                "rss_delta_bytes": r["rss_delta_bytes"],
+                "fp16_formula_bytes": formula[key],
+                "memory_over_fp16_formula": r["memory_bytes"] / formula[key],
+                "agents": budgets,
+            }
+        )
+
+    table = Table(title="agent capacity from measured bytes (agents per budget: by state bytes / by RSS)")
+    cols = ["model", "tokens", "system", "disk MB", "state MB", "RSS MB", "state / fp16 formula"]
+    cols += [f"agents in {b:g} GiB" for b in a.budgets_gib]
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in out:
+        cells = [
+            r["model"], str(r["tokens"]), r["system"], f"{r['disk_bytes'] / 1e6:.1f}",
+            f"{r['memory_bytes'] / 1e6:.1f}", f"{r['rss_delta_bytes'] / 1e6:.1f}",
+            f"{r['memory_over_fp16_formula']:.3f}",
+        ]  # fmt: skip
+        cells += [f"{v['by_state']} / {v['by_rss']}" for v in r["agents"].values()]
+        table.add_row(*cells)
+    console.print(table)
+    for model, n in formula:
+        q4 = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, "ours-q4")), None)
+        f16 = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, "ours-fp16")), None)
+        if q4 and f16:
+            console.print(
+                f"{model} {n}: ours 4-bit holds {f16['memory_bytes'] / q4['memory_bytes']:.2f}x the agents "
+                f"of ours 16-bit (state bytes), {f16['rss_delta_bytes'] / q4['rss_delta_bytes']:.2f}x by RSS"
+            )
+    (RESULTS / "capacity.json").write_text(json.dumps({"budgets_gib": a.budgets_gib, "rows": out}, indent=2))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = a.budgets_gib[0]
+    models = sorted({r["model"] for r in out})
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        systems = list(dict.fromkeys(r["system"] for r in out if r["model"] == model))
+        ns = sorted({r["n"] for r in out if r["model"] == model})
+        width = 0.8 / len(systems)
+        for i, system in enumerate(systems):
+            vals = []
+            for n in ns:
+                r = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, system)), None)
+                vals.append(r["agents"][f"{budget:g} GiB"]["by_state"] if r else 0)
+            ax.bar([j + i * width for j in range(len(ns))], vals, width, label=system)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ns))], [f"{n // 1024}K" for n in ns])
+        ax.set_xlabel("tokens per agent")
+        ax.set_ylabel(f"agents in {budget:g} GiB")
+        ax.set_yscale("log")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "capacity.png", dpi=120)
+    console.print(f"wrote {RESULTS / 'capacity.json'} and capacity.png")
+
+
+if __name__ == "__main__":
+    main()
