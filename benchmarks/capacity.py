@@ -4,14 +4,16 @@ tokens, 4-bit vs 16-bit KV, ours and the peers, from measured bytes.
     .venv/bin/python benchmarks/capacity.py [--budgets-gib 1 4 16]
 
 Reads benchmarks/results/ttft.json (run ``benchmarks/ttft.py`` first): each of its rows
-saved one agent's state of N tokens and restored it in fresh processes. Three measured
-sizes per agent: the bytes of its saved state on disk, the bytes of its state in memory
-(ours: the packed blocks in the hot tier; mlx-lm: its cache arrays; llama.cpp: its state
-buffer) and the resident memory one restored agent added to a fresh process (RSS, the
-median of the warm runs: includes working buffers and allocator slack). Agents per
-budget = budget // in-memory bytes (and // RSS); beside them the 16-bit formula
-(``2 x kv_heads x head_dim x 2 bytes`` per layer and token, sliding layers capped at
-their window) that the reference paper's 0.281x figure is relative to.
+saved one agent's state of N tokens and restored it in fresh processes. Measured per
+agent: the bytes of its saved state on disk, and of its state held in memory while the
+agent is parked (ours: its packed blocks in the hot tier; mlx-lm: its cache arrays;
+llama.cpp: ``llama_state_get_size``, what a parked sequence's state takes). Agents per
+budget = budget // parked bytes. Beside them, the 16-bit formula (``2 x kv_heads x
+head_dim x 2 bytes`` per layer and token, sliding layers capped at their window) that the
+reference paper's 0.281x is relative to, and the resident memory one restored agent's
+first request added to a fresh process (RSS): the working set of the agent being served
+(ours: a full-precision working copy of its K/V; llama.cpp allocates its context's KV
+buffer before the clock, so its RSS column misses it), not a per-parked-agent cost.
 
 Writes benchmarks/results/capacity.json and .png.
 """
@@ -58,13 +60,7 @@ def main() -> None:
         key = (r["model"], r["n"])
         if key not in formula:
             formula[key] = fp16_formula_bytes(r["model"], r["tokens"])
-        budgets = {
-            f"{b:g} GiB": {
-                "by_state": int(b * (1 << 30) // r["memory_bytes"]),
-                "by_rss": int(b * (1 << 30) // max(r["rss_delta_bytes"], 1)),
-            }
-            for b in a.budgets_gib
-        }
+        budgets = {f"{b:g} GiB": int(b * (1 << 30) // r["memory_bytes"]) for b in a.budgets_gib}
         out.append(
             {
                 "model": r["model"],
@@ -80,28 +76,26 @@ def main() -> None:
             }
         )
 
-    table = Table(title="agent capacity from measured bytes (agents per budget: by state bytes / by RSS)")
-    cols = ["model", "tokens", "system", "disk MB", "state MB", "RSS MB", "state / fp16 formula"]
+    table = Table(title="agent capacity: parked agents per memory budget, from measured state bytes")
+    cols = ["model", "tokens", "system", "disk MB", "parked MB", "parked / fp16 formula", "serving RSS MB"]
     cols += [f"agents in {b:g} GiB" for b in a.budgets_gib]
     for c in cols:
         table.add_column(c, justify="right")
     for r in out:
         cells = [
             r["model"], str(r["tokens"]), r["system"], f"{r['disk_bytes'] / 1e6:.1f}",
-            f"{r['memory_bytes'] / 1e6:.1f}", f"{r['rss_delta_bytes'] / 1e6:.1f}",
-            f"{r['memory_over_fp16_formula']:.3f}",
+            f"{r['memory_bytes'] / 1e6:.1f}", f"{r['memory_over_fp16_formula']:.3f}",
+            f"{r['rss_delta_bytes'] / 1e6:.1f}",
         ]  # fmt: skip
-        cells += [f"{v['by_state']} / {v['by_rss']}" for v in r["agents"].values()]
+        cells += [str(v) for v in r["agents"].values()]
         table.add_row(*cells)
     console.print(table)
     for model, n in formula:
         q4 = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, "ours-q4")), None)
         f16 = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, "ours-fp16")), None)
         if q4 and f16:
-            console.print(
-                f"{model} {n}: ours 4-bit holds {f16['memory_bytes'] / q4['memory_bytes']:.2f}x the agents "
-                f"of ours 16-bit (state bytes), {f16['rss_delta_bytes'] / q4['rss_delta_bytes']:.2f}x by RSS"
-            )
+            ratio = f16["memory_bytes"] / q4["memory_bytes"]
+            console.print(f"{model} {n}: ours 4-bit parks {ratio:.2f}x the agents of ours 16-bit")
     (RESULTS / "capacity.json").write_text(json.dumps({"budgets_gib": a.budgets_gib, "rows": out}, indent=2))
 
     import matplotlib
@@ -120,11 +114,11 @@ def main() -> None:
             vals = []
             for n in ns:
                 r = next((r for r in out if (r["model"], r["n"], r["system"]) == (model, n, system)), None)
-                vals.append(r["agents"][f"{budget:g} GiB"]["by_state"] if r else 0)
+                vals.append(r["agents"][f"{budget:g} GiB"] if r else 0)
             ax.bar([j + i * width for j in range(len(ns))], vals, width, label=system)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ns))], [f"{n // 1024}K" for n in ns])
         ax.set_xlabel("tokens per agent")
-        ax.set_ylabel(f"agents in {budget:g} GiB")
+        ax.set_ylabel(f"parked agents in {budget:g} GiB")
         ax.set_yscale("log")
         ax.set_title(model)
         ax.legend(fontsize=7)
