@@ -13,8 +13,9 @@ would: the graph resumes from its ``AgentMemorySaver`` checkpoint.
 
 - persistent: each agent's KV cache carries over (read from disk in the new process: the
   first request of a phase extends it with the new turn only);
-- cleared: the agents' caches are deleted before each phase, so each phase re-reads each
-  agent's whole conversation (what a system without persistent caches does).
+- cleared: the same checkpoints, but each phase's KV caches start in a new, empty
+  directory, so each phase re-reads each agent's whole conversation (what a system
+  without persistent caches does).
 
 Writes benchmarks/results/workflow.json and .png.
 """
@@ -54,14 +55,24 @@ class State(TypedDict):
     rows: Annotated[list[dict], operator.add]
 
 
-def build(model: str, cache_dir: Path, max_tokens: int) -> Any:
+def build(model: str, cache_dir: Path, max_tokens: int, mode: str, phase: int) -> Any:
+    """The graph. Persistent: checkpoints and caches through ``AgentMemorySaver``. Cleared:
+    the same checkpoints (``SqliteCheckpoints``) but the agents' KV caches in a new,
+    empty directory each phase: nothing of an earlier phase's caches (nor of the blocks
+    agents could share) is left to reuse."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langgraph.graph import END, START, StateGraph
 
     from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
+    from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
 
-    llm = ChatAgentMemory(model=model, cache_dir=str(cache_dir), max_tokens=max_tokens)
-    saver = AgentMemorySaver(cache_dir=cache_dir, model=model)
+    if mode == "persistent":
+        kv_dir = cache_dir
+        saver: Any = AgentMemorySaver(cache_dir=cache_dir, model=model)
+    else:
+        kv_dir = cache_dir / f"kv-phase-{phase + 1}"
+        saver = SqliteCheckpoints(cache_dir / "checkpoints.sqlite")
+    llm = ChatAgentMemory(model=model, cache_dir=str(kv_dir), max_tokens=max_tokens)
     license_text = corpus.apache_license()
 
     def agent(name: str):  # type: ignore[no-untyped-def]
@@ -99,16 +110,13 @@ def build(model: str, cache_dir: Path, max_tokens: int) -> Any:
         g.add_node(name, agent(name))
         g.add_edge(START, name)
         g.add_edge(name, END)
-    return g.compile(checkpointer=saver), saver
+    return g.compile(checkpointer=saver)
 
 
 def run_phase(model: str, cache_dir: str, phase: int, mode: str, max_tokens: int) -> dict[str, Any]:
     """One phase in this (new) process."""
-    graph, saver = build(model, Path(cache_dir), max_tokens)
+    graph = build(model, Path(cache_dir), max_tokens, mode, phase)
     config = {"configurable": {"thread_id": THREAD}}
-    if mode == "cleared":
-        for name in ROLES:
-            saver.engine.delete(f"{THREAD}:{name}")
     state = graph.get_state(config).values if phase else {"said": [], "rows": []}
     t0 = time.perf_counter()
     out = graph.invoke({"phase": phase, "said": [], "rows": []} if not phase else {"phase": phase}, config)

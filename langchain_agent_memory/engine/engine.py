@@ -9,6 +9,7 @@ new blocks. Nothing here knows about LangChain.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -843,6 +844,16 @@ def shared_engine(
     """The process's one engine for (model, cache directory, KV format): every chat model
     and checkpointer naming the same three shares its caches, pool and worker thread. A
     larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it."""
+    home = _home()
+    if not home.on_worker:
+        # Built on a long-lived daemon thread, not the caller's: the first call often comes
+        # from a LangGraph node's pool thread, and a thread that ran MLX work (loading the
+        # model) and then *ends* during interpreter shutdown makes MLX abort (see Worker).
+        build = functools.partial(
+            shared_engine, model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format,
+            hot_budget_bytes=hot_budget_bytes,
+        )  # fmt: skip
+        return home.submit(build).result()
     lm = load_model(model)
     root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
     quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
@@ -861,6 +872,18 @@ def _trained_context(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
     return int(text.get("max_position_embeddings") or 1 << 20)
+
+
+_HOME: Worker | None = None
+
+
+def _home() -> Worker:
+    """The daemon thread shared engines are built on (created on first use)."""
+    global _HOME
+    with _SHARED_LOCK:
+        if _HOME is None:
+            _HOME = Worker(name="agent-memory-init")
+        return _HOME
 
 
 def _budget(hot_budget_bytes: int | None) -> dict[str, int]:
