@@ -122,6 +122,22 @@ def run(a: argparse.Namespace, cache_dir: str, mode: str, queries: list[str]) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def plot(results: dict[str, list[dict]], model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    modes = list(results)
+    ax.boxplot([[c["ttft_s"] for r in results[m] for c in r["calls"]] for m in modes], tick_labels=modes)
+    ax.set_yscale("log")
+    ax.set_ylabel("expert time to first token (s)")
+    ax.set_title(f"routing to {EXPERTS} experts with ~{DOC_TOKENS}-token documents ({model})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -188,19 +204,7 @@ def main() -> None:
     payload = {"model": a.model, "doc_tokens": DOC_TOKENS, "results": results, "summary": summary}
     (out / "routing.json").write_text(json.dumps(payload, indent=2))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    modes = list(results)
-    ax.boxplot([[c["ttft_s"] for r in results[m] for c in r["calls"]] for m in modes], labels=modes)
-    ax.set_yscale("log")
-    ax.set_ylabel("expert time to first token (s)")
-    ax.set_title(f"routing to {EXPERTS} experts with ~{DOC_TOKENS}-token documents ({a.model})")
-    fig.tight_layout()
-    fig.savefig(out / "routing.png", dpi=120)
+    plot(results, a.model, out / "routing.png")
     console.print(f"wrote {out / 'routing.json'} and routing.png")
 
 
