@@ -53,6 +53,13 @@ def _stores(cache_dir: Path | None) -> Iterator[DiskBlockStore]:
             store.close()
 
 
+def _kv_bits(kv_bits: int) -> int | None:
+    """``--kv-bits``: 4 or 8, or 16 for unquantized (None)."""
+    if kv_bits not in (4, 8, 16):
+        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
+    return None if kv_bits == 16 else kv_bits
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -193,15 +200,13 @@ def chat(
         validate_agent_id(agent)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--agent") from exc
-    if kv_bits not in (4, 8, 16):
-        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
     options = ChatOptions(
         agent=agent,
         model=model,
         system=system,
         max_tokens=max_tokens,
         temperature=temperature,
-        kv_bits=None if kv_bits == 16 else kv_bits,
+        kv_bits=_kv_bits(kv_bits),
         cache_dir=str(cache_dir) if cache_dir else None,
     )
     run(options, _console())
@@ -227,8 +232,6 @@ def serve(
     cache_dir: CacheDir = None,
 ) -> None:
     """Serve the OpenAI Chat Completions API; each agent (X-Agent-ID) keeps its KV cache."""
-    if kv_bits not in (4, 8, 16):
-        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
     try:
         import uvicorn
 
@@ -240,7 +243,7 @@ def serve(
     config = ServerConfig(
         models=model or [get_settings().model],
         cache_dir=str(cache_dir) if cache_dir else None,
-        kv_bits=None if kv_bits == 16 else kv_bits,  # type: ignore[arg-type]
+        kv_bits=_kv_bits(kv_bits),  # type: ignore[arg-type]
         api_key=api_key,
         max_body_bytes=int(max_body_mb * (1 << 20)),
         max_tokens_limit=max_tokens_limit,

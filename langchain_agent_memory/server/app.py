@@ -206,7 +206,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 raise APIError(400, message, "invalid_request", "tool_choice")
         with _as_api_errors():
             messages = to_messages(body.messages)
-        kwargs = call_kwargs(body, agent, config.default_max_tokens)
+        kwargs = call_kwargs(body, agent, max_tokens)
         headers = {"X-Agent-ID": agent}
         cid = replies.new_id()
         if not body.stream:

@@ -176,12 +176,9 @@ def _tool_call(index: int, call: ToolCallIn) -> ToolCall:
     return ToolCall(name=call.function.name, args=args, id=call.id, type="tool_call")
 
 
-def call_kwargs(req: ChatCompletionRequest, agent_id: str, default_max_tokens: int) -> dict[str, Any]:
+def call_kwargs(req: ChatCompletionRequest, agent_id: str, max_tokens: int) -> dict[str, Any]:
     """Keyword arguments for ``ChatAgentMemory`` (``invoke(messages, **kwargs)``)."""
-    kwargs: dict[str, Any] = {
-        "agent_id": agent_id,
-        "max_tokens": req.max_completion_tokens or req.max_tokens or default_max_tokens,
-    }
+    kwargs: dict[str, Any] = {"agent_id": agent_id, "max_tokens": max_tokens}
     if req.temperature is not None:
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:
