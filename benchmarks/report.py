@@ -39,6 +39,11 @@ def _md(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _num(value: float | None, spec: str, unit: str = "") -> str:
+    """A table cell: ``value`` formatted, or "-" where it was not measured."""
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
 def _load(name: str) -> Any:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -60,15 +65,24 @@ def ttft() -> str:
         mark = "*" if r.get("beyond_trained_context") else ""
         out.append(
             [
-                r["model"], f"{r['tokens']}{mark}", f"`{r['system']}`", f"{r['cold_s']:.2f}",
-                f"{r['warm_s']:.3f}", f"{r['hot_s']:.3f}", f"{r['cold_over_warm']:.0f}x",
-                f"{r['cold_over_hot']:.0f}x", f"{r['disk_bytes'] / 1e6:.1f}",
+                r["model"], f"{r['tokens']}{mark}", f"`{r['system']}`", _num(r["cold_s"], ".2f"),
+                f"{r['warm_s']:.3f}", f"{r['hot_s']:.3f}", _num(r["cold_over_warm"], ".0f", "x"),
+                _num(r["cold_over_hot"], ".0f", "x"), f"{r['disk_bytes'] / 1e6:.1f}",
                 f"{r['warm_s'] / ours['warm_s']:.2f}x" if ours else "-",
             ]
         )  # fmt: skip
     header = ["model", "tokens", "system", "cold s", "warm s", "hot s", "cold/warm", "cold/hot", "saved MB",
               "warm vs ours-q4"]  # fmt: skip
     notes = "\n".join(f"- skipped: {s}" for s in skipped)
+    slow = [r for r in rows if r["system"] == "mlx-lm-q4" and r["cold_s"]]
+    if any(r["cold_s"] is None for r in rows) and slow:
+        worst = max(slow, key=lambda r: r["n"])
+        notes += (
+            f'\n- `mlx-lm-q4` cold "-": its 4-bit prefill took {worst["cold_s"]:.0f} s at '
+            f"{worst['tokens']} tokens, so beyond that its state is built by a full-precision prefill "
+            "and quantized at the end (the same saved state); its warm and hot are measured as for "
+            "the others."
+        )
     return f"""## Time to first token, ours and the peers
 
     .venv/bin/python benchmarks/ttft.py [--lengths ...] [--models ...] [--systems ...]

@@ -365,11 +365,7 @@ class LayerCache:
         w = self._work
         if w is None or w.start > lo or w.end != self.offset:
             krot, vrot = self.quant.keys.rotate and not decode, self.quant.values.rotate and not decode
-            segments = self._segments(lo)
-            ks = [_in_space(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
-            vs = [_in_space(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
-            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+            k, v = self._decoded(lo, dtype, krot, vrot)
             w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
         elif decode and (w.krot or w.vrot):
             used = w.end - w.start
@@ -377,6 +373,26 @@ class LayerCache:
             w.krot = w.vrot = False
         a, b = lo - w.start, w.end - w.start
         return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
+
+    def _decoded(self, lo: int, dtype: mx.Dtype, krot: bool, vrot: bool) -> tuple[mx.array, mx.array]:
+        """Positions ``[lo, offset)`` as held, at full precision (in the rotated space
+        where ``krot`` / ``vrot``)."""
+        segments = self._segments(lo)
+        ks = [_in_space(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
+        vs = [_in_space(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        return k, v
+
+    @property
+    def work_nbytes(self) -> int:
+        """Bytes of the full-precision working copy (0 when none is kept)."""
+        w = self._work
+        return 0 if w is None else int(w.k.nbytes + w.v.nbytes)
+
+    def drop_work(self) -> None:
+        """Free the working copy (the next request unpacks the stored form again)."""
+        self._work = None
 
     def _append_work(self, keys: mx.array, values: mx.array) -> None:
         w = self._work
@@ -408,11 +424,17 @@ class LayerCache:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def commit(self) -> None:
-        """Move this request's tokens into the committed (stored) form."""
+    def commit(self, keep_work: bool = False) -> None:
+        """Move this request's tokens into the committed (stored) form.
+
+        ``keep_work``: keep the full-precision working copy for the agent's next request
+        (which then unpacks nothing), with this request's rows replaced by what the stored
+        form decodes to: the next request sees exactly what a reload from disk would.
+        """
         k, v = self._joined_pending()
         if k is None or v is None:
             return
+        first = self.committed_end
         n_head = max(0, min(self.quant.head_tokens, self.offset) - self.committed_end)
         if n_head and self.start == 0 and self.keys is None:
             hk, hv = k[:, :, :n_head].astype(HALF_DTYPE), v[:, :, :n_head].astype(HALF_DTYPE)
@@ -423,7 +445,15 @@ class LayerCache:
             self.keys = _concat(self.keys, self.quant.keys.encode(k))
             self.values = _concat(self.values, self.quant.values.encode(v))
         self.set_pending(None, None)
-        self._work = None  # the request is over: only the stored form stays in memory
+        w = self._work
+        if not keep_work or w is None or w.end != self.offset or w.start > first:
+            self._work = None  # the request is over: only the stored form stays in memory
+            return
+        dk, dv = self._decoded(first, w.k.dtype, w.krot, w.vrot)
+        a, b = first - w.start, self.offset - w.start
+        w.k[:, :, a:b] = dk
+        w.v[:, :, a:b] = dv
+        mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
 
     def committed_slice(
         self, a: int, b: int
@@ -446,11 +476,16 @@ class LayerCache:
 
     def drop_before(self, position: int) -> None:
         """Free committed tokens before ``position`` (sliding layers past their window)."""
-        self._work = None
         cut = min(position, self.committed_end)
         b0 = self.body_start
         if cut <= self.start or cut < b0:
             return  # nothing to free, or only part of the (few) head tokens
+        w = self._work
+        if w is not None and w.start < cut < w.end:  # the working copy keeps its window too
+            a, b = cut - w.start, w.end - w.start
+            w.k, w.v, w.start = mx.contiguous(w.k[:, :, a:b]), mx.contiguous(w.v[:, :, a:b]), cut
+        elif w is not None and w.start < cut:
+            self._work = None
         self.head_k = self.head_v = None
         if self.keys is not None and self.values is not None:
             n = self.committed_end - b0
@@ -461,7 +496,11 @@ class LayerCache:
         """Keep positions < ``n_tokens`` (committed tokens only; ``start <= n_tokens``)."""
         if self._n_pending:
             raise RuntimeError("trim_to with pending tokens: commit first (this is a bug)")
-        self._work = None
+        w = self._work
+        if w is not None and w.start <= n_tokens:
+            w.end = min(w.end, n_tokens)  # rows past ``end`` are free space for appends
+        else:
+            self._work = None
         if n_tokens < self.start:
             raise RuntimeError("cannot trim below the first token in memory; rebuild from blocks")
         b0 = self.body_start

@@ -66,6 +66,11 @@ logger = logging.getLogger(__name__)
 ENGINE_CHUNK_TOKENS = 128
 
 
+#: Default ``Engine(work_budget_bytes=...)``: e.g. one 16K-token SmolLM2 agent, or four
+#: Gemma 3 270M agents of 8K tokens (sliding layers keep only their window).
+WORK_BUDGET_BYTES = 1 << 30
+
+
 class CacheSource(str, Enum):
     COLD = "cold"  # nothing reused: full prefill
     WARM = "warm"  # reused, read (at least partly) from disk
@@ -207,6 +212,7 @@ class Engine:
         kv_format: str | KVQuant | None = None,
         hot_budget_bytes: int = 512 << 20,
         hot_agents: int = 16,
+        work_budget_bytes: int = WORK_BUDGET_BYTES,
         chunk_tokens: int = ENGINE_CHUNK_TOKENS,
         scheduling: str = "interleave",
         context_length: int | None = None,
@@ -228,6 +234,9 @@ class Engine:
         self.pool = BlockPool(self.store, hot_budget_bytes)
         self.chunk_tokens = chunk_tokens
         self.hot_agents = hot_agents
+        #: Full-precision working copies kept for the most recent hot agents (their next
+        #: request unpacks nothing); past this, older agents keep only the stored form.
+        self.work_budget_bytes = work_budget_bytes
         self._agents: OrderedDict[str, _AgentState] = OrderedDict()  # hot agents, LRU order
         self._lock = threading.RLock()  # guards the agent table and the pool
         self._scheduler = Scheduler(
@@ -759,7 +768,7 @@ class Engine:
     ) -> int:
         n = len(known)
         for layer in layers:
-            layer.commit()
+            layer.commit(keep_work=self.work_budget_bytes > 0)
             if layer.offset > n:
                 layer.trim_to(n)
         chain = self._chain_of(known)
@@ -814,11 +823,23 @@ class Engine:
         self._agents.move_to_end(agent_id)
         while len(self._agents) > self.hot_agents:
             self._agents.popitem(last=False)
+        # Working copies: the most recent agents' first, within the budget (a copy is
+        # ~3x the stored form: full precision), the older ones freed.
+        used = 0
+        for hot in reversed(self._agents.values()):
+            for layer in hot.layers or ():
+                if used + layer.work_nbytes > self.work_budget_bytes:
+                    layer.drop_work()
+                used += layer.work_nbytes
 
     def stats(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint,
             "hot_agents": len(self._agents),
+            # full-precision working copies kept for the next request (``work_budget_bytes``)
+            "working_copy_bytes": sum(
+                layer.work_nbytes for state in self._agents.values() for layer in state.layers or ()
+            ),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             "scheduling": self._scheduler.policy,
             "max_decode_batch": self._scheduler.max_batch,

@@ -63,6 +63,23 @@ def test_reload_gives_the_uninterrupted_output(
     assert warm_r2.prompt_tokens - warm_r2.reused_tokens < 40  # only the new turn was prefilled
 
 
+def test_working_copies_stay_in_budget_and_answer_like_a_reload(smollm: LoadedModel, tmp_path: Path) -> None:
+    eng = Engine("smollm2-135m", cache_dir=tmp_path)
+    r1, r2, _ = _two_turns(eng, "a")
+    one = eng.stats()["working_copy_bytes"]
+    assert one > 0  # kept after the request, for the agent's next one
+    eng.work_budget_bytes = one  # room for one agent's working copy
+    _two_turns(eng, "b")  # the same conversation: the same size of working copy
+    assert 0 < eng.stats()["working_copy_bytes"] <= one  # "a"'s was freed, "b"'s kept
+    p3 = _chat(eng, SYSTEM, [("What is this license called?", r1), ("Who wrote it?", r2), ("Why?", None)])
+    from_copy = eng.generate("b", p3, GREEDY)  # "b" attends over its working copy
+    unpacked = eng.generate("a", p3, GREEDY)  # "a" unpacks its stored form
+    reloaded = Engine("smollm2-135m", cache_dir=tmp_path).generate("a", p3, GREEDY)  # from disk
+    assert str(from_copy.outcome) == str(unpacked.outcome) == "hot-extend"
+    assert str(reloaded.outcome) == "warm-extend"
+    assert from_copy.text == unpacked.text == reloaded.text
+
+
 def test_exact_extend_diverge(smollm: LoadedModel, tmp_path: Path) -> None:
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("Summarise the license in one line.", None)])
