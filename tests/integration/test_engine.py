@@ -74,9 +74,10 @@ def test_working_copies_stay_in_budget_and_answer_like_a_reload(smollm: LoadedMo
     p3 = _chat(eng, SYSTEM, [("What is this license called?", r1), ("Who wrote it?", r2), ("Why?", None)])
     from_copy = eng.generate("b", p3, GREEDY)  # "b" attends over its working copy
     unpacked = eng.generate("a", p3, GREEDY)  # "a" unpacks its stored form
-    reloaded = Engine("smollm2-135m", cache_dir=tmp_path).generate("a", p3, GREEDY)  # from disk
+    # From disk ("a" holds p3 and its reply by now: the request trims back to p3).
+    reloaded = Engine("smollm2-135m", cache_dir=tmp_path).generate("a", p3, GREEDY)
     assert str(from_copy.outcome) == str(unpacked.outcome) == "hot-extend"
-    assert str(reloaded.outcome) == "warm-extend"
+    assert str(reloaded.outcome) == "warm-diverge"
     assert from_copy.text == unpacked.text == reloaded.text
 
 
