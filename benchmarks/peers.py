@@ -85,6 +85,9 @@ class Ours:
     def hot(self, prompt: str, i: int) -> Result:
         return self._first(prompt + extension(i), "hot")
 
+    def close(self) -> None:
+        self.engine.close()  # its memory back before the next system runs
+
     @staticmethod
     def warm(model: str, kv_bits: int | None, state_dir: Path, context: int, prompt: str, i: int) -> Result:
         ours = Ours(model, kv_bits, state_dir, context)
@@ -195,6 +198,9 @@ class LlamaCpp:
             flash_attn=True,
             verbose=False,
         )
+
+    def close(self) -> None:
+        self.llm.close()
 
     def _ids(self, prompt: str, i: int | None = None) -> list[int]:
         ids = list(self.llm.tokenize(prompt.encode(), add_bos=True))

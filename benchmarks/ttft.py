@@ -128,6 +128,8 @@ def measure(model: str, n: int, systems: list[str], progress: Any) -> list[dict[
             progress(1)
             hot = [obj.hot(prompt, i)["ttft_s"] for i in range(HOT_RUNS)]
             progress(1)
+            if hasattr(obj, "close"):
+                obj.close()  # free its memory: warm processes and later systems need it
             del obj
             warms = [warm(system, model, Path(tmp), context, prompt, i) for i in range(WARM_RUNS)]
             progress(1)

@@ -245,6 +245,7 @@ class Engine:
         self._arrivals = 0
         self._batch: tuple[tuple[int, ...], list[BatchLayerCache]] | None = None  # see _batch_caches
         self._worker = Worker()  # every request's MLX work runs on this one thread
+        self._closed = False
         self._worker.stepper = self._scheduler
         #: Called with each new agent record right after a request commits it (on the
         #: worker thread, under the engine lock): a checkpointer keeps cache history here.
@@ -368,9 +369,32 @@ class Engine:
             else:
                 self._agents.pop(agent_id, None)
 
+    def close(self) -> None:
+        """Free this engine's memory (hot agents, their working copies, the in-memory block
+        tier) and close its index; what is stored stays on disk. Call it when no request is
+        in progress; the engine refuses requests afterwards. Without it an engine lives as
+        long as the process: its worker thread holds it (see ``Worker``)."""
+        if self._worker.has_waiting:
+            raise RuntimeError("close() while requests are in progress: let them finish first")
+        with self._lock:
+            self._agents.clear()
+            for h in self.pool.hot_hashes():
+                self.pool.forget(h)
+            self._worker.stepper = None  # the parked thread no longer reaches this engine
+            self._closed = True
+        self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ one request
 
     def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
+        if self._closed:
+            raise RuntimeError("this Engine was closed; create a new one")
         validate_agent_id(agent_id)
         if not prompt:
             raise ValueError("prompt is empty")

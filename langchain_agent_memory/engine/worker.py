@@ -85,6 +85,7 @@ class Worker:
                 except BaseException:  # a step fails its own requests; never the thread
                     logger.exception("engine step failed")
                 continue
+            stepper = None  # not held while parked: a closed engine can then be freed
             self._run(*self._jobs.get())
 
     @staticmethod

@@ -81,6 +81,24 @@ def test_working_copies_stay_in_budget_and_answer_like_a_reload(smollm: LoadedMo
     assert from_copy.text == unpacked.text == reloaded.text
 
 
+def test_close_frees_the_engine_and_keeps_the_cache(smollm: LoadedModel, tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    with Engine("smollm2-135m", cache_dir=tmp_path) as eng:
+        prompt = _chat(eng, SYSTEM, [("What is this license called?", None)])
+        first = eng.generate("a", prompt, GREEDY)
+        assert eng.stats()["working_copy_bytes"] > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate("a", prompt, GREEDY)
+    alive = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert alive() is None  # its caches and working copies went with it
+    again = Engine("smollm2-135m", cache_dir=tmp_path).generate("a", prompt, GREEDY)
+    assert str(again.outcome) == "warm-diverge" and again.text == first.text
+
+
 def test_exact_extend_diverge(smollm: LoadedModel, tmp_path: Path) -> None:
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("Summarise the license in one line.", None)])
