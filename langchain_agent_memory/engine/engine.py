@@ -383,6 +383,9 @@ class Engine:
             self._worker.stepper = None  # the parked thread no longer reaches this engine
             self._closed = True
         self.store.close()
+        # MLX keeps freed buffers for reuse; give them back to the system (on the worker,
+        # which made them).
+        self._worker.submit(mx.clear_cache).result()
 
     def __enter__(self) -> Engine:
         return self
