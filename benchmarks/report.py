@@ -131,7 +131,10 @@ bytes per layer and token, sliding layers capped at their window (the reference 
 layers' older tokens). "Serving RSS": what the first request of one restored agent added
 to a fresh process's resident memory, i.e. the working set of the agent being served
 (ours: a full-precision working copy of its K/V); llama.cpp allocates its context's KV
-buffer before the clock starts, so its column misses it. `results/capacity.png`.
+buffer before the clock starts, so its column misses it. Ours keeps the working copies of
+the most recent agents between their turns, within `Engine(work_budget_bytes=...)` (1 GiB
+by default, on top of the counts here: the agents parked beyond it hold only their packed
+blocks). `results/capacity.png`.
 
 {_md(header, out)}
 """
