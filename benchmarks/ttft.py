@@ -201,6 +201,7 @@ def main() -> None:
         print(json.dumps(worker(*a.worker)))
         return
 
+    from report import _num
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -216,7 +217,7 @@ def main() -> None:
                 for r in new:
                     if "skipped" not in r:
                         progress.console.print(
-                            f"{model} {r['tokens']:>6} {r['system']:<15} cold {_s(r['cold_s'], 2)} s  "
+                            f"{model} {r['tokens']:>6} {r['system']:<15} cold {_num(r['cold_s'], '7.2f')} s  "
                             f"warm {r['warm_s']:6.3f} s  hot {r['hot_s']:6.3f} s"
                         )
                 rows += new
@@ -234,8 +235,8 @@ def main() -> None:
         vs = f"{r['warm_s'] / ours['warm_s']:.1f}x" if ours else "-"
         mark = "*" if r["beyond_trained_context"] else ""
         table.add_row(
-            r["model"], f"{r['tokens']}{mark}", r["system"], _s(r["cold_s"], 2), f"{r['warm_s']:.3f}",
-            f"{r['hot_s']:.3f}", _x(r["cold_over_warm"]), _x(r["cold_over_hot"]),
+            r["model"], f"{r['tokens']}{mark}", r["system"], _num(r["cold_s"], ".2f"), f"{r['warm_s']:.3f}",
+            f"{r['hot_s']:.3f}", _num(r["cold_over_warm"], ".0f", "x"), _num(r["cold_over_hot"], ".0f", "x"),
             f"{r['disk_bytes'] / 1e6:.1f}", vs,
         )  # fmt: skip
     console.print(table)
@@ -245,14 +246,6 @@ def main() -> None:
             console.print(f"skipped {r['system']} on {r['model']}: {r['skipped']}")
     plot(measured, RESULTS / "ttft.png")
     console.print(f"wrote {RESULTS / 'ttft.json'} and ttft.png")
-
-
-def _s(seconds: float | None, digits: int) -> str:
-    return "-" if seconds is None else f"{seconds:.{digits}f}"
-
-
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.0f}x"
 
 
 def write(rows: list[dict]) -> list[dict]:

@@ -301,6 +301,7 @@ class Engine:
         starts hot. Agents already live or without a cache are skipped. A request that
         arrives meanwhile goes first: the rest is queued again behind it. The future gives
         how many were loaded."""
+        self._check_open()
         done: Future[int] = Future()
         self._worker.submit(self._prefetch_some, list(agent_ids), 0, done)
         return done
@@ -395,9 +396,12 @@ class Engine:
 
     # ------------------------------------------------------------------ one request
 
-    def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Engine was closed; create a new one")
+
+    def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
+        self._check_open()
         validate_agent_id(agent_id)
         if not prompt:
             raise ValueError("prompt is empty")
