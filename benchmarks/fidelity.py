@@ -212,13 +212,10 @@ def main() -> None:
     from rich.table import Table
 
     from langchain_agent_memory import load_model
-    from langchain_agent_memory.engine import fast_ops
-    from langchain_agent_memory.engine.cache import KV_PRESETS, install_attention_hook
+    from langchain_agent_memory.engine.cache import KV_PRESETS
     from langchain_agent_memory.engine.quality import stored_perplexity
     from langchain_agent_memory.engine.spec import ModelCacheSpec
 
-    fast_ops.install()
-    install_attention_hook()
     names = ["fp16", *[n for n in (a.formats or KV_PRESETS) if n != "fp16"]]
     formats = {n: KV_PRESETS[n] for n in names}
     console = Console(width=max(Console().width, 180))  # the table is wide; keep it whole in logs

@@ -41,11 +41,7 @@ def _prepare(name: str, weights: str, fast_ops: bool) -> Any:
     from langchain_agent_memory import load_model
     from langchain_agent_memory.engine.runtime import mx
 
-    if fast_ops:
-        from langchain_agent_memory.engine import fast_ops as fo
-
-        fo.install()
-    lm = load_model(name)
+    lm = load_model(name, cpu_kernels=fast_ops)  # fast_ops: this instance adapted to our kernels
     model = lm.model
     if weights in ("bfloat16", "float16"):
         model.set_dtype(getattr(mx, weights))

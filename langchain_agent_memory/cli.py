@@ -156,15 +156,19 @@ def convert(
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output directory (default: where models load from)")
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Weight dtype: float32, bfloat16 or float16")] = "float32",
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Weight dtype: float32, bfloat16 or float16 (default: by device)"),
+    ] = None,
     cache_dir: CacheDir = None,
 ) -> None:
     """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
     import time
 
     from .engine.gguf_convert import UnsupportedGGUFError, convert_gguf
-    from .engine.models import conversion_progress, resolve_model_dir
+    from .engine.models import conversion_progress, default_weight_dtype, resolve_model_dir
 
+    dtype = dtype or default_weight_dtype()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter("give float32, bfloat16 or float16", param_hint="--dtype")
     t0 = time.perf_counter()

@@ -6,8 +6,9 @@ Environment variables (prefix ``AGENT_MEMORY_``):
   (default ``$XDG_CACHE_HOME/langchain-agent-memory`` or ``~/.cache/langchain-agent-memory``).
 - ``AGENT_MEMORY_MODEL``: default model, a shipped name (``smollm2-135m``, ``gemma3-270m``)
   or an mlx-lm model directory (default ``smollm2-135m``).
-- ``AGENT_MEMORY_WEIGHT_DTYPE``: dtype of converted weights (default ``float32``: on CPU
-  only fp32 matmuls go through BLAS; see benchmarks/runtime.py).
+- ``AGENT_MEMORY_WEIGHT_DTYPE``: dtype of weights converted from a GGUF (default: ``float32``
+  on the CPU, where only fp32 matmuls go through BLAS (see benchmarks/runtime.py);
+  ``bfloat16`` on a GPU).
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """
@@ -34,7 +35,7 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     model: str = "smollm2-135m"
-    weight_dtype: WeightDType = "float32"
+    weight_dtype: WeightDType | None = None  # None: by device (engine.models.default_weight_dtype)
 
 
 def get_settings() -> Settings:

@@ -9,15 +9,19 @@ path was 3.3x slower there), and what is committed — and written to disk — i
 what a later request, in this process or another, attends to. Hot and warm runs are
 therefore identical.
 
-Attention over a ``LayerCache`` goes through ``attend`` (installed into mlx-lm's models by
-``install_attention_hook``). The mask is built here, from positions, for every layer:
-causal, and for sliding-window layers also ``query - key < window`` — a causal-only mask
-on a sliding layer that keeps more than ``window`` tokens is silently wrong.
+A ``LayerCache`` satisfies mlx-lm's cache protocol: ``update_and_fetch`` returns the
+visible keys and values as real arrays, ``make_mask`` the mask for them (causal, and for
+sliding-window layers also ``query - key < window``: a causal-only mask on a sliding layer
+that keeps more than ``window`` tokens is silently wrong). Any mlx-lm attention runs on it
+unchanged; on a GPU that is mlx's fused kernel. On the CPU a model adapted by
+``adapters.adapt_model`` calls ``attend`` instead: BLAS attention on the working copy, with
+a prefill in the codec's rotated space.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +39,27 @@ HALF_DTYPE = mx.float16
 WORK_STEP = 256
 
 
+#: How ``rotation`` derives its signs; part of every model fingerprint (``KVQuant.identity``):
+#: stored rotated caches are only valid under the scheme that wrote them.
+ROTATION_SCHEME = "hadamard-shake256-v1"
+
+
+def rotation_signs(dim: int) -> np.ndarray:
+    """``dim`` signs (+1 / -1) from SHAKE-256 of the scheme and ``dim``: the same in every
+    process and every NumPy version (a NumPy RNG stream is not promised stable)."""
+    raw = hashlib.shake_256(f"langchain-agent-memory/{ROTATION_SCHEME}/{dim}".encode()).digest(-(-dim // 8))
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:dim]
+    return np.where(bits == 1, 1.0, -1.0)
+
+
 @functools.cache
 def rotation(dim: int) -> mx.array:
-    """A fixed orthonormal (dim, dim) rotation: random signs times a normalised Hadamard
+    """A fixed orthonormal (dim, dim) rotation: fixed signs times a normalised Hadamard
     matrix (block-diagonal when ``dim`` is not a power of two).
 
     Rotating keys and queries alike leaves every score unchanged (q R . k R = q . k) while
     spreading outlier channels over the whole head, which is what hurts 4-bit groups. The
-    signs come from a seed fixed per ``dim``: every process builds the same matrix.
+    signs come from ``rotation_signs``: every process builds the same matrix.
     """
     block = dim & -dim  # largest power of two dividing dim
     if block < 16:
@@ -52,8 +69,7 @@ def rotation(dim: int) -> mx.array:
         h = np.block([[h, h], [h, -h]])
     h /= np.sqrt(block)
     full = np.kron(np.eye(dim // block), h)
-    signs = np.random.default_rng(dim).choice([-1.0, 1.0], size=dim)
-    return mx.array((signs[:, None] * full).astype(np.float32))
+    return mx.array((rotation_signs(dim)[:, None] * full).astype(np.float32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +167,26 @@ class KVQuant:
         head = f"-h{self.head_tokens}" if self.head_tokens and self.keys.bits is not None else ""
         return f"k{self.keys.label}-v{self.values.label}{head}"
 
+    @property
+    def identity(self) -> str:
+        """What a stored cache depends on beyond the label: the rotation's derivation."""
+        rotated = self.keys.rotate or self.values.rotate
+        return self.label + (f"+{ROTATION_SCHEME}" if rotated else "")
+
+    def check_dims(self, k_dim: int, v_dim: int) -> None:
+        """Refuse head widths this format cannot store (groups must tile the head)."""
+        for what, dim, codec in (("key", k_dim, self.keys), ("value", v_dim, self.values)):
+            if codec.bits is not None and dim % codec.group_size:
+                raise ValueError(
+                    f"KV format {self.label}: {what} heads are {dim} wide, not a multiple of its "
+                    f"{codec.group_size}-channel groups; use kv_format='fp16' or a smaller group (q4g32)"
+                )
+            if codec.rotate and (dim & -dim) < 16:
+                raise ValueError(
+                    f"KV format {self.label}: {what} heads are {dim} wide, which cannot be rotated; "
+                    "use an unrotated format (q8, q4)"
+                )
+
 
 #: 16-bit and unrotated: how head tokens are stored and pending tokens are held.
 FULL = TensorCodec(None)
@@ -223,6 +259,50 @@ class _Working:
     vrot: bool = False
 
 
+@dataclass(slots=True)
+class _Fetched:
+    """What ``update_and_fetch`` returned (``keys`` / ``values``, the model's space) and the
+    working-copy view they came from (``k`` / ``v``, rotated where ``krot`` / ``vrot``)."""
+
+    keys: mx.array
+    values: mx.array
+    k: mx.array
+    v: mx.array
+    krot: bool
+    vrot: bool
+
+
+def positional_mask(
+    first_q: int, L: int, first_k: int, window: int | None, return_array: bool
+) -> mx.array | str | None:
+    """Queries at ``[first_q, first_q + L)`` over keys ``[first_k, first_q + L)``: causal and,
+    with a ``window``, ``query - key < window``. None where every query sees every key;
+    ``"causal"`` (bottom-right aligned, mlx's fused form) where that is all, unless an array
+    is asked for."""
+    end = first_q + L
+    if L == 1 and (window is None or end - first_k <= window):
+        return mx.ones((1, end - first_k), dtype=mx.bool_) if return_array else None
+    if window is None and first_k == 0 and not return_array:
+        return "causal"
+    q_pos = mx.arange(first_q, end)[:, None]
+    k_pos = mx.arange(first_k, end)[None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    return mask
+
+
+def cpu_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, sinks: mx.array | None = None
+) -> mx.array:
+    """Attention on the CPU: BLAS (``fast_ops.attention``); with attention sinks, mlx's op."""
+    if sinks is not None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    from . import fast_ops
+
+    return fast_ops.attention(q, k, v, scale=scale, mask=mask)
+
+
 class LayerCache:
     """One layer of one agent's cache (mlx-lm cache protocol: ``offset``,
     ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory:
@@ -248,6 +328,10 @@ class LayerCache:
         self._pending: list[tuple[mx.array, mx.array]] = []
         self._n_pending = 0
         self._work: _Working | None = None  # see ``_visible``; dropped when the request ends
+        self._fetched: _Fetched | None = None  # what the last ``update_and_fetch`` returned
+        #: Prefill in the codec's rotated space (``attend``): set where an adapted model
+        #: calls ``attend``; off, the working copy is kept in the model's own space.
+        self.prefill_rotated = False
 
     # ---------------------------------------------------------------- sizes
 
@@ -293,13 +377,25 @@ class LayerCache:
 
     # ---------------------------------------------------------------- mlx-lm protocol
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[LayerCache, LayerCache]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append this step's keys and values; return every key and value the step's queries
+        can see (a sliding layer's window), at full precision, in the model's space."""
+        L = keys.shape[2]
         if self._work is not None and self._work.end == self.offset:
             self._append_work(keys, values)
         self.push_pending(keys, values)
-        # mlx-lm passes these on to its attention function; ours (installed by
-        # install_attention_hook) recognises the cache and calls ``attend``.
-        return self, self
+        lo = self._first_visible(self.offset - L)
+        k, v, krot, vrot = self._visible(lo, keys.dtype, rotated=self.prefill_rotated and L > 1)
+        # Lazy: where ``attend`` is called instead (adapted model), these are never computed.
+        out_k, out_v = _in_space(k, krot, False), _in_space(v, vrot, False)
+        self._fetched = _Fetched(out_k, out_v, k, v, krot, vrot)
+        return out_k, out_v
+
+    def fetched(self, keys: Any, values: Any) -> bool:
+        """Whether ``keys`` / ``values`` are what ``update_and_fetch`` just returned (an MLA
+        layer may attend over arrays it derived from them instead)."""
+        f = self._fetched
+        return f is not None and keys is f.keys and values is f.values
 
     def push_pending(self, keys: mx.array, values: mx.array) -> None:
         """Add this request's new tokens (without touching the working copy)."""
@@ -307,8 +403,19 @@ class LayerCache:
         self._n_pending += keys.shape[2]
         self.offset += keys.shape[2]
 
-    def make_mask(self, *args: Any, **kwargs: Any) -> None:
-        return None  # masks are built in ``attend``, from positions and the layer's window
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """The mask of the next ``N`` queries over what ``update_and_fetch`` will return
+        (this layer's own window; mlx-lm's ``window_size`` names the same one)."""
+        first_q = self.offset
+        lo = self._first_visible(first_q)
+        return positional_mask(first_q, N, lo, self.spec.window, return_array)
+
+    def _first_visible(self, first_q: int) -> int:
+        """The first position a query at ``first_q`` or later can see (and is held)."""
+        window = self.spec.window
+        return self.start if window is None else max(self.start, first_q - window + 1)
 
     def is_trimmable(self) -> bool:
         return True
@@ -336,38 +443,39 @@ class LayerCache:
             segments.append(((pk[:, :, skip:],), (pv[:, :, skip:],), FULL, FULL))
         return segments
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Attention of ``queries`` (the last L positions) over every visible key.
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Attention of ``queries`` (the last L positions) over what ``update_and_fetch``
+        fetched (CPU path; see ``adapters``).
 
-        Over a full-precision working copy of the visible keys and values (``_visible``),
-        one BLAS attention: the 4-bit kernels are several times slower on CPU, and a decode
-        step over stored segments took ~20 small ops per layer where this takes a few. With
-        a rotated codec a prefill works in the rotated space (queries, head and this
-        request's keys / values are rotated: few rows), so the first token never waits for
-        the stored body to be rotated back; that happens once, at the first decode step.
+        Over the full-precision working copy (``_visible``), one BLAS attention: the 4-bit
+        kernels are several times slower on CPU, and a decode step over stored segments took
+        ~20 small ops per layer where this takes a few. With a rotated codec a prefill works
+        in the rotated space (queries, head and this request's keys / values are rotated: few
+        rows), so the first token never waits for the stored body to be rotated back; that
+        happens once, at the first decode step.
         """
+        f = self._fetched
+        if f is None:
+            raise RuntimeError("attend before update_and_fetch (this is a bug)")
         L = queries.shape[2]
-        window = self.spec.window
-        first_q = self.offset - L
-        # Keys a sliding-window layer can no longer see are not even read.
-        lo = self.start if window is None else max(self.start, first_q - window + 1)
-        k, v, krot, vrot = self._visible(lo, queries.dtype, decode=L == 1)
-        q = queries @ rotation(queries.shape[-1]) if krot else queries
-        out = _sdpa(q, k, v, scale, self._mask(first_q, L, k.shape[2]))
-        return out @ rotation(out.shape[-1]).T if vrot else out
+        q = queries @ rotation(queries.shape[-1]) if f.krot else queries
+        n_keys = f.k.shape[2]
+        mask = positional_mask(self.offset - L, L, self.offset - n_keys, self.spec.window, False)
+        out = cpu_attention(q, f.k, f.v, scale, mask, sinks)
+        return out @ rotation(out.shape[-1]).T if f.vrot else out
 
-    def _visible(self, lo: int, dtype: mx.Dtype, decode: bool) -> tuple[mx.array, mx.array, bool, bool]:
+    def _visible(self, lo: int, dtype: mx.Dtype, rotated: bool) -> tuple[mx.array, mx.array, bool, bool]:
         """Positions ``[lo, offset)`` at full precision, and whether K and V are in their
         codec's rotated space. Built once per request (the stored body unpacked), then kept
         in step by ``update_and_fetch`` until ``commit``: a chunked prefill or a decode step
-        does not unpack the body again. A decode step wants it unrotated (no rotation per
-        step): the first one rotates it back."""
+        does not unpack the body again. ``rotated``: a prefill may stay in the rotated space;
+        otherwise (a decode step) the copy is moved out of it, once."""
         w = self._work
         if w is None or w.start > lo or w.end != self.offset:
-            krot, vrot = self.quant.keys.rotate and not decode, self.quant.values.rotate and not decode
+            krot, vrot = self.quant.keys.rotate and rotated, self.quant.values.rotate and rotated
             k, v = self._decoded(lo, dtype, krot, vrot)
             w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
-        elif decode and (w.krot or w.vrot):
+        elif not rotated and (w.krot or w.vrot):
             used = w.end - w.start
             w.k, w.v = _in_space(w.k[:, :, :used], w.krot, False), _in_space(w.v[:, :, :used], w.vrot, False)
             w.krot = w.vrot = False
@@ -410,18 +518,6 @@ class LayerCache:
         w.v[:, :, used : used + n] = _in_space(values.astype(w.v.dtype), False, w.vrot)
         w.end += n
 
-    def _mask(self, first_q: int, L: int, n_keys: int) -> mx.array | None:
-        """Causal and, for sliding layers, window mask over the keys that were read."""
-        first_k = self.offset - n_keys
-        if L == 1 and (self.spec.window is None or n_keys <= self.spec.window):
-            return None  # one query sees every key that was read
-        q_pos = mx.arange(first_q, self.offset)[:, None]
-        k_pos = mx.arange(first_k, self.offset)[None]
-        mask = k_pos <= q_pos
-        if self.spec.window is not None:
-            mask = mask & (q_pos - k_pos < self.spec.window)
-        return mask
-
     # ---------------------------------------------------------------- lifecycle
 
     def commit(self, keep_work: bool = False) -> None:
@@ -445,6 +541,7 @@ class LayerCache:
             self.keys = _concat(self.keys, self.quant.keys.encode(k))
             self.values = _concat(self.values, self.quant.values.encode(v))
         self.set_pending(None, None)
+        self._fetched = None
         w = self._work
         if not keep_work or w is None or w.end != self.offset or w.start > first:
             self._work = None  # the request is over: only the stored form stays in memory
@@ -532,40 +629,18 @@ class LayerCache:
         self.offset = self.body_start + (0 if keys is None else keys[0].shape[2])
         self.set_pending(None, None)
         self._work = None
+        self._fetched = None
 
 
-def _sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    from . import fast_ops
-
-    return fast_ops.attention(q, k, v, scale=scale, mask=mask)
-
-
-def make_layer_caches(spec: ModelCacheSpec, quant: KVQuant) -> list[LayerCache]:
+def make_layer_caches(
+    spec: ModelCacheSpec, quant: KVQuant, prefill_rotated: bool = False
+) -> list[LayerCache]:
+    """One agent's empty layer caches (``prefill_rotated``: see ``LayerCache``)."""
     dtype = getattr(mx, spec.dtype)
-    return [LayerCache(s, quant, dtype) for s in spec.layers]
-
-
-_HOOKED_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.gemma3_text", "mlx_lm.models.deepseek_v2")
-
-
-def install_attention_hook() -> None:
-    """Route mlx-lm's attention to ``LayerCache.attend`` when the cache is ours (idempotent;
-    any other cache goes to the function that was installed before)."""
-    import importlib
-
-    for name in _HOOKED_MODULES:
-        module = importlib.import_module(name)
-        previous = module.scaled_dot_product_attention
-        if getattr(previous, "_agent_memory_hook", False):
-            continue
-
-        def hooked(queries, keys, values, cache, scale, mask, sinks=None, _previous=previous):  # type: ignore[no-untyped-def]
-            if isinstance(cache, (LayerCache, BatchLayerCache)):
-                return cache.attend(queries, scale)
-            return _previous(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-        hooked._agent_memory_hook = True  # type: ignore[attr-defined]
-        module.scaled_dot_product_attention = hooked
+    layers = [LayerCache(s, quant, dtype) for s in spec.layers]
+    for layer in layers:
+        layer.prefill_rotated = prefill_rotated
+    return layers
 
 
 class BatchLayerCache:
@@ -587,6 +662,7 @@ class BatchLayerCache:
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets if offsets is not None else mx.array([c.offset for c in caches])
         self._merged: _Merged | None = None
+        self._fetched: tuple[mx.array, mx.array] | None = None
         self._mergeable = len(caches) > 1 and all(c.spec.window is None for c in caches)
 
     def step(self, offsets: mx.array) -> BatchLayerCache:
@@ -595,27 +671,62 @@ class BatchLayerCache:
         return self
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self._mergeable and self._merged is None:
-            self._merged = _Merged.of(self.caches, keys.dtype)
-        if self._merged is not None:
+        """Append each agent's new keys and values; return every agent's visible ones,
+        left-padded to one length (``make_mask`` marks the padding)."""
+        m = self._merge()
+        if m is not None:
             # One write for all agents; each one's new tokens are split off its rows of the
             # buffer only when the batch dissolves (for its commit).
-            self._merged.append(keys, values)
+            m.append(keys, values)
             for cache in self.caches:
                 cache.offset += keys.shape[2]
-            return keys, values
+            self._fetched = (m.k[:, :, : m.end], m.v[:, :, : m.end])
+            return self._fetched
         n = len(self.caches)
-        for cache, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True):
-            cache.update_and_fetch(k, v)
-        return keys, values  # unused: attention is ``attend``
+        fetched = [
+            c.update_and_fetch(k, v)
+            for c, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True)
+        ]
+        # Lazy: where ``attend`` runs instead (adapted model) the padded copy is never built.
+        width = max(k.shape[2] for k, _ in fetched)
+        self._fetched = tuple(
+            mx.concatenate([_left_pad(pair[j], width) for pair in fetched], axis=0) for j in (0, 1)
+        )  # type: ignore[assignment]
+        return self._fetched
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
+    def fetched(self, keys: Any, values: Any) -> bool:
+        """Whether ``keys`` / ``values`` are what ``update_and_fetch`` just returned."""
+        f = self._fetched
+        return f is not None and keys is f[0] and values is f[1]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """(B, 1, N, keys) mask over what ``update_and_fetch`` will return: each agent's own
+        positions (causal, its window), never another agent's padding."""
+        m = self._merge()
+        if m is not None:
+            return m.valid[:, None, None, : m.end + N]
+        masks = []
+        for c in self.caches:
+            lo = c._first_visible(c.offset)
+            masks.append(positional_mask(c.offset, N, lo, c.spec.window, True))
+        width = max(mask.shape[-1] for mask in masks)
+        return mx.stack([_left_pad(mask, width, False) for mask in masks])[:, None]
+
+    def _merge(self) -> _Merged | None:
+        """The merged buffer of full-attention layers (built at the batch's first step)."""
+        if self._mergeable and self._merged is None:
+            self._merged = _Merged.of(self.caches, self.caches[0].dtype)
+        return self._merged
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         m = self._merged
         if m is not None:
             mask = m.valid[:, None, None, : m.end]
-            return _sdpa(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask)
+            return cpu_attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
         parts = mx.split(queries, len(self.caches))
-        return mx.concatenate([c.attend(q, scale) for c, q in zip(self.caches, parts, strict=True)], axis=0)
+        return mx.concatenate(
+            [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
+        )
 
     def dissolve(self) -> None:
         """Hand each agent still running its rows of the merged buffer back (its own
@@ -630,9 +741,7 @@ class BatchLayerCache:
                 cache.offset -= new
                 cache.push_pending(k[:, :, -new:], v[:, :, -new:])
             cache._work = _Working(k, v, cache.start, cache.offset)
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> None:
-        return None  # masks are built in ``attend``
+        self._fetched = None
 
     @property
     def state(self) -> list[Any]:
@@ -653,7 +762,7 @@ class _Merged:
 
     @classmethod
     def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
-        works = [c._visible(c.start, dtype, decode=True)[:2] for c in caches]
+        works = [c._visible(c.start, dtype, rotated=False)[:2] for c in caches]
         for c in caches:
             c._work = None  # from now on the merged buffer holds it
         end = max(k.shape[2] for k, _ in works)
@@ -682,6 +791,15 @@ class _Merged:
         self.k[:, :, self.end : self.end + n] = keys.astype(self.k.dtype)
         self.v[:, :, self.end : self.end + n] = values.astype(self.v.dtype)
         self.end += n
+
+
+def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
+    """``x`` padded on the left of its key axis (the last but one for K/V, the last for a
+    mask) to ``width``."""
+    axis = x.ndim - 1 if x.dtype == mx.bool_ else 2
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (width - x.shape[axis], 0)
+    return mx.pad(x, pad, constant_values=value) if width > x.shape[axis] else x
 
 
 def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import threading
@@ -24,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from ..config import get_settings
-from . import fast_ops
+from .adapters import is_adapted
 from .cache import (
     BatchLayerCache,
     KVQuant,
     LayerCache,
     batch_layer_caches,
-    install_attention_hook,
     make_layer_caches,
 )
 from .cache import kv_format as kv_format_of
 from .constrain import TokenConstraint
+from .fingerprint import model_fingerprint
 from .forward import decode_step, prefill_chunk
 from .models import LoadedModel, load_model
 from .pool import BlockPool
@@ -185,21 +184,6 @@ class _Request:
         return len(self.tail) - self.prefilled if self.tail is not None else 0
 
 
-def model_fingerprint(model_dir: Path, spec: ModelCacheSpec, quant: KVQuant) -> str:
-    """Identity of (weights, KV layout, KV quantization): caches are only valid under it."""
-    h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-        with f.open("rb") as fh:  # the safetensors header: every tensor's name, shape, offsets
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(n, 1 << 24)))
-    h.update(spec.to_json().encode())
-    h.update(quant.label.encode())
-    return f"{model_dir.name[:40]}-{quant.label}-{h.hexdigest()[:16]}"
-
-
 class Engine:
     """Persistent per-agent KV caches around one mlx-lm model."""
 
@@ -216,20 +200,28 @@ class Engine:
         chunk_tokens: int = ENGINE_CHUNK_TOKENS,
         scheduling: str = "interleave",
         context_length: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
         # Converted models live in the settings' cache directory, shared by every engine.
-        self.lm: LoadedModel = load_model(model)
-        fast_ops.install()
-        install_attention_hook()
+        # Refuses an unsupported family. ``cpu_kernels=False``: mlx-lm's own attention on the
+        # engine's caches (the protocol path a GPU takes), for tests and benchmarks on a CPU.
+        self.lm: LoadedModel = load_model(model, cpu_kernels=cpu_kernels)
         self.spec = ModelCacheSpec.from_model(self.lm.model)
+        #: On the CPU the adapted model attends through ``LayerCache.attend``, which
+        #: prefills in the codec's rotated space; elsewhere the caches stay in model space.
+        self._prefill_rotated = is_adapted(self.lm.model)
         #: Most tokens (prompt + reply) one agent's context holds: the model's trained
         #: context unless given (a longer one runs, with RoPE past what it was trained on).
         self.context_length = context_length or _trained_context(self.lm.path)
         # kv_format (a KV_PRESETS name or a KVQuant) wins over the kv_bits shorthand.
         self.quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
-        self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant)
+        for layer in self.spec.layers:
+            self.quant.check_dims(layer.k_head_dim, layer.v_head_dim)
+        self.fingerprint = model_fingerprint(
+            self.lm.path, self.spec, self.quant, memo_dir=get_settings().cache_dir / "models"
+        )
         self.store = DiskBlockStore(self.cache_dir / "kv", self.fingerprint)
         self.pool = BlockPool(self.store, hot_budget_bytes)
         self.chunk_tokens = chunk_tokens
@@ -698,7 +690,7 @@ class Engine:
         return moved
 
     def _from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
-        layers = make_layer_caches(self.spec, self.quant)
+        layers = make_layer_caches(self.spec, self.quant, self._prefill_rotated)
         # The first block each layer needs: 0 for full attention, the window's for sliding.
         first = [
             0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
@@ -773,7 +765,8 @@ class Engine:
                 return known, tail, layers, PrefixMatch(MatchKind.SHARED, n, len(known.text)), source
         empty = TokenizedText("")
         miss = PrefixMatch(MatchKind.MISS, 0, 0)
-        return empty, full, make_layer_caches(self.spec, self.quant), miss, CacheSource.COLD
+        layers = make_layer_caches(self.spec, self.quant, self._prefill_rotated)
+        return empty, full, layers, miss, CacheSource.COLD
 
     def _generated_tokens(self, anchor: int | None, ids: list[int]) -> TokenizedText:
         """Generated ids, their text as it continues the context, and each token's end.

@@ -37,24 +37,14 @@ branch-free loop, compiled per input shape for large inputs (shapeless tracing i
 broadcast per op and halves the fusable depth) and shapeless for small ones (token-by-token
 decode changes the key length every step; retracing would cost more than it saves).
 
-``install()`` (CPU only, idempotent) replaces, by module attribute:
-
-* ``mlx_lm.models.llama.scaled_dot_product_attention`` and
-  ``mlx_lm.models.gemma3_text.scaled_dot_product_attention`` with a wrapper that keeps
-  mlx-lm's own path for quantized KV caches (``hasattr(cache, "bits")``) and attention sinks,
-  and on a non-CPU default device, and calls ``attention`` otherwise;
-* ``mlx_lm.models.llama.swiglu`` (SmolLM2's MLP) with ``fast_swiglu``;
-* ``mlx_lm.models.gemma3_text.MLP.__call__`` (``gelu_approx(gate) * up``) with one that uses
-  ``gelu_approx_mul``.
-
-On Linux it needs ``g++`` on PATH (mlx JIT-compiles its fused CPU kernels with it, once, into
-``$TMPDIR/mlx``); without it ``install()`` returns False. ``uninstall()`` puts the originals
-back (benchmarks and tests).
+These kernels reach a model through ``adapters.adapt_model``: the attention and MLP
+modules of one loaded model instance are switched to them (CPU only); mlx-lm's modules and
+classes are never modified. On Linux mlx JIT-compiles its fused CPU kernels with ``g++``
+(once, into ``$TMPDIR/mlx``): ``jit_available()`` says whether it can.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import sys
@@ -68,8 +58,6 @@ import numpy as np
 
 from .runtime import mx
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "attention",
     "fast_exp",
@@ -78,9 +66,7 @@ __all__ = [
     "fast_swiglu",
     "gelu_approx",
     "gelu_approx_mul",
-    "install",
-    "installed",
-    "uninstall",
+    "jit_available",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -233,7 +219,7 @@ def _swiglu_out(g: mx.array, x: mx.array, p: mx.array, e: mx.array) -> mx.array:
 
 @partial(mx.compile, shapeless=True)
 def _mlx_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.silu(gate) * x  # mlx-lm's own swiglu (kept here: install() replaces that name)
+    return nn.silu(gate) * x  # mlx-lm's own swiglu: one compiled op for small inputs
 
 
 def _result_dtype(a: mx.array, b: mx.array) -> mx.Dtype:
@@ -406,88 +392,7 @@ def attention(
     return o.reshape(B, H, L, -1).astype(queries.dtype)
 
 
-# --- install into mlx-lm -------------------------------------------------------------------
-
-# (owner, attribute) -> (mlx-lm's value, ours)
-_originals: dict[tuple[Any, str], tuple[Any, Any]] = {}
-_install_lock = threading.Lock()
-
-
-def _make_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(
-        queries: mx.array,
-        keys: Any,
-        values: Any,
-        cache: Any,
-        scale: float,
-        mask: Any,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        # mlx-lm's own dispatch: quantized caches hand over (packed, scales, biases) tuples.
-        if hasattr(cache, "bits") or sinks is not None or mx.default_device() != mx.cpu:
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        return attention(queries, keys, values, scale, mask)
-
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
-    return scaled_dot_product_attention
-
-
-def _gemma3_mlp_call(self: Any, x: mx.array) -> mx.array:
-    return self.down_proj(gelu_approx_mul(self.gate_proj(x), self.up_proj(x)))
-
-
-def _replace(owner: Any, name: str, expected: Any, new: Any) -> None:
-    current = getattr(owner, name)
-    if current is not expected:
-        # Someone wrapped mlx-lm's function already: ours would bypass that wrapper for float
-        # caches, so leave this name alone (install() must come first).
-        logger.warning("fast_ops: %s.%s is already replaced; not installing there", owner.__name__, name)
-        return
-    _originals[(owner, name)] = (current, new)
-    setattr(owner, name, new)
-
-
-def installed() -> bool:
-    """Whether ``install()`` has patched mlx-lm (and ``uninstall()`` has not undone it)."""
-    return bool(_originals)
-
-
-def install() -> bool:
-    """Route mlx-lm's llama and gemma3_text models through these kernels; False off-CPU.
-
-    Idempotent; affects models built before or after the call (the names are looked up at
-    call time). Call it before anything else wraps these names (a wrapper installed earlier
-    is kept and that name is skipped, with a warning). See the module docstring for exactly
-    what is replaced.
-    """
-    if mx.default_device() != mx.cpu:
-        return False  # Metal / CUDA: mlx's fused kernels are the fast path there.
-    if sys.platform.startswith("linux") and shutil.which("g++") is None:
-        # mx.compile builds its CPU kernels with g++; without it the ops run unfused, one
-        # pass each, and these kernels would be slower than mlx's own.
-        logger.warning("fast_ops: no g++ on PATH, mlx cannot JIT-compile CPU kernels; not installing")
-        return False
-    from mlx_lm.models import activations, base, gemma3_text, llama
-
-    with _install_lock:
-        if _originals:
-            return True
-        sdpa = _make_sdpa(base.scaled_dot_product_attention)
-        _replace(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention, sdpa)
-        _replace(llama, "swiglu", activations.swiglu, fast_swiglu)
-        _replace(gemma3_text, "scaled_dot_product_attention", base.scaled_dot_product_attention, sdpa)
-        _replace(gemma3_text.MLP, "__call__", gemma3_text.MLP.__dict__["__call__"], _gemma3_mlp_call)
-    return True
-
-
-def uninstall() -> None:
-    """Undo ``install()`` (a name that was wrapped again since is left as it is)."""
-    with _install_lock:
-        for (owner, name), (original, ours) in _originals.items():
-            if getattr(owner, name) is ours:
-                setattr(owner, name, original)
-            else:
-                logger.warning(
-                    "fast_ops: %s.%s was wrapped after install(); left in place", owner.__name__, name
-                )
-        _originals.clear()
+def jit_available() -> bool:
+    """Whether mlx can JIT-compile the fused CPU loops these kernels rely on (``g++`` on
+    Linux); without it the ops run unfused, one pass each, slower than mlx's own."""
+    return not sys.platform.startswith("linux") or shutil.which("g++") is not None

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import get_settings
+from .adapters import adapt_model
+from .families import check_family
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
 from .runtime import mx
 
@@ -105,6 +107,12 @@ def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr)
 
 
+def default_weight_dtype() -> str:
+    """What GGUF weights are converted to: float32 on the CPU (only fp32 matmuls go through
+    BLAS there), bfloat16 on a GPU (half the memory traffic, native kernels)."""
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
 def converted_dir(cache_dir: Path, label: str, sha256: str, dtype: str) -> Path:
     """Where the conversion of a GGUF with this hash lives (one folder per source, dtype, converter)."""
     return cache_dir / "models" / f"{label}-{sha256[:16]}-{dtype}-v{CONVERTER_VERSION}"
@@ -116,7 +124,7 @@ def resolve_model_dir(
     """The mlx-lm directory for ``model`` (converting a GGUF on first use) and its display name."""
     settings = get_settings()
     cache_dir = Path(cache_dir or settings.cache_dir)
-    dtype = weight_dtype or settings.weight_dtype
+    dtype = weight_dtype or settings.weight_dtype or default_weight_dtype()
     name = str(model or settings.model)
 
     if name in SHIPPED_MODELS:
@@ -151,27 +159,38 @@ def resolve_model_dir(
     return target, name
 
 
-_LOADED: dict[Path, LoadedModel] = {}
+_LOADED: dict[tuple[Path, bool], LoadedModel] = {}
 _LOAD_LOCK = threading.Lock()
 
 
 def load_model(
-    model: str | Path | None = None, *, cache_dir: Path | None = None, weight_dtype: str | None = None
+    model: str | Path | None = None,
+    *,
+    cache_dir: Path | None = None,
+    weight_dtype: str | None = None,
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Load (once per process) the mlx-lm model and tokenizer named by ``model``.
 
     ``model``: a shipped name (see ``SHIPPED_MODELS``), an mlx-lm model directory or a
     ``.gguf`` file; default from settings (``AGENT_MEMORY_MODEL``, else ``smollm2-135m``).
+    A model of a family the engine cannot run is refused here, before its weights are read
+    (``families.UnsupportedModelError``). ``cpu_kernels``: on the CPU, run this instance's
+    attention and MLP on the fused kernels of ``fast_ops`` (``adapters.adapt_model``; only
+    this instance changes). False gives mlx-lm's own model (benchmarks compare the two).
     """
     with _LOAD_LOCK:
         path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
-        if path in _LOADED:
-            return _LOADED[path]
+        if (path, cpu_kernels) in _LOADED:
+            return _LOADED[(path, cpu_kernels)]
+        check_family(path)
         from mlx_lm.utils import load as mlx_load
 
         t0 = time.perf_counter()
         mdl, tok = mlx_load(str(path))
         mx.eval(mdl.parameters())
+        if cpu_kernels:
+            adapt_model(mdl)
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
-        _LOADED[path] = loaded
+        _LOADED[(path, cpu_kernels)] = loaded
         return loaded

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine import fast_ops
-from langchain_agent_memory.engine.cache import KV_PRESETS, install_attention_hook, kv_format
+from langchain_agent_memory.engine.cache import KV_PRESETS, kv_format
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.engine.quality import stored_perplexity
 from langchain_agent_memory.engine.spec import ModelCacheSpec
@@ -19,8 +18,6 @@ WINDOWS = 4
 @pytest.mark.parametrize("model_fixture", ["smollm", "gemma"])
 def test_default_kv_format_keeps_perplexity(model_fixture: str, request: pytest.FixtureRequest) -> None:
     lm: LoadedModel = request.getfixturevalue(model_fixture)
-    fast_ops.install()
-    install_attention_hook()
     formats = {"fp16": KV_PRESETS["fp16"], "default": kv_format(4), "q4": KV_PRESETS["q4"]}
     ids = lm.tokenizer.encode(corpus.python_docs())[: (WINDOWS + 1) * 256]
     ppl = stored_perplexity(lm.model, ModelCacheSpec.from_model(lm.model), formats, ids, WINDOWS)

@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine import fast_ops
-from langchain_agent_memory.engine.cache import KVQuant, install_attention_hook, make_layer_caches
+from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
 from langchain_agent_memory.engine.forward import decode_step, prefill
 from langchain_agent_memory.engine.models import LoadedModel
 from langchain_agent_memory.engine.runtime import mx
@@ -24,8 +23,6 @@ def reference(gemma: LoadedModel) -> tuple[list[int], mx.array, mx.array]:
     """Logits after a 2K prompt and after one more token, with mlx-lm's own caches."""
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-    fast_ops.install()
-    install_attention_hook()
     ids = gemma.tokenizer.encode(corpus.python_docs())[:N_TOKENS]
     caches = make_prompt_cache(gemma.model)
     assert sum(isinstance(c, RotatingKVCache) for c in caches) == 15

@@ -157,59 +157,26 @@ def test_attention_float16() -> None:
     assert _rel(out, ref) < 2e-3  # both round the output to float16
 
 
-def test_install_is_idempotent_and_reversible(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlx_lm.models import activations, base, gemma3_text, llama
-
-    # Start from mlx-lm's own functions whatever an earlier test (or the engine's attention
-    # hook) installed; monkeypatch puts all of it back afterwards.
-    original_mlp = fast_ops._originals.get((gemma3_text.MLP, "__call__"), (gemma3_text.MLP.__call__,))[0]
-    monkeypatch.setattr(fast_ops, "_originals", {})
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    monkeypatch.setattr(gemma3_text, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    monkeypatch.setattr(llama, "swiglu", activations.swiglu)
-    monkeypatch.setattr(gemma3_text.MLP, "__call__", original_mlp)
-
-    assert not fast_ops.installed()
-    assert fast_ops.install() and fast_ops.install() and fast_ops.installed()
-    assert llama.swiglu is fast_ops.fast_swiglu
-    wrapper = llama.scaled_dot_product_attention
-    assert wrapper is gemma3_text.scaled_dot_product_attention
-    assert wrapper.__wrapped__ is base.scaled_dot_product_attention
-    assert gemma3_text.MLP.__call__ is not original_mlp
-
-    # Quantized caches keep mlx-lm's path (tuples of packed keys); float ones use ours.
-    q, k, v = _qkv(4, 2, 3, 33, 64)
-
-    class QuantCache:
-        bits, group_size = 8, 64
-
-    qk, qv = mx.quantize(k, group_size=64, bits=8), mx.quantize(v, group_size=64, bits=8)
-    # (mlx-lm scales the queries in place: give each call its own copy)
-    out = wrapper(q + 0, qk, qv, cache=QuantCache(), scale=0.125, mask="causal")
-    ref = base.quantized_scaled_dot_product_attention(q + 0, qk, qv, 0.125, "causal", 64, 8)
-    assert _rel(out, ref) < 1e-6
-    out = wrapper(q, k, v, cache=None, scale=0.125, mask="causal")
-    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
-    assert _rel(out, ref) < 1e-5
-
-    fast_ops.uninstall()
-    assert not fast_ops.installed()
-    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
-    assert llama.swiglu is activations.swiglu
-    assert gemma3_text.MLP.__call__ is original_mlp
-
-
-def test_install_keeps_an_earlier_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernels_are_called_without_touching_mlx_lm() -> None:
+    """An adapted model instance runs our attention / MLP; another instance of the same
+    classes, mlx-lm's modules and its classes stay exactly as they were."""
     from mlx_lm.models import base, gemma3_text, llama
 
-    def earlier(*args: object, **kwargs: object) -> mx.array:
-        return base.scaled_dot_product_attention(*args, **kwargs)
+    from langchain_agent_memory.engine.adapters import adapt_model, is_adapted
 
-    monkeypatch.setattr(fast_ops, "_originals", {})
-    monkeypatch.setattr(llama, "scaled_dot_product_attention", earlier)
-    monkeypatch.setattr(gemma3_text, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    monkeypatch.setattr(llama, "swiglu", llama.swiglu)
-    monkeypatch.setattr(gemma3_text.MLP, "__call__", gemma3_text.MLP.__call__)
-    fast_ops.install()
-    assert llama.scaled_dot_product_attention is earlier
-    assert gemma3_text.scaled_dot_product_attention is not base.scaled_dot_product_attention
+    before = (llama.scaled_dot_product_attention, llama.swiglu, gemma3_text.MLP.__dict__["__call__"])
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
+    )  # fmt: skip
+    mx.random.seed(3)
+    ours, theirs = llama.Model(args), llama.Model(args)
+    theirs.update(ours.parameters())
+    assert adapt_model(ours) == 4 and adapt_model(ours) == 0  # 2 attention + 2 MLP modules, once
+    assert is_adapted(ours) and not is_adapted(theirs)
+    assert type(theirs.layers[0].self_attn) is llama.Attention
+    assert isinstance(ours.layers[0].self_attn, llama.Attention)  # a subclass of its own
+    assert (llama.scaled_dot_product_attention, llama.swiglu, gemma3_text.MLP.__dict__["__call__"]) == before
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    tokens = mx.array([list(range(40, 240))])  # 200 positions: past the small-problem fallbacks
+    assert _rel(ours(tokens), theirs(tokens)) < 1e-4

@@ -1,0 +1,91 @@
+"""The model fingerprint: what a stored cache is valid for.
+
+A cache holds one model's keys and values in one KV format: read under any other model it
+is garbage that still loads. So the fingerprint hashes the weights' *content* (two
+fine-tunes of one base share names and shapes), the config, the KV layout and the KV
+format with its rotation scheme. Hashing gigabytes of weights is done once per file: the
+digest is remembered by (path, size, mtime) in this process and in
+``<cache_dir>/models/weight-digests.json`` across processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from .cache import KVQuant
+from .spec import ModelCacheSpec
+
+_DIGESTS_FILE = "weight-digests.json"
+_memo: dict[tuple[str, int, int], str] = {}
+_memo_lock = threading.Lock()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(path: Path, memo_dir: Path | None = None) -> str:
+    """SHA-256 of one weights file, hashed once per (path, size, mtime)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+    memo_file = memo_dir / _DIGESTS_FILE if memo_dir is not None else None
+    stored = _read_memo(memo_file)
+    entry = stored.get(key[0])
+    if entry is not None and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        digest = str(entry["sha256"])
+    else:
+        digest = _sha256(path)
+        if memo_file is not None:
+            stored[key[0]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+            _write_memo(memo_file, stored)
+    with _memo_lock:
+        _memo[key] = digest
+    return digest
+
+
+def _read_memo(memo_file: Path | None) -> dict[str, dict[str, object]]:
+    if memo_file is None:
+        return {}
+    try:
+        data = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or damaged: hash again, rewrite it
+    return data if isinstance(data, dict) else {}
+
+
+def _write_memo(memo_file: Path, data: dict[str, dict[str, object]]) -> None:
+    # Only a memo: a failed write costs a second hash later, nothing else.
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo_file.parent, prefix=".digests-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, memo_file)
+    except OSError:
+        pass
+
+
+def model_fingerprint(
+    model_dir: Path, spec: ModelCacheSpec, quant: KVQuant, memo_dir: Path | None = None
+) -> str:
+    """Identity of (weights, config, KV layout, KV format): caches are only valid under it."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(weights_digest(f, memo_dir).encode())
+    h.update(spec.to_json().encode())
+    h.update(quant.identity.encode())
+    return f"{model_dir.name[:40]}-{quant.label}-{h.hexdigest()[:16]}"

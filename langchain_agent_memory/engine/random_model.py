@@ -1,0 +1,194 @@
+"""mlx-lm model directories with random weights, built from a config: architecture
+coverage in tests and timing at scale in benchmarks, for families whose real weights
+cannot ship here. Numbers measured on them say "random weights" next to them; quality
+numbers come from real weights only.
+
+The tokenizer files are copied from a real model directory (SmolLM2's by default), so
+text goes in and out as with any model; ``vocab_size`` must cover that tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .runtime import mx
+
+#: Tokenizer files copied into a random model's directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+_SMALL_VOCAB = 49152  # SmolLM2's tokenizer
+
+#: Small configs, one per supported family: a few layers, the family's distinguishing
+#: features kept (GQA, biases, q/k norms, fused qkv, sliding windows, sinks, MoE, MLA).
+#: Head widths are multiples of 64 so that every KV format applies.
+SMALL_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 48,
+        "sliding_window_pattern": 2,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+    },
+    "phi3": {
+        "model_type": "phi3",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+    },
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "sliding_window": 48,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 150000,
+        "max_position_embeddings": 131072,
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "kv_lora_rank": 64,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rope_scaling": {"factor": 1.0},
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "kv_lora_rank": 64,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rope_scaling": None,
+    },
+}
+
+
+def write_random_model(
+    config: dict[str, Any],
+    out: Path,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Build ``config``'s mlx-lm model with random weights (seeded) and write it, with the
+    tokenizer of ``tokenizer_dir``, as an mlx-lm model directory at ``out``."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes  # mlx-lm's own family lookup (remaps included)
+
+    config = {"vocab_size": _SMALL_VOCAB, **config}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    weights = dict(tree_flatten(model.parameters()))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out

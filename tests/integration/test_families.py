@@ -1,0 +1,137 @@
+"""Every supported model family runs the whole engine (random weights, small configs built
+here; tokenizer from SmolLM2): reload equals the uninterrupted run token for token at
+16-bit KV, batched decode equals decode alone, a DIVERGE equals a cold run of the same
+prompt, and the default 4-bit format persists and reloads. Each oracle runs on the CPU
+kernels of an adapted model and on mlx-lm's own attention over the engine's caches (the
+path a GPU takes). An unsupported family is refused when the engine is built."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from langchain_agent_memory import corpus
+from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
+from langchain_agent_memory.engine.families import SUPPORTED_FAMILIES, UnsupportedModelError
+from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.prefix import MatchKind
+from langchain_agent_memory.engine.random_model import SMALL_CONFIGS, write_random_model
+
+FAMILIES = sorted(SMALL_CONFIGS)
+GREEDY = GenerationParams(max_tokens=8)
+# ~300 tokens: more than one 256-token block, and past the small configs' 48-token windows.
+SYSTEM = corpus.apache_license()[:1500]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_random_model(SMALL_CONFIGS[f], root / f, smollm.path, seed=7) for f in FAMILIES}
+
+
+def test_every_supported_family_has_a_small_config() -> None:
+    assert set(SMALL_CONFIGS) == set(SUPPORTED_FAMILIES)
+
+
+def _engine(model: Path, cache_dir: Path, kv_bits: int | None, cpu_kernels: bool) -> Engine:
+    return Engine(model, cache_dir=cache_dir, kv_bits=kv_bits, cpu_kernels=cpu_kernels)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "mlx-attention"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reload_and_diverge_equal_the_uninterrupted_and_cold_runs(
+    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = family_dirs[family]
+    # Uninterrupted: two turns on one engine (the second is hot).
+    hot = _engine(model, tmp_path / "a", None, cpu_kernels)
+    r1 = hot.generate("x", SYSTEM, GREEDY)
+    p2 = SYSTEM + r1.text + "\n\nQ: and the second part?\nA:"
+    r2 = hot.generate("x", p2, GREEDY)
+    # Interrupted: turn 1, then a new engine (new pool, nothing in memory) reads it back.
+    _engine(model, tmp_path / "b", None, cpu_kernels).generate("x", SYSTEM, GREEDY)
+    warm = _engine(model, tmp_path / "b", None, cpu_kernels).generate("x", p2, GREEDY)
+    assert warm.outcome.source.value == "warm"  # read from disk
+    assert warm.reused_tokens == r2.reused_tokens > 250
+    assert warm.text == r2.text and r2.completion_tokens > 0
+
+    # DIVERGE: the stored conversation cut in the middle of the document, then new text.
+    p3 = SYSTEM[:900] + " -- a different question entirely: what is a patent?"
+    diverge = hot.generate("x", p3, GREEDY)
+    assert diverge.outcome.match is MatchKind.DIVERGE and diverge.reused_tokens > 150
+    cold = _engine(model, tmp_path / "c", None, cpu_kernels).generate("y", p3, GREEDY)
+    assert str(cold.outcome) == "cold"
+    assert diverge.text == cold.text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_4bit_format_reloads_like_the_hot_run(
+    family: str, family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = family_dirs[family]
+    hot = Engine(model, cache_dir=tmp_path / "a")
+    r1 = hot.generate("x", SYSTEM, GREEDY)
+    p2 = SYSTEM + r1.text + " Next:"
+    r2 = hot.generate("x", p2, GREEDY)
+    Engine(model, cache_dir=tmp_path / "b").generate("x", SYSTEM, GREEDY)
+    again = Engine(model, cache_dir=tmp_path / "b")
+    warm = again.generate("x", p2, GREEDY)
+    assert str(warm.outcome).startswith("warm") and warm.text == r2.text
+    assert again.quant.label == hot.quant.label == "k6g64h-v4g64h-h4"
+    record = again.store.get_agent("x")
+    assert record is not None and len(record.blocks) >= 2  # persisted in 256-token blocks
+
+
+PROMPTS = {
+    "lawyer": SYSTEM[:1100] + "\n\nQ: Its name?\nA:",
+    "tutor": "You teach Python.\n\n" + corpus.python_docs_topic("while")[:600] + "\n\nQ: while?\nA:",
+    "poet": "Write a short poem about the sea.\n",
+}
+
+
+def _together(engine: Engine) -> dict[str, GenerationResult]:
+    results: dict[str, GenerationResult] = {}
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def run(agent: str) -> None:
+        barrier.wait()
+        results[agent] = engine.generate(agent, PROMPTS[agent], GREEDY)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "mlx-attention"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_decode_equals_decode_alone(
+    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = family_dirs[family]
+    alone = _engine(model, tmp_path / "alone", None, cpu_kernels)
+    expected = {agent: alone.generate(agent, p, GREEDY).text for agent, p in PROMPTS.items()}
+    batched = _engine(model, tmp_path / "batched", None, cpu_kernels)
+    got = _together(batched)
+    assert batched.stats()["max_decode_batch"] >= 2  # the decodes did run together
+    assert {a: r.text for a, r in got.items()} == expected
+
+
+def _config_dir(tmp_path: Path, family: str) -> Path:
+    out = tmp_path / family
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"model_type": family, "hidden_size": 64}))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "nemotron_h", "starcoder2", "bert"])
+def test_an_unsupported_family_is_refused_when_the_engine_is_built(family: str, tmp_path: Path) -> None:
+    model = _config_dir(tmp_path, family)
+    with pytest.raises(UnsupportedModelError, match=f"{family}.*Supported families: deepseek_v2") as info:
+        Engine(model, cache_dir=tmp_path / "kv")
+    assert ("recurrent state" in str(info.value)) is (family in {"qwen3_next", "lfm2", "nemotron_h"})
