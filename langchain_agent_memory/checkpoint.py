@@ -270,6 +270,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     def _link(self, thread_id: str, ns: str, checkpoint_id: str, at: float) -> None:
         """Link each of the thread's agents to its last commit before ``at``; older history
         of those agents can no longer be chosen by a later checkpoint and is dropped."""
+        self.engine.settle_commits()  # every commit before ``at`` is in the history
         prefix = f"{thread_id}:"
         with self._lock, self._db:
             rows = self._db.execute(
@@ -315,6 +316,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         """Set the thread's agents to the snapshots in ``links`` (agent id -> digest); with
         ``drop_rest``, delete its agents that no remaining checkpoint links."""
         engine = self.engine
+        engine.settle_commits()  # no earlier commit is recorded after this
         for agent_id, digest in links.items():
             snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + digest)
             current = engine.store.get_agent(agent_id)
@@ -340,6 +342,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
 
     def _forget_thread(self, thread_id: str) -> None:
         engine = self.engine
+        engine.settle_commits()  # no commit of the thread is recorded after this
         for record in self._thread_agents(thread_id):
             engine.delete(record.agent_id)
         prefix = f"{thread_id}:"
@@ -355,6 +358,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     def _collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
         engine = self.engine
+        engine.settle_commits()  # a snapshot a pending commit names is not dead
         with self._lock:
             dead = [
                 row[0]

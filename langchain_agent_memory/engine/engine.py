@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -239,9 +239,11 @@ class Engine:
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._closed = False
         self._worker.stepper = self._scheduler
-        #: Called with each new agent record right after a request commits it (on the
-        #: worker thread, under the engine lock): a checkpointer keeps cache history here.
+        #: Called with each new agent record after a request commits it, in commit order, on
+        #: a thread of their own (a checkpointer's fsync'ing writes never hold up the MLX
+        #: worker); ``settle_commits`` waits until every commit so far has been delivered.
         self.commit_listeners: list[Callable[[AgentRecord], None]] = []
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
 
     @property
     def tokenizer(self) -> Any:
@@ -362,6 +364,10 @@ class Engine:
             else:
                 self._agents.pop(agent_id, None)
 
+    def settle_commits(self) -> None:
+        """Wait until ``commit_listeners`` have seen every commit made so far."""
+        self._notify.submit(lambda: None).result()
+
     def close(self) -> None:
         """Free this engine's memory (hot agents, their working copies, the in-memory block
         tier) and close its index; what is stored stays on disk. Call it when no request is
@@ -375,6 +381,7 @@ class Engine:
                 self.pool.forget(h)
             self._worker.stepper = None  # the parked thread no longer reaches this engine
             self._closed = True
+        self._notify.shutdown(wait=True)  # the listeners see every commit before the index closes
         self.store.close()
         # MLX keeps freed buffers for reuse; give them back to the system (on the worker,
         # which made them).
@@ -578,7 +585,7 @@ class Engine:
             if stopped:  # a stop sequence: keep nothing past it
                 gen.truncate(_last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(text))))
             known.extend(gen)
-            written = self._commit(req.agent_id, req.state, known, req.layers)
+            written = self._commit(req.agent_id, req.state, known, req.layers, req.reused)
         req.timings.save_s = time.perf_counter() - t0
         source = req.source
         assert req.match is not None
@@ -788,20 +795,26 @@ class Engine:
         return TokenizedText(full, ids, ends)
 
     def _commit(
-        self, agent_id: str, old: _AgentState | None, known: TokenizedText, layers: list[LayerCache]
+        self,
+        agent_id: str,
+        old: _AgentState | None,
+        known: TokenizedText,
+        layers: list[LayerCache],
+        reused: int,
     ) -> int:
+        """Store the request's cache: ``known`` (its first ``reused`` tokens as in ``old``)."""
         n = len(known)
         for layer in layers:
             layer.commit(keep_work=self.work_budget_bytes > 0)
             if layer.offset > n:
                 layer.trim_to(n)
-        chain = self._chain_of(known)
+        chain = self._chain_of(known, old.blocks[: reused // BLOCK_TOKENS] if old else [])
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
         written = self.pool.save_agent(
             record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
         )
         for listener in self.commit_listeners:
-            listener(record)
+            self._notify.submit(_deliver, listener, record)
         # Sliding layers keep their window and the last (partial) block, for the next save.
         for layer in layers:
             if layer.spec.window is not None:
@@ -809,10 +822,12 @@ class Engine:
         self._keep_hot(agent_id, _AgentState(known, chain, layers))
         return written
 
-    def _chain_of(self, known: TokenizedText) -> list[BlockHash]:
-        chain: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for a in range(0, len(known), BLOCK_TOKENS):
+    def _chain_of(self, known: TokenizedText, kept: list[BlockHash]) -> list[BlockHash]:
+        """The block chain of ``known``; ``kept``: the hashes of its first whole blocks,
+        already known (a commit hashes only what the request added)."""
+        chain = list(kept)
+        parent = chain[-1] if chain else None
+        for a in range(len(chain) * BLOCK_TOKENS, len(known), BLOCK_TOKENS):
             parent = block_hash(parent, known.ids[a : a + BLOCK_TOKENS], self.fingerprint)
             chain.append(parent)
         return chain
@@ -956,6 +971,13 @@ def _find_stop(text: str, stops: list[str], search_from: int) -> int | None:
         if i != -1 and (best is None or i < best):
             best = i
     return best
+
+
+def _deliver(listener: Callable[[AgentRecord], None], record: AgentRecord) -> None:
+    try:
+        listener(record)
+    except Exception:  # a listener's failure is its own; the commit stands
+        logger.exception("commit listener %r failed on agent %r", listener, record.agent_id)
 
 
 def _holds_window(layer: LayerCache, n_tokens: int) -> bool:

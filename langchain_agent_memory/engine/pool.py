@@ -20,9 +20,7 @@ from .store import (
     BlockHash,
     BlockMissingError,
     BlockStore,
-    CacheFormatError,
     CacheWriteError,
-    NewerFormatError,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ class BlockPool:
         record and its blocks untouched) if the disk refuses a write."""
         written, new_blocks = 0, []
         with self.store.locked():
-            replaced = set(old) | set(self._stored_chain(record.agent_id))
+            replaced = set(old) | set(self.store.agent_chain(record.agent_id))
             try:
                 for i, h in enumerate(record.blocks):
                     if not self.store.has_block(h):
@@ -112,31 +110,22 @@ class BlockPool:
     def set_agent(self, record: AgentRecord) -> None:
         """Store ``record``, whose blocks are all stored already (a fork, a snapshot, a
         restore: blocks are shared, none is copied)."""
-        with self.store.locked():
-            missing = [h for h in record.blocks if not self.store.has_block(h)]
-            if missing:
-                raise BlockMissingError(
-                    f"cannot point agent {record.agent_id!r} at {len(record.blocks)} blocks: "
-                    f"{len(missing)} of them are gone (deleted by another process?)"
-                )
-            self.save_agent(record, lambda i: self.get(record.blocks[i])[0])
+
+        def gone(i: int) -> Block:  # save_agent found block i missing: nothing is written
+            raise BlockMissingError(
+                f"cannot point agent {record.agent_id!r} at its {len(record.blocks)} blocks: block {i} "
+                "is gone (deleted by another process?)"
+            )
+
+        self.save_agent(record, gone)
 
     def delete_agent(self, agent_id: str) -> bool:
         """Delete an agent's record (even an unreadable one) and the blocks only it named."""
         with self.store.locked():
-            chain = self._stored_chain(agent_id)
+            chain = self.store.agent_chain(agent_id)
             gone = self.store.delete_agent(agent_id)
             self.release(chain)
         return gone
-
-    def _stored_chain(self, agent_id: str) -> list[BlockHash]:
-        try:
-            record = self.store.get_agent(agent_id)
-        except NewerFormatError:
-            raise  # a newer version's record: never overwritten or deleted by this one
-        except CacheFormatError:
-            return []  # unreadable: its blocks are collected when the store is next opened
-        return record.blocks if record else []
 
     def release(self, old: Iterable[BlockHash], new: Iterable[BlockHash] = ()) -> None:
         """A chain changed from ``old`` to ``new`` (its record is already stored): delete

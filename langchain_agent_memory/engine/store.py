@@ -206,6 +206,7 @@ class BlockStore(Protocol):
     def put_agent(self, record: AgentRecord) -> int: ...
     def get_agent(self, agent_id: str) -> AgentRecord | None: ...
     def has_agent(self, agent_id: str) -> bool: ...
+    def agent_chain(self, agent_id: str) -> list[BlockHash]: ...
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
 
@@ -282,19 +283,44 @@ class DirectoryLock:
         self._thread_lock.release()
 
 
-_INDEX_SCHEMA = """
-CREATE TABLE IF NOT EXISTS agents (
-    agent_id TEXT PRIMARY KEY,
-    record TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS refs (
-    agent_id TEXT NOT NULL,
-    pos INTEGER NOT NULL,
-    block TEXT NOT NULL,
-    PRIMARY KEY (agent_id, pos)
-);
-CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
-"""
+#: The index's schema, as migrations: entry ``i`` takes ``PRAGMA user_version`` from ``i``
+#: to ``i + 1`` (an index written before versioning reads as 0 and has version 1's tables:
+#: ``IF NOT EXISTS`` makes that step a no-op there). Add a step; never edit one.
+INDEX_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE IF NOT EXISTS agents (
+        agent_id TEXT PRIMARY KEY,
+        record TEXT NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS refs (
+        agent_id TEXT NOT NULL,
+        pos INTEGER NOT NULL,
+        block TEXT NOT NULL,
+        PRIMARY KEY (agent_id, pos)
+    );
+    CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
+    """,
+)
+INDEX_SCHEMA_VERSION = len(INDEX_MIGRATIONS)
+
+
+def migrate_index(db: sqlite3.Connection, where: Path) -> int:
+    """Bring the index to ``INDEX_SCHEMA_VERSION`` (each step in its own transaction);
+    refuse an index written by a newer version. Returns the version it found."""
+    found = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if found > INDEX_SCHEMA_VERSION:
+        raise NewerFormatError(
+            f"{where} has index schema {found}, written by a newer langchain-agent-memory; this "
+            f"version reads schema {INDEX_SCHEMA_VERSION}: upgrade the package"
+        )
+    for version in range(found, INDEX_SCHEMA_VERSION):
+        with db:  # a step and its version number commit together
+            db.execute("BEGIN IMMEDIATE")
+            for statement in INDEX_MIGRATIONS[version].split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {version + 1}")
+    return found
 
 
 @dataclass(slots=True)
@@ -340,7 +366,7 @@ class DiskBlockStore:
             self._db = sqlite3.connect(str(self.dir / "index.sqlite"), check_same_thread=False, timeout=60)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
-            self._db.executescript(_INDEX_SCHEMA)
+            migrate_index(self._db, self.dir / "index.sqlite")
             self._db_lock = threading.RLock()
             self.recovery = self.recover()
 
@@ -483,6 +509,27 @@ class DiskBlockStore:
                 self._db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
                 is not None
             )
+
+    def agent_chain(self, agent_id: str) -> list[BlockHash]:
+        """The blocks the agent's record names, read from its references (the record itself,
+        which holds every token id, is not parsed); ``NewerFormatError`` for a record of a
+        newer version (never overwritten or deleted by this one); [] when there is none."""
+        validate_agent_id(agent_id)
+        with self._db_lock:
+            try:
+                row = self._db.execute(
+                    "SELECT json_extract(record, '$.format_version') FROM agents WHERE agent_id = ?",
+                    (agent_id,),
+                ).fetchone()
+            except sqlite3.OperationalError:  # malformed JSON: its references still count
+                row = None
+            rows = self._db.execute(
+                "SELECT block FROM refs WHERE agent_id = ? ORDER BY pos", (agent_id,)
+            ).fetchall()
+        version = row[0] if row else None
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise _version_error(f"agent record {agent_id!r}", version)
+        return [BlockHash(r[0]) for r in rows]
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
         validate_agent_id(agent_id)

@@ -4,15 +4,20 @@ its error, and attention over rotated/quantized committed keys matches full prec
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
 from langchain_agent_memory.engine.cache import (
     KV_PRESETS,
+    ROTATION_SCHEME,
     KVQuant,
     LayerCache,
     TensorCodec,
+    kv_format,
     rotation,
+    rotation_signs,
     unpack_affine,
 )
 from langchain_agent_memory.engine.runtime import mx
@@ -25,6 +30,18 @@ def test_rotation_is_orthonormal_and_fixed(dim: int) -> None:
     np.testing.assert_allclose(r @ r.T, np.eye(dim), atol=1e-5)
     rotation.cache_clear()
     np.testing.assert_array_equal(np.array(rotation(dim)), r)  # same in every process
+
+
+def test_rotation_is_pinned_by_golden_values() -> None:
+    """Stored rotated caches are only readable under the same matrix: its signs come from
+    SHAKE-256 (not a NumPy RNG stream, which may change between NumPy versions), and
+    these values must never change without a new ``ROTATION_SCHEME``."""
+    signs = "".join("+" if x > 0 else "-" for x in rotation_signs(64))
+    assert signs == "++-+--++++-++-++-+++-+-++-++--++--++---+++++-+-+-+-----+-+++--+-"
+    assert ROTATION_SCHEME == "hadamard-shake256-v1"
+    digest = {d: hashlib.sha256(np.array(rotation(d)).tobytes()).hexdigest()[:16] for d in (128, 192)}
+    assert digest == {128: "0052b0b214306840", 192: "9131088231ff7f6b"}
+    assert ROTATION_SCHEME in kv_format(4).identity and ROTATION_SCHEME not in kv_format(8).identity
 
 
 def _kv(n: int = 300, d: int = 64, heads: int = 2) -> tuple[mx.array, mx.array]:

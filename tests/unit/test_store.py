@@ -12,11 +12,13 @@ import pytest
 from langchain_agent_memory.engine.runtime import mx
 from langchain_agent_memory.engine.store import (
     FORMAT_VERSION,
+    INDEX_SCHEMA_VERSION,
     AgentRecord,
     Block,
     BlockMissingError,
     CacheFormatError,
     DiskBlockStore,
+    NewerFormatError,
     block_hash,
     validate_agent_id,
 )
@@ -195,3 +197,25 @@ def test_good_agent_ids_round_trip_and_name_no_file(good: str, tmp_path: Path) -
     store.put_agent(AgentRecord(good, [], [1], [1], "x"))
     assert store.get_agent(good).agent_id == good  # type: ignore[union-attr]
     assert {p.name for p in (tmp_path / FP).iterdir()} == before  # only the index changed
+
+
+def test_index_schema_is_versioned_and_migrated(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    rec = AgentRecord("a", [], [1, 2], [1, 2], "hi")
+    store.put_agent(rec)
+    store.close()
+    db = sqlite3.connect(tmp_path / FP / "index.sqlite")
+    assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION
+    # An index written before versioning (user_version 0, same tables) is migrated in place.
+    db.execute("PRAGMA user_version = 0")
+    db.commit()
+    again = DiskBlockStore(tmp_path, FP)
+    assert again.get_agent("a") == rec
+    again.close()
+    assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION
+    # A newer version's index is refused, not rewritten.
+    db.execute(f"PRAGMA user_version = {INDEX_SCHEMA_VERSION + 1}")
+    db.commit()
+    with pytest.raises(NewerFormatError, match="upgrade the package"):
+        DiskBlockStore(tmp_path, FP)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION + 1

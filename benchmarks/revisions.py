@@ -1,0 +1,137 @@
+"""CPU speed of two source trees side by side: did a change keep the engine as fast?
+
+Runs, for each tree, in alternating order over several rounds (the machine is shared and
+noisy: only ratios from one interleaved run count):
+
+- ``runtime.py``'s worker on each shipped model (fused CPU kernels on, fp32 weights):
+  prefill and decode tokens per second of the model alone;
+- ``ttft.py``'s ``ours-q4`` rows at one context length: an agent's next turn cold (full
+  prefill), warm (a new process reads the state from disk) and hot (in memory).
+
+    git worktree add /tmp/base <rev>
+    .venv/bin/python benchmarks/revisions.py --base /tmp/base --head . --length 4096
+
+Each tree runs its own ``benchmarks/`` scripts with its own package first on the path.
+Writes benchmarks/results/revisions.json and revisions.png; prints a table of medians and
+head / base ratios (< 1 is faster for times, > 1 faster for rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+_TTFT = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+from ttft import measure
+row = measure(sys.argv[1], int(sys.argv[2]), ["ours-q4"], lambda n: None)[0]
+print(json.dumps({k: row[k] for k in ("cold_s", "warm_s", "hot_s")}))
+"""
+
+#: metric -> (what it is, higher is better)
+METRICS = {
+    "prefill_tok_s": ("model prefill, tokens/s", True),
+    "decode_tok_s": ("model decode, tokens/s", True),
+    "cold_s": ("next turn cold, s", False),
+    "warm_s": ("next turn warm, s", False),
+    "hot_s": ("next turn hot, s", False),
+}
+
+
+def _run(tree: Path, args: list[str]) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree}: {' '.join(args)} failed\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(tree: Path, model: str, length: int) -> dict[str, float]:
+    rt = _run(tree, ["benchmarks/runtime.py", "--worker", "--model", model, "--fast-ops"])
+    row = {"prefill_tok_s": rt["prefill_tok_s"], "decode_tok_s": rt["decode_tok_s"]}
+    row.update(_run(tree, ["-c", _TTFT, model, str(length)]))
+    return row
+
+
+def plot(summary: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{m}\n{k}" for m in summary for k in METRICS]
+    ratios = [summary[m][f"{k}_ratio"] for m in summary for k in METRICS]
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.9), 4.5))
+    ax.bar(range(len(labels)), ratios, color=["C2" if 0.95 <= r <= 1.05 else "C3" for r in ratios])
+    ax.axhline(1.0, color="black", lw=0.8)
+    for band in (0.95, 1.05):
+        ax.axhline(band, color="grey", lw=0.6, ls=":")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("head / base (median)")
+    ax.set_title("CPU speed, head vs base, measured side by side")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, required=True)
+    ap.add_argument("--head", type=Path, default=HERE.parent)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    a = ap.parse_args()
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    trees = {"base": a.base.resolve(), "head": a.head.resolve()}
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {"base": [], "head": []} for m in a.models}
+    with Progress() as progress:
+        task = progress.add_task("revisions", total=a.rounds * len(a.models) * 2)
+        for r in range(a.rounds):
+            order = ["base", "head"] if r % 2 == 0 else ["head", "base"]  # alternate who goes first
+            for model in a.models:
+                for name in order:
+                    runs[model][name].append(measure(trees[name], model, a.length))
+                    progress.advance(task)
+
+    summary: dict[str, dict[str, float]] = {}
+    table = Table(title=f"CPU speed side by side ({a.rounds} rounds, {a.length} tokens; medians)")
+    for col in ("model", "metric", "base", "head", "head / base"):
+        table.add_column(col)
+    for model, by_tree in runs.items():
+        summary[model] = {}
+        for key, (what, _) in METRICS.items():
+            base = statistics.median(x[key] for x in by_tree["base"])
+            head = statistics.median(x[key] for x in by_tree["head"])
+            summary[model].update({f"{key}_base": base, f"{key}_head": head, f"{key}_ratio": head / base})
+            table.add_row(model, what, f"{base:.3f}", f"{head:.3f}", f"{head / base:.3f}")
+    Console().print(table)
+    RESULTS.mkdir(exist_ok=True)
+    payload = {
+        "trees": {k: str(v) for k, v in trees.items()},
+        "length": a.length,
+        "runs": runs,
+        "summary": summary,
+    }
+    (RESULTS / "revisions.json").write_text(json.dumps(payload, indent=2))
+    plot(summary, RESULTS / "revisions.png")
+
+
+if __name__ == "__main__":
+    main()
