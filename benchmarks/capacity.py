@@ -32,7 +32,7 @@ LENGTHS = (4096, 8192, 16384)
 
 def fp16_formula_bytes(model: str, n: int) -> int:
     from langchain_agent_memory import load_model
-    from langchain_agent_memory.engine.spec import ModelCacheSpec
+    from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 
     spec = ModelCacheSpec.from_model(load_model(model).model)
     return sum(

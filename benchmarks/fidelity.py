@@ -65,8 +65,12 @@ def text_ids(tok: Any, n: int) -> list[int]:
 
 
 def long_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], context: int) -> dict:
-    from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.quality import _fill_pending, clone_with_format, stored_context_nll
+    from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+    from langchain_agent_memory.engine.model.quality import (
+        _fill_pending,
+        clone_with_format,
+        stored_context_nll,
+    )
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
     _fill_pending(lm.model, base, ids[:context])
@@ -78,8 +82,8 @@ def long_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int],
 
 
 def layer_errors(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
-    from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.quality import _fill_pending, kv_roundtrip_errors
+    from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+    from langchain_agent_memory.engine.model.quality import _fill_pending, kv_roundtrip_errors
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
     _fill_pending(lm.model, base, ids[:512])
@@ -164,9 +168,9 @@ def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dic
 def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
     """Per format: prefill tok/s of 512 new tokens and decode tok/s of 16 steps, both over
     a stored 2K context (best of 2)."""
-    from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.forward import decode_step, prefill
-    from langchain_agent_memory.engine.quality import _fill_pending, clone_with_format
+    from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+    from langchain_agent_memory.engine.model.forward import decode_step, prefill
+    from langchain_agent_memory.engine.model.quality import _fill_pending, clone_with_format
     from langchain_agent_memory.engine.runtime import mx
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
@@ -212,9 +216,9 @@ def main() -> None:
     from rich.table import Table
 
     from langchain_agent_memory import load_model
-    from langchain_agent_memory.engine.cache import KV_PRESETS
-    from langchain_agent_memory.engine.quality import stored_perplexity
-    from langchain_agent_memory.engine.spec import ModelCacheSpec
+    from langchain_agent_memory.engine.kv import KV_PRESETS
+    from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
+    from langchain_agent_memory.engine.model.quality import stored_perplexity
 
     names = ["fp16", *[n for n in (a.formats or KV_PRESETS) if n != "fp16"]]
     formats = {n: KV_PRESETS[n] for n in names}

@@ -58,8 +58,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from mlx_lm.models.cache import make_prompt_cache  # isort: skip
     from langchain_agent_memory.engine import runtime
-    from langchain_agent_memory.engine.forward import decode_step, prefill
-    from langchain_agent_memory.engine.quality import perplexity
+    from langchain_agent_memory.engine.model.forward import decode_step, prefill
+    from langchain_agent_memory.engine.model.quality import perplexity
     from langchain_agent_memory.engine.runtime import mx
 
     lm = _prepare(args.model, args.weights, args.fast_ops)
@@ -114,8 +114,8 @@ def run_worker(model: str, blas: str, weights: str, fast_ops: bool, ppl: bool, a
 
 def conversion_times() -> dict[str, float]:
     from langchain_agent_memory.config import get_settings
-    from langchain_agent_memory.engine.gguf_convert import convert_gguf
-    from langchain_agent_memory.engine.models import SHIPPED_MODELS
+    from langchain_agent_memory.engine.model.gguf_convert import convert_gguf
+    from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
 
     times = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,8 +137,8 @@ def llama_cpp_perplexity() -> dict[str, Any]:
 
     from langchain_agent_memory import corpus, load_model
     from langchain_agent_memory.config import get_settings
-    from langchain_agent_memory.engine.models import SHIPPED_MODELS
-    from langchain_agent_memory.engine.quality import perplexity
+    from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
+    from langchain_agent_memory.engine.model.quality import perplexity
 
     out: dict[str, Any] = {}
     for name in MODELS:
@@ -190,9 +190,9 @@ def mlx_gguf_reference() -> dict[str, Any]:
 
     from langchain_agent_memory import corpus, load_model
     from langchain_agent_memory.config import get_settings
-    from langchain_agent_memory.engine.gguf_convert import mlx_name, unpermute_qk
-    from langchain_agent_memory.engine.models import SHIPPED_MODELS
-    from langchain_agent_memory.engine.quality import perplexity
+    from langchain_agent_memory.engine.model.gguf_convert import mlx_name, unpermute_qk
+    from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
+    from langchain_agent_memory.engine.model.quality import perplexity
     from langchain_agent_memory.engine.runtime import mx
 
     ours = load_model("smollm2-135m")
@@ -286,7 +286,7 @@ def main() -> None:
     from rich.table import Table
 
     try:
-        import langchain_agent_memory.engine.fast_ops  # noqa: F401
+        import langchain_agent_memory.engine.model.fast_ops  # noqa: F401
 
         fast_variants = [False, True]
     except ImportError:

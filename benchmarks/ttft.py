@@ -53,7 +53,7 @@ def prompt_text(model: str, n_tokens: int) -> str:
 
 def gguf_of(model: str) -> Path:
     from langchain_agent_memory.config import get_settings
-    from langchain_agent_memory.engine.models import SHIPPED_MODELS
+    from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
 
     return SHIPPED_MODELS[model].locate(Path(get_settings().cache_dir))[0]
 

@@ -36,9 +36,9 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
 from . import prompt
-from .engine.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
 from .engine.engine import Engine, GenerationParams, GenerationResult, shared_engine
-from .engine.store import validate_agent_id
+from .engine.model.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
+from .engine.storage.store import validate_agent_id
 from .namespace import agent_namespace
 
 #: ``tool_choice`` values that force some tool call.

@@ -49,7 +49,7 @@ from langgraph.checkpoint.base import (
 
 from .config import get_settings
 from .engine.engine import Engine, shared_engine
-from .engine.store import AgentRecord
+from .engine.storage.store import AgentRecord
 from .sqlite_checkpoints import SqliteCheckpoints
 from .threaded_async import ThreadedAsync
 

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import get_settings
-from .engine.store import DiskBlockStore
+from .engine.storage.store import DiskBlockStore
 
 app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
@@ -112,7 +112,7 @@ def show(agent: str, cache_dir: CacheDir = None, chars: int = 400) -> None:
 @cache_app.command("rm")
 def rm(agents: list[str], cache_dir: CacheDir = None) -> None:
     """Delete agents' caches; blocks other agents share stay."""
-    from .engine.pool import BlockPool
+    from .engine.storage.pool import BlockPool
 
     deleted = 0
     for store in _stores(cache_dir):
@@ -165,8 +165,8 @@ def convert(
     """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
     import time
 
-    from .engine.gguf_convert import UnsupportedGGUFError, convert_gguf
-    from .engine.models import conversion_progress, default_weight_dtype, resolve_model_dir
+    from .engine.model.gguf_convert import UnsupportedGGUFError, convert_gguf
+    from .engine.model.loading import conversion_progress, default_weight_dtype, resolve_model_dir
 
     dtype = dtype or default_weight_dtype()
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -198,7 +198,7 @@ def chat(
 ) -> None:
     """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
     from .chat_repl import ChatOptions, run
-    from .engine.store import validate_agent_id
+    from .engine.storage.store import validate_agent_id
 
     try:
         validate_agent_id(agent)

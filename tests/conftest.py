@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from langchain_agent_memory.engine.models import LoadedModel, load_model
+from langchain_agent_memory.engine.model.loading import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

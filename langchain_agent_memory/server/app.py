@@ -32,8 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat_model import ChatAgentMemory
 from ..engine.engine import ContextLengthError
-from ..engine.models import DEFAULT_MODEL
-from ..engine.store import validate_agent_id
+from ..engine.model.loading import DEFAULT_MODEL
+from ..engine.storage.store import validate_agent_id
 from . import replies
 from .protocol import ChatCompletionRequest, NamedToolChoice, call_kwargs, to_messages
 

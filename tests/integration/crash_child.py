@@ -21,9 +21,15 @@ import random
 import sys
 from pathlib import Path
 
-from langchain_agent_memory.engine.pool import BlockPool
 from langchain_agent_memory.engine.runtime import mx
-from langchain_agent_memory.engine.store import BLOCK_TOKENS, AgentRecord, Block, DiskBlockStore, block_hash
+from langchain_agent_memory.engine.storage.pool import BlockPool
+from langchain_agent_memory.engine.storage.store import (
+    BLOCK_TOKENS,
+    AgentRecord,
+    Block,
+    DiskBlockStore,
+    block_hash,
+)
 
 FINGERPRINT = "crash-test"
 AGENTS = [f"thread-{i}:agent" for i in range(6)]

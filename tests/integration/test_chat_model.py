@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from pydantic import BaseModel
 
 from langchain_agent_memory import ChatAgentMemory, corpus
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 
 SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:2400]
 

@@ -13,7 +13,7 @@ from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES, BASE
 from langgraph.checkpoint.memory import InMemorySaver
 
 from langchain_agent_memory.checkpoint import AgentMemorySaver
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
 
 

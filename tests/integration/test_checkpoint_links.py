@@ -13,7 +13,7 @@ from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
 
 from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
 from langchain_agent_memory.checkpoint import SNAPSHOT_PREFIX
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 
 SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:1500]
 

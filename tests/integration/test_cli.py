@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from langchain_agent_memory import corpus
 from langchain_agent_memory.cli import app
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 
 SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:1500]
 

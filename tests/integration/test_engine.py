@@ -20,9 +20,14 @@ from langchain_agent_memory.engine.engine import (
     GenerationParams,
     GenerationResult,
 )
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.store import BLOCK_TOKENS, FORMAT_VERSION, AgentRecord, CacheFormatError
+from langchain_agent_memory.engine.storage.store import (
+    BLOCK_TOKENS,
+    FORMAT_VERSION,
+    AgentRecord,
+    CacheFormatError,
+)
 
 GREEDY = GenerationParams(max_tokens=10)
 

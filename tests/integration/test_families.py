@@ -15,10 +15,10 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
-from langchain_agent_memory.engine.families import SUPPORTED_FAMILIES, UnsupportedModelError
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
+from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.random_model import SMALL_CONFIGS, write_random_model
 
 FAMILIES = sorted(SMALL_CONFIGS)
 GREEDY = GenerationParams(max_tokens=8)

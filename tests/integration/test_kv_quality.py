@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.cache import KV_PRESETS, kv_format
-from langchain_agent_memory.engine.models import LoadedModel
-from langchain_agent_memory.engine.quality import stored_perplexity
-from langchain_agent_memory.engine.spec import ModelCacheSpec
+from langchain_agent_memory.engine.kv import KV_PRESETS, kv_format
+from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
+from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.model.quality import stored_perplexity
 
 WINDOWS = 4
 

@@ -10,8 +10,8 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine import runtime
-from langchain_agent_memory.engine.models import LoadedModel, load_model, resolve_model_dir
-from langchain_agent_memory.engine.quality import perplexity
+from langchain_agent_memory.engine.model.loading import LoadedModel, load_model, resolve_model_dir
+from langchain_agent_memory.engine.model.quality import perplexity
 
 
 def _greedy(lm: LoadedModel, prompt: str, max_tokens: int) -> str:

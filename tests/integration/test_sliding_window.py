@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.cache import KVQuant, make_layer_caches
-from langchain_agent_memory.engine.forward import decode_step, prefill
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
+from langchain_agent_memory.engine.model.forward import decode_step, prefill
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.runtime import mx
-from langchain_agent_memory.engine.spec import ModelCacheSpec
 
 N_TOKENS = 2048
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 
 CHILD = Path(__file__).parent / "concurrent_child.py"
 SECONDS = "20"

@@ -15,10 +15,10 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 
 from langchain_agent_memory import ChatAgentMemory, corpus
-from langchain_agent_memory.engine import store as store_module
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.models import LoadedModel
-from langchain_agent_memory.engine.store import TEMP_PREFIX, CacheWriteError, DiskBlockStore
+from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.storage import store as store_module
+from langchain_agent_memory.engine.storage.store import TEMP_PREFIX, CacheWriteError, DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=6)
 CONTEXT = "You answer questions about this license.\n\n" + corpus.apache_license()

@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine import fast_ops
+from langchain_agent_memory.engine.model import fast_ops
 from langchain_agent_memory.engine.runtime import mx
 
 
@@ -162,7 +162,7 @@ def test_kernels_are_called_without_touching_mlx_lm() -> None:
     classes, mlx-lm's modules and its classes stay exactly as they were."""
     from mlx_lm.models import base, gemma3_text, llama
 
-    from langchain_agent_memory.engine.adapters import adapt_model, is_adapted
+    from langchain_agent_memory.engine.model.adapters import adapt_model, is_adapted
 
     before = (llama.scaled_dot_product_attention, llama.swiglu, gemma3_text.MLP.__dict__["__call__"])
     args = llama.ModelArgs(

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from langchain_agent_memory.engine.runtime import mx
-from langchain_agent_memory.engine.store import (
+from langchain_agent_memory.engine.storage.store import (
     AgentRecord,
     Block,
     CacheFormatError,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from langchain_agent_memory.engine.gguf_convert import (
+from langchain_agent_memory.engine.model.gguf_convert import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedGGUFError,
     convert_gguf,

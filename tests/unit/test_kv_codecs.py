@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine.cache import (
+from langchain_agent_memory.engine.kv import (
     KV_PRESETS,
     ROTATION_SCHEME,
     KVQuant,
@@ -20,8 +20,8 @@ from langchain_agent_memory.engine.cache import (
     rotation_signs,
     unpack_affine,
 )
+from langchain_agent_memory.engine.kv.spec import LayerSpec
 from langchain_agent_memory.engine.runtime import mx
-from langchain_agent_memory.engine.spec import LayerSpec
 
 
 @pytest.mark.parametrize("dim", [64, 128, 192, 256])

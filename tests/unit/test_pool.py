@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from langchain_agent_memory.engine.pool import BlockPool
 from langchain_agent_memory.engine.runtime import mx
-from langchain_agent_memory.engine.store import AgentRecord, Block, DiskBlockStore, block_hash
+from langchain_agent_memory.engine.storage.pool import BlockPool
+from langchain_agent_memory.engine.storage.store import AgentRecord, Block, DiskBlockStore, block_hash
 
 FP = "m"
 

@@ -8,7 +8,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from langchain_agent_memory import prompt
-from langchain_agent_memory.engine.models import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}

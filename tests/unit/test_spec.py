@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from langchain_agent_memory.engine.spec import LayerSpec, ModelCacheSpec
+from langchain_agent_memory.engine.kv.spec import LayerSpec, ModelCacheSpec
 
 
 def test_deepseek_v2_mla_has_different_k_and_v_dims() -> None:

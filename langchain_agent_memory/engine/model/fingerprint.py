@@ -17,8 +17,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .cache import KVQuant
-from .spec import ModelCacheSpec
+from ..kv import KVQuant
+from ..kv.spec import ModelCacheSpec
 
 _DIGESTS_FILE = "weight-digests.json"
 _memo: dict[tuple[str, int, int], str] = {}

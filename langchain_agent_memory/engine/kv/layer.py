@@ -20,209 +20,17 @@ a prefill in the codec's rotated space.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .runtime import mx
+from ..runtime import mx
+from .codecs import FULL, HALF_DTYPE, KVQuant, TensorCodec, rotation
 from .spec import LayerSpec, ModelCacheSpec
 
-#: Scales and biases are stored (on disk and in memory) at 16 bits: 0.281x FP16 bytes at
-#: 4 bits / group 64, instead of 0.3125x with float32 scales.
-SCALE_DTYPE = mx.float16
-#: Keys and values at 16 bits ("FP16 mode"): float16.
-HALF_DTYPE = mx.float16
+#: Tensor-name part of a block's 16-bit first tokens (``KVQuant.head_tokens``, block 0 only).
+HEAD_PART = "head"
 #: The working copy of a running request's visible K/V grows by this many positions.
 WORK_STEP = 256
-
-
-#: How ``rotation`` derives its signs; part of every model fingerprint (``KVQuant.identity``):
-#: stored rotated caches are only valid under the scheme that wrote them.
-ROTATION_SCHEME = "hadamard-shake256-v1"
-
-
-def rotation_signs(dim: int) -> np.ndarray:
-    """``dim`` signs (+1 / -1) from SHAKE-256 of the scheme and ``dim``: the same in every
-    process and every NumPy version (a NumPy RNG stream is not promised stable)."""
-    raw = hashlib.shake_256(f"langchain-agent-memory/{ROTATION_SCHEME}/{dim}".encode()).digest(-(-dim // 8))
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:dim]
-    return np.where(bits == 1, 1.0, -1.0)
-
-
-@functools.cache
-def rotation(dim: int) -> mx.array:
-    """A fixed orthonormal (dim, dim) rotation: fixed signs times a normalised Hadamard
-    matrix (block-diagonal when ``dim`` is not a power of two).
-
-    Rotating keys and queries alike leaves every score unchanged (q R . k R = q . k) while
-    spreading outlier channels over the whole head, which is what hurts 4-bit groups. The
-    signs come from ``rotation_signs``: every process builds the same matrix.
-    """
-    block = dim & -dim  # largest power of two dividing dim
-    if block < 16:
-        raise ValueError(f"head dim {dim} has no power-of-two block >= 16 to rotate")
-    h = np.array([[1.0]])
-    while h.shape[0] < block:
-        h = np.block([[h, h], [h, -h]])
-    h /= np.sqrt(block)
-    full = np.kron(np.eye(dim // block), h)
-    return mx.array((rotation_signs(dim)[:, None] * full).astype(np.float32))
-
-
-@dataclass(frozen=True, slots=True)
-class TensorCodec:
-    """How one of K or V is stored: ``bits=None`` is float16; else affine ``bits``-bit
-    groups of ``group_size`` channels with float16 scales and biases, optionally after the
-    fixed rotation of the head dimension (``rotate``)."""
-
-    bits: int | None = 4
-    group_size: int = 64
-    rotate: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bits not in (None, 2, 3, 4, 5, 6, 8):
-            raise ValueError(f"kv bits must be 4, 8 (or 2, 3, 6) or None for 16-bit; got {self.bits!r}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
-
-    @property
-    def label(self) -> str:
-        if self.bits is None:
-            return "f16" + ("h" if self.rotate else "")
-        return f"{self.bits}g{self.group_size}" + ("h" if self.rotate else "")
-
-    def parts(self) -> tuple[str, ...]:
-        return ("",) if self.bits is None else ("q", "scales", "biases")
-
-    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        """Full precision (B, H, N, D) -> stored form (tuple of arrays, last axis packed)."""
-        if self.rotate:
-            x = x.astype(mx.float32) @ rotation(x.shape[-1])
-        if self.bits is None:
-            return (x.astype(HALF_DTYPE),)
-        q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
-        return q, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
-
-    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
-        """Stored form -> full precision, still rotated if ``rotate`` (per layer and call)."""
-        if self.bits is None:
-            return parts[0].astype(dtype)
-        q, scales, biases = parts
-        if mx.default_device() == mx.cpu:
-            return unpack_affine(q, scales.astype(dtype), biases.astype(dtype), self.bits, self.group_size)
-        return mx.dequantize(
-            q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
-        )
-
-
-def unpack_affine(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """``mx.dequantize`` on CPU, as vectorised shifts and masks: mlx's CPU kernel unpacks
-    one value at a time (6-bit keys of a 2.3K-token layer took 5.2 ms, this 0.9 ms; 4-bit
-    0.9 -> 0.7 ms), and a short prefill over a long cache dequantizes every layer.
-
-    mlx packs values as a little-endian bit stream: ``lcm(bits, 8)`` bits hold a whole
-    number of values (3 and 6 bits: 3 bytes; 5 bits: 5 bytes; 2, 4, 8 bits: any word).
-    """
-    lead = q.shape[:-1]
-    if 32 % bits == 0:
-        words, per_word, word_type = q, 32 // bits, mx.uint32
-    else:
-        run_bytes = int(np.lcm(bits, 8)) // 8
-        word_type = mx.uint32 if run_bytes <= 4 else mx.uint64
-        by = mx.view(q, mx.uint8).reshape(*lead, -1, run_bytes).astype(word_type)
-        words = by[..., 0]
-        for j in range(1, run_bytes):
-            words = words | (by[..., j] << (8 * j))
-        per_word = run_bytes * 8 // bits
-    shifts = mx.arange(0, per_word * bits, bits, dtype=word_type)
-    values = ((words[..., None] >> shifts) & ((1 << bits) - 1)).astype(scales.dtype)
-    values = values.reshape(*lead, scales.shape[-1], group_size)
-    return (values * scales[..., None] + biases[..., None]).reshape(*lead, -1)
-
-
-@dataclass(frozen=True, slots=True)
-class KVQuant:
-    """How committed keys and values are stored (see ``KV_PRESETS``).
-
-    ``head_tokens``: the first tokens of every sequence are kept at 16 bits. Most heads
-    park much of their attention on them (attention sinks), so their quantization error is
-    not averaged away over many keys the way every other token's is; at 4 bits it alone
-    moved SmolLM2's greedy output off the 16-bit one on several prompts (README, KV formats).
-    """
-
-    keys: TensorCodec = TensorCodec()
-    values: TensorCodec = TensorCodec()
-    head_tokens: int = 0
-
-    @classmethod
-    def uniform(cls, bits: int | None, group_size: int = 64, rotate: bool = False) -> KVQuant:
-        codec = TensorCodec(bits, group_size, rotate)
-        return cls(codec, codec)
-
-    @property
-    def label(self) -> str:
-        head = f"-h{self.head_tokens}" if self.head_tokens and self.keys.bits is not None else ""
-        return f"k{self.keys.label}-v{self.values.label}{head}"
-
-    @property
-    def identity(self) -> str:
-        """What a stored cache depends on beyond the label: the rotation's derivation."""
-        rotated = self.keys.rotate or self.values.rotate
-        return self.label + (f"+{ROTATION_SCHEME}" if rotated else "")
-
-    def check_dims(self, k_dim: int, v_dim: int) -> None:
-        """Refuse head widths this format cannot store (groups must tile the head)."""
-        for what, dim, codec in (("key", k_dim, self.keys), ("value", v_dim, self.values)):
-            if codec.bits is not None and dim % codec.group_size:
-                raise ValueError(
-                    f"KV format {self.label}: {what} heads are {dim} wide, not a multiple of its "
-                    f"{codec.group_size}-channel groups; use kv_format='fp16' or a smaller group (q4g32)"
-                )
-            if codec.rotate and (dim & -dim) < 16:
-                raise ValueError(
-                    f"KV format {self.label}: {what} heads are {dim} wide, which cannot be rotated; "
-                    "use an unrotated format (q8, q4)"
-                )
-
-
-#: 16-bit and unrotated: how head tokens are stored and pending tokens are held.
-FULL = TensorCodec(None)
-
-#: Named KV formats (``Engine(kv_format="...")``). ``q4`` is what the reference system
-#: measured; the README lists each with its measured perplexity, agreement and bytes.
-KV_PRESETS: dict[str, KVQuant] = {
-    "fp16": KVQuant.uniform(None),
-    "q8": KVQuant.uniform(8),
-    "q4": KVQuant.uniform(4),
-    "q4g32": KVQuant.uniform(4, 32),
-    "q4-rot": KVQuant.uniform(4, rotate=True),
-    "q4-rot-h4": KVQuant(TensorCodec(4, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
-    "k6v4-rot-h4": KVQuant(TensorCodec(6, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
-    "k8v4-rot": KVQuant(TensorCodec(8, rotate=True), TensorCodec(4, rotate=True)),
-}
-
-
-#: What ``kv_bits`` selects. 4: the best measured format at <= 0.35x the 16-bit bytes
-#: (benchmarks/fidelity.py: plain ``q4`` moves greedy output off the 16-bit one within
-#: ~5 tokens on most prompts of both shipped models; this one keeps >= 32 on 12 of 16).
-KV_BITS_PRESET: dict[int | None, str] = {4: "k6v4-rot-h4", 8: "q8", None: "fp16"}
-
-
-def kv_format(kv: str | KVQuant | int | None) -> KVQuant:
-    """A ``KVQuant`` from a preset name, a ``kv_bits`` value (``KV_BITS_PRESET``: 4, 8 or
-    None for 16-bit) or itself."""
-    if isinstance(kv, KVQuant):
-        return kv
-    if isinstance(kv, str):
-        if kv not in KV_PRESETS:
-            raise ValueError(f"unknown KV format {kv!r}; choose one of {sorted(KV_PRESETS)}")
-        return KV_PRESETS[kv]
-    if kv not in KV_BITS_PRESET:
-        raise ValueError(f"kv_bits must be 4, 8 or None (16-bit); got {kv!r}. Other formats: kv_format=")
-    return KV_PRESETS[KV_BITS_PRESET[kv]]
 
 
 Parts = tuple[mx.array, ...]
@@ -272,6 +80,11 @@ class _Fetched:
     vrot: bool
 
 
+def tensor_name(layer: int, kv: str, part: str) -> str:
+    """A block tensor's name: ``L{layer}.{k|v}`` (16-bit) or ``L{layer}.{k|v}.{part}``."""
+    return f"L{layer}.{kv}.{part}" if part else f"L{layer}.{kv}"
+
+
 def positional_mask(
     first_q: int, L: int, first_k: int, window: int | None, return_array: bool
 ) -> mx.array | str | None:
@@ -298,7 +111,7 @@ def cpu_attention(
     """Attention on the CPU: BLAS (``fast_ops.attention``); with attention sinks, mlx's op."""
     if sinks is not None:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    from . import fast_ops
+    from ..model import fast_ops
 
     return fast_ops.attention(q, k, v, scale=scale, mask=mask)
 
@@ -552,6 +365,47 @@ class LayerCache:
         w.v[:, :, a:b] = dv
         mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
 
+    def block_state(self, index: int, a: int, b: int) -> dict[str, mx.array]:
+        """This layer's stored K/V of positions ``[a, b)`` as block tensors, named
+        ``L{index}.{k|v}.{part}`` (``part``: the codec's, or ``head`` for the 16-bit first
+        tokens): what a block file holds for this layer."""
+        head, body = self.committed_slice(a, b)
+        tensors: dict[str, mx.array] = {}
+        if head is not None:
+            tensors[tensor_name(index, "k", HEAD_PART)], tensors[tensor_name(index, "v", HEAD_PART)] = head
+        if body is not None:
+            for kv, codec, parts in (("k", self.quant.keys, body[0]), ("v", self.quant.values, body[1])):
+                for part, arr in zip(codec.parts(), parts, strict=True):
+                    tensors[tensor_name(index, kv, part)] = arr
+        return tensors
+
+    def from_blocks(self, index: int, start: int, blocks: list[dict[str, mx.array]], held: int) -> None:
+        """Load this layer (layer ``index``) from consecutive blocks' tensors, the first of
+        which starts at position ``start``; together they stand for ``held`` tokens. A block
+        without this layer's tensors (a sliding layer's block past its window) holds none of
+        them. ``KeyError`` names a tensor a block lacks; ``ValueError`` if they do not add up."""
+        kparts, vparts = self.quant.keys.parts(), self.quant.values.parts()
+        head = None
+        if start == 0 and blocks and tensor_name(index, "k", HEAD_PART) in blocks[0]:
+            head = (
+                blocks[0][tensor_name(index, "k", HEAD_PART)],
+                blocks[0][tensor_name(index, "v", HEAD_PART)],
+            )
+        body = [blk for blk in blocks if tensor_name(index, "k", kparts[0]) in blk]
+        k = v = None
+        if body:
+            k = tuple(
+                mx.concatenate([blk[tensor_name(index, "k", p)] for blk in body], axis=2) for p in kparts
+            )
+            v = tuple(
+                mx.concatenate([blk[tensor_name(index, "v", p)] for blk in body], axis=2) for p in vparts
+            )
+        self.load(start, head, k, v)
+        if self.offset != start + held:
+            raise ValueError(
+                f"layer {index}: blocks hold {self.offset - start} tokens of K/V for {held} token ids"
+            )
+
     def committed_slice(
         self, a: int, b: int
     ) -> tuple[tuple[mx.array, mx.array] | None, tuple[Parts, Parts] | None]:
@@ -641,169 +495,3 @@ def make_layer_caches(
     for layer in layers:
         layer.prefill_rotated = prefill_rotated
     return layers
-
-
-class BatchLayerCache:
-    """One layer's caches of several agents, stepped together: the model runs one batched
-    forward pass (every projection and MLP multiplies a (B, L, D) batch: decode reads the
-    weights once for all agents), each agent at its own position (RoPE takes a vector of
-    offsets). Attention:
-
-    - full-attention layers: the agents' working copies merged into one left-padded buffer
-      (built when the batch forms, appended in place for all agents at once, handed back
-      to each agent when the batch changes), one attention call with a padding mask;
-    - sliding-window layers: each agent over its own cache (windows slide apart).
-
-    Either way each agent attends to exactly its own keys, as in a step alone.
-    """
-
-    def __init__(self, caches: list[LayerCache], offsets: mx.array | None = None) -> None:
-        self.caches = caches
-        # Every layer's RoPE reads the agents' positions before the step (shared array).
-        self.offset = offsets if offsets is not None else mx.array([c.offset for c in caches])
-        self._merged: _Merged | None = None
-        self._fetched: tuple[mx.array, mx.array] | None = None
-        self._mergeable = len(caches) > 1 and all(c.spec.window is None for c in caches)
-
-    def step(self, offsets: mx.array) -> BatchLayerCache:
-        """The same batch, one step later (its merged buffer kept)."""
-        self.offset = offsets
-        return self
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append each agent's new keys and values; return every agent's visible ones,
-        left-padded to one length (``make_mask`` marks the padding)."""
-        m = self._merge()
-        if m is not None:
-            # One write for all agents; each one's new tokens are split off its rows of the
-            # buffer only when the batch dissolves (for its commit).
-            m.append(keys, values)
-            for cache in self.caches:
-                cache.offset += keys.shape[2]
-            self._fetched = (m.k[:, :, : m.end], m.v[:, :, : m.end])
-            return self._fetched
-        n = len(self.caches)
-        fetched = [
-            c.update_and_fetch(k, v)
-            for c, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True)
-        ]
-        # Lazy: where ``attend`` runs instead (adapted model) the padded copy is never built.
-        width = max(k.shape[2] for k, _ in fetched)
-        self._fetched = tuple(
-            mx.concatenate([_left_pad(pair[j], width) for pair in fetched], axis=0) for j in (0, 1)
-        )  # type: ignore[assignment]
-        return self._fetched
-
-    def fetched(self, keys: Any, values: Any) -> bool:
-        """Whether ``keys`` / ``values`` are what ``update_and_fetch`` just returned."""
-        f = self._fetched
-        return f is not None and keys is f[0] and values is f[1]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        """(B, 1, N, keys) mask over what ``update_and_fetch`` will return: each agent's own
-        positions (causal, its window), never another agent's padding."""
-        m = self._merge()
-        if m is not None:
-            return m.valid[:, None, None, : m.end + N]
-        masks = []
-        for c in self.caches:
-            lo = c._first_visible(c.offset)
-            masks.append(positional_mask(c.offset, N, lo, c.spec.window, True))
-        width = max(mask.shape[-1] for mask in masks)
-        return mx.stack([_left_pad(mask, width, False) for mask in masks])[:, None]
-
-    def _merge(self) -> _Merged | None:
-        """The merged buffer of full-attention layers (built at the batch's first step)."""
-        if self._mergeable and self._merged is None:
-            self._merged = _Merged.of(self.caches, self.caches[0].dtype)
-        return self._merged
-
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
-        m = self._merged
-        if m is not None:
-            mask = m.valid[:, None, None, : m.end]
-            return cpu_attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
-        parts = mx.split(queries, len(self.caches))
-        return mx.concatenate(
-            [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
-        )
-
-    def dissolve(self) -> None:
-        """Hand each agent still running its rows of the merged buffer back (its own
-        working copy), so that it can go on alone or join another batch."""
-        m, self._merged = self._merged, None
-        if m is None:
-            return
-        new = m.end - m.base  # the tokens this batch added: each agent's newest pending ones
-        for i, cache in enumerate(self.caches):
-            k, v = m.k[i : i + 1, :, m.pads[i] : m.end], m.v[i : i + 1, :, m.pads[i] : m.end]
-            if new:
-                cache.offset -= new
-                cache.push_pending(k[:, :, -new:], v[:, :, -new:])
-            cache._work = _Working(k, v, cache.start, cache.offset)
-        self._fetched = None
-
-    @property
-    def state(self) -> list[Any]:
-        return [c.state for c in self.caches]
-
-
-@dataclass(slots=True)
-class _Merged:
-    """Several agents' visible K/V, right-aligned in one buffer (agent i's positions in
-    columns ``[pads[i], end)``); ``valid`` marks the columns each agent may attend to."""
-
-    k: mx.array
-    v: mx.array
-    pads: list[int]
-    end: int
-    valid: mx.array
-    base: int  # ``end`` when built: the columns from here on are the batch's new tokens
-
-    @classmethod
-    def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
-        works = [c._visible(c.start, dtype, rotated=False)[:2] for c in caches]
-        for c in caches:
-            c._work = None  # from now on the merged buffer holds it
-        end = max(k.shape[2] for k, _ in works)
-        cap = end + WORK_STEP
-        pads = [end - k.shape[2] for k, _ in works]
-
-        def merged(i: int) -> mx.array:
-            return mx.concatenate(
-                [
-                    mx.pad(w[i], [(0, 0), (0, 0), (p, cap - end), (0, 0)])
-                    for w, p in zip(works, pads, strict=True)
-                ],
-                axis=0,
-            )
-
-        valid = mx.arange(cap)[None, :] >= mx.array(pads)[:, None]
-        return cls(merged(0), merged(1), pads, end, valid, end)
-
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        n = keys.shape[2]
-        if self.end + n > self.k.shape[2]:
-            extra = -(-(self.end + n - self.k.shape[2]) // WORK_STEP) * WORK_STEP
-            grow = [(0, 0), (0, 0), (0, extra), (0, 0)]
-            self.k, self.v = mx.pad(self.k, grow), mx.pad(self.v, grow)
-            self.valid = mx.pad(self.valid, [(0, 0), (0, extra)], constant_values=True)
-        self.k[:, :, self.end : self.end + n] = keys.astype(self.k.dtype)
-        self.v[:, :, self.end : self.end + n] = values.astype(self.v.dtype)
-        self.end += n
-
-
-def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
-    """``x`` padded on the left of its key axis (the last but one for K/V, the last for a
-    mask) to ``width``."""
-    axis = x.ndim - 1 if x.dtype == mx.bool_ else 2
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (width - x.shape[axis], 0)
-    return mx.pad(x, pad, constant_values=value) if width > x.shape[axis] else x
-
-
-def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
-    """Layer-major view of several agents' layer caches, for batched forward passes (keep
-    it for the next steps of the same agents: ``step``; ``dissolve`` it when they change)."""
-    offsets = mx.array([layers[0].offset for layers in per_agent])
-    return [BatchLayerCache(list(layer), offsets) for layer in zip(*per_agent, strict=True)]

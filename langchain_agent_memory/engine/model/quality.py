@@ -9,7 +9,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
-from .runtime import mx
+from ..runtime import mx
 
 #: token ids (one sequence) -> logits, shape (len(ids), vocab)
 LogitsFn = Callable[[list[int]], Any]
@@ -63,7 +63,7 @@ def _fill_pending(model: Any, caches: list[Any], token_ids: Sequence[int], chunk
 def clone_with_format(caches: list[Any], quant: Any) -> list[Any]:
     """Copies of layer caches whose pending tokens will be stored as ``quant`` on commit
     (a full-precision prefill done once serves every KV format compared)."""
-    from .cache import LayerCache
+    from ..kv import LayerCache
 
     out = []
     for c in caches:
@@ -106,7 +106,7 @@ def stored_perplexity(
     """Perplexity per KV format with 512-token windows moved by 256: in each window the
     first 256 tokens are the context (prefilled once at full precision, then *stored* in
     the format) and the next 256 are scored as ``stored_context_nll`` does."""
-    from .cache import KVQuant, make_layer_caches
+    from ..kv import KVQuant, make_layer_caches
 
     nll = dict.fromkeys(formats, 0.0)
     count = dict.fromkeys(formats, 0)
@@ -127,7 +127,7 @@ def stored_perplexity(
 def kv_roundtrip_errors(caches: list[Any], quant: Any) -> list[tuple[float, float]]:
     """Per layer, relative L2 error of K and V after a round trip through ``quant``
     (undoing a rotation), on the pending (full-precision) keys and values of ``caches``."""
-    from .cache import rotation
+    from ..kv import rotation
 
     out = []
     for c in caches:

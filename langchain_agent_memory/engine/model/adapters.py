@@ -30,9 +30,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from ..kv import BatchLayerCache, LayerCache
+from ..runtime import mx
 from . import fast_ops
-from .cache import BatchLayerCache, LayerCache
-from .runtime import mx
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .runtime import mx
+from ..runtime import mx
 
 DEFAULT_CHUNK_TOKENS = 512
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .runtime import mx
+from ..runtime import mx
 
 logger = logging.getLogger(__name__)
 

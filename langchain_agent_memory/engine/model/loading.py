@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import get_settings
+from ...config import get_settings
+from ..runtime import mx
 from .adapters import adapt_model
 from .families import check_family
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
-from .runtime import mx
 
 logger = logging.getLogger(__name__)
 

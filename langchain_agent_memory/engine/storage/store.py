@@ -41,7 +41,7 @@ from typing import Any, NewType, Protocol
 
 import numpy as np
 
-from .runtime import mx
+from ..runtime import mx
 
 logger = logging.getLogger(__name__)
 

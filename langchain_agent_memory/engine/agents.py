@@ -1,0 +1,412 @@
+"""The agent-cache manager: which cache a request starts from, and what it leaves behind.
+
+A request's agent is looked up hot (live layer caches in memory), then in the block pool's
+memory tier, then on disk; its prompt is matched to the cached text (``prefix``); the
+layer caches are built from the blocks the match keeps (``LayerCache.from_blocks``); with
+nothing of its own, whole blocks another agent stored for the same leading tokens are
+reused (``SHARED``). A damaged record or block is moved to quarantine and the request
+prefills instead (said in a log line). After the request, ``commit`` stores what it
+added and keeps the agent hot; ``HotPolicy`` decides how many stay hot and which keep
+their full-precision working copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
+from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize
+from .results import CacheSource
+from .storage.pool import BlockPool
+from .storage.store import (
+    BLOCK_TOKENS,
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    CacheWriteError,
+    DiskBlockStore,
+    NewerFormatError,
+    block_hash,
+    validate_agent_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AgentState:
+    """An agent's committed cache: the text it stands for, its blocks, and live layer
+    caches while it is hot (None: rebuild them from the blocks)."""
+
+    tokens: TokenizedText
+    blocks: list[BlockHash]
+    layers: list[LayerCache] | None
+
+
+@dataclass(slots=True)
+class Admission:
+    """Where a request starts: layer caches holding ``known``, and ``tail`` to prefill."""
+
+    state: AgentState | None  # the agent's cache before the request (None: it had none)
+    source: CacheSource
+    match: PrefixMatch
+    layers: list[LayerCache]
+    known: TokenizedText  # what ``layers`` hold
+    tail: TokenizedText  # the prompt's tokens still to prefill
+    load_s: float
+    #: The chain ``known`` was read from (the agent's own, or a SHARED one): its whole
+    #: blocks stay the same in the commit, so their hashes are not computed again.
+    prefix_blocks: list[BlockHash]
+    reused: int = field(init=False)  # tokens reused: ``known`` as admitted (it grows later)
+
+    def __post_init__(self) -> None:
+        self.reused = len(self.known)
+
+    @property
+    def outcome_match(self) -> MatchKind:
+        """The match reported in the result (a cold start reports MISS)."""
+        return self.match.kind if self.source is not CacheSource.COLD else MatchKind.MISS
+
+    def kept_blocks(self) -> list[BlockHash]:
+        return self.prefix_blocks[: self.reused // BLOCK_TOKENS]
+
+
+@dataclass(slots=True)
+class HotPolicy:
+    """How many agents keep live caches (LRU), and how many bytes of full-precision
+    working copies the most recent of them keep (a copy is ~3x the stored form; with it
+    the next request unpacks nothing)."""
+
+    max_agents: int = 16
+    work_budget_bytes: int = 1 << 30
+
+    def enforce(self, hot: OrderedDict[str, AgentState]) -> None:
+        while len(hot) > self.max_agents:
+            hot.popitem(last=False)
+        used = 0
+        for state in reversed(hot.values()):  # most recent first
+            for layer in state.layers or ():
+                if used + layer.work_nbytes > self.work_budget_bytes:
+                    layer.drop_work()
+                used += layer.work_nbytes
+
+
+class AgentCaches:
+    """Every agent's cache of one engine: hot ones in memory, all of them in the pool and
+    store. ``lock`` guards the hot table, the pool and live layer caches."""
+
+    def __init__(
+        self,
+        spec: ModelCacheSpec,
+        quant: KVQuant,
+        store: DiskBlockStore,
+        pool: BlockPool,
+        tokenizer: Any,
+        policy: HotPolicy,
+        prefill_rotated: bool,
+    ) -> None:
+        self.spec, self.quant, self.store, self.pool = spec, quant, store, pool
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.prefill_rotated = prefill_rotated
+        self.hot: OrderedDict[str, AgentState] = OrderedDict()  # LRU order
+        self.lock = threading.RLock()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.store.fingerprint
+
+    def new_layers(self) -> list[LayerCache]:
+        return make_layer_caches(self.spec, self.quant, self.prefill_rotated)
+
+    # ------------------------------------------------------------------ a request's start
+
+    def admit(self, agent_id: str, prompt: str) -> Admission:
+        """The caches a request for ``prompt`` starts from, loaded, and what to prefill."""
+        with self.lock:
+            state, source = self.lookup(agent_id)
+            m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
+            if state is not None and m.kind is not MatchKind.MISS:
+                t0 = time.perf_counter()
+                layers, from_disk = self.materialize(agent_id, state, m.reuse_tokens)
+                if layers is not None:
+                    known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
+                    known.truncate(m.reuse_tokens)
+                    if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
+                        raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
+                    tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
+                    source = CacheSource.WARM if from_disk else source
+                    load_s = time.perf_counter() - t0
+                    return Admission(state, source, m, layers, known, tail, load_s, state.blocks)
+            return self.cold_start(state, prompt)
+
+    def lookup(self, agent_id: str) -> tuple[AgentState | None, CacheSource]:
+        state = self.hot.get(agent_id)
+        if state is not None:
+            self.hot.move_to_end(agent_id)
+            return state, CacheSource.HOT
+        record = self.read_record(agent_id)
+        if record is None:
+            return None, CacheSource.COLD
+        tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
+        # HOT until a block has to be read from disk (``materialize`` says so): blocks
+        # still in the pool's memory tier serve a recorded agent without any I/O.
+        return AgentState(tokens, record.blocks, None), CacheSource.HOT
+
+    def read_record(self, agent_id: str) -> AgentRecord | None:
+        try:
+            return self.store.get_agent(agent_id)
+        except NewerFormatError:
+            raise  # a newer version's cache: refuse rather than overwrite it
+        except CacheFormatError as exc:
+            # Moved aside (so this is said once), references kept: the next save reuses
+            # the record's sound blocks and rewrites it.
+            self.store.quarantine_agent(agent_id)
+            logger.warning(
+                "agent %r: stored cache record unusable (%s); moved to quarantine/, falling back "
+                "to prefill (sound blocks shared by content are still reused), the next save "
+                "rewrites it",
+                agent_id,
+                exc,
+            )
+            return None
+
+    def materialize(
+        self, agent_id: str, state: AgentState, n_tokens: int
+    ) -> tuple[list[LayerCache] | None, bool]:
+        """Layer caches holding the first ``n_tokens`` of ``state`` and whether any block
+        came from disk; ``(None, False)`` if the stored cache is unusable (logged)."""
+        live = state.layers
+        if live is not None and all(_holds_window(layer, n_tokens) for layer in live):
+            for layer in live:
+                layer.trim_to(n_tokens)
+            state.layers = None  # handed over to this request
+            return live, False
+        try:
+            return self.from_blocks(state.blocks, n_tokens)
+        except CacheFormatError as exc:
+            quarantined = self._quarantine_bad(state.blocks)
+            aside = f"; {quarantined} bad block file(s) moved to quarantine/" if quarantined else ""
+            logger.warning(
+                "agent %r: stored cache unusable (%s)%s; falling back to prefill (sound blocks "
+                "shared by content are still reused), the next save rewrites it",
+                agent_id,
+                exc,
+                aside,
+            )
+            return None, False
+
+    def _quarantine_bad(self, chain: list[BlockHash]) -> int:
+        """Move every unreadable block of ``chain`` aside; return how many were moved."""
+        moved = 0
+        with self.store.locked():
+            for h in chain:
+                self.pool.forget(h)
+                try:
+                    self.store.get_block(h)
+                except BlockMissingError:
+                    continue
+                except CacheFormatError:
+                    moved += self.store.quarantine_block(h) is not None
+        return moved
+
+    def from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
+        """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
+        from disk. A sliding-window layer reads only the blocks of its last window."""
+        layers = self.new_layers()
+        first = [
+            0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
+            for layer in layers
+        ]
+        n_blocks = -(-n_tokens // BLOCK_TOKENS)
+        if len(chain) < n_blocks:
+            raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
+        base = min(first)
+        blocks: list[Block] = []
+        from_disk = False
+        for b in range(base, n_blocks):
+            block, hot = self.pool.get(chain[b])
+            blocks.append(block)
+            from_disk |= not hot
+        for i, layer in enumerate(layers):
+            own = blocks[first[i] - base :]
+            try:
+                layer.from_blocks(
+                    i, first[i] * BLOCK_TOKENS, [b.tensors for b in own], sum(len(b.token_ids) for b in own)
+                )
+            except KeyError as exc:
+                raise CacheFormatError(
+                    f"a block lacks tensor {exc}; it was written by another version"
+                ) from None
+            except ValueError as exc:
+                raise CacheFormatError(str(exc)) from None
+            layer.trim_to(n_tokens)
+        return layers, from_disk
+
+    def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
+        """No usable cache of the agent's own: reuse whole blocks any agent stored for the
+        same leading tokens (a shared system prompt), else start empty."""
+        bos = self.tokenizer.bos_token
+        full = tokenize(self.tokenizer, prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
+        # Whole blocks only, and never the last token (its logits must be computed).
+        for b in range((len(full) - 1) // BLOCK_TOKENS):
+            h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
+            if not (self.pool.is_hot(h) or self.store.has_block(h)):
+                break
+            chain.append(h)
+            parent = h
+        while chain and full.ends[len(chain) * BLOCK_TOKENS - 1] == NOT_A_BOUNDARY:
+            chain.pop()
+        if chain:
+            n = len(chain) * BLOCK_TOKENS
+            t0 = time.perf_counter()
+            try:
+                layers, from_disk = self.from_blocks(chain, n)
+            except CacheFormatError as exc:
+                logger.warning("shared blocks unusable (%s); prefilling from scratch", exc)
+            else:
+                known, tail = full.split(n)
+                source = CacheSource.WARM if from_disk else CacheSource.HOT
+                shared = PrefixMatch(MatchKind.SHARED, n, len(known.text))
+                load_s = time.perf_counter() - t0
+                return Admission(state, source, shared, layers, known, tail, load_s, chain)
+        miss = PrefixMatch(MatchKind.MISS, 0, 0)
+        return Admission(state, CacheSource.COLD, miss, self.new_layers(), TokenizedText(""), full, 0.0, [])
+
+    # ------------------------------------------------------------------ a request's end
+
+    def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> tuple[AgentRecord, int]:
+        """Store the cache of a request that began at ``start`` and now stands for ``known``:
+        new blocks written, then the record (the blocks it replaced and nothing else names
+        are deleted); the agent stays hot. Returns the record and the bytes written."""
+        layers, old = start.layers, start.state
+        n = len(known)
+        for layer in layers:
+            layer.commit(keep_work=self.policy.work_budget_bytes > 0)
+            if layer.offset > n:
+                layer.trim_to(n)
+        chain = self._chain_of(known, start.kept_blocks())
+        record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
+        written = self.pool.save_agent(
+            record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
+        )
+        # Sliding layers keep their window and the last (partial) block, for the next save.
+        for layer in layers:
+            if layer.spec.window is not None:
+                layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
+        self.keep_hot(agent_id, AgentState(known, chain, layers))
+        return record, written
+
+    def _chain_of(self, known: TokenizedText, kept: list[BlockHash]) -> list[BlockHash]:
+        """The block chain of ``known``; ``kept``: the hashes of its first whole blocks,
+        already known (a commit hashes only what the request added)."""
+        chain = list(kept)
+        parent = chain[-1] if chain else None
+        for a in range(len(chain) * BLOCK_TOKENS, len(known), BLOCK_TOKENS):
+            parent = block_hash(parent, known.ids[a : a + BLOCK_TOKENS], self.fingerprint)
+            chain.append(parent)
+        return chain
+
+    def _block_of(
+        self, b: int, chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
+    ) -> Block:
+        """Block ``b`` of ``chain``: from the hot tier if there, else from the layer caches."""
+        hot = self.pool.hot_block(chain[b])
+        if hot is not None:  # held in memory but its file is gone (deleted by another process)
+            return hot
+        a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))
+        tensors: dict[str, Any] = {}
+        for i, layer in enumerate(layers):
+            if a < layer.start:  # a sliding layer dropped it, and another process deleted it
+                raise CacheWriteError(
+                    f"block {b} of this cache was deleted by another process and is no longer in "
+                    "memory; the cache was not saved (the next request prefills)"
+                )
+            tensors.update(layer.block_state(i, a, z))
+        return Block(chain[b], chain[b - 1] if b else None, known.ids[a:z], tensors)
+
+    def keep_hot(self, agent_id: str, state: AgentState) -> None:
+        self.hot[agent_id] = state
+        self.hot.move_to_end(agent_id)
+        self.policy.enforce(self.hot)
+
+    def load_hot(self, agent_id: str) -> bool:
+        """Build an agent's live caches from its blocks (a prefetch); False if it has no
+        cache, is live already, or its cache is unusable."""
+        live = self.hot.get(agent_id)
+        if live is not None and live.layers is not None:
+            return False
+        state, _ = self.lookup(agent_id)
+        if state is None:
+            return False
+        layers, _ = self.materialize(agent_id, state, len(state.tokens))
+        if layers is None:
+            return False
+        state.layers = layers
+        self.keep_hot(agent_id, state)
+        return True
+
+    # ------------------------------------------------------------------ administration
+
+    def set_agent(self, agent_id: str, source: AgentRecord) -> None:
+        """Make ``agent_id``'s cache stand for what ``source`` does (blocks shared)."""
+        validate_agent_id(agent_id)
+        with self.lock:
+            record = AgentRecord(
+                agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
+            )
+            self.pool.set_agent(record)
+            self.hot.pop(agent_id, None)  # a live copy would stand for the old text
+
+    def delete(self, agent_id: str) -> bool:
+        with self.lock:
+            self.hot.pop(agent_id, None)
+            return self.pool.delete_agent(agent_id)
+
+    def cached_tokens(self, agent_id: str) -> int:
+        with self.lock:
+            state = self.hot.get(agent_id)
+            if state is not None:
+                return len(state.tokens)
+            record = self.read_record(agent_id)
+            return len(record.token_ids) if record else 0
+
+    def cached_text(self, agent_id: str) -> str:
+        with self.lock:
+            state, _ = self.lookup(agent_id)
+            return state.tokens.text if state else ""
+
+    def drop_hot(self, agent_id: str | None = None) -> None:
+        with self.lock:
+            if agent_id is None:
+                self.hot.clear()
+            else:
+                self.hot.pop(agent_id, None)
+
+    def clear_memory(self) -> None:
+        """Free every live cache and the pool's memory tier (what is stored stays)."""
+        with self.lock:
+            self.hot.clear()
+            for h in self.pool.hot_hashes():
+                self.pool.forget(h)
+
+    def working_copy_bytes(self) -> int:
+        return sum(layer.work_nbytes for state in self.hot.values() for layer in state.layers or ())
+
+
+def _holds_window(layer: LayerCache, n_tokens: int) -> bool:
+    """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
+    if layer.committed_end != layer.offset or layer.offset < n_tokens:
+        return False
+    if layer.spec.window is None:
+        return layer.start == 0
+    return layer.start <= max(0, n_tokens - layer.spec.window)

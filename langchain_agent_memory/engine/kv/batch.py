@@ -1,0 +1,239 @@
+"""Several agents' layer caches stepped together in one batched forward pass.
+
+Members join (``extend``) and leave (``filter``) between steps, as in mlx-lm's
+``BatchGenerator``: the others keep their merged buffers; nothing is dissolved and rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime import mx
+from .layer import WORK_STEP, LayerCache, _Working, cpu_attention, positional_mask
+
+
+class BatchLayerCache:
+    """One layer's caches of several agents, stepped together: the model runs one batched
+    forward pass (every projection and MLP multiplies a (B, L, D) batch: decode reads the
+    weights once for all agents), each agent at its own position (RoPE takes a vector of
+    offsets). Attention:
+
+    - full-attention layers: the agents' working copies merged into one left-padded buffer
+      (built when the batch forms, appended in place for all agents at once, a member's
+      rows handed back to it when it leaves), one attention call with a padding mask;
+    - sliding-window layers: each agent over its own cache (windows slide apart).
+
+    Either way each agent attends to exactly its own keys, as in a step alone. It satisfies
+    mlx-lm's cache protocol too (``update_and_fetch`` returns padded real arrays,
+    ``make_mask`` the padding mask): on a GPU the stock attention runs on it.
+    """
+
+    def __init__(self, caches: list[LayerCache], offsets: mx.array) -> None:
+        self.caches = list(caches)
+        # Every layer's RoPE reads the agents' positions before the step (shared array).
+        self.offset = offsets
+        self._merged: _Merged | None = None
+        self._fetched: tuple[mx.array, mx.array] | None = None
+        self._sliding = any(c.spec.window is not None for c in caches)
+
+    def step(self, offsets: mx.array) -> BatchLayerCache:
+        """The same batch, one step later (its merged buffer kept)."""
+        self.offset = offsets
+        return self
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append each agent's new keys and values; return every agent's visible ones,
+        left-padded to one length (``make_mask`` marks the padding)."""
+        m = self._merge()
+        if m is not None:
+            # One write for all agents; each one's new tokens are split off its rows of the
+            # buffer only when it leaves (for its commit).
+            m.append(keys, values)
+            for cache in self.caches:
+                cache.offset += keys.shape[2]
+            self._fetched = (m.k[:, :, : m.end], m.v[:, :, : m.end])
+            return self._fetched
+        n = len(self.caches)
+        fetched = [
+            c.update_and_fetch(k, v)
+            for c, k, v in zip(self.caches, mx.split(keys, n), mx.split(values, n), strict=True)
+        ]
+        # Lazy: where ``attend`` runs instead (adapted model) the padded copy is never built.
+        width = max(k.shape[2] for k, _ in fetched)
+        self._fetched = (
+            mx.concatenate([_left_pad(k, width) for k, _ in fetched], axis=0),
+            mx.concatenate([_left_pad(v, width) for _, v in fetched], axis=0),
+        )
+        return self._fetched
+
+    def fetched(self, keys: Any, values: Any) -> bool:
+        """Whether ``keys`` / ``values`` are what ``update_and_fetch`` just returned."""
+        f = self._fetched
+        return f is not None and keys is f[0] and values is f[1]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """(B, 1, N, keys) mask over what ``update_and_fetch`` will return: each agent's own
+        positions (causal, its window), never another agent's padding."""
+        m = self._merge()
+        if m is not None:
+            return m.valid[:, None, None, : m.end + N]
+        masks = []
+        for c in self.caches:
+            lo = c._first_visible(c.offset)
+            masks.append(positional_mask(c.offset, N, lo, c.spec.window, True))
+        width = max(mask.shape[-1] for mask in masks)
+        return mx.stack([_left_pad(mask, width, False) for mask in masks])[:, None]
+
+    def _merge(self) -> _Merged | None:
+        """The merged buffer of a full-attention layer (built at the batch's first step)."""
+        if self._merged is None and not self._sliding and len(self.caches) > 1:
+            self._merged = _Merged.of(self.caches, self.caches[0].dtype)
+        return self._merged
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        m = self._merged
+        if m is not None:
+            mask = m.valid[:, None, None, : m.end]
+            return cpu_attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
+        parts = mx.split(queries, len(self.caches))
+        return mx.concatenate(
+            [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
+        )
+
+    # ---------------------------------------------------------------- membership
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep members ``keep`` (indices, in their new order); every other member gets its
+        rows of the merged buffer back (its own working copy), to commit or go on alone."""
+        m = self._merged
+        if m is not None:
+            for i in range(len(self.caches)):
+                if i not in keep:
+                    m.hand_back(i, self.caches[i])
+            self._merged = m.filter(keep) if len(keep) > 1 else None
+            if self._merged is None:
+                for i in keep:
+                    m.hand_back(i, self.caches[i])
+        self.caches = [self.caches[i] for i in keep]
+        self._fetched = None
+
+    def extend(self, caches: list[LayerCache]) -> None:
+        """New members join after the current ones (their working copies merged in)."""
+        if self._merged is not None:
+            self._merged.extend(caches)
+        self.caches += caches
+        self._sliding = any(c.spec.window is not None for c in self.caches)
+        self._fetched = None
+
+    def dissolve(self) -> None:
+        """Every member leaves: each gets its rows back."""
+        self.filter([])
+
+    @property
+    def state(self) -> list[Any]:
+        return [c.state for c in self.caches]
+
+
+@dataclass(slots=True)
+class _Merged:
+    """Several agents' visible K/V, right-aligned in one buffer (agent i's positions in
+    columns ``[pads[i], end)``); ``valid`` marks the columns each agent may attend to;
+    ``added[i]``: how many of agent i's newest tokens only this buffer holds."""
+
+    k: mx.array
+    v: mx.array
+    pads: list[int]
+    end: int
+    valid: mx.array
+    added: list[int]
+
+    @classmethod
+    def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
+        m = cls(
+            mx.zeros((0, 0, 0, 0), dtype),
+            mx.zeros((0, 0, 0, 0), dtype),
+            [],
+            0,
+            mx.zeros((0, 0), mx.bool_),
+            [],
+        )
+        m.extend(caches)
+        return m
+
+    def extend(self, caches: list[LayerCache]) -> None:
+        works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
+        for c in caches:
+            c._work = None  # from now on the merged buffer holds it
+        end = max([self.end, *(k.shape[2] for k, _ in works)])
+        cap = end + WORK_STEP
+        if self.pads:  # the current members: shift right by what the new end adds, room on the right
+            shift, room = end - self.end, cap - end - (self.k.shape[2] - self.end)
+            pad = [(0, 0), (0, 0), (shift, max(0, room)), (0, 0)]
+            self.k, self.v = mx.pad(self.k, pad), mx.pad(self.v, pad)
+            self.pads = [p + shift for p in self.pads]
+        new_pads = [end - k.shape[2] for k, _ in works]
+        width = self.k.shape[2] if self.pads else cap
+
+        def rows(j: int) -> list[mx.array]:
+            return [
+                mx.pad(w[j], [(0, 0), (0, 0), (p, width - end), (0, 0)])
+                for w, p in zip(works, new_pads, strict=True)
+            ]
+
+        self.k = mx.concatenate(([self.k] if self.pads else []) + rows(0), axis=0)
+        self.v = mx.concatenate(([self.v] if self.pads else []) + rows(1), axis=0)
+        self.pads += new_pads
+        self.added += [0] * len(caches)
+        self.end = end
+        self.valid = mx.arange(self.k.shape[2])[None, :] >= mx.array(self.pads)[:, None]
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        if self.end + n > self.k.shape[2]:
+            extra = -(-(self.end + n - self.k.shape[2]) // WORK_STEP) * WORK_STEP
+            grow = [(0, 0), (0, 0), (0, extra), (0, 0)]
+            self.k, self.v = mx.pad(self.k, grow), mx.pad(self.v, grow)
+            self.valid = mx.pad(self.valid, [(0, 0), (0, extra)], constant_values=True)
+        self.k[:, :, self.end : self.end + n] = keys.astype(self.k.dtype)
+        self.v[:, :, self.end : self.end + n] = values.astype(self.v.dtype)
+        self.end += n
+        self.added = [a + n for a in self.added]
+
+    def hand_back(self, i: int, cache: LayerCache) -> None:
+        """Give member ``i`` its rows: its newest tokens as pending, the rest as its working copy."""
+        k, v = self.k[i : i + 1, :, self.pads[i] : self.end], self.v[i : i + 1, :, self.pads[i] : self.end]
+        new = self.added[i]
+        if new:
+            cache.offset -= new
+            cache.push_pending(k[:, :, -new:], v[:, :, -new:])
+        cache._work = _Working(k, v, cache.start, cache.offset)
+
+    def filter(self, keep: list[int]) -> _Merged:
+        """The buffer of members ``keep`` only (columns no member uses any more dropped)."""
+        idx = mx.array(keep)
+        cut = min(self.pads[i] for i in keep)
+        return _Merged(
+            self.k[idx, :, cut:],
+            self.v[idx, :, cut:],
+            [self.pads[i] - cut for i in keep],
+            self.end - cut,
+            self.valid[idx, cut:],
+            [self.added[i] for i in keep],
+        )
+
+
+def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
+    """``x`` padded on the left of its key axis (the last but one for K/V, the last for a
+    mask) to ``width``."""
+    axis = x.ndim - 1 if x.dtype == mx.bool_ else 2
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (width - x.shape[axis], 0)
+    return mx.pad(x, pad, constant_values=value) if width > x.shape[axis] else x
+
+
+def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
+    """Layer-major view of several agents' layer caches, for batched forward passes (keep
+    it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``)."""
+    offsets = mx.array([layers[0].offset for layers in per_agent])
+    return [BatchLayerCache(list(layer), offsets) for layer in zip(*per_agent, strict=True)]

@@ -1,0 +1,205 @@
+"""How keys and values are stored: codecs (float16, or affine 2-8-bit groups, optionally
+after a fixed Hadamard rotation of the head dimension), the named KV formats, and the
+rotation itself (derived from a hash, pinned by a golden test: stored caches depend on it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..runtime import mx
+
+#: Scales and biases are stored (on disk and in memory) at 16 bits: 0.281x FP16 bytes at
+#: 4 bits / group 64, instead of 0.3125x with float32 scales.
+SCALE_DTYPE = mx.float16
+#: Keys and values at 16 bits ("FP16 mode"): float16.
+HALF_DTYPE = mx.float16
+
+#: How ``rotation`` derives its signs; part of every model fingerprint (``KVQuant.identity``):
+#: stored rotated caches are only valid under the scheme that wrote them.
+ROTATION_SCHEME = "hadamard-shake256-v1"
+
+
+def rotation_signs(dim: int) -> np.ndarray:
+    """``dim`` signs (+1 / -1) from SHAKE-256 of the scheme and ``dim``: the same in every
+    process and every NumPy version (a NumPy RNG stream is not promised stable)."""
+    raw = hashlib.shake_256(f"langchain-agent-memory/{ROTATION_SCHEME}/{dim}".encode()).digest(-(-dim // 8))
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:dim]
+    return np.where(bits == 1, 1.0, -1.0)
+
+
+@functools.cache
+def rotation(dim: int) -> mx.array:
+    """A fixed orthonormal (dim, dim) rotation: fixed signs times a normalised Hadamard
+    matrix (block-diagonal when ``dim`` is not a power of two).
+
+    Rotating keys and queries alike leaves every score unchanged (q R . k R = q . k) while
+    spreading outlier channels over the whole head, which is what hurts 4-bit groups. The
+    signs come from ``rotation_signs``: every process builds the same matrix.
+    """
+    block = dim & -dim  # largest power of two dividing dim
+    if block < 16:
+        raise ValueError(f"head dim {dim} has no power-of-two block >= 16 to rotate")
+    h = np.array([[1.0]])
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    h /= np.sqrt(block)
+    full = np.kron(np.eye(dim // block), h)
+    return mx.array((rotation_signs(dim)[:, None] * full).astype(np.float32))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorCodec:
+    """How one of K or V is stored: ``bits=None`` is float16; else affine ``bits``-bit
+    groups of ``group_size`` channels with float16 scales and biases, optionally after the
+    fixed rotation of the head dimension (``rotate``)."""
+
+    bits: int | None = 4
+    group_size: int = 64
+    rotate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (None, 2, 3, 4, 5, 6, 8):
+            raise ValueError(f"kv bits must be 4, 8 (or 2, 3, 6) or None for 16-bit; got {self.bits!r}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128; got {self.group_size}")
+
+    @property
+    def label(self) -> str:
+        if self.bits is None:
+            return "f16" + ("h" if self.rotate else "")
+        return f"{self.bits}g{self.group_size}" + ("h" if self.rotate else "")
+
+    def parts(self) -> tuple[str, ...]:
+        return ("",) if self.bits is None else ("q", "scales", "biases")
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        """Full precision (B, H, N, D) -> stored form (tuple of arrays, last axis packed)."""
+        if self.rotate:
+            x = x.astype(mx.float32) @ rotation(x.shape[-1])
+        if self.bits is None:
+            return (x.astype(HALF_DTYPE),)
+        q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        return q, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
+
+    def decode(self, parts: tuple[mx.array, ...], dtype: mx.Dtype) -> mx.array:
+        """Stored form -> full precision, still rotated if ``rotate`` (per layer and call)."""
+        if self.bits is None:
+            return parts[0].astype(dtype)
+        q, scales, biases = parts
+        if mx.default_device() == mx.cpu:
+            return unpack_affine(q, scales.astype(dtype), biases.astype(dtype), self.bits, self.group_size)
+        return mx.dequantize(
+            q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
+        )
+
+
+def unpack_affine(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """``mx.dequantize`` on CPU, as vectorised shifts and masks: mlx's CPU kernel unpacks
+    one value at a time (6-bit keys of a 2.3K-token layer took 5.2 ms, this 0.9 ms; 4-bit
+    0.9 -> 0.7 ms), and a short prefill over a long cache dequantizes every layer.
+
+    mlx packs values as a little-endian bit stream: ``lcm(bits, 8)`` bits hold a whole
+    number of values (3 and 6 bits: 3 bytes; 5 bits: 5 bytes; 2, 4, 8 bits: any word).
+    """
+    lead = q.shape[:-1]
+    if 32 % bits == 0:
+        words, per_word, word_type = q, 32 // bits, mx.uint32
+    else:
+        run_bytes = int(np.lcm(bits, 8)) // 8
+        word_type = mx.uint32 if run_bytes <= 4 else mx.uint64
+        by = mx.view(q, mx.uint8).reshape(*lead, -1, run_bytes).astype(word_type)
+        words = by[..., 0]
+        for j in range(1, run_bytes):
+            words = words | (by[..., j] << (8 * j))
+        per_word = run_bytes * 8 // bits
+    shifts = mx.arange(0, per_word * bits, bits, dtype=word_type)
+    values = ((words[..., None] >> shifts) & ((1 << bits) - 1)).astype(scales.dtype)
+    values = values.reshape(*lead, scales.shape[-1], group_size)
+    return (values * scales[..., None] + biases[..., None]).reshape(*lead, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuant:
+    """How committed keys and values are stored (see ``KV_PRESETS``).
+
+    ``head_tokens``: the first tokens of every sequence are kept at 16 bits. Most heads
+    park much of their attention on them (attention sinks), so their quantization error is
+    not averaged away over many keys the way every other token's is; at 4 bits it alone
+    moved SmolLM2's greedy output off the 16-bit one on several prompts (README, KV formats).
+    """
+
+    keys: TensorCodec = TensorCodec()
+    values: TensorCodec = TensorCodec()
+    head_tokens: int = 0
+
+    @classmethod
+    def uniform(cls, bits: int | None, group_size: int = 64, rotate: bool = False) -> KVQuant:
+        codec = TensorCodec(bits, group_size, rotate)
+        return cls(codec, codec)
+
+    @property
+    def label(self) -> str:
+        head = f"-h{self.head_tokens}" if self.head_tokens and self.keys.bits is not None else ""
+        return f"k{self.keys.label}-v{self.values.label}{head}"
+
+    @property
+    def identity(self) -> str:
+        """What a stored cache depends on beyond the label: the rotation's derivation."""
+        rotated = self.keys.rotate or self.values.rotate
+        return self.label + (f"+{ROTATION_SCHEME}" if rotated else "")
+
+    def check_dims(self, k_dim: int, v_dim: int) -> None:
+        """Refuse head widths this format cannot store (groups must tile the head)."""
+        for what, dim, codec in (("key", k_dim, self.keys), ("value", v_dim, self.values)):
+            if codec.bits is not None and dim % codec.group_size:
+                raise ValueError(
+                    f"KV format {self.label}: {what} heads are {dim} wide, not a multiple of its "
+                    f"{codec.group_size}-channel groups; use kv_format='fp16' or a smaller group (q4g32)"
+                )
+            if codec.rotate and (dim & -dim) < 16:
+                raise ValueError(
+                    f"KV format {self.label}: {what} heads are {dim} wide, which cannot be rotated; "
+                    "use an unrotated format (q8, q4)"
+                )
+
+
+#: 16-bit and unrotated: how head tokens are stored and pending tokens are held.
+FULL = TensorCodec(None)
+
+#: Named KV formats (``Engine(kv_format="...")``). ``q4`` is what the reference system
+#: measured; the README lists each with its measured perplexity, agreement and bytes.
+KV_PRESETS: dict[str, KVQuant] = {
+    "fp16": KVQuant.uniform(None),
+    "q8": KVQuant.uniform(8),
+    "q4": KVQuant.uniform(4),
+    "q4g32": KVQuant.uniform(4, 32),
+    "q4-rot": KVQuant.uniform(4, rotate=True),
+    "q4-rot-h4": KVQuant(TensorCodec(4, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
+    "k6v4-rot-h4": KVQuant(TensorCodec(6, rotate=True), TensorCodec(4, rotate=True), head_tokens=4),
+    "k8v4-rot": KVQuant(TensorCodec(8, rotate=True), TensorCodec(4, rotate=True)),
+}
+
+
+#: What ``kv_bits`` selects. 4: the best measured format at <= 0.35x the 16-bit bytes
+#: (benchmarks/fidelity.py: plain ``q4`` moves greedy output off the 16-bit one within
+#: ~5 tokens on most prompts of both shipped models; this one keeps >= 32 on 12 of 16).
+KV_BITS_PRESET: dict[int | None, str] = {4: "k6v4-rot-h4", 8: "q8", None: "fp16"}
+
+
+def kv_format(kv: str | KVQuant | int | None) -> KVQuant:
+    """A ``KVQuant`` from a preset name, a ``kv_bits`` value (``KV_BITS_PRESET``: 4, 8 or
+    None for 16-bit) or itself."""
+    if isinstance(kv, KVQuant):
+        return kv
+    if isinstance(kv, str):
+        if kv not in KV_PRESETS:
+            raise ValueError(f"unknown KV format {kv!r}; choose one of {sorted(KV_PRESETS)}")
+        return KV_PRESETS[kv]
+    if kv not in KV_BITS_PRESET:
+        raise ValueError(f"kv_bits must be 4, 8 or None (16-bit); got {kv!r}. Other formats: kv_format=")
+    return KV_PRESETS[KV_BITS_PRESET[kv]]

@@ -1,0 +1,75 @@
+"""What a request asks for and what it gets back: parameters, results, stream chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .model.constrain import TokenConstraint
+from .prefix import MatchKind
+
+
+class CacheSource(str, Enum):
+    COLD = "cold"  # nothing reused: full prefill
+    WARM = "warm"  # reused, read (at least partly) from disk
+    HOT = "hot"  # reused from memory
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOutcome:
+    source: CacheSource
+    match: MatchKind
+
+    def __str__(self) -> str:
+        return (
+            self.source.value
+            if self.source is CacheSource.COLD
+            else f"{self.source.value}-{self.match.value}"
+        )
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context window."""
+
+
+@dataclass(slots=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    #: Restricts sampling to what a grammar allows (``constrain.GrammarConstraint``); it is
+    #: stateful: one per request.
+    constraint: TokenConstraint | None = None
+    #: Stop decoding after this many seconds from the request's start (``"timeout"``).
+    timeout_s: float | None = None
+
+
+@dataclass(slots=True)
+class Timings:
+    load_s: float = 0.0  # building the cache from blocks (memory or disk)
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # request start -> first token sampled
+    decode_s: float = 0.0
+    save_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    outcome: CacheOutcome
+    finish_reason: str  # "stop" (end of turn or stop sequence), "length", "cancelled", "timeout"
+    timings: Timings
+    bytes_written: int = 0
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """A piece of generated text; the last chunk of a stream carries ``result``."""
+
+    text: str
+    result: GenerationResult | None = None

@@ -1,0 +1,118 @@
+"""The model runner: prefill chunks, batched decode steps, sampling.
+
+A decode batch keeps its layer caches from step to step (merged buffers grow in place);
+a request that finishes leaves by ``filter`` and one that starts decoding joins by
+``extend``, as in mlx-lm's ``BatchGenerator``. Sampling draws from an explicit RNG key
+per request and step: the same seed gives the same text however requests interleave, and
+mlx's global RNG is never touched.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Hashable
+from typing import Any
+
+from .kv import BatchLayerCache, LayerCache, batch_layer_caches
+from .model.constrain import TokenConstraint
+from .model.forward import decode_step, prefill_chunk
+from .runtime import mx
+
+
+class Sampler:
+    """One request's token choice: greedy at temperature 0, else categorical (after top-p)
+    with the key of (seed, step); a grammar constraint masks the logits first."""
+
+    def __init__(
+        self, temperature: float, top_p: float, seed: int | None, constraint: TokenConstraint | None
+    ) -> None:
+        self.temperature, self.top_p, self.constraint = temperature, top_p, constraint
+        self.seed = seed if seed is not None else secrets.randbits(62)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is one argmax, batched with others (no grammar)."""
+        return self.temperature == 0 and self.constraint is None
+
+    def __call__(self, logits: mx.array, step: int) -> int:
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        if self.temperature == 0:
+            token = int(mx.argmax(logits).item())
+        else:
+            from mlx_lm.sample_utils import apply_top_p
+
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            if self.top_p < 1.0:
+                logprobs = apply_top_p(logprobs[None], self.top_p)[0]
+            key = mx.random.key(self.seed + step)
+            token = int(mx.random.categorical(logprobs * (1 / self.temperature), key=key).item())
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
+
+
+class ModelRunner:
+    """Runs one model for the engine's requests (on the worker thread)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._members: list[Hashable] = []  # the decode batch, in row order
+        self._caches: list[BatchLayerCache] | None = None
+
+    def prefill(self, ids: list[int], layers: list[LayerCache], last: bool) -> mx.array | None:
+        """One prefill chunk; the last position's logits if it is the ``last`` chunk."""
+        return prefill_chunk(self.model, ids, layers, last=last)
+
+    def decode(self, members: list[tuple[Hashable, int, list[LayerCache]]]) -> mx.array:
+        """One decode step for each (request key, token to feed, its layer caches): the
+        logits rows (float32), in the order given. One member decodes alone; several as one
+        batched forward pass over the batch kept from the previous step."""
+        if len(members) == 1:
+            self.leave_all()
+            _, token, layers = members[0]
+            return decode_step(self.model, token, layers)[None]
+        caches = self._batch_for(members)
+        order = {key: row for row, key in enumerate(self._members)}
+        rows = [order[key] for key, _, _ in members]
+        tokens = mx.array([members[rows.index(r)][1] for r in range(len(rows))])[:, None]
+        out = self.model(tokens, cache=caches)[:, -1].astype(mx.float32)
+        return out if rows == list(range(len(rows))) else out[mx.array(rows)]
+
+    def _batch_for(self, members: list[tuple[Hashable, int, list[LayerCache]]]) -> list[BatchLayerCache]:
+        keys = [key for key, _, _ in members]
+        if self._caches is None:
+            self._members = keys
+            self._caches = batch_layer_caches([layers for _, _, layers in members])
+            return self._caches
+        wanted = set(keys)
+        keep = [i for i, key in enumerate(self._members) if key in wanted]
+        if len(keep) != len(self._members):
+            for c in self._caches:
+                c.filter(keep)
+            self._members = [self._members[i] for i in keep]
+        joining = [(key, layers) for key, _, layers in members if key not in set(self._members)]
+        if joining:
+            per_layer = list(zip(*(layers for _, layers in joining), strict=True))
+            for c, new in zip(self._caches, per_layer, strict=True):
+                c.extend(list(new))
+            self._members += [key for key, _ in joining]
+        offsets = mx.array([c.offset for c in self._caches[0].caches])
+        return [c.step(offsets) for c in self._caches]
+
+    def leave(self, key: Hashable) -> None:
+        """A request stops decoding: its rows go back to its own layer caches."""
+        if self._caches is None or key not in self._members:
+            return
+        keep = [i for i, k in enumerate(self._members) if k != key]
+        for c in self._caches:
+            c.filter(keep)
+        self._members = [self._members[i] for i in keep]
+        if len(self._members) < 2:
+            self.leave_all()
+
+    def leave_all(self) -> None:
+        if self._caches is not None:
+            for c in self._caches:
+                c.dissolve()
+        self._caches, self._members = None, []

@@ -1,0 +1,208 @@
+"""A request's steps as the scheduler runs them on the worker thread: admit (its cache
+found and loaded), prefill chunks, decode steps (batched with the other decoding
+requests), finish (commit). A step that fails fails its request only; the others go on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .agents import Admission, AgentCaches
+from .results import (
+    CacheOutcome,
+    ContextLengthError,
+    GenerationParams,
+    GenerationResult,
+    StreamChunk,
+    Timings,
+)
+from .runner import ModelRunner, Sampler
+from .runtime import mx
+from .scheduler import Phase
+from .storage.store import AgentRecord
+from .text import TextStream, last_clean, token_ends
+from .worker import Sink
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler advances it (``scheduler.Schedulable``)."""
+
+    agent_id: str
+    prompt: str
+    params: GenerationParams
+    cancel: threading.Event
+    sink: Sink
+    arrival: int
+    phase: Phase = Phase.PREFILL
+    t_start: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=Timings)
+    start: Admission | None = None  # where its cache began (set when admitted)
+    prefilled: int = 0  # tokens of ``start.tail`` run so far
+    max_new: int = 0  # tokens it may generate: max_tokens, or what the context has left
+    sampler: Sampler | None = None
+    stream: TextStream | None = None
+    generated: list[int] = field(default_factory=list)
+    token: int = 0  # sampled, to be fed next
+    ended_by_eos: bool = False
+    decode_t0: float = 0.0
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.start.tail) - self.prefilled if self.start is not None else 0
+
+
+class RequestSteps:
+    """What the scheduler calls for each request (see ``scheduler``)."""
+
+    def __init__(
+        self,
+        agents: AgentCaches,
+        runner: ModelRunner,
+        tokenizer: Any,
+        context_length: int,
+        model_name: str,
+        on_commit: Callable[[AgentRecord], None],
+    ) -> None:
+        self.agents, self.runner, self.tokenizer = agents, runner, tokenizer
+        self.context_length, self.model_name = context_length, model_name
+        self.on_commit = on_commit
+        self.eos = set(tokenizer.eos_token_ids)
+
+    def admit(self, req: Request) -> None:
+        """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
+        try:
+            start = self.agents.admit(req.agent_id, req.prompt)
+            req.start, req.timings.load_s = start, start.load_s
+            prompt_tokens = start.reused + len(start.tail)
+            if prompt_tokens >= self.context_length:
+                raise ContextLengthError(
+                    f"the prompt is {prompt_tokens} tokens; {self.model_name} reads at most "
+                    f"{self.context_length} (prompt and reply): shorten the messages or start a new agent"
+                )
+            p = req.params
+            req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
+            req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint)
+            req.stream = TextStream(self.tokenizer, p.stop)
+        except BaseException as exc:
+            self.fail(req, exc)
+
+    def prefill(self, req: Request, n: int) -> None:
+        """Run up to ``n`` of the request's new tokens; after the last, sample its first."""
+        try:
+            with self.agents.lock:
+                start = req.start
+                assert start is not None and req.sampler is not None
+                t0 = time.perf_counter()
+                ids = start.tail.ids[req.prefilled : req.prefilled + n]
+                req.prefilled += len(ids)
+                logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
+                if logits is None:
+                    req.timings.prefill_s += time.perf_counter() - t0
+                    return
+                token = req.sampler(logits, 0)
+                req.timings.prefill_s += time.perf_counter() - t0
+                req.timings.ttft_s = time.perf_counter() - req.t_start
+                req.phase = Phase.DECODE
+                req.decode_t0 = time.perf_counter()
+                self._accept(req, token)
+        except BaseException as exc:
+            self.fail(req, exc)
+
+    def decode(self, reqs: list[Request]) -> None:
+        """One decode step for every decoding request, in one batched forward pass."""
+        try:
+            with self.agents.lock:
+                rows = self.runner.decode([(id(r), r.token, r.start.layers) for r in reqs])  # type: ignore[union-attr]
+                # Greedy rows without a grammar: one argmax and one sync for all of them.
+                plain = [i for i, r in enumerate(reqs) if r.sampler is not None and r.sampler.greedy]
+                greedy = (
+                    dict(zip(plain, mx.argmax(rows[mx.array(plain)], axis=-1).tolist(), strict=True))
+                    if plain
+                    else {}
+                )
+                for i, req in enumerate(reqs):
+                    try:
+                        assert req.sampler is not None
+                        self._accept(
+                            req, greedy[i] if i in greedy else req.sampler(rows[i], len(req.generated))
+                        )
+                    except BaseException as exc:
+                        self.fail(req, exc)
+        except BaseException as exc:
+            for req in reqs:
+                self.fail(req, exc)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
+        timeout finish the request; otherwise its text is streamed and it is fed next."""
+        assert req.stream is not None
+        if len(req.generated) >= req.max_new:
+            return self._finish(req, "length")
+        if token in self.eos:
+            req.ended_by_eos = True
+            return self._finish(req, "stop")
+        req.generated.append(token)
+        new = req.stream.add(token)
+        if req.stream.stopped:
+            return self._finish(req, "stop")
+        if new:
+            req.sink.item(StreamChunk(new))
+        if len(req.generated) == req.max_new:
+            return self._finish(req, "length")
+        if req.cancel.is_set():
+            return self._finish(req, "cancelled")
+        timeout = req.params.timeout_s
+        if timeout is not None and time.perf_counter() - req.t_start > timeout:
+            return self._finish(req, "timeout")
+        req.token = token
+        return None
+
+    def _finish(self, req: Request, finish: str) -> None:
+        """Stream the rest of the text, commit the cache, hand over the result."""
+        start, stream = req.start, req.stream
+        assert start is not None and stream is not None
+        rest = stream.finish()
+        if stream.stopped:
+            finish = "stop"
+        req.timings.decode_s = time.perf_counter() - req.decode_t0
+        if rest:
+            req.sink.item(StreamChunk(rest))
+        # Commit the KV of the prompt and of every generated token that went through the
+        # model (all but the last sampled one, unless that one was end-of-turn).
+        t0 = time.perf_counter()
+        self.runner.leave(id(req))  # the others go on without this one
+        with self.agents.lock:
+            known = start.known
+            known.extend(start.tail)
+            fed = req.generated if req.ended_by_eos else req.generated[:-1]
+            if start.layers[0].offset != len(known) + len(fed):
+                raise RuntimeError("cache length and token count disagree (this is a bug)")
+            gen = token_ends(self.tokenizer, known.ids[-1] if known.ids else None, fed)
+            if stream.stopped:  # a stop sequence: keep nothing past it
+                gen.truncate(last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(stream.text))))
+            known.extend(gen)
+            record, written = self.agents.commit(req.agent_id, start, known)
+        self.on_commit(record)
+        req.timings.save_s = time.perf_counter() - t0
+        result = GenerationResult(
+            text=stream.text,
+            prompt_tokens=start.reused + len(start.tail),
+            completion_tokens=len(req.generated) + int(req.ended_by_eos),
+            reused_tokens=start.reused,
+            outcome=CacheOutcome(start.source, start.outcome_match),
+            finish_reason=finish,
+            timings=req.timings,
+            bytes_written=written,
+        )
+        req.phase = Phase.DONE
+        req.sink.item(StreamChunk("", result))
+        req.sink.end()
+
+    def fail(self, req: Request, exc: BaseException) -> None:
+        self.runner.leave(id(req))
+        req.phase = Phase.DONE
+        req.sink.error(exc)
