@@ -36,8 +36,9 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
 from . import prompt
-from .engine.engine import Engine, GenerationParams, GenerationResult, shared_engine
+from .engine.engine import Engine, GenerationParams, GenerationResult
 from .engine.model.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
+from .engine.shared import shared_engine
 from .engine.storage.store import validate_agent_id
 from .namespace import agent_namespace
 

@@ -48,7 +48,8 @@ from langgraph.checkpoint.base import (
 )
 
 from .config import get_settings
-from .engine.engine import Engine, shared_engine
+from .engine.engine import Engine
+from .engine.shared import shared_engine
 from .engine.storage.store import AgentRecord
 from .sqlite_checkpoints import SqliteCheckpoints
 from .threaded_async import ThreadedAsync

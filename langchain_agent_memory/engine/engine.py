@@ -17,7 +17,6 @@ new blocks. Nothing here knows about LangChain. The rooms behind it:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import threading
@@ -59,7 +58,6 @@ __all__ = [
     "GenerationResult",
     "StreamChunk",
     "Timings",
-    "shared_engine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -313,62 +311,7 @@ def _deliver(listener: Callable[[AgentRecord], None], record: AgentRecord) -> No
         logger.exception("commit listener %r failed on agent %r", listener, record.agent_id)
 
 
-_SHARED: dict[tuple[Path, Path, str], Engine] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_engine(
-    model: str | Path | None = None,
-    *,
-    cache_dir: str | Path | None = None,
-    kv_bits: int | None = 4,
-    kv_format: str | KVQuant | None = None,
-    hot_budget_bytes: int | None = None,
-) -> Engine:
-    """The process's one engine for (model, cache directory, KV format): every chat model
-    and checkpointer naming the same three shares its caches, pool and worker thread. A
-    larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it."""
-    home = _home()
-    if not home.on_worker:
-        # Built on a long-lived daemon thread, not the caller's: the first call often comes
-        # from a LangGraph node's pool thread, and a thread that ran MLX work (loading the
-        # model) and then *ends* during interpreter shutdown makes MLX abort (see Worker).
-        build = functools.partial(
-            shared_engine, model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format,
-            hot_budget_bytes=hot_budget_bytes,
-        )  # fmt: skip
-        return home.submit(build).result()
-    lm = load_model(model)
-    root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
-    quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
-    key = (lm.path, root, quant.label)
-    with _SHARED_LOCK:
-        engine = _SHARED.get(key)
-        if engine is None:
-            engine = Engine(model, cache_dir=root, kv_format=quant, **_budget(hot_budget_bytes))
-            _SHARED[key] = engine
-        elif hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
-            engine.pool.hot_budget_bytes = hot_budget_bytes
-        return engine
-
-
 def _trained_context(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
     return int(text.get("max_position_embeddings") or 1 << 20)
-
-
-_HOME: Worker | None = None
-
-
-def _home() -> Worker:
-    """The daemon thread shared engines are built on (created on first use)."""
-    global _HOME
-    with _SHARED_LOCK:
-        if _HOME is None:
-            _HOME = Worker(name="agent-memory-init")
-        return _HOME
-
-
-def _budget(hot_budget_bytes: int | None) -> dict[str, int]:
-    return {} if hot_budget_bytes is None else {"hot_budget_bytes": hot_budget_bytes}

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 from pathlib import Path
-from typing import Annotated, TypedDict
+from typing import Annotated, Any, TypedDict
 
 import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
@@ -29,31 +30,15 @@ PROMPTS = {
 GREEDY = GenerationParams(max_tokens=12)
 
 
-def _together(engine: Engine, prompts: dict[str, str]) -> dict[str, GenerationResult]:
-    results: dict[str, GenerationResult] = {}
-    barrier = threading.Barrier(len(prompts))
-
-    def run(agent: str) -> None:
-        barrier.wait()
-        results[agent] = engine.generate(agent, prompts[agent], GREEDY)
-
-    threads = [threading.Thread(target=run, args=(a,)) for a in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_batched_decode_equals_decode_alone(
-    model: str, tmp_path: Path, request: pytest.FixtureRequest, figures: dict[str, str]
+    model: str, tmp_path: Path, request: pytest.FixtureRequest, figures: dict[str, str], together: Any
 ) -> None:
     request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")
     alone = Engine(model, cache_dir=tmp_path / "alone")
     expected = {agent: alone.generate(agent, prompt, GREEDY) for agent, prompt in PROMPTS.items()}
     batched = Engine(model, cache_dir=tmp_path / "batched")
-    got = _together(batched, PROMPTS)
+    got = together(batched, PROMPTS, GREEDY)
     assert batched.stats()["max_decode_batch"] >= 2  # the decodes did run together
     worst = 0.0
     for agent in PROMPTS:
@@ -100,17 +85,24 @@ def test_a_turn_of_a_busy_agent_waits_for_its_previous_turn(smollm: object, tmp_
     cache the first committed."""
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = PROMPTS["lawyer"]
-    results: list[GenerationResult] = []
-    threads = [
-        threading.Thread(target=lambda p=p: results.append(engine.generate("lawyer", p, GREEDY)))
-        for p in (first, first + " The Apache License.\nQ: Who wrote it?\nA:")
-    ]
-    threads[0].start()
-    threads[1].start()
-    for t in threads:
-        t.join()
-    second = max(results, key=lambda r: r.prompt_tokens)
-    assert second.reused_tokens > 150  # it found the first turn's cache
+    results: dict[str, GenerationResult] = {}
+
+    def run(name: str, prompt: str) -> None:
+        results[name] = engine.generate("lawyer", prompt, GREEDY)
+
+    one = threading.Thread(target=run, args=("first", first))
+    one.start()
+    # Force the race: the second turn arrives while the first is admitted and running.
+    while not any(r.agent_id == "lawyer" for r in engine._scheduler.active):
+        time.sleep(0.001)
+    two = threading.Thread(target=run, args=("second", first + " The Apache License.\nQ: Who wrote it?\nA:"))
+    two.start()
+    one.join()
+    two.join()
+    # Had it run at once it would have found no cache (the first had not committed yet).
+    assert str(results["first"].outcome) == "cold"
+    assert str(results["second"].outcome).startswith("hot-")  # the first turn's cache, in memory
+    assert results["second"].reused_tokens >= results["first"].prompt_tokens - 1
 
 
 class FanOut(TypedDict):

@@ -221,10 +221,16 @@ def test_newer_format_record_is_refused_not_overwritten(smollm: LoadedModel, tmp
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/../../b", "nul\x00id", "x" * 300])
 def test_bad_agent_ids(smollm: LoadedModel, tmp_path: Path, bad: str) -> None:
-    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
+    cache_dir = tmp_path / "cache"
+    eng = Engine("smollm2-135m", cache_dir=cache_dir, kv_bits=4)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     with pytest.raises(ValueError, match="agent_id"):
         eng.generate(bad, "hello", GenerationParams(max_tokens=1))
-    assert not list(tmp_path.rglob("*.json"))[1:]  # nothing but format.json written
+    with pytest.raises(ValueError, match="agent_id"):
+        eng.set_agent(bad, AgentRecord("src", [], [], [], ""))
+    # Refused before any work: no record, no block, no file anywhere (not "../x" either).
+    assert list(eng.store.agents()) == [] and list(eng.store.block_hashes()) == []
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_missing_block_falls_back_to_prefill(

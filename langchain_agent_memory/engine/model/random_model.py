@@ -143,26 +143,13 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "rope_scaling": {"factor": 1.0},
     },
-    "deepseek_v3": {
-        "model_type": "deepseek_v3",
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "kv_lora_rank": 64,
-        "q_lora_rank": 64,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-        "first_k_dense_replace": 1,
-        "max_position_embeddings": 4096,
-        "rope_scaling": None,
-    },
+}
+# The same MLA shapes, with V3's own attention: a compressed query, the latent stored as is.
+SMALL_CONFIGS["deepseek_v3"] = {
+    **SMALL_CONFIGS["deepseek_v2"],
+    "model_type": "deepseek_v3",
+    "q_lora_rank": 64,
+    "rope_scaling": None,
 }
 
 
