@@ -49,6 +49,7 @@ def weights_digest(path: Path, memo_dir: Path | None = None) -> str:
     else:
         digest = sha256_file(path)
         if memo_file is not None:
+            stored = {p: e for p, e in stored.items() if Path(p).exists()}  # forget deleted models
             stored[key[0]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
             _write_memo(memo_file, stored)
     with _memo_lock:
