@@ -182,3 +182,19 @@ def test_cpu_unpacking_equals_mlx_dequantize(bits: int, group_size: int, dtype: 
     got = unpack_affine(q, scales, biases, bits, group_size)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert mx.array_equal(got, expected).item()
+
+
+def test_a_16bit_models_working_copy_stays_16bit_and_equals_a_reload() -> None:
+    """A bf16 model (GPUs) with a rotated format: the kept working copy and one rebuilt from
+    the stored blocks hold the same bf16 values (hot == warm), not a float32 promotion."""
+    spec = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None)
+    k, v = (x.astype(mx.bfloat16) for x in _kv())
+    hot = LayerCache(spec, kv_format(4), mx.bfloat16)
+    hot.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+    hot.commit(keep_work=True)
+    warm = LayerCache(spec, kv_format(4), mx.bfloat16)
+    warm.from_blocks(0, 0, [hot.block_state(0, 0, hot.offset)], hot.offset)
+    got = [c.update_and_fetch(k[:, :, -1:], v[:, :, -1:]) for c in (hot, warm)]
+    for (a, b), want in zip(zip(*got, strict=True), (k, v), strict=True):
+        assert a.dtype == b.dtype == mx.bfloat16 and a.shape == want.shape
+        np.testing.assert_array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))

@@ -49,10 +49,16 @@ def _slice(parts: Parts, start: int, stop: int) -> Parts:
 
 
 def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
-    """``x`` (rotated or not) moved into the rotated space or out of it, as wanted."""
+    """``x`` (rotated or not) moved into the rotated space or out of it, as wanted; in
+    ``x``'s dtype. NOTE: the float32 rotation would promote a bf16 / fp16 ``x`` to float32:
+    a working copy built from the stored form and one whose rows were replaced by it must
+    hold the same values in the same dtype (hot == warm), and float32 copies of a 16-bit
+    model's keys double their memory."""
     if rotated == want_rotated:
         return x
-    return x @ rotation(x.shape[-1]) if want_rotated else x @ rotation(x.shape[-1]).T
+    r = rotation(x.shape[-1])
+    out = x @ r if want_rotated else x @ r.T
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
 @dataclass(slots=True)
