@@ -84,8 +84,8 @@ class HotPolicy:
     working copies the most recent of them keep (a copy is ~3x the stored form; with it
     the next request unpacks nothing)."""
 
-    max_agents: int = 16
-    work_budget_bytes: int = 1 << 30
+    max_agents: int
+    work_budget_bytes: int
 
     def enforce(self, hot: OrderedDict[str, AgentState]) -> None:
         while len(hot) > self.max_agents:

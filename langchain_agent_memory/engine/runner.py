@@ -75,7 +75,10 @@ class ModelRunner:
         caches = self._batch_for(members)
         order = {key: row for row, key in enumerate(self._members)}
         rows = [order[key] for key, _, _ in members]
-        tokens = mx.array([members[rows.index(r)][1] for r in range(len(rows))])[:, None]
+        by_row = [0] * len(rows)
+        for (_, token, _), row in zip(members, rows, strict=True):
+            by_row[row] = token
+        tokens = mx.array(by_row)[:, None]
         out = self.model(tokens, cache=caches)[:, -1].astype(mx.float32)
         return out if rows == list(range(len(rows))) else out[mx.array(rows)]
 
@@ -91,7 +94,8 @@ class ModelRunner:
             for c in self._caches:
                 c.filter(keep)
             self._members = [self._members[i] for i in keep]
-        joining = [(key, layers) for key, _, layers in members if key not in set(self._members)]
+        present = set(self._members)
+        joining = [(key, layers) for key, _, layers in members if key not in present]
         if joining:
             per_layer = list(zip(*(layers for _, layers in joining), strict=True))
             for c, new in zip(self._caches, per_layer, strict=True):

@@ -132,7 +132,9 @@ class LayerCache:
     - pending: this request's tokens ``[committed_end, offset)`` at full precision.
     """
 
-    def __init__(self, spec: LayerSpec, quant: KVQuant, dtype: mx.Dtype) -> None:
+    def __init__(
+        self, spec: LayerSpec, quant: KVQuant, dtype: mx.Dtype, prefill_rotated: bool = False
+    ) -> None:
         self.spec = spec
         self.quant = quant
         self.dtype = dtype
@@ -148,9 +150,9 @@ class LayerCache:
         self._n_pending = 0
         self._work: _Working | None = None  # see ``_visible``; dropped when the request ends
         self._fetched: _Fetched | None = None  # what the last ``update_and_fetch`` returned
-        #: Prefill in the codec's rotated space (``attend``): set where an adapted model
+        #: Prefill in the codec's rotated space (``attend``): on where an adapted model
         #: calls ``attend``; off, the working copy is kept in the model's own space.
-        self.prefill_rotated = False
+        self.prefill_rotated = prefill_rotated
 
     # ---------------------------------------------------------------- sizes
 
@@ -497,7 +499,4 @@ def make_layer_caches(
 ) -> list[LayerCache]:
     """One agent's empty layer caches (``prefill_rotated``: see ``LayerCache``)."""
     dtype = getattr(mx, spec.dtype)
-    layers = [LayerCache(s, quant, dtype) for s in spec.layers]
-    for layer in layers:
-        layer.prefill_rotated = prefill_rotated
-    return layers
+    return [LayerCache(s, quant, dtype, prefill_rotated) for s in spec.layers]
