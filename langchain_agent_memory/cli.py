@@ -165,10 +165,11 @@ def convert(
     """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
     import time
 
+    from .engine import device
     from .engine.model.gguf_convert import UnsupportedGGUFError, convert_gguf
-    from .engine.model.loading import conversion_progress, default_weight_dtype, resolve_model_dir
+    from .engine.model.loading import conversion_progress, resolve_model_dir
 
-    dtype = dtype or default_weight_dtype()
+    dtype = dtype or device.weight_dtype()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise typer.BadParameter("give float32, bfloat16 or float16", param_hint="--dtype")
     t0 = time.perf_counter()

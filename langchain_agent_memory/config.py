@@ -35,7 +35,7 @@ class Settings(BaseSettings):
 
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     model: str = "smollm2-135m"
-    weight_dtype: WeightDType | None = None  # None: by device (engine.models.default_weight_dtype)
+    weight_dtype: WeightDType | None = None  # None: by device (engine.device.weight_dtype)
 
 
 def get_settings() -> Settings:

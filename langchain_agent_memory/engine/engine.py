@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import get_settings
+from . import device
 from .agents import AgentCaches, HotPolicy
 from .kv import KVQuant, ModelCacheSpec
 from .kv import kv_format as kv_format_of
@@ -62,16 +63,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Prefill chunk of a request: a new arrival waits for at most one chunk of another agent's
-#: cold prefill (benchmarks/concurrency.py: behind a 3.9K-token cold prefill, 0.59 s with
-#: 128-token chunks, 3.9 s with 512), and on CPU prefill is as fast from 128 tokens a chunk
-#: up (3161 tokens: 16-19 s at 128, 256 and 512 alike).
-ENGINE_CHUNK_TOKENS = 128
-
-#: Default ``Engine(work_budget_bytes=...)``: one 16K-token SmolLM2 agent (754 MB at
-#: float32), or ~15 Gemma 3 270M agents of 8K tokens (its sliding layers keep their window).
-WORK_BUDGET_BYTES = 1 << 30
-
 
 class Engine:
     """Persistent per-agent KV caches around one mlx-lm model.
@@ -79,7 +70,9 @@ class Engine:
     ``model``: a shipped name, an mlx-lm directory of a supported family or a ``.gguf``;
     ``kv_bits`` (4, 8, None = 16-bit) or ``kv_format`` (a ``KV_PRESETS`` name); budgets for
     the pool's memory tier (``hot_budget_bytes``), live agents (``hot_agents``) and their
-    full-precision working copies (``work_budget_bytes``); ``cpu_kernels=False`` runs
+    full-precision working copies (``work_budget_bytes``) and the prefill chunk
+    (``chunk_tokens``): None picks the device's (``device``: fixed on the CPU, from its
+    memory on a GPU); ``cpu_kernels=False`` runs
     mlx-lm's own attention on the engine's caches (the path a GPU takes), for tests and
     benchmarks on a CPU.
     """
@@ -91,10 +84,10 @@ class Engine:
         cache_dir: str | Path | None = None,
         kv_bits: int | None = 4,
         kv_format: str | KVQuant | None = None,
-        hot_budget_bytes: int = 512 << 20,
+        hot_budget_bytes: int | None = None,
         hot_agents: int = 16,
-        work_budget_bytes: int = WORK_BUDGET_BYTES,
-        chunk_tokens: int = ENGINE_CHUNK_TOKENS,
+        work_budget_bytes: int | None = None,
+        chunk_tokens: int | None = None,
         scheduling: str = "interleave",
         context_length: int | None = None,
         cpu_kernels: bool = True,
@@ -115,8 +108,12 @@ class Engine:
             self.lm.path, self.spec, self.quant, settings.cache_dir / "models"
         )
         self.store = DiskBlockStore(self.cache_dir / "kv", self.fingerprint)
-        self.pool = BlockPool(self.store, hot_budget_bytes)
-        self.chunk_tokens = chunk_tokens
+        self.pool = BlockPool(
+            self.store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
+        )
+        self.chunk_tokens = chunk_tokens = chunk_tokens or device.chunk_tokens()
+        if work_budget_bytes is None:
+            work_budget_bytes = device.work_budget_bytes()
         # On the CPU an adapted model attends through ``LayerCache.attend``, which prefills
         # in the codec's rotated space; elsewhere the caches stay in the model's space.
         policy = HotPolicy(hot_agents, work_budget_bytes)

@@ -38,9 +38,27 @@ def _find_mkl_rt() -> Path | None:
     return None
 
 
+#: mlx's GPU backends on Linux (``pip install langchain-agent-memory[cuda]``).
+GPU_BACKENDS = ("mlx-cuda-13", "mlx-cuda-12")
+
+
+def gpu_backend() -> str | None:
+    """The installed CUDA backend of mlx, if any (read from package metadata, before mlx
+    is imported)."""
+    for name in GPU_BACKENDS:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name
+    return None
+
+
 def _load_fast_blas() -> str:
     if not sys.platform.startswith("linux"):
         return "system"  # macOS: mlx uses Accelerate; nothing to do.
+    if gpu_backend() is not None:
+        return "bundled"  # a CUDA machine: matmuls run on the GPU, MKL is not needed there
     if "mlx.core" in sys.modules:
         logger.warning("mlx was imported before langchain_agent_memory: keeping its bundled BLAS")
         return "bundled"
@@ -64,7 +82,13 @@ BLAS = _load_fast_blas()
 # advisory on every start is noise for us (we never run torch models).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import mlx.core as mx  # noqa: E402  (must follow the BLAS preload)
+try:
+    import mlx.core as mx  # must follow the BLAS preload
+except (ImportError, OSError) as exc:  # Linux: mlx installed without a backend
+    raise ImportError(
+        f"mlx cannot load a backend ({exc}). On Linux mlx's backend is an extra: "
+        "pip install 'langchain-agent-memory[cpu]', or '[cuda]' on an NVIDIA GPU (CUDA 13; '[cuda12]')"
+    ) from exc
 
 if sys.platform.startswith("linux") and not mx.metal.is_available():
     # CUDA builds report a GPU device; only pin the CPU where no accelerator exists.

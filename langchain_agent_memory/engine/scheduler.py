@@ -11,7 +11,7 @@ Policies:
 - ``"interleave"`` (default): the prefilling request with the fewest tokens left goes
   first (shortest remaining prefill), so an agent whose cache is warm or hot (a short
   prefill) never waits behind another agent's long cold prefill for more than one chunk
-  (the engine's chunks are small: ``ENGINE_CHUNK_TOKENS``), and decoding agents get a token
+  (the engine's chunks are small on the CPU: ``device.CPU_CHUNK_TOKENS``), and decoding agents get a token
   between any two chunks.
 - ``"fcfs"``: one request at a time, in arrival order, to its end: what an engine without
   a scheduler does (kept to measure the difference).

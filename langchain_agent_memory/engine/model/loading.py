@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import get_settings
+from .. import device
 from ..runtime import mx
 from .adapters import adapt_model
 from .families import check_family
@@ -99,12 +100,6 @@ def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr)
 
 
-def default_weight_dtype() -> str:
-    """What GGUF weights are converted to: float32 on the CPU (only fp32 matmuls go through
-    BLAS there), bfloat16 on a GPU (half the memory traffic, native kernels)."""
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
 def converted_dir(cache_dir: Path, label: str, sha256: str, dtype: str) -> Path:
     """Where the conversion of a GGUF with this hash lives (one folder per source, dtype, converter)."""
     return cache_dir / "models" / f"{label}-{sha256[:16]}-{dtype}-v{CONVERTER_VERSION}"
@@ -116,7 +111,7 @@ def resolve_model_dir(
     """The mlx-lm directory for ``model`` (converting a GGUF on first use) and its display name."""
     settings = get_settings()
     cache_dir = Path(cache_dir or settings.cache_dir)
-    dtype = weight_dtype or settings.weight_dtype or default_weight_dtype()
+    dtype = weight_dtype or settings.weight_dtype or device.weight_dtype()
     name = str(model or settings.model)
 
     if name in SHIPPED_MODELS:

@@ -41,6 +41,7 @@ import numpy as np
 
 from ..runtime import mx
 from .files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
+from .reader import BlockFileError, BlockGroup, BlockHeader, checksum, read_groups, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,19 @@ def validate_agent_id(agent_id: str) -> str:
 
 
 def tensor_checksum(tensors: dict[str, mx.array]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode() + b"\x00")
-        view = memoryview(tensors[name])
-        h.update(view if view.c_contiguous else view.tobytes())  # no copy of what is read back
-    return h.hexdigest()
+    """A block's checksum (``reader.checksum``) over evaluated arrays."""
+    views = ((name, memoryview(a)) for name, a in tensors.items())
+    return checksum([(name, v if v.c_contiguous else v.tobytes()) for name, v in views])
+
+
+def _lineage(header: BlockHeader) -> tuple[list[int], BlockHash | None]:
+    """A block header's token ids and parent hash."""
+    try:
+        token_ids = [int(t) for t in json.loads(header.meta["token_ids"])]
+        parent = BlockHash(header.meta["parent"]) if header.meta["parent"] else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"block file {header.path} has a corrupt header: {exc}") from exc
+    return token_ids, parent
 
 
 @dataclass(slots=True)
@@ -341,13 +349,43 @@ class DiskBlockStore:
         Raises ``BlockMissingError`` or ``CacheFormatError`` (corrupt, truncated, another
         model's, a newer format); never returns unverified data.
         """
-        path = self.block_path(h)
-        if not path.exists():
-            raise BlockMissingError(f"block {h[:12]} is missing from {self.blocks_dir}")
+        (group,) = self.read_blocks([h])
+        header = group.headers[0]
+        wanted = group.names() if names is None else list(names)
+        missing = [k for k in wanted if k not in group.names()]
+        if missing:
+            raise CacheFormatError(f"block file {header.path} lacks tensors {missing[:3]}")
+        token_ids, parent = _lineage(header)
+        return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted})
+
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]:
+        """The blocks ``hashes`` (in order), verified, as groups of consecutive blocks of one
+        tensor layout, each uploaded to the device as one array (``reader``)."""
+        headers = []
+        for h in hashes:
+            path = self.block_path(h)
+            if not path.exists():
+                raise BlockMissingError(f"block {h[:12]} is missing from {self.blocks_dir}")
+            try:
+                header = read_header(path)
+            except BlockFileError as exc:
+                raise CacheFormatError(
+                    f"block file {path} is unreadable (truncated or corrupt): {exc}"
+                ) from None
+            self._check_header(h, header)
+            headers.append(header)
+
+        def verify(header: BlockHeader, got: str) -> None:
+            if got != header.meta.get("checksum"):
+                raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
+
         try:
-            tensors, meta = mx.load(str(path), return_metadata=True)
-        except Exception as exc:  # mlx raises bare RuntimeError/ValueError on bad files
-            raise CacheFormatError(f"block file {path} is unreadable (truncated or corrupt): {exc}") from exc
+            return read_groups(headers, verify)
+        except BlockFileError as exc:
+            raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
+
+    def _check_header(self, h: BlockHash, header: BlockHeader) -> None:
+        meta, path = header.meta, header.path
         version = meta.get("format_version")
         if version != str(FORMAT_VERSION):
             raise _version_error(f"block {path.name}", _int_or(version))
@@ -358,26 +396,9 @@ class DiskBlockStore:
             )
         if meta.get("hash") != h:
             raise CacheFormatError(f"block file {path.name} holds block {meta.get('hash')!r}")
-        try:
-            mx.eval(tensors)
-            checksum = tensor_checksum(tensors)
-        except Exception as exc:
-            raise CacheFormatError(f"block file {path} is unreadable (truncated or corrupt): {exc}") from exc
-        if checksum != meta.get("checksum"):
-            raise CacheFormatError(f"block file {path} failed its checksum: the data is corrupt")
-        try:
-            token_ids = [int(t) for t in json.loads(meta["token_ids"])]
-            parent = BlockHash(meta["parent"]) if meta["parent"] else None
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CacheFormatError(f"block file {path} has a corrupt header: {exc}") from exc
+        token_ids, parent = _lineage(header)
         if block_hash(parent, token_ids, self.fingerprint) != h:
             raise CacheFormatError(f"block file {path} header does not match its hash")
-        if names is not None:
-            missing = [k for k in names if k not in tensors]
-            if missing:
-                raise CacheFormatError(f"block file {path} lacks tensors {missing[:3]}")
-            tensors = {k: tensors[k] for k in names}
-        return Block(h, parent, token_ids, tensors)
 
     def delete_block(self, h: BlockHash) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,63 @@
+"""What the device the engine runs on asks for: the engine's defaults on a GPU (Metal or
+CUDA) and on a CPU differ, and each is measured on its own device (benchmarks/README.md).
+
+- prefill chunk: on the CPU 128 tokens (as fast as larger chunks there, and a new arrival
+  waits for one chunk only); on a GPU 2048, mlx-lm's own step (a 128-token chunk leaves an
+  8B model's matmuls far from the H200's peak: 256 forward passes for a 32K prompt);
+- memory budgets: from the device's memory on a GPU (an H200 holds ~140 GB; a Mac's unified
+  memory is shared with the system), fixed on the CPU (what the 2-core machine measured).
+"""
+
+from __future__ import annotations
+
+from .runtime import mx
+
+#: CPU prefill chunk (benchmarks/concurrency.py: behind a 3.9K-token cold prefill a new
+#: arrival waited 0.59 s with 128-token chunks, 3.9 s with 512; 3161 tokens prefilled in
+#: 16-19 s at 128, 256 and 512 alike).
+CPU_CHUNK_TOKENS = 128
+#: GPU prefill chunk: mlx-lm's ``prefill_step_size``.
+GPU_CHUNK_TOKENS = 2048
+#: CPU working-copy budget: one 16K-token SmolLM2 agent (754 MB at float32), or ~15 Gemma 3
+#: 270M agents of 8K tokens (its sliding layers keep their window).
+CPU_WORK_BUDGET_BYTES = 1 << 30
+#: CPU memory tier of the block pool.
+CPU_HOT_BUDGET_BYTES = 512 << 20
+#: Shares of a GPU's memory: working copies of the agents being served, and the pool's
+#: memory tier of stored blocks. The rest is the model's weights and activations.
+GPU_WORK_SHARE = 0.25
+GPU_HOT_SHARE = 0.0625
+
+
+def on_gpu() -> bool:
+    """Whether mlx runs on a GPU (Metal or CUDA) rather than the CPU."""
+    return mx.default_device().type != mx.DeviceType.cpu
+
+
+def memory_bytes() -> int | None:
+    """The GPU's memory (Metal: the unified memory mlx may use), None on the CPU."""
+    if not on_gpu():
+        return None
+    info = mx.device_info()
+    size = info.get("total_memory") or info.get("memory_size")
+    return int(size) if size else None
+
+
+def chunk_tokens() -> int:
+    return GPU_CHUNK_TOKENS if on_gpu() else CPU_CHUNK_TOKENS
+
+
+def work_budget_bytes() -> int:
+    mem = memory_bytes()
+    return CPU_WORK_BUDGET_BYTES if mem is None else int(mem * GPU_WORK_SHARE)
+
+
+def hot_budget_bytes() -> int:
+    mem = memory_bytes()
+    return CPU_HOT_BUDGET_BYTES if mem is None else int(mem * GPU_HOT_SHARE)
+
+
+def weight_dtype() -> str:
+    """What GGUF weights are converted to: float32 on the CPU (only fp32 matmuls go through
+    BLAS there), bfloat16 on a GPU (half the memory traffic, native kernels)."""
+    return "bfloat16" if on_gpu() else "float32"
