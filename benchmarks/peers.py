@@ -124,11 +124,14 @@ def _arrays(state: Any) -> list[Any]:
 class MlxLm:
     FILE = "mlx_lm_cache.safetensors"
 
-    def __init__(self, model_dir: Path, kv_bits: int | None, state_dir: Path) -> None:
+    def __init__(
+        self, model_dir: Path, kv_bits: int | None, state_dir: Path, loaded: tuple[Any, Any] | None = None
+    ) -> None:
+        """``loaded``: (model, tokenizer) already in memory (a GPU holds one copy of 8B weights)."""
         from mlx_lm import load
 
         self.kv_bits, self.path = kv_bits, state_dir / self.FILE
-        self.model, self.tokenizer = load(str(model_dir))
+        self.model, self.tokenizer = loaded if loaded is not None else load(str(model_dir))
 
     def _ids(self, prompt: str, i: int | None = None) -> list[int]:
         ids = self.tokenizer.encode(prompt)

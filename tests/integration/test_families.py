@@ -3,33 +3,63 @@ here; tokenizer from SmolLM2): reload equals the uninterrupted run token for tok
 16-bit KV, batched decode equals decode alone, a DIVERGE equals a cold run of the same
 prompt, and the default 4-bit format persists and reloads. Each oracle runs on the CPU
 kernels of an adapted model and on mlx-lm's own attention over the engine's caches (the
-path a GPU takes). An unsupported family is refused when the engine is built."""
+path a GPU takes). An unsupported family is refused when the engine is built.
+
+On a GPU (``pytest -m gpu``, run by ``benchmarks/gpu.py`` on the H200) the same oracles run
+on mlx's attention there, with SmolLM2's real weights beside the random ones. Tolerances
+per device: models in their checkpoint dtype (float32 on the CPU, bfloat16 on a GPU, as
+users run them) for reload, DIVERGE and the 4-bit format, all token for token; batched ==
+alone at float32 weights on a GPU (a bf16 matmul of a 3-row batch rounds differently from
+one row's: 3 of 9 families drift within 8 tokens at bf16, none at float32)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from langchain_agent_memory import corpus
+from langchain_agent_memory.engine import device
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
-from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
 from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
 from langchain_agent_memory.engine.prefix import MatchKind
 
-FAMILIES = sorted(SMALL_CONFIGS)
+pytestmark = pytest.mark.gpu
+
+#: SmolLM2's real weights: on a GPU only (on the CPU tests/integration/test_engine.py has them).
+REAL = "smollm2-real"
+FAMILIES = sorted(SMALL_CONFIGS) + ([REAL] if device.on_gpu() else [])
+#: Weights of the reload / DIVERGE / 4-bit oracles, and of batched == alone (see above).
+WEIGHTS = device.weight_dtype()
+BATCH_WEIGHTS = "float32"
 GREEDY = GenerationParams(max_tokens=8)
 # ~300 tokens: more than one 256-token block, and past the small configs' 48-token windows.
 SYSTEM = corpus.apache_license()[:1500]
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> dict[str, Path]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> Callable[[str, str], Path]:
+    """A family's model directory at a weight dtype (built once per module)."""
     root = tmp_path_factory.mktemp("families")
-    return {f: write_random_model(SMALL_CONFIGS[f], root / f, smollm.path, seed=7) for f in FAMILIES}
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, dtype: str = WEIGHTS) -> Path:
+        if (family, dtype) not in built:
+            if family == REAL:
+                built[family, dtype] = resolve_model_dir("smollm2-135m", weight_dtype=dtype)
+            else:
+                out = root / f"{family}-{dtype}"
+                built[family, dtype] = write_random_model(
+                    SMALL_CONFIGS[family], out, smollm.path, seed=7, dtype=dtype
+                )
+        return built[family, dtype]
+
+    return get
 
 
 def test_every_supported_family_has_a_small_config() -> None:
@@ -37,15 +67,17 @@ def test_every_supported_family_has_a_small_config() -> None:
 
 
 def _engine(model: Path, cache_dir: Path, kv_bits: int | None, cpu_kernels: bool) -> Engine:
+    if cpu_kernels and device.on_gpu():
+        pytest.skip("the CPU kernels run on the CPU only: on a GPU both ids would run mlx's attention")
     return Engine(model, cache_dir=cache_dir, kv_bits=kv_bits, cpu_kernels=cpu_kernels)
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "mlx-attention"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reload_and_diverge_equal_the_uninterrupted_and_cold_runs(
-    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path
+    family: str, cpu_kernels: bool, model_dir: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    model = family_dirs[family]
+    model = model_dir(family)
     # Uninterrupted: two turns on one engine (the second is hot).
     hot = _engine(model, tmp_path / "a", None, cpu_kernels)
     r1 = hot.generate("x", SYSTEM, GREEDY)
@@ -69,9 +101,9 @@ def test_reload_and_diverge_equal_the_uninterrupted_and_cold_runs(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_4bit_format_reloads_like_the_hot_run(
-    family: str, family_dirs: dict[str, Path], tmp_path: Path
+    family: str, model_dir: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
-    model = family_dirs[family]
+    model = model_dir(family)
     hot = Engine(model, cache_dir=tmp_path / "a")
     r1 = hot.generate("x", SYSTEM, GREEDY)
     p2 = SYSTEM + r1.text + " Next:"
@@ -101,9 +133,9 @@ PROMPTS = {
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "mlx-attention"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batched_decode_equals_decode_alone(
-    family: str, cpu_kernels: bool, family_dirs: dict[str, Path], tmp_path: Path, together: Any
+    family: str, cpu_kernels: bool, model_dir: Callable[[str, str], Path], tmp_path: Path, together: Any
 ) -> None:
-    model = family_dirs[family]
+    model = model_dir(family, BATCH_WEIGHTS if device.on_gpu() else WEIGHTS)
     alone = _engine(model, tmp_path / "alone", None, cpu_kernels)
     expected = {agent: alone.generate(agent, p, GREEDY).text for agent, p in PROMPTS.items()}
     batched = _engine(model, tmp_path / "batched", None, cpu_kernels)

@@ -152,6 +152,46 @@ SMALL_CONFIGS["deepseek_v3"] = {
     "rope_scaling": None,
 }
 
+#: Published shapes of the models users run at scale (from their ``config.json``), for GPU
+#: timing with random weights (``benchmarks/gpu.py``). Vocabularies are the real ones.
+SCALE_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        **SMALL_CONFIGS["llama"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+    },
+    "qwen3-8b": {
+        **SMALL_CONFIGS["qwen3"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+    "gpt-oss-20b": {
+        **SMALL_CONFIGS["gpt_oss"],
+        "hidden_size": 2880,
+        "num_hidden_layers": 24,
+        "intermediate_size": 2880,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "vocab_size": 201088,
+    },
+}
+
 
 def write_random_model(
     config: dict[str, Any],
