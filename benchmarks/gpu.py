@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, run as a script
+from peers import MlxLm, extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -105,8 +106,6 @@ def _agent_bytes(engine: Any) -> dict[str, int]:
 
 
 def mlx_peer(model_dir: Path, loaded: Any, state_dir: Path) -> Any:
-    from peers import MlxLm
-
     state_dir.mkdir(parents=True, exist_ok=True)
     return MlxLm(model_dir, None, state_dir, loaded=(loaded.model, loaded.tokenizer))
 
@@ -116,7 +115,6 @@ def mlx_decode(peer: Any, prompt: str, n: int) -> float:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache
-    from peers import extension
 
     cache = load_prompt_cache(str(peer.path))
     mx.eval([c.state for c in cache])
@@ -127,7 +125,7 @@ def mlx_decode(peer: Any, prompt: str, n: int) -> float:
         count += 1
         if count == 1:
             t0 = time.perf_counter()  # after the first token: decode only
-    assert t0 is not None and extension
+    assert t0 is not None
     return (count - 1) / (time.perf_counter() - t0)
 
 
@@ -158,8 +156,6 @@ def ours_batch_decode(model_dir: Path, root: Path, prompts: list[str], n: int) -
     engine = Engine(model_dir, cache_dir=root / f"batch-{len(prompts)}", kv_bits=4)
     for i, p in enumerate(prompts):  # build each agent's cache first: only decode is timed
         engine.generate(f"a{i}", p, GenerationParams(max_tokens=1))
-    from peers import extension
-
     results: dict[int, Any] = {}
     barrier = threading.Barrier(len(prompts))
 
@@ -211,8 +207,6 @@ def measure_model(
                 else:
                     engine = _ours(model_dir, root, system, ctx)
                     row["cold"] = _first(engine, prompts[ctx], "cold")
-                    from peers import extension
-
                     hot = _first(
                         engine, prompts[ctx] + extension(1), "hot", DECODE_TOKENS if ctx == 32768 else 1
                     )
@@ -265,8 +259,6 @@ def measure_model(
 
 def warm_main(model_dir: str, root: str, contexts: str) -> None:
     """In a fresh process: every warm measurement of one model (model loaded first)."""
-    from peers import MlxLm, extension
-
     from langchain_agent_memory.engine.model.loading import load_model
 
     loaded = load_model(Path(model_dir))

@@ -69,10 +69,6 @@ class BlockHeader:
     meta: dict[str, str]
 
     @property
-    def layout(self) -> tuple[TensorEntry, ...]:
-        return self.tensors
-
-    @property
     def n_tokens(self) -> int:
         """Tokens the block stands for (its header's token ids; checked by the store)."""
         return len(json.loads(self.meta["token_ids"]))
@@ -152,7 +148,7 @@ def read_groups(headers: list[BlockHeader], verify: Callable[[BlockHeader, str],
     checksum)`` (which raises on a mismatch) and uploaded one array per group."""
     runs: list[list[int]] = []
     for i, hd in enumerate(headers):
-        if runs and headers[runs[-1][0]].layout == hd.layout:
+        if runs and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
             runs[-1].append(i)
         else:
             runs.append([i])
