@@ -232,19 +232,8 @@ class AgentCaches:
             raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
         base = min(first)
         needed = chain[base:n_blocks]
-        runs: list[tuple[int, BlockGroup | Block]] = []
-        from_disk = not any(self.pool.is_hot(h) for h in needed)
-        if from_disk:  # the whole run in one read (``reader``): a few device arrays
-            b0 = 0
-            for group in self.store.read_blocks(needed):
-                runs.append((b0, group))
-                b0 += len(group.headers)
-            self.pool.stats.misses += len(needed)
-        else:
-            for b, h in enumerate(needed):
-                block, hot = self.pool.get(h)
-                runs.append((b, block))
-                from_disk |= not hot
+        runs = self._sources(needed)
+        from_disk = any(isinstance(src, BlockGroup) for _, src in runs)
         for i, layer in enumerate(layers):
             own = first[i] - base
             parts = [_layer_part(i, src, max(0, own - b0)) for b0, src in runs if b0 + _n_blocks(src) > own]
@@ -258,6 +247,30 @@ class AgentCaches:
                 raise CacheFormatError(str(exc)) from None
             layer.trim_to(n_tokens)
         return layers, from_disk
+
+    def _sources(self, needed: list[BlockHash]) -> list[tuple[int, BlockGroup | Block]]:
+        """Where each of ``needed`` comes from, as (index of its first block, source): blocks
+        in the pool's memory tier one by one; every run of the others in one read from disk
+        (``reader``: a few device arrays, not one read per block)."""
+        runs: list[tuple[int, BlockGroup | Block]] = []
+        b = 0
+        while b < len(needed):
+            block = self.pool.hot_block(needed[b])
+            if block is not None:
+                self.pool.get(needed[b])  # counted as a hit, touched in LRU order
+                runs.append((b, block))
+                b += 1
+                continue
+            end = b
+            while end < len(needed) and not self.pool.is_hot(needed[end]):
+                end += 1
+            b0 = b
+            for group in self.store.read_blocks(needed[b:end]):
+                runs.append((b0, group))
+                b0 += len(group.headers)
+            self.pool.stats.misses += end - b
+            b = end
+        return runs
 
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the

@@ -269,6 +269,8 @@ class Engine:
             "decode_tokens_per_s": {
                 b: b * n / total for b, (n, total) in sorted(self._scheduler.decode_time.items()) if total
             },
+            # batch size -> [decode steps, seconds in them] (to difference over an interval)
+            "decode_steps": {b: [n, total] for b, (n, total) in sorted(self._scheduler.decode_time.items())},
         }
 
     # ------------------------------------------------------------------ lifetime

@@ -45,6 +45,7 @@ class BatchLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append each agent's new keys and values; return every agent's visible ones,
         left-padded to one length (``make_mask`` marks the padding)."""
+        self._fetched = None  # as in ``LayerCache``: its views would stop an in-place append
         m = self._merge()
         if m is not None:
             # One write for all agents; each one's new tokens are split off its rows of the

@@ -202,6 +202,9 @@ class LayerCache:
         """Append this step's keys and values; return every key and value the step's queries
         can see (a sliding layer's window), at full precision, in the model's space."""
         L = keys.shape[2]
+        # The last step's views of the working copy go first: while they live, the append
+        # below cannot update the copy in place (mlx would copy all of it, every step).
+        self._fetched = None
         if self._work is not None and self._work.end == self.offset:
             self._append_work(keys, values)
         self.push_pending(keys, values)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..runtime import mx
 from .files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
-from .reader import BlockFileError, BlockGroup, BlockHeader, checksum, read_groups, read_header
+from .reader import BlockFileError, BlockGroup, BlockHeader, Layouts, checksum, read_groups, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -362,12 +362,13 @@ class DiskBlockStore:
         """The blocks ``hashes`` (in order), verified, as groups of consecutive blocks of one
         tensor layout, each uploaded to the device as one array (``reader``)."""
         headers = []
+        layouts: Layouts = {}
         for h in hashes:
             path = self.block_path(h)
             if not path.exists():
                 raise BlockMissingError(f"block {h[:12]} is missing from {self.blocks_dir}")
             try:
-                header = read_header(path)
+                header = read_header(path, layouts)
             except BlockFileError as exc:
                 raise CacheFormatError(
                     f"block file {path} is unreadable (truncated or corrupt): {exc}"

@@ -1,0 +1,180 @@
+"""Bytes read from disk onto an NVIDIA GPU at the copy engine's speed (mlx's CUDA build).
+
+Measured on the H200 (benchmarks/gpu_probe.py upload, 1.5 GB of block files in the page
+cache; ../shared/FACTS.md): reading them on 16 threads takes 0.035 s (0.10 s with SHA-256),
+but ``mx.array(numpy_array)`` takes 0.6-0.75 s. mlx's CUDA build keeps an array made from
+host memory in CUDA *managed* memory, and the host's first touch of fresh managed pages is
+what costs (~2.5 GB/s); the first kernel that reads them then migrates them fault by fault
+(another 0.1-0.16 s). A prefetch moves them in 0.03 s.
+
+So a block run is uploaded the other way round: the destination is made on the GPU
+(``mx.zeros``, then handed out as managed memory whose pages are already on the GPU), and
+each file's bytes go there with ``cudaMemcpy`` from the reader thread that read them, while
+the other threads read on. Each thread reads into a pinned host buffer (``staging``; kept
+for the next load): from pageable memory the driver stages every copy itself, which
+measured 0.30 s for the 1.5 GB where reading and hashing took 0.13 s. The runtime library
+is the one mlx loaded (``libcudart``); where it or a call is unavailable (Metal, the CPU,
+another CUDA), ``Upload`` is None and the caller uses ``mx.array`` as before: only speed
+depends on this module, never a result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .runtime import gpu_backend, mx
+
+logger = logging.getLogger(__name__)
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
+
+
+class _MemLocation(ctypes.Structure):
+    """``cudaMemLocation`` (CUDA >= 12.2)."""
+
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class UploadError(OSError):
+    """A CUDA call of an upload failed (the caller reads through host memory instead)."""
+
+
+class _Runtime:
+    """The few CUDA runtime calls used here, from the ``libcudart`` mlx loaded."""
+
+    def __init__(self, lib: Any, version: int) -> None:
+        self.memcpy = lib.cudaMemcpy
+        self.memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self.memcpy.restype = ctypes.c_int
+        name = "cudaMemPrefetchAsync" if version >= 13000 else "cudaMemPrefetchAsync_v2"
+        self.prefetch = getattr(lib, name, None)
+        if self.prefetch is not None:  # (ptr, count, location, flags, stream)
+            self.prefetch.argtypes = (
+                ctypes.c_void_p, ctypes.c_size_t, _MemLocation, ctypes.c_uint, ctypes.c_void_p,
+            )  # fmt: skip
+            self.prefetch.restype = ctypes.c_int
+        self.synchronize = lib.cudaDeviceSynchronize
+        self.synchronize.restype = ctypes.c_int
+        self.host_alloc = lib.cudaMallocHost
+        self.host_alloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
+        self.host_alloc.restype = ctypes.c_int
+
+
+_lock = threading.Lock()
+_runtime: _Runtime | bool | None = False  # False: not looked for yet
+
+
+def _load() -> _Runtime | None:
+    if gpu_backend() is None or mx.default_device().type != mx.DeviceType.gpu:
+        return None
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) == 0:
+            return _Runtime(lib, version.value)
+    logger.info("libcudart not found: block uploads go through mx.array (slower first touch)")
+    return None
+
+
+def runtime() -> _Runtime | None:
+    global _runtime
+    with _lock:
+        if _runtime is False:
+            _runtime = _load()
+        return _runtime if isinstance(_runtime, _Runtime) else None
+
+
+def _address(a: mx.array) -> int:
+    """The (managed) address of evaluated ``a``'s data: the buffer protocol moves a device
+    array to managed memory, by a copy on the GPU (its pages stay there)."""
+    return int(np.asarray(memoryview(a)).ctypes.data)
+
+
+class Upload:
+    """A (rows, width) uint8 array on the GPU that host rows are copied into."""
+
+    def __init__(self, rt: _Runtime, rows: int, width: int) -> None:
+        self._rt = rt
+        self.array = mx.zeros((rows, width), mx.uint8)
+        mx.eval(self.array)
+        self._base = _address(self.array)
+        self.width = width
+
+    @classmethod
+    def make(cls, rows: int, width: int) -> Upload | None:
+        rt = runtime()
+        if rt is None:
+            return None
+        try:
+            return cls(rt, rows, width)
+        except Exception as exc:  # any failure: the caller uploads through mx.array
+            logger.info("GPU upload buffer unavailable (%s): using mx.array", exc)
+            return None
+
+    def write(self, row: int, data: np.ndarray) -> None:
+        """Copy one row (``data``: ``width`` contiguous bytes in host memory) to the GPU
+        (synchronous: ``array`` holds the row when this returns)."""
+        if data.nbytes != self.width:
+            raise ValueError(f"a row is {self.width} bytes, not {data.nbytes}")
+        err = self._rt.memcpy(self._base + row * self.width, data.ctypes.data, data.nbytes, _MEMCPY_DEFAULT)
+        if err != 0:
+            raise UploadError(f"cudaMemcpy to the GPU failed (CUDA error {err})")
+
+
+#: Pinned staging buffers, at most this many bytes in all (one per reader thread is used).
+STAGING_LIMIT = 1 << 30
+_staging_lock = threading.Lock()
+_staging_free: list[np.ndarray] = []
+_staging_bytes = 0
+
+
+@contextlib.contextmanager
+def staging(nbytes: int) -> Iterator[np.ndarray]:
+    """A host buffer of ``nbytes`` to read a file into before ``Upload.write``: pinned
+    (allocated once, reused by later loads) while ``STAGING_LIMIT`` allows, else pageable."""
+    global _staging_bytes
+    buf = None
+    with _staging_lock:
+        fits = [b for b in _staging_free if b.nbytes >= nbytes]
+        if fits:
+            buf = min(fits, key=lambda b: b.nbytes)
+            _staging_free.remove(buf)
+        elif _staging_bytes + nbytes <= STAGING_LIMIT and (rt := runtime()) is not None:
+            size = -(-nbytes // (1 << 20)) << 20  # whole MiB: a later, slightly larger file fits
+            ptr = ctypes.c_void_p()
+            if rt.host_alloc(ctypes.byref(ptr), size) == 0 and ptr.value:
+                buf = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr.value))
+                _staging_bytes += size
+    if buf is None:
+        yield np.empty(nbytes, np.uint8)
+        return
+    try:
+        yield buf[:nbytes]
+    finally:
+        with _staging_lock:
+            _staging_free.append(buf)
+
+
+def prefetch(arrays: list[mx.array]) -> bool:
+    """Move ``arrays`` (evaluated, in managed memory) to the GPU now, in bulk; whether it
+    was done (blocks until the pages are there)."""
+    rt = runtime()
+    if rt is None or rt.prefetch is None:
+        return False
+    loc = _MemLocation(_LOCATION_DEVICE, 0)
+    for a in arrays:
+        host = np.asarray(memoryview(a))
+        if rt.prefetch(host.ctypes.data, host.nbytes, loc, 0, None) != 0:
+            return False
+    return rt.synchronize() == 0
