@@ -197,7 +197,13 @@ def ours_batch_decode(model_dir: Path, root: Path, prompts: list[str], n: int) -
 
 
 def measure_model(
-    out: dict[str, Any], model_dir: Path, root: Path, contexts: tuple[int, ...], deadline: float, save: Any
+    out: dict[str, Any],
+    model_dir: Path,
+    root: Path,
+    contexts: tuple[int, ...],
+    deadline: float,
+    save: Any,
+    skip_batch: bool = False,
 ) -> None:
     """Cold and hot here; warm in a second process; decode and memory: into ``out``
     (``save()`` after each cell: a run cut short keeps what it measured)."""
@@ -274,7 +280,7 @@ def measure_model(
                         row["warm"] = w["warm"]
                 log(f"{name} warm {line}")
         save()
-    if time.time() < deadline:
+    if time.time() < deadline and not skip_batch:
         short = {i: prompts[4096] + f"\nAgent {i}." for i in range(16)}
         out["batch_decode"] = []
         for b in (1, 4, 16):
@@ -371,7 +377,7 @@ def device_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         entry: dict[str, Any] = {"model": name, "rows": []}
         result["models"].append(entry)
-        measure_model(entry, model_dir, root / f"{name}-state", contexts, deadline, save)
+        measure_model(entry, model_dir, root / f"{name}-state", contexts, deadline, save, args.skip_batch)
         result["steps"].append({"step": f"measure {name}", "s": time.perf_counter() - t0})
         shutil.rmtree(root / name, ignore_errors=True)
         shutil.rmtree(root / f"{name}-state", ignore_errors=True)
@@ -518,6 +524,7 @@ def main() -> None:
     d.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after this")
     d.add_argument("--tests-budget-s", type=float, default=240.0)
     d.add_argument("--skip-tests", action="store_true")
+    d.add_argument("--skip-batch", action="store_true", help="no batched-decode measurement")
     d.add_argument("--install-s", default=os.environ.get("INSTALL_S"))
     w = sub.add_parser("warm")
     w.add_argument("model_dir")

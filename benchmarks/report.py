@@ -316,7 +316,7 @@ def gpu() -> str:
         for r in m["rows"]:
             if "error" in r:
                 failed = [m["model"], str(r["context"]), r["system"], "error: " + r["error"][:60]]
-                rows.append(failed + [""] * 6)
+                rows.append(failed + [""] * 7)
                 continue
             warm, mem = r.get("warm", {}), r.get("memory", {})
             rows.append([
@@ -326,6 +326,7 @@ def gpu() -> str:
                 _num(r.get("decode_tok_s"), ".1f"),
                 _num(mem["parked_bytes"] / 1e6 if mem else None, ".0f"),
                 _num(mem["served_bytes"] / 1e6 if mem else r["cold"].get("memory_bytes", 0) / 1e6, ".0f"),
+                r.get("run", ""),
             ])  # fmt: skip
     batch = [
         [str(b["batch"]), _num(b.get("ours_tok_s"), ".1f"), _num(b.get("mlx_lm_tok_s"), ".1f")]
@@ -333,49 +334,65 @@ def gpu() -> str:
         for b in m.get("batch_decode", [])
     ]
     header = ["model (RANDOM WEIGHTS)", "context", "system", "cold s", "warm s", "(load s)", "hot s",
-              "decode tok/s", "parked MB", "served MB"]  # fmt: skip
+              "decode tok/s", "parked MB", "served MB", "run"]  # fmt: skip
+    runs = "".join(f"\n- {k}: {v}" for k, v in data.get("runs", {}).items())
     return f"""## On an NVIDIA H200 GPU
 
     python benchmarks/gpu.py pack      # here: the wheels the device installs, in 60 MiB carries
     python3 benchmarks/gpu.py device   # there, after benchmarks/gpu_install.sh
     python benchmarks/gpu.py plot      # here: this table's data as a table and results/gpu.png
+    python3 benchmarks/gpu_probe.py upload|engine   # there: where the time goes, step by step
 
 {data["device"]}, mlx {data["mlx"]} (CUDA build). Weights: **{data["weights"]}**: timings
 and sizes only. Time to first token of a ~15-token new turn; warm: a process that never
-held the agent reads its saved state (page cache), the model loaded before the clock; the
-first row of a run includes kernel compilation (JIT). Device time per step: {steps}.
+held the agent reads its saved state (page cache), the model loaded before the clock; hot:
+the better of two turns; every system runs once at 4K before the clock (kernel
+compilation). Runs of this table (a row says which):{runs}
+
+Device time per step: {steps}.
 
 {_md(header, rows)}
 
-Decode at 4K tokens per agent, agents decoding together (ours: threads on one engine;
-mlx-lm: its `BatchGenerator`, timed from its first generated token):
+Decode at 4K tokens per agent, agents decoding together, tokens/s over the steps in which
+all of them decode (ours: the scheduler's clock; mlx-lm: its `BatchGenerator`), after a
+discarded round that compiles the kernels of that batch size:
 
 {_md(["batch", "ours tok/s", "mlx-lm tok/s"], batch)}
 
-What the profile says (2026-12-01, on the device; `benchmarks/gpu.py`, and a probe of
-mlx's primitives there):
+What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
 
-- Before this round (issue 18's table, commit 225d12c) warm at 32K took 10.6 s, cold 43.7 s
+- Before the GPU work (issue 18's table, commit 225d12c) warm at 32K took 10.6 s, cold 43.7 s
   and decode ran at 33.5 tok/s: attention went through the CPU kernels in float32 and
   prefill ran in 128-token chunks. Now the GPU runs mlx's fused attention on the engine's
   caches (mlx-lm's cache protocol), weights and working copies stay bf16, prefill chunks
   are 2048 tokens (`engine/device.py`).
-- Warm loading: reading 128 block files tensor by tensor (`mx.load`, ~200 tensors each)
-  cost 3-10 s for 1.5 GB, in per-array overhead. Blocks are now read in one pass
-  (`storage/reader.py`: headers, threaded reads with the checksum of the bytes just read,
-  one device array per tensor layout): 1.13 s at 32K (4-bit). What remains is the host to
-  device copy: `mx.array` from host memory ran at ~2 GB/s there (a 50 MB upload + one op:
-  26 ms), so 1.5 GB costs ~0.7 s before any compute. Next: overlap reads with uploads,
-  fewer and larger uploads, and reading only what a request needs.
+- Warm loading, 1.5 GB of block files in the page cache (`gpu_probe.py upload`): 16 threads
+  read them in 0.035 s, 0.10-0.13 s with SHA-256; but `mx.array(host)` took 0.6-1.1 s and
+  the first kernel over it another 0.11-0.25 s. mlx's CUDA build puts arrays made from host
+  memory in CUDA managed memory: the host's first touch of fresh managed pages runs at
+  ~2 GB/s, and the GPU then pulls them over page fault by page fault (a prefetch moves them
+  in 0.03 s). Now (`engine/cuda_memory.py`, used by `storage/reader.py`) each reader thread
+  reads a file into a pinned staging buffer, checks it, and `cudaMemcpy`s it into an array
+  made on the GPU: 0.07-0.17 s for 0.74 GB in the probe; warm at 32K went from 1.40 s to
+  0.70 s (0.34x mlx-lm's cold prefill, 0.23x its warm restore). What remains in the 0.49 s
+  of loading at 32K: headers and checks in one thread, the first-use allocation of staging
+  buffers, and graph building per layer; then 0.2 s of working-copy build and prefill.
+  At 4K ours (0.29 s) is still behind mlx-lm's warm (0.22 s) and cold (0.14 s).
+- Hot turns: the working copy is kept (25 % of GPU memory), but at 64K a hot turn costs
+  0.43 s (4-bit) / 0.89 s (16-bit) against mlx-lm's 0.09 s: it grows with the stored bytes,
+  not with the new tokens: not explained yet (next profile).
+- Cold prefill: within 1.11x of mlx-lm at 16K-32K, 1.5x at 64K and 1.9x at 4K.
 - Serving memory: a served agent keeps a bf16 working copy beside its stored form (1.35x
   mlx-lm's bf16 cache at 32K); parked it is 0.34x. mlx's `quantized_matmul` attention over
   the stored form measured 1.03 ms per layer at 32K (k6/v4) against 0.13 ms for the fused
   bf16 kernel and 0.34 ms for dequantize + fused kernel, but 0.31 ms against 0.71 ms at
   batch 16 x 4K: a decode kernel over the stored form is the way to both goals (memory
-  and speed), to be written and measured next.
-- Batched decode: 183 vs 301 tok/s at batch 4: the merged batch buffers are rebuilt on
-  join/leave and each step syncs once per token; pipelining steps (mlx-lm evaluates step
-  t+1 while returning token t) is the next change.
+  and speed), not written yet.
+- Batched decode: per-step appends now update the working copies in place (the previous
+  step's views were forcing a full copy of every layer's buffer per step). Llama: 449 vs
+  547 tok/s at batch 16 (4.4x batch 1; mlx-lm 5.1x); Qwen3's batch-16 cell (22.6 tok/s)
+  is an outlier not explained yet. Each step still syncs once per token; pipelining steps
+  (mlx-lm evaluates step t+1 while returning token t) is the next change.
 """
 
 

@@ -146,10 +146,9 @@ def staging(nbytes: int) -> Iterator[np.ndarray]:
     global _staging_bytes
     buf = None
     with _staging_lock:
-        fits = [b for b in _staging_free if b.nbytes >= nbytes]
-        if fits:
-            buf = min(fits, key=lambda b: b.nbytes)
-            _staging_free.remove(buf)
+        fits = [i for i, b in enumerate(_staging_free) if b.nbytes >= nbytes]
+        if fits:  # the smallest that fits (by index: ``==`` on arrays compares elements)
+            buf = _staging_free.pop(min(fits, key=lambda i: _staging_free[i].nbytes))
         elif _staging_bytes + nbytes <= STAGING_LIMIT and (rt := runtime()) is not None:
             size = -(-nbytes // (1 << 20)) << 20  # whole MiB: a later, slightly larger file fits
             ptr = ctypes.c_void_p()
