@@ -82,7 +82,7 @@ def _ours(model_dir: Path, root: Path, system: str, ctx: int, tag: str = "") -> 
 
     kv_bits = 4 if system == "ours-4bit" else None
     where = root / f"{system}-{tag or ctx}"
-    return Engine(model_dir, cache_dir=where, kv_bits=kv_bits, context_length=max(2 * ctx, 140_000))
+    return Engine(model_dir, cache_dir=where, kv_bits=kv_bits, context_length=2 * ctx)
 
 
 #: Before the clock, per model and process: one discarded run of every system at this

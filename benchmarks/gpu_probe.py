@@ -12,6 +12,7 @@ object per measurement (and writes them to ``$OUT/probe.jsonl`` when ``OUT`` is 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -40,6 +41,31 @@ def emit(**row: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ upload
+
+
+class _MemLocation(ctypes.Structure):
+    """``cudaMemLocation`` (CUDA >= 12.2)."""
+
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+def prefetch(arrays: list[Any]) -> bool:
+    """``cudaMemPrefetchAsync`` of evaluated managed ``arrays`` to GPU 0 (the alternative
+    ``engine/cuda_memory.py`` measured against); whether it was done."""
+    from langchain_agent_memory.engine import cuda_memory
+
+    rt = cuda_memory.runtime()
+    if rt is None:
+        return False
+    fn = getattr(rt.lib, "cudaMemPrefetchAsync" if rt.version >= 13000 else "cudaMemPrefetchAsync_v2", None)
+    if fn is None:
+        return False
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, _MemLocation, ctypes.c_uint, ctypes.c_void_p)
+    for a in arrays:
+        host = np.asarray(memoryview(a))
+        if fn(host.ctypes.data, host.nbytes, _MemLocation(1, 0), 0, None) != 0:  # 1: a device
+            return False
+    return rt.lib.cudaDeviceSynchronize() == 0
 
 
 def upload(n_files: int, size: int) -> None:
@@ -101,7 +127,7 @@ def upload(n_files: int, size: int) -> None:
         t0 = time.perf_counter()
         a = mx.array(host)
         t1 = time.perf_counter()
-        ok = cuda_memory.prefetch([a])
+        ok = prefetch([a])
         t2 = time.perf_counter()
         mx.eval(gpu_touch(a))
         t3 = time.perf_counter()
@@ -121,7 +147,7 @@ def upload(n_files: int, size: int) -> None:
         t1 = time.perf_counter()
         read_rows(view, True)
         t2 = time.perf_counter()
-        ok = cuda_memory.prefetch([a])
+        ok = prefetch([a])
         t3 = time.perf_counter()
         mx.eval(gpu_touch(a))
         t4 = time.perf_counter()
@@ -161,7 +187,7 @@ def upload(n_files: int, size: int) -> None:
             read_rows(host, True, range(s, s + step))
             part = mx.array(host[s : s + step])
             parts.append(part)
-            futs.append(pre.submit(cuda_memory.prefetch, [part]))
+            futs.append(pre.submit(prefetch, [part]))
         for f in futs:
             f.result()
         t1 = time.perf_counter()

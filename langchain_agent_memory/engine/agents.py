@@ -255,9 +255,8 @@ class AgentCaches:
         runs: list[tuple[int, BlockGroup | Block]] = []
         b = 0
         while b < len(needed):
-            block = self.pool.hot_block(needed[b])
-            if block is not None:
-                self.pool.get(needed[b])  # counted as a hit, touched in LRU order
+            if self.pool.is_hot(needed[b]):
+                block, _ = self.pool.get(needed[b])  # a hit, touched in LRU order
                 runs.append((b, block))
                 b += 1
                 continue

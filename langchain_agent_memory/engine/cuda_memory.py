@@ -5,7 +5,8 @@ cache; ../shared/FACTS.md): reading them on 16 threads takes 0.035 s (0.10 s wit
 but ``mx.array(numpy_array)`` takes 0.6-0.75 s. mlx's CUDA build keeps an array made from
 host memory in CUDA *managed* memory, and the host's first touch of fresh managed pages is
 what costs (~2.5 GB/s); the first kernel that reads them then migrates them fault by fault
-(another 0.1-0.16 s). A prefetch moves them in 0.03 s.
+(another 0.1-0.16 s; ``cudaMemPrefetchAsync`` would move them in 0.03 s, but the first
+touch is the larger cost).
 
 So a block run is uploaded the other way round: the destination is made on the GPU
 (``mx.zeros``, then handed out as managed memory whose pages are already on the GPU), and
@@ -34,13 +35,6 @@ from .runtime import gpu_backend, mx
 logger = logging.getLogger(__name__)
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
-_LOCATION_DEVICE = 1  # cudaMemLocationTypeDevice
-
-
-class _MemLocation(ctypes.Structure):
-    """``cudaMemLocation`` (CUDA >= 12.2)."""
-
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
 
 
 class UploadError(OSError):
@@ -51,18 +45,10 @@ class _Runtime:
     """The few CUDA runtime calls used here, from the ``libcudart`` mlx loaded."""
 
     def __init__(self, lib: Any, version: int) -> None:
+        self.lib, self.version = lib, version  # benchmarks/gpu_probe.py binds more of it
         self.memcpy = lib.cudaMemcpy
         self.memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         self.memcpy.restype = ctypes.c_int
-        name = "cudaMemPrefetchAsync" if version >= 13000 else "cudaMemPrefetchAsync_v2"
-        self.prefetch = getattr(lib, name, None)
-        if self.prefetch is not None:  # (ptr, count, location, flags, stream)
-            self.prefetch.argtypes = (
-                ctypes.c_void_p, ctypes.c_size_t, _MemLocation, ctypes.c_uint, ctypes.c_void_p,
-            )  # fmt: skip
-            self.prefetch.restype = ctypes.c_int
-        self.synchronize = lib.cudaDeviceSynchronize
-        self.synchronize.restype = ctypes.c_int
         self.host_alloc = lib.cudaMallocHost
         self.host_alloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
         self.host_alloc.restype = ctypes.c_int
@@ -163,17 +149,3 @@ def staging(nbytes: int) -> Iterator[np.ndarray]:
     finally:
         with _staging_lock:
             _staging_free.append(buf)
-
-
-def prefetch(arrays: list[mx.array]) -> bool:
-    """Move ``arrays`` (evaluated, in managed memory) to the GPU now, in bulk; whether it
-    was done (blocks until the pages are there)."""
-    rt = runtime()
-    if rt is None or rt.prefetch is None:
-        return False
-    loc = _MemLocation(_LOCATION_DEVICE, 0)
-    for a in arrays:
-        host = np.asarray(memoryview(a))
-        if rt.prefetch(host.ctypes.data, host.nbytes, loc, 0, None) != 0:
-            return False
-    return rt.synchronize() == 0
