@@ -235,6 +235,7 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
         work = sum(layer.work_nbytes for layer in engine.agents.hot["bench"].layers or [])
         emit(probe="turn", label=label, ctx=ctx, ttft_s=t.ttft_s, load_s=t.load_s, prefill_s=t.prefill_s,
              save_s=t.save_s, outcome=str(r.outcome), work_bytes=work)  # fmt: skip
+    forward_compare(engine, prompt + extension(1))
     if turns_only:
         engine.close()
         return
@@ -259,6 +260,44 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr[-4000:])
+
+
+def forward_compare(engine: Any, text: str, reps: int = 3) -> None:
+    """A hot turn's forward pass alone: the same 15 new tokens over the same keys and values,
+    through our hot layer caches and through mlx-lm's ``KVCache`` (filled from ours), each
+    rolled back after every rep; what the engine adds around it is the rest of ``ttft_s``."""
+    from mlx_lm.models.cache import KVCache
+
+    from langchain_agent_memory.engine.model.forward import prefill_chunk
+    from langchain_agent_memory.engine.runtime import mx
+
+    layers = engine.agents.hot["bench"].layers
+    n = layers[0].offset
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)[-15:]
+    theirs = []
+    for layer in layers:
+        w = layer._work
+        c = KVCache()
+        c.update_and_fetch(mx.contiguous(w.k[:, :, : n - w.start]), mx.contiguous(w.v[:, :, : n - w.start]))
+        theirs.append(c)
+    mx.eval([c.state for c in theirs])
+    model = engine.lm.model
+    for rep in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(prefill_chunk(model, ids, theirs, last=True))
+        t1 = time.perf_counter()
+        for c in theirs:
+            c.trim(len(ids))
+        mx.eval(prefill_chunk(model, ids, layers, last=True))
+        t2 = time.perf_counter()
+        for layer in layers:  # roll back: this rep's tokens were pending only
+            layer.set_pending(None, None)
+            layer.offset -= len(ids)
+            layer._work.end -= len(ids)
+            layer._fetched = None
+        emit(probe="forward", rep=rep, ctx=n, mlx_kvcache_s=t1 - t0, ours_layers_s=t2 - t1)
+    del theirs
+    mx.clear_cache()
 
 
 def warm_main(model_dir: str, state: str, ctx: int) -> None:

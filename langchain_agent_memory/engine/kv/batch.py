@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime import mx
-from .layer import WORK_STEP, LayerCache, _Working, cpu_attention, positional_mask
+from .layer import LayerCache, _Working, cpu_attention, grown_rows, positional_mask
 
 
 class BatchLayerCache:
@@ -167,7 +167,7 @@ class _Merged:
         for c in caches:
             c._work = None  # from now on the merged buffer holds it
         end = max([self.end, *(k.shape[2] for k, _ in works)])
-        cap = end + WORK_STEP
+        cap = grown_rows(end)
         if self.pads:  # the current members: shift right by what the new end adds, room on the right
             shift, room = end - self.end, cap - end - (self.k.shape[2] - self.end)
             pad = [(0, 0), (0, 0), (shift, max(0, room)), (0, 0)]
@@ -192,7 +192,7 @@ class _Merged:
     def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
         if self.end + n > self.k.shape[2]:
-            extra = -(-(self.end + n - self.k.shape[2]) // WORK_STEP) * WORK_STEP
+            extra = grown_rows(self.end + n) - self.k.shape[2]
             grow = [(0, 0), (0, 0), (0, extra), (0, 0)]
             self.k, self.v = mx.pad(self.k, grow), mx.pad(self.v, grow)
             self.valid = mx.pad(self.valid, [(0, 0), (0, extra)], constant_values=True)
