@@ -217,15 +217,20 @@ def measure_model(
     out["load_model_s"] = time.perf_counter() - t0
     prompts = {ctx: prompt_text(loaded.tokenizer, ctx) for ctx in (*contexts, WARMUP_CTX)}
     t0 = time.perf_counter()
-    for system in SYSTEMS:  # kernels compiled before the clock (warm_main restores these)
+    # Kernels compiled before the clock (warm_main restores these): the same turns as the
+    # cells below, so that each system has seen every new-token count it will be timed on
+    # (mlx's CUDA build compiles kernels per query length: ~50 ms the first time, both systems).
+    for system in SYSTEMS:
         if system == "mlx-lm":
             peer = mlx_peer(model_dir, loaded, root / "mlx-warmup")
             peer.cold(prompts[WARMUP_CTX])
             peer.hot(prompts[WARMUP_CTX], 1)
+            peer.hot(prompts[WARMUP_CTX], 3)
         else:
             engine = _ours(model_dir, root, system, WARMUP_CTX, "warmup")
             _first(engine, prompts[WARMUP_CTX], "cold")
-            _first(engine, prompts[WARMUP_CTX] + extension(1), "hot", 4)
+            _first(engine, prompts[WARMUP_CTX] + extension(1), "hot")
+            _first(engine, prompts[WARMUP_CTX] + extension(3), "hot", 4)
             engine.close()
     out["warmup_s"] = time.perf_counter() - t0
     for ctx in contexts:

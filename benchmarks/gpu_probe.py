@@ -229,7 +229,9 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
     engine = _engine(model_dir, root / "state")
     tok = engine.tokenizer
     prompt = prompt_text(tok, ctx)
-    for label, text in (("cold", prompt), ("hot-1", prompt + extension(1)), ("hot-2", prompt + extension(2))):
+    # hot turns 4-6 repeat 1-3's texts (tail lengths): a first-shape cost shows as 1-3 > 4-6
+    turns = [("cold", prompt)] + [(f"hot-{i + 1}", prompt + extension(1 + i % 3)) for i in range(6)]
+    for label, text in turns:
         r = engine.generate("bench", text, GenerationParams(max_tokens=1))
         t = r.timings
         work = sum(layer.work_nbytes for layer in engine.agents.hot["bench"].layers or [])
@@ -262,7 +264,7 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
     sys.stderr.write(proc.stderr[-4000:])
 
 
-def forward_compare(engine: Any, text: str, reps: int = 3) -> None:
+def forward_compare(engine: Any, text: str, reps: int = 4) -> None:
     """A hot turn's forward pass alone: the same 15 new tokens over the same keys and values,
     through our hot layer caches and through mlx-lm's ``KVCache`` (filled from ours), each
     rolled back after every rep; what the engine adds around it is the rest of ``ttft_s``."""
@@ -283,6 +285,7 @@ def forward_compare(engine: Any, text: str, reps: int = 3) -> None:
     mx.eval([c.state for c in theirs])
     model = engine.lm.model
     for rep in range(reps):
+        ids = ids[1:] if rep == reps - 1 else ids  # the last rep: a tail length not seen yet
         t0 = time.perf_counter()
         mx.eval(prefill_chunk(model, ids, theirs, last=True))
         t1 = time.perf_counter()

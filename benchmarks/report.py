@@ -306,6 +306,9 @@ A warm agent arriving 2 s into another's 4K-token cold prefill, its time to firs
 """
 
 
+STEADY_KEYS = ("ours_hot_ttft_s", "forward_ours_s", "forward_mlx_kvcache_s")
+
+
 def gpu() -> str:
     data = _load("gpu")
     if not data:
@@ -333,6 +336,12 @@ def gpu() -> str:
         for m in data["models"]
         for b in m.get("batch_decode", [])
     ]
+    steady = data.get("hot_steady", {})
+
+    def _nums(xs: list[float] | None) -> str:
+        return " / ".join(f"{x:.3f}" for x in xs) if xs else "-"
+
+    steady_rows = [[str(r["context"])] + [_nums(r[k]) for k in STEADY_KEYS] for r in steady.get("rows", [])]
     header = ["model (RANDOM WEIGHTS)", "context", "system", "cold s", "warm s", "(load s)", "hot s",
               "decode tok/s", "parked MB", "served MB", "run"]  # fmt: skip
     runs = "".join(f"\n- {k}: {v}" for k, v in data.get("runs", {}).items())
@@ -359,6 +368,10 @@ discarded round that compiles the kernels of that batch size:
 
 {_md(["batch", "ours tok/s", "mlx-lm tok/s"], batch)}
 
+Hot turns in steady state (Llama shape; {steady.get("note", "")}):
+
+{_md(["context", "ours hot TTFT s", "forward: ours s", "forward: mlx-lm KVCache s"], steady_rows)}
+
 What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
 
 - Before the GPU work (issue 18's table, commit 225d12c) warm at 32K took 10.6 s, cold 43.7 s
@@ -378,21 +391,34 @@ What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
   of loading at 32K: headers and checks in one thread, the first-use allocation of staging
   buffers, and graph building per layer; then 0.2 s of working-copy build and prefill.
   At 4K ours (0.29 s) is still behind mlx-lm's warm (0.22 s) and cold (0.14 s).
-- Hot turns: the working copy is kept (25 % of GPU memory), but at 64K a hot turn costs
-  0.43 s (4-bit) / 0.89 s (16-bit) against mlx-lm's 0.09 s: it grows with the stored bytes,
-  not with the new tokens: not explained yet (next profile).
-- Cold prefill: within 1.11x of mlx-lm at 16K-32K, 1.5x at 64K and 1.9x at 4K.
-- Serving memory: a served agent keeps a bf16 working copy beside its stored form (1.35x
-  mlx-lm's bf16 cache at 32K); parked it is 0.34x. mlx's `quantized_matmul` attention over
+- KV buffers grew by a fixed 256 positions: a hot turn's first append copied the whole
+  working copy (8.6 GB at 64K), each 2048-token prefill chunk copied it again, and every
+  commit concatenated the whole stored body; blocks kept views that pinned that body in
+  the pool. Now buffers grow by an eighth (`kv/layer.py: grown_rows`), commits append in
+  place and blocks hold copies: hot at 64K went from 0.43 s to 0.10 s (16-bit: 0.89 to
+  0.10), cold at 64K from 8.1 s to 5.1 s (mlx-lm 5.6 s), warm at 64K 1.15 s.
+- Hot turns, steady state (table below, `gpu_probe.py engine`): the same 15-token forward
+  through our caches and through mlx-lm's `KVCache` costs the same (0.011 s at 4K, 0.023 s
+  at 32K, 0.034 s at 64K). The first turn with a new-token count costs ~50 ms more in both
+  (mlx's CUDA build compiles kernels per query length); the hot cells above include it
+  for ours and not for mlx-lm, whose tail length the warm-up had compiled.
+- Cold prefill: 0.89-1.02x mlx-lm from 16K to 64K; 1.7x at 4K (fixed costs of a request:
+  admission, tokenizing, the per-chunk evaluation); gpt-oss-20b 1.25-1.4x.
+- Warm at 32K: 0.70 s, of which 0.50 s loading (headers checked in one thread, staging
+  buffers allocated on first use, a graph per layer) and 0.2 s building the working copy
+  and prefilling; the goal (0.3 s) needs those in parallel with the reads.
+- gpt-oss-20b: mlx-lm's own cache keeps only 128 tokens of the sliding layers, so its
+  warm restore (0.39 s at 32K) beats ours (0.58 s); our decode there is 55 vs 119 tok/s at
+  32K but 92 vs 96 at batch 1 x 4K: not profiled yet (a suspect: per-step host work not
+  overlapped with the GPU; mlx-lm evaluates step t+1 while it returns token t).
+- Serving memory: a served agent keeps a bf16 working copy beside its stored form (1.5x
+  mlx-lm's bf16 cache at 32K); parked it is 0.39x. mlx's `quantized_matmul` attention over
   the stored form measured 1.03 ms per layer at 32K (k6/v4) against 0.13 ms for the fused
   bf16 kernel and 0.34 ms for dequantize + fused kernel, but 0.31 ms against 0.71 ms at
   batch 16 x 4K: a decode kernel over the stored form is the way to both goals (memory
   and speed), not written yet.
-- Batched decode: per-step appends now update the working copies in place (the previous
-  step's views were forcing a full copy of every layer's buffer per step). Llama: 449 vs
-  547 tok/s at batch 16 (4.4x batch 1; mlx-lm 5.1x); Qwen3's batch-16 cell (22.6 tok/s)
-  is an outlier not explained yet. Each step still syncs once per token; pipelining steps
-  (mlx-lm evaluates step t+1 while returning token t) is the next change.
+- Batched decode: 441 vs 569 tok/s at batch 16 (4.3x batch 1; mlx-lm 4.9x); Qwen3's
+  batch-16 cell (22.6 tok/s, run B, before the buffer change) not re-measured.
 """
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import ToolCallChunk
@@ -41,6 +42,7 @@ from .engine.model.constrain import GrammarConstraint, json_schema_grammar, tool
 from .engine.shared import shared_engine
 from .engine.storage.store import validate_agent_id
 from .namespace import agent_namespace
+from .profile import model_profile
 
 #: ``tool_choice`` values that force some tool call.
 _ANY_TOOL = ("any", "required", True)
@@ -120,6 +122,38 @@ class ChatAgentMemory(BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        return model_profile(self.model_name)
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt and reply) one call can hold; a longer prompt raises
+        ``ContextLengthError``, a ``langchain_core.exceptions.ContextOverflowError``."""
+        return self.engine.context_length
+
+    # ------------------------------------------------------------------ token counting
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s token ids in the model's own tokenizer (no special tokens added)."""
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """Tokens the model reads for ``messages`` (and ``tools``) from scratch: the prompt
+        as rendered for a call (chat template, tool listing), so the count equals a cold
+        call's ``usage_metadata["input_tokens"]``."""
+        if not messages:
+            return 0
+        engine = self.engine
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        try:
+            text = prompt.render(engine.tokenizer, messages, formatted)
+        except Exception:  # a strict template may refuse a partial conversation (as
+            # ``trim_messages`` counts slices of one): count each message's text instead.
+            return sum(engine.count_tokens(prompt.text_of(m.content)) for m in messages)
+        return engine.count_tokens(text)
 
     @property
     def engine(self) -> Engine:

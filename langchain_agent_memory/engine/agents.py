@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
-from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize
+from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .results import CacheSource
 from .runtime import mx
 from .storage.pool import BlockPool
@@ -274,8 +274,7 @@ class AgentCaches:
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the
         same leading tokens (a shared system prompt), else start empty."""
-        bos = self.tokenizer.bos_token
-        full = tokenize(self.tokenizer, prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        full = tokenize_prompt(self.tokenizer, prompt)
         chain: list[BlockHash] = []
         parent: BlockHash | None = None
         # Whole blocks only, and never the last token (its logits must be computed).

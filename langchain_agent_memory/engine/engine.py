@@ -17,7 +17,6 @@ new blocks. Nothing here knows about LangChain. The rooms behind it:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -32,7 +31,8 @@ from .kv import KVQuant, ModelCacheSpec
 from .kv import kv_format as kv_format_of
 from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
-from .model.loading import LoadedModel, load_model
+from .model.loading import LoadedModel, load_model, trained_context
+from .prefix import tokenize_prompt
 from .results import (
     CacheOutcome,
     CacheSource,
@@ -98,7 +98,7 @@ class Engine:
         self.spec = ModelCacheSpec.from_model(self.lm.model)
         #: Most tokens (prompt + reply) one agent's context holds: the model's trained
         #: context unless given (a longer one runs, with RoPE past what it was trained on).
-        self.context_length = context_length or _trained_context(self.lm.path)
+        self.context_length = context_length or trained_context(self.lm.path) or 1 << 20
         # kv_format (a KV_PRESETS name or a KVQuant) wins over the kv_bits shorthand.
         self.quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
         for layer in self.spec.layers:
@@ -205,6 +205,10 @@ class Engine:
         """Wait until ``commit_listeners`` have seen every commit made so far."""
         self._notify.submit(lambda: None).result()
 
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens a request for ``prompt`` reads (what a cold start would prefill)."""
+        return len(tokenize_prompt(self.tokenizer, prompt))
+
     # ------------------------------------------------------------------ agents' caches
 
     def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
@@ -308,9 +312,3 @@ def _deliver(listener: Callable[[AgentRecord], None], record: AgentRecord) -> No
         listener(record)
     except Exception:  # a listener's failure is its own; the commit stands
         logger.exception("commit listener %r failed on agent %r", listener, record.agent_id)
-
-
-def _trained_context(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    return int(text.get("max_position_embeddings") or 1 << 20)

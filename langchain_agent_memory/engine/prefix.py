@@ -154,3 +154,10 @@ def tokenize(tokenizer: Any, text: str, add_special_tokens: bool) -> TokenizedTe
         # Trailing text no token covers (e.g. stripped whitespace): not representable.
         ends[-1] = NOT_A_BOUNDARY
     return TokenizedText(text, list(enc.ids), ends)
+
+
+def tokenize_prompt(tokenizer: Any, prompt: str) -> TokenizedText:
+    """A whole prompt as the model reads it from scratch: the tokenizer's special tokens
+    (BOS) added unless the text starts with them already (chat templates write their own)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenize(tokenizer, prompt, add_special_tokens=bos is None or not prompt.startswith(bos))

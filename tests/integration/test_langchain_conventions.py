@@ -1,0 +1,72 @@
+"""What LangChain users rely on beyond the standard suite: token counting in the model's
+own tokenizer (offline), the model profile, context overflow as LangChain's error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from langchain_core.exceptions import ContextOverflowError
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
+from langchain_core.tools import tool
+
+from langchain_agent_memory import ChatAgentMemory, corpus
+from langchain_agent_memory.engine.model.loading import LoadedModel
+
+
+@tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+def test_tokens_are_counted_with_the_models_tokenizer(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2)
+    text = "Agents resume from their caches."
+    assert llm.get_token_ids(text) == smollm.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.get_num_tokens(text) == len(smollm.tokenizer.encode(text, add_special_tokens=False))
+    history = [SystemMessage("You are terse."), HumanMessage("What is a KV cache?")]
+    counted = llm.get_num_tokens_from_messages(history)
+    reply = llm.invoke(history, agent_id="count-plain")
+    assert reply.usage_metadata is not None and reply.usage_metadata["input_tokens"] == counted
+    # the tool listing is part of what the model reads
+    with_tools = llm.get_num_tokens_from_messages(history, tools=[get_weather])
+    assert with_tools > counted + 20
+    reply = llm.bind_tools([get_weather]).invoke(history, agent_id="count-tools")
+    assert reply.usage_metadata is not None and reply.usage_metadata["input_tokens"] == with_tools
+
+
+def test_trim_messages_counts_with_the_model(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path))
+    history = [SystemMessage("You are terse.")]
+    for i in range(12):
+        history += [HumanMessage(f"Question {i}: what is {i} squared?"), AIMessage(f"It is {i * i}.")]
+    history.append(HumanMessage("And 13?"))
+    kept = trim_messages(history, max_tokens=120, token_counter=llm, strategy="last", include_system=True)
+    assert kept[0] == history[0] and kept[-1] == history[-1] and len(kept) < len(history)
+    assert llm.get_num_tokens_from_messages(kept) <= 120
+
+
+def test_profile_and_context_length_come_from_the_model(smollm: LoadedModel, tmp_path: Path) -> None:
+    chat = ChatAgentMemory(cache_dir=str(tmp_path))
+    assert chat.profile is not None
+    assert chat.profile["max_input_tokens"] == 8192 == chat.context_length
+    assert chat.profile["tool_calling"] and chat.profile["structured_output"]
+    assert not chat.profile["image_inputs"]
+    base = ChatAgentMemory(model="gemma3-270m", cache_dir=str(tmp_path))  # not loaded: profile only
+    assert base.profile is not None
+    assert base.profile["max_input_tokens"] == 32768 and not base.profile["tool_calling"]
+    assert ChatAgentMemory(cache_dir=str(tmp_path), profile={"max_input_tokens": 100}).profile == {
+        "max_input_tokens": 100
+    }
+
+
+def test_an_over_long_prompt_raises_context_overflow(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2)
+    text = corpus.apache_license()
+    while llm.get_num_tokens(text) < 9000:
+        text += "\n" + text
+    with pytest.raises(ContextOverflowError, match="reads at most 8192"):
+        llm.invoke([HumanMessage(text)], agent_id="too-long")
+    # the agent is intact: a normal call still works
+    assert llm.invoke([HumanMessage("Hi")], agent_id="too-long").usage_metadata is not None
