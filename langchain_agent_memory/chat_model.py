@@ -204,6 +204,7 @@ class ChatAgentMemory(BaseChatModel):
             stop=stops,
             constraint=constraint,
             timeout_s=self.timeout,
+            resume_from=metadata.get("checkpoint_id"),  # a LangGraph run resumed from an older checkpoint
         )
         return _Request(engine, agent, text, params, parse_tools=bool(tools), hide_text=bool(forced))
 

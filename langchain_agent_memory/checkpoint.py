@@ -19,21 +19,31 @@ links, for each agent, its last commit before the checkpoint's own timestamp.
   refers to them); ``copy_thread`` forks them (the copy's agents share every block and then
   diverge on their own); ``prune`` and ``delete_for_runs`` drop the links of the
   checkpoints they delete (``prune(strategy="delete")`` also deletes the caches).
-- Time travel: ``get_tuple`` of an explicit, older checkpoint sets the thread's agents back
-  to the caches they had there, so a resumed (or forked) run extends them exactly.
-- Prefetch: ``get_tuple`` also starts loading the caches of the nodes the checkpoint runs
-  next (``next_nodes``) on the engine's worker thread.
+- Time travel: reads have no side effects (``get_state`` of an old checkpoint, as LangGraph
+  Studio does while a person browses history, changes nothing). When a run *resumes* from an
+  older checkpoint (its first request on one of the thread's agents, or a ``put`` whose
+  parent is that checkpoint, as ``update_state`` makes), the thread's agents are first set
+  back to the caches they had there, so the resumed or forked run extends them exactly.
+- Prefetch: ``get_tuple`` of a thread's latest checkpoint starts loading the caches of the
+  nodes it runs next (``next_nodes``) on the engine's worker thread.
+- Construction is cheap: no model is loaded until a chat model or a method needs the
+  engine; the saver hears the commits of the engine from the moment it is built
+  (``shared.watch_engines``). ``from_conn_string``, ``setup``, ``close`` and ``with`` work
+  as for LangGraph's own savers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hashlib
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,11 +55,12 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
 )
 
 from .config import get_settings
-from .engine.engine import Engine
-from .engine.shared import shared_engine
+from .engine.engine import Engine, GenerationParams
+from .engine.shared import engine_key, shared_engine, unwatch_engines, watch_engines
 from .engine.storage.store import AgentRecord
 from .sqlite_checkpoints import SqliteCheckpoints
 from .threaded_async import ThreadedAsync
@@ -129,12 +140,82 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         self._lock = threading.RLock()
         self.prefetch = prefetch
         self.last_prefetch: Future[int] | None = None  # the latest background load, if any
-        # Built now, not lazily: the commit history must start before the first node runs.
-        self.engine.commit_listeners.append(self._on_commit)
+        #: (thread, namespace) -> the older checkpoint a read named: the caches go back to it
+        #: when a run resumes from it (``_before_request``, ``put``), not when it is read.
+        self._pending: dict[tuple[str, str], dict[str, Any]] = {}
+        self._rewinding = threading.Lock()  # one rewind at a time; requests wait for it
+        self._engine: Engine | None = None
+        self._key: tuple[Path, Path, str] | None = None
+        self._closed = False
+        watch_engines(self._attach)  # no model loaded here: the engine's commits are heard once it exists
+
+    @classmethod
+    @contextmanager
+    def from_conn_string(cls, conn_string: str, **kwargs: Any) -> Iterator[AgentMemorySaver]:
+        """A saver whose checkpoints go to ``conn_string`` (a SQLite path or ``:memory:``,
+        or ``postgresql://...`` with ``langgraph-checkpoint-postgres`` installed), closed on
+        exit; ``kwargs`` as for the constructor (``cache_dir``, ``model``, ...)."""
+        with _inner_from_conn_string(conn_string) as inner:
+            saver = cls(inner, **kwargs)
+            try:
+                saver.setup()
+                yield saver
+            finally:
+                saver.close()
+
+    def setup(self) -> None:
+        """Create the inner saver's tables where it needs that (PostgresSaver); the links'
+        tables exist from construction on. Safe to call again."""
+        setup = getattr(self.inner, "setup", None)
+        if callable(setup):
+            setup()
+
+    def close(self) -> None:
+        """Stop hearing the engine's commits and close the links' database (the inner
+        saver is its owner's to close; ``from_conn_string`` closes its own)."""
+        if self._closed:
+            return
+        self._closed = True
+        unwatch_engines(self._attach)
+        if self._engine is not None:
+            for hooks, fn in (
+                (self._engine.commit_listeners, self._on_commit),
+                (self._engine.request_hooks, self._before_request),
+            ):
+                if fn in hooks:
+                    hooks.remove(fn)
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> AgentMemorySaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def engine(self) -> Engine:
-        return shared_engine(**self._engine_args)
+        """The engine whose caches are linked (built on first use: ``shared_engine``)."""
+        if self._engine is None:
+            engine = shared_engine(**self._engine_args)  # ``_attach`` hears it if it is new
+            self._attach(engine)
+        assert self._engine is not None
+        return self._engine
+
+    def _attach(self, engine: Engine) -> None:
+        """A shared engine exists: if it is this saver's, hear its commits and requests."""
+        if self._engine is not None or self._closed:
+            return
+        if self._key is None:
+            try:
+                self._key = engine_key(**self._engine_args)
+            except (ValueError, OSError, ImportError):  # a model that cannot load: ``engine`` says why
+                return
+        if (engine.lm.path, engine.cache_dir, engine.quant.label) != self._key:
+            return
+        self._engine = engine
+        engine.commit_listeners.append(self._on_commit)
+        engine.request_hooks.append(self._before_request)
 
     @property
     def config_specs(self) -> list:
@@ -147,11 +228,46 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         tup = self.inner.get_tuple(config)
-        if tup is not None and config["configurable"].get("checkpoint_id"):
-            self._restore_if_older(tup)
-        if tup is not None and self.prefetch:
+        if tup is None:
+            return None
+        c = tup.config["configurable"]
+        key = (str(c["thread_id"]), c.get("checkpoint_ns", ""))
+        if config["configurable"].get("checkpoint_id") and not self._is_latest(tup):
+            # Rewound if a run resumes from it (a read changes nothing), as of its own time:
+            # the checkpoints the resumed run puts then link the rewound caches.
+            self._pending[key] = {**c, "at": datetime.fromisoformat(tup.checkpoint["ts"]).timestamp()}
+        elif self.prefetch:
             self._prefetch_next(tup)
         return tup
+
+    def _is_latest(self, tup: CheckpointTuple) -> bool:
+        c = tup.config["configurable"]
+        latest = self.inner.get_tuple(
+            {"configurable": {"thread_id": c["thread_id"], "checkpoint_ns": c.get("checkpoint_ns", "")}}
+        )
+        return latest is None or latest.config["configurable"]["checkpoint_id"] == c["checkpoint_id"]
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        # The inner saver's walk: the base class's would go through ``get_tuple`` of every
+        # ancestor, each read naming an older checkpoint.
+        return self.inner.get_delta_channel_history(config=config, channels=channels)
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        return await asyncio.to_thread(self.get_delta_channel_history, config=config, channels=channels)
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentMemorySaver:
+        """A shallow clone whose inner saver (and so its serde) has the extra allowlist;
+        links, engine and pending rewinds are shared with this saver."""
+        inner = self.inner.with_allowlist(extra_allowlist)
+        if inner is self.inner:
+            return self
+        clone = copy.copy(self)
+        clone.inner, clone.serde = inner, inner.serde
+        return clone
 
     def list(
         self,
@@ -170,6 +286,13 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
+        parent = config["configurable"]
+        key = (str(parent["thread_id"]), parent.get("checkpoint_ns", ""))
+        pending = self._pending.get(key)
+        if pending is not None and pending["checkpoint_id"] == parent.get("checkpoint_id"):
+            self._rewind_thread(key[0], pending["checkpoint_id"])  # a fork or resume of it
+        elif pending is not None:
+            self._pending.pop(key, None)  # the thread went on from another checkpoint
         saved = self.inner.put(config, checkpoint, metadata, new_versions)
         c = saved["configurable"]
         at = datetime.fromisoformat(checkpoint["ts"]).timestamp()
@@ -303,17 +426,31 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         if agents:
             self.last_prefetch = engine.prefetch(agents)
 
-    def _restore_if_older(self, tup: CheckpointTuple) -> None:
-        """Set the thread's agents back to their caches at ``tup`` if it is not the latest."""
-        c = tup.config["configurable"]
-        latest = self.inner.get_tuple(
-            {"configurable": {"thread_id": c["thread_id"], "checkpoint_ns": c.get("checkpoint_ns", "")}}
-        )
-        if latest is None or latest.config["configurable"]["checkpoint_id"] == c["checkpoint_id"]:
+    def _before_request(self, agent_id: str, params: GenerationParams) -> None:
+        """An engine request for ``agent_id`` (on the caller's thread, before it is queued):
+        if its LangGraph run resumes the older checkpoint last read for its thread, the
+        thread's agents go back to it first; a run from the latest one forgets that read
+        (a person browsed history: nothing changes)."""
+        if not self._pending:
             return
-        self._set_agents_to(str(c["thread_id"]), self.linked_agents(tup.config), drop_rest=False)
+        for thread_id, _ in list(self._pending):
+            if agent_id.startswith(f"{thread_id}:"):
+                self._rewind_thread(thread_id, params.resume_from)
 
-    def _set_agents_to(self, thread_id: str, links: dict[str, str], *, drop_rest: bool) -> None:
+    def _rewind_thread(self, thread_id: str, resume_from: str | None) -> None:
+        """Set the thread's agents to the caches linked at the older checkpoint pending for
+        it if ``resume_from`` names it; otherwise (a run from elsewhere) forget it. Once: a
+        concurrent request of the same thread waits for it."""
+        with self._rewinding:
+            for key in [k for k in self._pending if k[0] == thread_id]:
+                c = self._pending.pop(key, None)
+                if c is not None and resume_from is not None and resume_from == c["checkpoint_id"]:
+                    links = self.linked_agents({"configurable": c})
+                    self._set_agents_to(thread_id, links, drop_rest=False, at=c["at"])
+
+    def _set_agents_to(
+        self, thread_id: str, links: dict[str, str], *, drop_rest: bool, at: float | None = None
+    ) -> None:
         """Set the thread's agents to the snapshots in ``links`` (agent id -> digest); with
         ``drop_rest``, delete its agents that no remaining checkpoint links."""
         engine = self.engine
@@ -327,7 +464,7 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
                 # (the input of a resumed run) must link this, not the state it replaced.
                 with self._lock, self._db:
                     self._db.execute("DELETE FROM history WHERE agent_id = ?", (agent_id,))
-                self._remember(agent_id, snapshot, time.time())
+                self._remember(agent_id, snapshot, time.time() if at is None else at)
         if not drop_rest:
             return
         with self._lock:
@@ -372,3 +509,25 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
             engine.delete(SNAPSHOT_PREFIX + digest)
         with self._lock, self._db:
             self._db.executemany("DELETE FROM snapshots WHERE digest = ?", [(d,) for d in dead])
+
+
+@contextmanager
+def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
+    """The checkpoint saver for a connection string: PostgreSQL through LangGraph's
+    ``PostgresSaver``, anything else a SQLite path (``SqliteCheckpoints``)."""
+    if conn_string.startswith(("postgresql://", "postgres://")):
+        try:
+            from langgraph.checkpoint.postgres import PostgresSaver
+        except ImportError as exc:
+            raise ImportError(
+                "a postgresql:// connection needs langgraph-checkpoint-postgres: "
+                'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
+            ) from exc
+        with PostgresSaver.from_conn_string(conn_string) as saver:
+            yield saver
+        return
+    saver = SqliteCheckpoints(conn_string)
+    try:
+        yield saver
+    finally:
+        saver.conn.close()

@@ -124,6 +124,9 @@ class Engine:
         #: a thread of their own (a checkpointer's fsync'ing writes never hold up the MLX
         #: worker); ``settle_commits`` waits until every commit so far has been delivered.
         self.commit_listeners: list[Callable[[AgentRecord], None]] = []
+        #: Called with the agent id and parameters of each new request, on the caller's
+        #: thread, before it is queued (a checkpointer rewinds a resumed thread's agents).
+        self.request_hooks: list[Callable[[str, GenerationParams], None]] = []
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
         steps = RequestSteps(
             self.agents, ModelRunner(self.lm.model), self.tokenizer, self.context_length, self.lm.name,
@@ -190,6 +193,8 @@ class Engine:
         if not prompt:
             raise ValueError("prompt is empty")
         checked = params or GenerationParams()
+        for hook in list(self.request_hooks):
+            hook(agent_id, checked)
 
         def start(cancel: threading.Event, sink: Sink) -> None:  # on the worker
             self._arrivals += 1

@@ -47,6 +47,9 @@ class GenerationParams:
     constraint: TokenConstraint | None = None
     #: Stop decoding after this many seconds from the request's start (``"timeout"``).
     timeout_s: float | None = None
+    #: The checkpoint the calling LangGraph run resumes from (its run metadata's
+    #: ``checkpoint_id``; None for a run from the latest one): ``Engine.request_hooks`` see it.
+    resume_from: str | None = None
 
 
 @dataclass(slots=True)

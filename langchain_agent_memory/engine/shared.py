@@ -6,17 +6,53 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import get_settings
 from .engine import Engine
 from .kv import KVQuant
 from .kv import kv_format as kv_format_of
-from .model.loading import load_model
+from .model.loading import load_model, resolve_model_dir
 from .worker import Worker
 
 _SHARED: dict[tuple[Path, Path, str], Engine] = {}
 _SHARED_LOCK = threading.Lock()
+#: Called with every shared engine, those built already and those built later (weakly held:
+#: a watcher that is collected stops being called).
+_WATCHERS: list[weakref.WeakMethod[Callable[[Engine], None]]] = []
+
+
+def watch_engines(callback: Callable[[Engine], None]) -> None:
+    """Call the bound method ``callback`` with every shared engine of this process, now for
+    those that exist and later for each new one, before anyone else uses it (a checkpointer
+    then hears every commit without building an engine itself)."""
+    with _SHARED_LOCK:
+        _WATCHERS.append(weakref.WeakMethod(callback))  # type: ignore[arg-type]
+        existing = list(_SHARED.values())
+    for engine in existing:
+        callback(engine)
+
+
+def unwatch_engines(callback: Callable[[Engine], None]) -> None:
+    with _SHARED_LOCK:
+        _WATCHERS[:] = [w for w in _WATCHERS if w() is not None and w() != callback]
+
+
+def engine_key(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    kv_bits: int | None = 4,
+    kv_format: str | KVQuant | None = None,
+) -> tuple[Path, Path, str]:
+    """Which shared engine these arguments name: (model directory, cache directory, KV
+    format). Resolving the model converts a GGUF on first use, like loading it."""
+    path, _ = resolve_model_dir(model)
+    root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
+    quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
+    return path, root, quant.label
 
 
 def shared_engine(
@@ -46,12 +82,18 @@ def shared_engine(
     key = (lm.path, root, quant.label)
     with _SHARED_LOCK:
         engine = _SHARED.get(key)
-        if engine is None:
-            engine = Engine(model, cache_dir=root, kv_format=quant, **_budget(hot_budget_bytes))
-            _SHARED[key] = engine
-        elif hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
-            engine.pool.hot_budget_bytes = hot_budget_bytes
-        return engine
+        if engine is not None:
+            if hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
+                engine.pool.hot_budget_bytes = hot_budget_bytes
+            return engine
+        engine = Engine(model, cache_dir=root, kv_format=quant, **_budget(hot_budget_bytes))
+        watchers = [w() for w in _WATCHERS]
+    for watcher in watchers:  # before anyone uses it (outside the lock: they may ask for engines)
+        if watcher is not None:
+            watcher(engine)
+    with _SHARED_LOCK:
+        _SHARED[key] = engine
+    return engine
 
 
 _HOME: Worker | None = None

@@ -174,3 +174,88 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
     out = app.invoke(None, cfg)
     assert out["messages"][-1].response_metadata["agent_id"] == "t1:critic"
     assert out["messages"][-1].response_metadata["cache"] == "hot-extend"
+
+
+def test_browsing_history_changes_no_cache(two_turns) -> None:  # type: ignore[no-untyped-def]
+    app, saver, engine, _ = two_turns
+    before = engine.store.get_agent("t1:lawyer")
+    assert before is not None
+    # what LangGraph Studio does while a person browses: every state, old ones included
+    states = list(app.get_state_history(_cfg("t1")))
+    for s in states:
+        app.get_state(s.config)
+    saver.get_delta_channel_history(config=states[-1].config, channels=["messages"])
+    after = engine.store.get_agent("t1:lawyer")
+    assert after is not None and after.blocks == before.blocks and after.text == before.text
+    # the next turn, from the latest checkpoint, extends the latest cache (turn 2's)
+    out = app.invoke({"messages": [HumanMessage("Is it free?")]}, _cfg("t1"))
+    reply = out["messages"][-1]
+    assert reply.response_metadata["cache"].endswith("-extend")
+    assert reply.usage_metadata["input_token_details"]["cache_read"] >= len(before.token_ids)
+
+
+def test_resuming_an_older_checkpoint_rewinds_first(smollm: LoadedModel, tmp_path: Path) -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+    saver = AgentMemorySaver(cache_dir=tmp_path)
+
+    def critic(state: State) -> dict:
+        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    g = StateGraph(State)
+    g.add_node("critic", critic)
+    g.add_edge(START, "critic")
+    g.add_edge("critic", END)
+    app = g.compile(checkpointer=saver, interrupt_before=["critic"])
+    cfg = _cfg("t1")
+    app.invoke({"messages": [HumanMessage("Name the license.")]}, cfg)
+    app.invoke(None, cfg)
+    app.invoke({"messages": [HumanMessage("Who wrote it?")]}, cfg)
+    app.invoke(None, cfg)  # turn 2 answered: the cache holds both turns
+    waiting = [s for s in app.get_state_history(cfg) if s.next == ("critic",)]
+    second = waiting[0]  # turn 2 asked, not answered
+    snapshot = llm.engine.store.get_agent(SNAPSHOT_PREFIX + saver.linked_agents(second.config)["t1:critic"])
+    assert snapshot is not None and "Who wrote it?" not in snapshot.text
+    # Resume that pending step with no input: the critic starts from the cache it had there
+    # (turn 1), which the prompt extends; without the rewind it would cut turn 2's cache.
+    out = app.invoke(None, second.config)
+    reply = out["messages"][-1]
+    assert reply.response_metadata["cache"].endswith("-extend")
+    assert reply.usage_metadata["input_token_details"]["cache_read"] == len(snapshot.token_ids)
+
+
+def test_saver_conventions_from_conn_string_setup_close(smollm: LoadedModel, tmp_path: Path) -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    # The constructor is cheap: the model is not even resolved until the engine is needed.
+    lazy = AgentMemorySaver(model="no-such-model", cache_dir=tmp_path / "lazy")
+    with pytest.raises(ValueError, match="unknown model"):
+        _ = lazy.engine
+    lazy.close()
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+
+    def lawyer(state: State) -> dict:
+        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    def graph(saver: AgentMemorySaver):  # type: ignore[no-untyped-def]
+        g = StateGraph(State)
+        g.add_node("lawyer", lawyer)
+        g.add_edge(START, "lawyer")
+        g.add_edge("lawyer", END)
+        return g.compile(checkpointer=saver)
+
+    conn = str(tmp_path / "checkpoints.db")
+    with AgentMemorySaver.from_conn_string(conn, cache_dir=tmp_path) as saver:
+        saver.setup()  # again: harmless
+        graph(saver).invoke({"messages": [HumanMessage("Name the license.")]}, _cfg("t1"))
+        first = graph(saver).get_state(_cfg("t1"))
+    with AgentMemorySaver.from_conn_string(conn, cache_dir=tmp_path) as saver:
+        app = graph(saver)
+        assert app.get_state(_cfg("t1")).values == first.values  # the checkpoints persisted
+        assert saver.linked_agents(first.config)  # and so did the links
+        out = app.invoke({"messages": [HumanMessage("Who wrote it?")]}, _cfg("t1"))
+        assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
+        clone = saver.with_allowlist([("builtins", "set")])
+        assert isinstance(clone, AgentMemorySaver) and clone.linked_agents(first.config)
