@@ -3,11 +3,13 @@ caches in step with its checkpoints.
 
 Checkpoints themselves go to another saver (default: ``SqliteCheckpoints`` in the cache
 directory; any ``BaseCheckpointSaver``, e.g. LangGraph's PostgresSaver, can be passed).
-On top of it this saver keeps *links*, in ``agent_links.sqlite`` beside the caches: for
-each checkpoint, the thread's agents (ids ``{thread_id}:...``, see ``namespace``) and the
-cache each stood at. A cache state is kept as a *snapshot*: an agent record named
-``@snapshot:{digest}`` in the block store, so its blocks stay referenced (and shared, never
-copied) for as long as a checkpoint links to it.
+On top of it this saver keeps *links* (``links``, ``agent_links.sqlite`` beside the
+caches): for each checkpoint, the thread's agents (ids ``{thread_id}:...``, see
+``namespace``) and the cache each stood at, on every engine of the cache directory (a
+graph whose nodes run different models or KV formats is linked whole). A cache state is
+kept as a *snapshot*: an agent record named ``@snapshot:{digest}`` in the engine's block
+store, so its blocks stay referenced (and shared, never copied) for as long as a checkpoint
+links to it.
 
 Which state a checkpoint links is decided by time, not by when ``put`` is called: LangGraph
 saves checkpoints in the background by default (``durability="async"``), so the put of
@@ -26,24 +28,25 @@ links, for each agent, its last commit before the checkpoint's own timestamp.
   back to the caches they had there, so the resumed or forked run extends them exactly.
 - Prefetch: ``get_tuple`` of a thread's latest checkpoint starts loading the caches of the
   nodes it runs next (``next_nodes``) on the engine's worker thread.
-- Construction is cheap: no model is loaded until a chat model or a method needs the
-  engine; the saver hears the commits of the engine from the moment it is built
-  (``shared.watch_engines``). ``from_conn_string``, ``setup``, ``close`` and ``with`` work
-  as for LangGraph's own savers.
+- Construction is cheap: no model is loaded until a chat model or a method needs an
+  engine; the saver hears every engine of its cache directory from the moment it is built
+  (``shared.watch_engines``). ``from_conn_string`` / ``afrom_conn_string``, ``setup``,
+  ``close`` and ``with`` work as for LangGraph's own savers; an async inner saver
+  (``AsyncSqliteSaver``, ``AsyncPostgresSaver``) is called through its own ``a*`` methods.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hashlib
 import json
-import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -60,30 +63,13 @@ from langgraph.checkpoint.base import (
 
 from .config import get_settings
 from .engine.engine import Engine, GenerationParams
+from .engine.kv import preset_name
 from .engine.shared import engine_key, shared_engine, unwatch_engines, watch_engines
 from .engine.storage.store import AgentRecord
+from .links import Link, Links
 from .sqlite_checkpoints import SqliteCheckpoints
-from .threaded_async import ThreadedAsync
 
 SNAPSHOT_PREFIX = "@snapshot:"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS history (
-    agent_id TEXT NOT NULL,
-    committed_at REAL NOT NULL,
-    snapshot TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS history_agent ON history (agent_id, committed_at);
-CREATE TABLE IF NOT EXISTS links (
-    thread_id TEXT NOT NULL,
-    checkpoint_ns TEXT NOT NULL,
-    checkpoint_id TEXT NOT NULL,
-    agent_id TEXT NOT NULL,
-    snapshot TEXT NOT NULL,
-    PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, agent_id)
-);
-CREATE TABLE IF NOT EXISTS snapshots (digest TEXT PRIMARY KEY);
-"""
 
 
 def record_digest(record: AgentRecord) -> str:
@@ -99,15 +85,35 @@ def next_nodes(checkpoint: Checkpoint) -> set[str]:
     return {ch[len(marker) :] for ch in checkpoint.get("channel_values", {}) if ch.startswith(marker)}
 
 
-class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
+def _at(checkpoint: Checkpoint) -> float:
+    return datetime.fromisoformat(checkpoint["ts"]).timestamp()
+
+
+def _where(config: RunnableConfig) -> tuple[str, str, str]:
+    """(thread, namespace, checkpoint id) of a checkpoint's config."""
+    c = config["configurable"]
+    return str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]
+
+
+def _latest_config(thread_id: str, ns: str = "") -> RunnableConfig:
+    return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns}}
+
+
+def _thread_config(thread_id: str) -> RunnableConfig:
+    """Every checkpoint of a thread, all namespaces (for ``list``)."""
+    return {"configurable": {"thread_id": thread_id}}
+
+
+class AgentMemorySaver(BaseCheckpointSaver[str]):
     """Checkpoints plus the agent caches they stand for.
 
     Args:
         checkpoints: where checkpoints go (default ``SqliteCheckpoints`` at
-            ``{cache_dir}/checkpoints.sqlite``).
-        cache_dir, model, kv_bits, kv_format: the engine whose caches are linked: the same
-            values as the graph's ``ChatAgentMemory`` (both default alike), so both share one
-            engine.
+            ``{cache_dir}/checkpoints.sqlite``; any saver, sync or async).
+        cache_dir: the cache directory whose engines' caches are linked (every model and
+            KV format used there); default as for ``ChatAgentMemory``.
+        model, kv_bits, kv_format: the saver's own engine (``engine``): the one built when
+            the saver itself needs one, and the owner of links written by earlier versions.
         prefetch: when a thread is read to run (``get_tuple``), load the caches of the
             nodes it runs next into memory in the background.
     """
@@ -135,57 +141,72 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
             "kv_bits": kv_bits,
             "kv_format": kv_format,
         }
-        self._db = sqlite3.connect(str(root / "agent_links.sqlite"), check_same_thread=False)
-        self._db.executescript(_SCHEMA)
-        self._lock = threading.RLock()
+        self.links = Links(root / "agent_links.sqlite")
         self.prefetch = prefetch
         self.last_prefetch: Future[int] | None = None  # the latest background load, if any
-        #: (thread, namespace) -> the older checkpoint a read named: the caches go back to it
-        #: when a run resumes from it (``_before_request``, ``put``), not when it is read.
+        #: (thread, namespace) -> the older checkpoint a read named (and its time): the
+        #: caches go back to it when a run resumes from it, not when it is read.
         self._pending: dict[tuple[str, str], dict[str, Any]] = {}
         self._rewinding = threading.Lock()  # one rewind at a time; requests wait for it
-        self._engine: Engine | None = None
-        self._key: tuple[Path, Path, str] | None = None
+        #: Engines of the cache directory built in this process, by store fingerprint.
+        self._engines: dict[str, Engine] = {}
+        self._hooks: list[tuple[Engine, Callable[[AgentRecord], None]]] = []
+        self._own: Engine | None = None
+        self._own_key: tuple[Path, Path, str] | None = None
+        self._attach_lock = threading.RLock()
         self._closed = False
-        watch_engines(self._attach)  # no model loaded here: the engine's commits are heard once it exists
+        watch_engines(self._attach)  # no model loaded here: engines are heard once they exist
+
+    # ------------------------------------------------------------------ lifetime
 
     @classmethod
     @contextmanager
     def from_conn_string(cls, conn_string: str, **kwargs: Any) -> Iterator[AgentMemorySaver]:
         """A saver whose checkpoints go to ``conn_string`` (a SQLite path or ``:memory:``,
-        or ``postgresql://...`` with ``langgraph-checkpoint-postgres`` installed), closed on
-        exit; ``kwargs`` as for the constructor (``cache_dir``, ``model``, ...)."""
-        with _inner_from_conn_string(conn_string) as inner:
-            saver = cls(inner, **kwargs)
-            try:
-                saver.setup()
+        or ``postgresql://...`` with ``langgraph-checkpoint-postgres`` installed), set up,
+        and closed on exit; ``kwargs`` as for the constructor (``cache_dir``, ``model``, ...)."""
+        with _inner_from_conn_string(conn_string) as inner, cls(inner, **kwargs) as saver:
+            saver.setup()
+            yield saver
+
+    @classmethod
+    @asynccontextmanager
+    async def afrom_conn_string(cls, conn_string: str, **kwargs: Any) -> AsyncIterator[AgentMemorySaver]:
+        """``from_conn_string`` for async code: PostgreSQL through ``AsyncPostgresSaver``
+        (its own async calls), SQLite through ``SqliteCheckpoints`` on worker threads."""
+        async with _ainner_from_conn_string(conn_string) as inner:
+            with cls(inner, **kwargs) as saver:
+                await saver.asetup()
                 yield saver
-            finally:
-                saver.close()
 
     def setup(self) -> None:
         """Create the inner saver's tables where it needs that (PostgresSaver); the links'
         tables exist from construction on. Safe to call again."""
         setup = getattr(self.inner, "setup", None)
-        if callable(setup):
+        if callable(setup) and not asyncio.iscoroutinefunction(setup):
             setup()
 
+    async def asetup(self) -> None:
+        setup = getattr(self.inner, "setup", None)
+        if callable(setup):
+            result = setup()
+            if asyncio.iscoroutine(result):
+                await result
+
     def close(self) -> None:
-        """Stop hearing the engine's commits and close the links' database (the inner
-        saver is its owner's to close; ``from_conn_string`` closes its own)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop hearing the engines and close the links' database (the inner saver is its
+        owner's to close; ``from_conn_string`` closes its own)."""
+        with self._attach_lock:
+            if self._closed:
+                return
+            self._closed = True
         unwatch_engines(self._attach)
-        if self._engine is not None:
-            for hooks, fn in (
-                (self._engine.commit_listeners, self._on_commit),
-                (self._engine.request_hooks, self._before_request),
-            ):
-                if fn in hooks:
-                    hooks.remove(fn)
-        with self._lock:
-            self._db.close()
+        for engine, listener in self._hooks:
+            if listener in engine.commit_listeners:
+                engine.commit_listeners.remove(listener)
+            if self._before_request in engine.request_hooks:
+                engine.request_hooks.remove(self._before_request)
+        self.links.close()
 
     def __enter__(self) -> AgentMemorySaver:
         return self
@@ -193,29 +214,75 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ engines
+
     @property
     def engine(self) -> Engine:
-        """The engine whose caches are linked (built on first use: ``shared_engine``)."""
-        if self._engine is None:
-            engine = shared_engine(**self._engine_args)  # ``_attach`` hears it if it is new
-            self._attach(engine)
-        assert self._engine is not None
-        return self._engine
+        """The saver's own engine (built on first use: ``shared_engine``)."""
+        if self._own is None:
+            self._attach(shared_engine(**self._engine_args))
+        assert self._own is not None
+        return self._own
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The engines of the cache directory built in this process."""
+        with self._attach_lock:
+            return list(self._engines.values())
 
     def _attach(self, engine: Engine) -> None:
-        """A shared engine exists: if it is this saver's, hear its commits and requests."""
-        if self._engine is not None or self._closed:
-            return
-        if self._key is None:
-            try:
-                self._key = engine_key(**self._engine_args)
-            except (ValueError, OSError, ImportError):  # a model that cannot load: ``engine`` says why
+        """A shared engine exists: if it works in this cache directory, hear its commits
+        and requests (and, if it is the saver's own, adopt links of earlier versions)."""
+        with self._attach_lock:
+            if self._closed or Path(engine.cache_dir).resolve() != self.cache_dir:
                 return
-        if (engine.lm.path, engine.cache_dir, engine.quant.label) != self._key:
-            return
-        self._engine = engine
-        engine.commit_listeners.append(self._on_commit)
-        engine.request_hooks.append(self._before_request)
+            fp = engine.fingerprint
+            if fp not in self._engines:
+                self._engines[fp] = engine
+                listener = functools.partial(self._on_commit, engine)
+                engine.commit_listeners.append(listener)
+                engine.request_hooks.append(self._before_request)
+                self._hooks.append((engine, listener))
+                self.links.note_engine(
+                    fp, str(engine.lm.path), preset_name(engine.quant) or engine.quant.label
+                )
+            if self._own is None and self._is_own(engine):
+                self._own = engine
+                self.links.adopt(fp)
+
+    def _is_own(self, engine: Engine) -> bool:
+        if self._own_key is None:
+            try:
+                self._own_key = engine_key(**self._engine_args)
+            except (ValueError, OSError, ImportError):  # a model that cannot load: ``engine`` says why
+                return False
+        return (engine.lm.path, Path(engine.cache_dir).resolve(), engine.quant.label) == self._own_key
+
+    def _engine_of(self, fp: str) -> Engine | None:
+        """The engine a link names: built here already, else built from what was noted of
+        it (its model directory and KV format); None if that cannot be done (logged by the
+        caller's fallback: the link is then skipped)."""
+        with self._attach_lock:
+            engine = self._engines.get(fp)
+        if engine is not None:
+            return engine
+        if fp == "":
+            return self.engine
+        args = self.links.engine_args(fp)
+        if args is None:
+            return None
+        model, kv = args
+        try:
+            built = shared_engine(model, cache_dir=self.cache_dir, kv_format=kv)
+        except (ValueError, OSError, ImportError):
+            return None
+        self._attach(built)
+        return built if built.fingerprint == fp else None
+
+    def _settle(self) -> None:
+        """Every commit made so far by the directory's engines is in the history."""
+        for engine in self.engines:
+            engine.settle_commits()
 
     @property
     def config_specs(self) -> list:
@@ -224,50 +291,42 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     def get_next_version(self, current: Any, channel: None) -> Any:
         return self.inner.get_next_version(current, channel)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ reads
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         tup = self.inner.get_tuple(config)
         if tup is None:
             return None
-        c = tup.config["configurable"]
-        key = (str(c["thread_id"]), c.get("checkpoint_ns", ""))
-        if config["configurable"].get("checkpoint_id") and not self._is_latest(tup):
-            # Rewound if a run resumes from it (a read changes nothing), as of its own time:
-            # the checkpoints the resumed run puts then link the rewound caches.
-            self._pending[key] = {**c, "at": datetime.fromisoformat(tup.checkpoint["ts"]).timestamp()}
-        elif self.prefetch:
-            self._prefetch_next(tup)
+        latest = None
+        if config["configurable"].get("checkpoint_id"):
+            thread, ns, _ = _where(tup.config)
+            latest = self.inner.get_tuple(_latest_config(thread, ns))
+        self._after_read(config, tup, latest)
         return tup
 
-    def _is_latest(self, tup: CheckpointTuple) -> bool:
-        c = tup.config["configurable"]
-        latest = self.inner.get_tuple(
-            {"configurable": {"thread_id": c["thread_id"], "checkpoint_ns": c.get("checkpoint_ns", "")}}
-        )
-        return latest is None or latest.config["configurable"]["checkpoint_id"] == c["checkpoint_id"]
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        tup = await self.inner.aget_tuple(config)
+        if tup is None:
+            return None
+        latest = None
+        if config["configurable"].get("checkpoint_id"):
+            thread, ns, _ = _where(tup.config)
+            latest = await self.inner.aget_tuple(_latest_config(thread, ns))
+        await asyncio.to_thread(self._after_read, config, tup, latest)
+        return tup
 
-    def get_delta_channel_history(
-        self, *, config: RunnableConfig, channels: Sequence[str]
-    ) -> Mapping[str, DeltaChannelHistory]:
-        # The inner saver's walk: the base class's would go through ``get_tuple`` of every
-        # ancestor, each read naming an older checkpoint.
-        return self.inner.get_delta_channel_history(config=config, channels=channels)
-
-    async def aget_delta_channel_history(
-        self, *, config: RunnableConfig, channels: Sequence[str]
-    ) -> Mapping[str, DeltaChannelHistory]:
-        return await asyncio.to_thread(self.get_delta_channel_history, config=config, channels=channels)
-
-    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentMemorySaver:
-        """A shallow clone whose inner saver (and so its serde) has the extra allowlist;
-        links, engine and pending rewinds are shared with this saver."""
-        inner = self.inner.with_allowlist(extra_allowlist)
-        if inner is self.inner:
-            return self
-        clone = copy.copy(self)
-        clone.inner, clone.serde = inner, inner.serde
-        return clone
+    def _after_read(
+        self, config: RunnableConfig, tup: CheckpointTuple, latest: CheckpointTuple | None
+    ) -> None:
+        """A read of an older checkpoint is remembered (a run may resume from it: then, and
+        only then, the caches go back to it); a read of the latest one prefetches."""
+        thread, ns, checkpoint_id = _where(tup.config)
+        older = latest is not None and latest.config["configurable"]["checkpoint_id"] != checkpoint_id
+        if older:
+            # As of its own time: the checkpoints a resumed run puts then link the rewound caches.
+            self._pending[(thread, ns)] = {**tup.config["configurable"], "at": _at(tup.checkpoint)}
+        elif self.prefetch:
+            self._prefetch_next(tup)
 
     def list(
         self,
@@ -279,6 +338,41 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
     ) -> Iterator[CheckpointTuple]:
         return self.inner.list(config, filter=filter, before=before, limit=limit)
 
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        async for item in self.inner.alist(config, filter=filter, before=before, limit=limit):
+            yield item
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        # The inner saver's walk: the base class's would go through ``get_tuple`` of every
+        # ancestor, each read naming an older checkpoint.
+        return self.inner.get_delta_channel_history(config=config, channels=channels)
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentMemorySaver:
+        """A shallow clone whose inner saver (and so its serde) has the extra allowlist;
+        links, engines and pending rewinds are shared with this saver."""
+        inner = self.inner.with_allowlist(extra_allowlist)
+        if inner is self.inner:
+            return self
+        clone = copy.copy(self)
+        clone.inner, clone.serde = inner, inner.serde
+        return clone
+
+    # ------------------------------------------------------------------ writes
+
     def put(
         self,
         config: RunnableConfig,
@@ -286,145 +380,159 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
+        self._before_put(config)
+        saved = self.inner.put(config, checkpoint, metadata, new_versions)
+        self._link(saved, checkpoint)
+        return saved
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        await asyncio.to_thread(self._before_put, config)
+        saved = await self.inner.aput(config, checkpoint, metadata, new_versions)
+        await asyncio.to_thread(self._link, saved, checkpoint)
+        return saved
+
+    def _before_put(self, config: RunnableConfig) -> None:
+        """A put whose parent is the older checkpoint last read (a fork, ``update_state``,
+        a resume) rewinds the thread's caches first; one with another parent forgets it."""
         parent = config["configurable"]
         key = (str(parent["thread_id"]), parent.get("checkpoint_ns", ""))
         pending = self._pending.get(key)
         if pending is not None and pending["checkpoint_id"] == parent.get("checkpoint_id"):
-            self._rewind_thread(key[0], pending["checkpoint_id"])  # a fork or resume of it
+            self._rewind_thread(key[0], pending["checkpoint_id"])
         elif pending is not None:
-            self._pending.pop(key, None)  # the thread went on from another checkpoint
-        saved = self.inner.put(config, checkpoint, metadata, new_versions)
-        c = saved["configurable"]
-        at = datetime.fromisoformat(checkpoint["ts"]).timestamp()
-        self._link(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"], at)
-        return saved
+            self._pending.pop(key, None)
+
+    def _link(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
+        self._settle()  # every commit before the checkpoint's time is in the history
+        self.links.link(*_where(saved), _at(checkpoint))
 
     def put_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
     ) -> None:
         self.inner.put_writes(config, writes, task_id, task_path)
 
+    async def aput_writes(
+        self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
+    ) -> None:
+        await self.inner.aput_writes(config, writes, task_id, task_path)
+
+    # ------------------------------------------------------------------ threads
+
     def delete_thread(self, thread_id: str) -> None:
         self.inner.delete_thread(thread_id)
         self._forget_thread(str(thread_id))
 
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self.inner.adelete_thread(thread_id)
+        await asyncio.to_thread(self._forget_thread, str(thread_id))
+
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        doomed = [
-            t.config["configurable"]
-            for run_id in run_ids
-            for t in self.inner.list(None, filter={"run_id": run_id})
-        ]
+        doomed = [_where(t.config) for r in run_ids for t in self.inner.list(None, filter={"run_id": r})]
         self.inner.delete_for_runs(run_ids)
-        with self._lock, self._db:
-            self._db.executemany(
-                "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
-                [(str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]) for c in doomed],
-            )
+        threads = {thread for thread, _, _ in doomed}
+        latest = {t: self.inner.get_tuple(_latest_config(t)) for t in threads}
+        self._after_delete_for_runs(doomed, latest)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        doomed = [
+            _where(t.config) for r in run_ids async for t in self.inner.alist(None, filter={"run_id": r})
+        ]
+        await self.inner.adelete_for_runs(run_ids)
+        latest = {t: await self.inner.aget_tuple(_latest_config(t)) for t in {t for t, _, _ in doomed}}
+        await asyncio.to_thread(self._after_delete_for_runs, doomed, latest)
+
+    def _after_delete_for_runs(
+        self, doomed: list[tuple[str, str, str]], latest: dict[str, CheckpointTuple | None]
+    ) -> None:
+        self.links.unlink(doomed)
         # The threads now end at an earlier checkpoint (or have none): their agents go back
         # to the caches linked there, and those of deleted runs only are deleted.
-        for thread_id in {str(c["thread_id"]) for c in doomed}:
-            latest = self.inner.get_tuple({"configurable": {"thread_id": thread_id}})
+        for thread_id, tup in latest.items():
             self._set_agents_to(
-                thread_id, self.linked_agents(latest.config) if latest else {}, drop_rest=True
+                thread_id, self.links.linked(*_where(tup.config)) if tup else [], drop_rest=True
             )
         self._collect_snapshots()
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         self.inner.copy_thread(source_thread_id, target_thread_id)
-        src, dst = str(source_thread_id), str(target_thread_id)
-        engine = self.engine
-        for record in self._thread_agents(src):
-            engine.set_agent(dst + record.agent_id[len(src) :], record)
-            self._remember(dst + record.agent_id[len(src) :], record, time.time())
-        with self._lock, self._db:
-            self._db.execute(
-                "INSERT OR REPLACE INTO links SELECT ?, checkpoint_ns, checkpoint_id, "
-                "? || substr(agent_id, ?), snapshot FROM links WHERE thread_id = ?",
-                (dst, dst, len(src) + 1, src),
-            )
+        self._copy_caches(str(source_thread_id), str(target_thread_id))
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        await self.inner.acopy_thread(source_thread_id, target_thread_id)
+        await asyncio.to_thread(self._copy_caches, str(source_thread_id), str(target_thread_id))
+
+    def _copy_caches(self, src: str, dst: str) -> None:
+        """The target thread's agents share the source's blocks (no tensor copied)."""
+        for engine, record in self._thread_agents(src):
+            agent_id = dst + record.agent_id[len(src) :]
+            engine.set_agent(agent_id, record)
+            self._remember(engine, agent_id, record, time.time())
+        self.links.copy_thread(src, dst)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         self.inner.prune(thread_ids, strategy=strategy)
-        for thread_id in map(str, thread_ids):
+        kept = {
+            str(t): {_where(x.config)[1:] for x in self.inner.list(_thread_config(str(t)))}
+            for t in thread_ids
+        }
+        self._after_prune(kept, strategy)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        await self.inner.aprune(thread_ids, strategy=strategy)
+        kept = {}
+        for t in map(str, thread_ids):
+            kept[t] = {_where(x.config)[1:] async for x in self.inner.alist(_thread_config(t))}
+        await asyncio.to_thread(self._after_prune, kept, strategy)
+
+    def _after_prune(self, kept: dict[str, set[tuple[str, str]]], strategy: str) -> None:
+        for thread_id, remaining in kept.items():
             if strategy == "delete":
                 self._forget_thread(thread_id)
                 continue
-            kept = {
-                (t.config["configurable"].get("checkpoint_ns", ""), t.config["configurable"]["checkpoint_id"])
-                for t in self.inner.list({"configurable": {"thread_id": thread_id}})
-            }
-            with self._lock, self._db:
-                rows = self._db.execute(
-                    "SELECT DISTINCT checkpoint_ns, checkpoint_id FROM links WHERE thread_id = ?",
-                    (thread_id,),
-                ).fetchall()
-                self._db.executemany(
-                    "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
-                    [(thread_id, ns, cid) for ns, cid in rows if (ns, cid) not in kept],
-                )
+            gone = self.links.checkpoints(thread_id) - remaining
+            self.links.unlink((thread_id, ns, cid) for ns, cid in gone)
         self._collect_snapshots()
 
     # ------------------------------------------------------------------ links
 
     def linked_agents(self, config: RunnableConfig) -> dict[str, str]:
-        """agent id -> snapshot digest for the checkpoint named by ``config``."""
-        c = config["configurable"]
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT agent_id, snapshot FROM links WHERE thread_id = ? AND checkpoint_ns = ? "
-                "AND checkpoint_id = ?",
-                (str(c["thread_id"]), c.get("checkpoint_ns", ""), c["checkpoint_id"]),
-            ).fetchall()
-        return dict(rows)
+        """agent id -> snapshot digest for the checkpoint named by ``config`` (every engine)."""
+        return {agent: digest for _, agent, digest in self.links.linked(*_where(config))}
 
-    def _on_commit(self, record: AgentRecord) -> None:
-        """A request committed ``record``: keep it as a snapshot in the history."""
+    def _on_commit(self, engine: Engine, record: AgentRecord) -> None:
+        """A request of ``engine`` committed ``record``: keep it as a snapshot in the history."""
         if not record.agent_id.startswith(SNAPSHOT_PREFIX):
-            self._remember(record.agent_id, record, record.updated_at)
+            self._remember(engine, record.agent_id, record, record.updated_at)
 
-    def _remember(self, agent_id: str, record: AgentRecord, at: float) -> None:
+    def _remember(
+        self, engine: Engine, agent_id: str, record: AgentRecord, at: float, replace: bool = False
+    ) -> None:
         digest = record_digest(record)
-        engine = self.engine
         if not engine.store.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
             engine.set_agent(SNAPSHOT_PREFIX + digest, record)
-        with self._lock, self._db:
-            self._db.execute("INSERT OR IGNORE INTO snapshots VALUES (?)", (digest,))
-            self._db.execute("INSERT INTO history VALUES (?, ?, ?)", (agent_id, at, digest))
-
-    def _link(self, thread_id: str, ns: str, checkpoint_id: str, at: float) -> None:
-        """Link each of the thread's agents to its last commit before ``at``; older history
-        of those agents can no longer be chosen by a later checkpoint and is dropped."""
-        self.engine.settle_commits()  # every commit before ``at`` is in the history
-        prefix = f"{thread_id}:"
-        with self._lock, self._db:
-            rows = self._db.execute(
-                "SELECT agent_id, snapshot, MAX(committed_at) FROM history "
-                "WHERE substr(agent_id, 1, ?) = ? AND committed_at <= ? GROUP BY agent_id",
-                (len(prefix), prefix, at),
-            ).fetchall()
-            self._db.executemany(
-                "INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?)",
-                [(thread_id, ns, checkpoint_id, agent, digest) for agent, digest, _ in rows],
-            )
-            self._db.executemany(
-                "DELETE FROM history WHERE agent_id = ? AND committed_at < ?",
-                [(agent, when) for agent, _, when in rows],
-            )
+        self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
     def _prefetch_next(self, tup: CheckpointTuple) -> None:
         """Start loading, in the background, the caches of the nodes that run next (a
         resumed thread's first node then gets its first token from memory)."""
         nodes = next_nodes(tup.checkpoint)
         prefix = f"{tup.config['configurable']['thread_id']}:"
-        engine = self.engine
+        self.engine  # noqa: B018 - built if not yet: the run this read starts needs it
         # Nothing pending: the thread ran to its end and a new input will start it again,
         # so any of its agents may be next: all are loaded, in the order they last ran.
-        records = sorted(self._thread_agents(prefix[:-1]), key=lambda r: r.updated_at)
-        agents = [
-            r.agent_id for r in records if not nodes or r.agent_id[len(prefix) :].split("|", 1)[0] in nodes
-        ]
-        if agents:
-            self.last_prefetch = engine.prefetch(agents)
+        wanted: dict[str, list[AgentRecord]] = {}
+        for engine, r in self._thread_agents(prefix[:-1]):
+            if not nodes or r.agent_id[len(prefix) :].split("|", 1)[0] in nodes:
+                wanted.setdefault(engine.fingerprint, []).append(r)
+        for fp, records in wanted.items():
+            records.sort(key=lambda r: r.updated_at)
+            self.last_prefetch = self._engines[fp].prefetch([r.agent_id for r in records])
 
     def _before_request(self, agent_id: str, params: GenerationParams) -> None:
         """An engine request for ``agent_id`` (on the caller's thread, before it is queued):
@@ -445,70 +553,72 @@ class AgentMemorySaver(ThreadedAsync, BaseCheckpointSaver[str]):
             for key in [k for k in self._pending if k[0] == thread_id]:
                 c = self._pending.pop(key, None)
                 if c is not None and resume_from is not None and resume_from == c["checkpoint_id"]:
-                    links = self.linked_agents({"configurable": c})
+                    links = self.links.linked(*_where({"configurable": c}))
                     self._set_agents_to(thread_id, links, drop_rest=False, at=c["at"])
 
     def _set_agents_to(
-        self, thread_id: str, links: dict[str, str], *, drop_rest: bool, at: float | None = None
+        self, thread_id: str, links: list[Link], *, drop_rest: bool, at: float | None = None
     ) -> None:
-        """Set the thread's agents to the snapshots in ``links`` (agent id -> digest); with
-        ``drop_rest``, delete its agents that no remaining checkpoint links."""
-        engine = self.engine
-        engine.settle_commits()  # no earlier commit is recorded after this
-        for agent_id, digest in links.items():
+        """Set the thread's agents to the snapshots ``links`` name; with ``drop_rest``,
+        delete its agents that no remaining checkpoint links."""
+        self._settle()  # no earlier commit is recorded after this
+        for fp, agent_id, digest in links:
+            engine = self._engine_of(fp)
+            if engine is None:
+                continue
             snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + digest)
             current = engine.store.get_agent(agent_id)
             if snapshot is not None and (current is None or record_digest(current) != digest):
                 engine.set_agent(agent_id, snapshot)
                 # Now the agent's latest state: a checkpoint put before its next commit
                 # (the input of a resumed run) must link this, not the state it replaced.
-                with self._lock, self._db:
-                    self._db.execute("DELETE FROM history WHERE agent_id = ?", (agent_id,))
-                self._remember(agent_id, snapshot, time.time() if at is None else at)
+                self._remember(engine, agent_id, snapshot, time.time() if at is None else at, replace=True)
         if not drop_rest:
             return
-        with self._lock:
-            linked = {
-                row[0]
-                for row in self._db.execute("SELECT agent_id FROM links WHERE thread_id = ?", (thread_id,))
-            }
-        for record in self._thread_agents(thread_id):
-            if record.agent_id not in linked:
-                engine.delete(record.agent_id)
-                with self._lock, self._db:
-                    self._db.execute("DELETE FROM history WHERE agent_id = ?", (record.agent_id,))
+        linked = self.links.linked_in_thread(thread_id)
+        gone = [
+            (e, r) for e, r in self._thread_agents(thread_id) if (e.fingerprint, r.agent_id) not in linked
+        ]
+        for engine, record in gone:
+            engine.delete(record.agent_id)
+        self.links.forget_agents((e.fingerprint, r.agent_id) for e, r in gone)
 
     def _forget_thread(self, thread_id: str) -> None:
-        engine = self.engine
-        engine.settle_commits()  # no commit of the thread is recorded after this
-        for record in self._thread_agents(thread_id):
+        self._settle()  # no commit of the thread is recorded after this
+        for engine, record in self._thread_agents(thread_id):
             engine.delete(record.agent_id)
-        prefix = f"{thread_id}:"
-        with self._lock, self._db:
-            self._db.execute("DELETE FROM links WHERE thread_id = ?", (thread_id,))
-            self._db.execute("DELETE FROM history WHERE substr(agent_id, 1, ?) = ?", (len(prefix), prefix))
+        self.links.drop_thread(thread_id)
         self._collect_snapshots()
 
-    def _thread_agents(self, thread_id: str) -> list[AgentRecord]:
-        """The stored caches of the thread's agents (ids ``{thread_id}:...``)."""
-        return self.engine.agent_records(f"{thread_id}:")
+    def _thread_agents(self, thread_id: str) -> list[tuple[Engine, AgentRecord]]:
+        """The stored caches of the thread's agents (ids ``{thread_id}:...``) on every
+        engine of the directory: those built here, and those its links name."""
+        for fp in self.links.engines_of_thread(thread_id):
+            self._engine_of(fp)
+        return [(e, r) for e in self.engines for r in e.agent_records(f"{thread_id}:")]
 
     def _collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
-        engine = self.engine
-        engine.settle_commits()  # a snapshot a pending commit names is not dead
-        with self._lock:
-            dead = [
-                row[0]
-                for row in self._db.execute(
-                    "SELECT digest FROM snapshots WHERE digest NOT IN "
-                    "(SELECT snapshot FROM links UNION SELECT snapshot FROM history)"
-                )
-            ]
-        for digest in dead:  # records first: a crash here leaves rows that the next pass retries
-            engine.delete(SNAPSHOT_PREFIX + digest)
-        with self._lock, self._db:
-            self._db.executemany("DELETE FROM snapshots WHERE digest = ?", [(d,) for d in dead])
+        self._settle()  # a snapshot a pending commit names is not dead
+        dead = self.links.dead_snapshots()
+        for fp, digest in dead:  # records first: a crash here leaves rows that the next pass retries
+            engine = self._engine_of(fp)
+            if engine is not None:
+                engine.delete(SNAPSHOT_PREFIX + digest)
+        self.links.drop_snapshots(dead)
+
+
+@asynccontextmanager
+async def server_checkpointer() -> AsyncIterator[AgentMemorySaver]:
+    """The checkpointer of a LangGraph Agent Server (``langgraph dev``): in ``langgraph.json``,
+    ``"checkpointer": {"path": "<a file that imports this>:server_checkpointer"}``. Settings
+    from the environment: ``AGENT_MEMORY_CACHE_DIR``, ``AGENT_MEMORY_MODEL`` and
+    ``AGENT_MEMORY_CHECKPOINTS`` (a SQLite path or ``postgresql://``; default
+    ``{cache_dir}/checkpoints.sqlite``)."""
+    settings = get_settings()
+    conn = settings.checkpoints or str(Path(settings.cache_dir).expanduser() / "checkpoints.sqlite")
+    async with AgentMemorySaver.afrom_conn_string(conn, cache_dir=settings.cache_dir) as saver:
+        yield saver
 
 
 @contextmanager
@@ -531,3 +641,20 @@ def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
         yield saver
     finally:
         saver.conn.close()
+
+
+@asynccontextmanager
+async def _ainner_from_conn_string(conn_string: str) -> AsyncIterator[BaseCheckpointSaver]:
+    if conn_string.startswith(("postgresql://", "postgres://")):
+        try:
+            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+        except ImportError as exc:
+            raise ImportError(
+                "a postgresql:// connection needs langgraph-checkpoint-postgres: "
+                'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
+            ) from exc
+        async with AsyncPostgresSaver.from_conn_string(conn_string) as saver:
+            yield saver
+        return
+    with _inner_from_conn_string(conn_string) as saver:
+        yield saver

@@ -9,6 +9,9 @@ Environment variables (prefix ``AGENT_MEMORY_``):
 - ``AGENT_MEMORY_WEIGHT_DTYPE``: dtype of weights converted from a GGUF (default: ``float32``
   on the CPU, where only fp32 matmuls go through BLAS (see benchmarks/runtime.py);
   ``bfloat16`` on a GPU).
+- ``AGENT_MEMORY_CHECKPOINTS``: where ``server_checkpointer`` (``langgraph.json``) keeps
+  LangGraph checkpoints: a SQLite path or a ``postgresql://`` URL (default
+  ``{cache_dir}/checkpoints.sqlite``).
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """
@@ -36,6 +39,7 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     model: str = "smollm2-135m"
     weight_dtype: WeightDType | None = None  # None: by device (engine.device.weight_dtype)
+    checkpoints: str | None = None  # None: {cache_dir}/checkpoints.sqlite
 
 
 def get_settings() -> Settings:

@@ -12,7 +12,7 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES, BASE_CAPABILITIES
 from langgraph.checkpoint.memory import InMemorySaver
 
-from langchain_agent_memory.checkpoint import AgentMemorySaver
+from langchain_agent_memory.checkpoint import AgentMemorySaver, server_checkpointer
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
 
@@ -31,7 +31,18 @@ async def _agent_memory_saver():  # type: ignore[no-untyped-def]
         yield AgentMemorySaver(cache_dir=tmp)
 
 
-@pytest.mark.parametrize("registered", [_sqlite_checkpoints, _agent_memory_saver], ids=lambda r: r.name)
+@checkpointer_test(name="server_checkpointer")
+async def _server_checkpointer():  # type: ignore[no-untyped-def]
+    """What ``langgraph dev`` builds from ``langgraph.json`` (examples/langgraph_server)."""
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as env:
+        env.setenv("AGENT_MEMORY_CACHE_DIR", tmp)
+        async with server_checkpointer() as saver:
+            yield saver
+
+
+@pytest.mark.parametrize(
+    "registered", [_sqlite_checkpoints, _agent_memory_saver, _server_checkpointer], ids=lambda r: r.name
+)
 async def test_full_conformance(registered, smollm: LoadedModel) -> None:  # type: ignore[no-untyped-def]
     report = await validate(registered)
     report.print_report()

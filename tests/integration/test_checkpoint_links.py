@@ -259,3 +259,111 @@ def test_saver_conventions_from_conn_string_setup_close(smollm: LoadedModel, tmp
         assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
         clone = saver.with_allowlist([("builtins", "set")])
         assert isinstance(clone, AgentMemorySaver) and clone.linked_agents(first.config)
+
+
+def test_one_saver_links_every_engine_of_the_graph(smollm: LoadedModel, tmp_path: Path) -> None:
+    """Two nodes on two engines (4-bit and 16-bit KV): time travel rewinds both, deleting
+    the thread deletes both's caches."""
+    from langgraph.graph import END, START, StateGraph
+
+    small = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+    exact = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4, kv_bits=None)
+    saver = AgentMemorySaver(cache_dir=tmp_path)
+
+    def node(llm: ChatAgentMemory, role: str):  # type: ignore[no-untyped-def]
+        def run(state: State) -> dict:
+            return {
+                "messages": [
+                    llm.invoke([SystemMessage(f"You are the {role}. " + SYSTEM), *state["messages"]])
+                ]
+            }
+
+        return run
+
+    g = StateGraph(State)
+    g.add_node("writer", node(small, "writer"))
+    g.add_node("critic", node(exact, "critic"))
+    g.add_edge(START, "writer")
+    g.add_edge("writer", "critic")
+    g.add_edge("critic", END)
+    app = g.compile(checkpointer=saver)
+    app.invoke({"messages": [HumanMessage("Name the license.")]}, _cfg("t1"))
+    app.invoke({"messages": [HumanMessage("Who wrote it?")]}, _cfg("t1"))
+    assert {e.fingerprint for e in saver.engines} == {small.engine.fingerprint, exact.engine.fingerprint}
+    turn1 = next(s for s in app.get_state_history(_cfg("t1")) if len(s.values.get("messages", [])) == 3)
+    linked = saver.linked_agents(turn1.config)
+    assert set(linked) == {"t1:writer", "t1:critic"}
+    # Resume turn 1 with another question: both agents extend the caches they had there.
+    out = app.invoke({"messages": [HumanMessage("Is it free?")]}, turn1.config)
+    for reply in out["messages"][-2:]:
+        engine = small.engine if reply.response_metadata["agent_id"] == "t1:writer" else exact.engine
+        snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + linked[reply.response_metadata["agent_id"]])
+        assert snapshot is not None
+        assert reply.response_metadata["cache"].endswith("-extend")
+        assert reply.usage_metadata["input_token_details"]["cache_read"] == len(snapshot.token_ids)
+    saver.delete_thread("t1")
+    for engine in (small.engine, exact.engine):
+        assert engine.agent_records() == []
+    assert _block_files(tmp_path) == set()
+
+
+async def test_async_inner_saver_is_called_through_its_async_methods(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+
+    async def lawyer(state: State) -> dict:
+        return {"messages": [await llm.ainvoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    g = StateGraph(State)
+    g.add_node("lawyer", lawyer)
+    g.add_edge(START, "lawyer")
+    g.add_edge("lawyer", END)
+    async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "async.db")) as inner:
+        saver = AgentMemorySaver(inner, cache_dir=tmp_path)
+        app = g.compile(checkpointer=saver)
+        await app.ainvoke({"messages": [HumanMessage("Name the license.")]}, _cfg("t1"))
+        out = await app.ainvoke({"messages": [HumanMessage("Who wrote it?")]}, _cfg("t1"))
+        assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
+        history = [s async for s in app.aget_state_history(_cfg("t1"))]
+        assert all(saver.linked_agents(s.config) for s in history if len(s.values.get("messages", [])) >= 2)
+        await saver.adelete_thread("t1")
+        assert (await app.aget_state(_cfg("t1"))).values == {}
+        assert llm.engine.agent_records() == [] and _block_files(tmp_path) == set()
+        saver.close()
+    async with AgentMemorySaver.afrom_conn_string(str(tmp_path / "cp.db"), cache_dir=tmp_path) as saver:
+        app = g.compile(checkpointer=saver)
+        out = await app.ainvoke({"messages": [HumanMessage("Name the license.")]}, _cfg("t2"))
+        assert saver.linked_agents((await app.aget_state(_cfg("t2"))).config)
+
+
+async def test_langgraph_server_example_runs_on_server_checkpointer(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/langgraph_server: what ``langgraph dev`` loads from its langgraph.json."""
+    import importlib.util
+    import json
+
+    from langchain_agent_memory.checkpoint import server_checkpointer
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "langgraph_server"
+    config = json.loads((folder / "langgraph.json").read_text())
+    assert config["checkpointer"]["path"] == "./graph.py:checkpointer"
+    spec = importlib.util.spec_from_file_location("example_graph", folder / "graph.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.checkpointer is server_checkpointer
+    monkeypatch.setenv("AGENT_MEMORY_CACHE_DIR", str(tmp_path))
+    module.llm.max_tokens = 6
+    module.llm.cache_dir = str(tmp_path)
+    async with module.checkpointer() as saver:
+        app = module.graph.builder.compile(checkpointer=saver)
+        await app.ainvoke({"messages": [HumanMessage("What is a KV cache?")]}, _cfg("t1"))
+        out = await app.ainvoke({"messages": [HumanMessage("Shorter, please.")]}, _cfg("t1"))
+        assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
+        state = await app.aget_state(_cfg("t1"))
+        assert set(saver.linked_agents(state.config)) == {"t1:writer", "t1:critic"}

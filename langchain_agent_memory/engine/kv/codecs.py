@@ -191,6 +191,11 @@ KV_PRESETS: dict[str, KVQuant] = {
 KV_BITS_PRESET: dict[int | None, str] = {4: "k6v4-rot-h4", 8: "q8", None: "fp16"}
 
 
+def preset_name(quant: KVQuant) -> str | None:
+    """The ``KV_PRESETS`` name of ``quant`` (None for a format of one's own)."""
+    return next((name for name, q in KV_PRESETS.items() if q == quant), None)
+
+
 def kv_format(kv: str | KVQuant | int | None) -> KVQuant:
     """A ``KVQuant`` from a preset name, a ``kv_bits`` value (``KV_BITS_PRESET``: 4, 8 or
     None for 16-bit) or itself."""
