@@ -621,19 +621,31 @@ async def server_checkpointer() -> AsyncIterator[AgentMemorySaver]:
         yield saver
 
 
+def _is_postgres(conn_string: str) -> bool:
+    return conn_string.startswith(("postgresql://", "postgres://"))
+
+
+def _postgres_module(name: str) -> Any:
+    """``langgraph.checkpoint.postgres`` (or its ``aio``), with a clear error if missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(
+            "a postgresql:// connection needs langgraph-checkpoint-postgres: "
+            'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
+        ) from exc
+
+
 @contextmanager
 def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
     """The checkpoint saver for a connection string: PostgreSQL through LangGraph's
     ``PostgresSaver``, anything else a SQLite path (``SqliteCheckpoints``)."""
-    if conn_string.startswith(("postgresql://", "postgres://")):
-        try:
-            from langgraph.checkpoint.postgres import PostgresSaver
-        except ImportError as exc:
-            raise ImportError(
-                "a postgresql:// connection needs langgraph-checkpoint-postgres: "
-                'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
-            ) from exc
-        with PostgresSaver.from_conn_string(conn_string) as saver:
+    if _is_postgres(conn_string):
+        with _postgres_module("langgraph.checkpoint.postgres").PostgresSaver.from_conn_string(
+            conn_string
+        ) as saver:
             yield saver
         return
     saver = SqliteCheckpoints(conn_string)
@@ -645,15 +657,9 @@ def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
 
 @asynccontextmanager
 async def _ainner_from_conn_string(conn_string: str) -> AsyncIterator[BaseCheckpointSaver]:
-    if conn_string.startswith(("postgresql://", "postgres://")):
-        try:
-            from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-        except ImportError as exc:
-            raise ImportError(
-                "a postgresql:// connection needs langgraph-checkpoint-postgres: "
-                'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
-            ) from exc
-        async with AsyncPostgresSaver.from_conn_string(conn_string) as saver:
+    if _is_postgres(conn_string):
+        module = _postgres_module("langgraph.checkpoint.postgres.aio")
+        async with module.AsyncPostgresSaver.from_conn_string(conn_string) as saver:
             yield saver
         return
     with _inner_from_conn_string(conn_string) as saver:
