@@ -30,7 +30,8 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough, ensure_config
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough, ensure_config
+from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -41,7 +42,7 @@ from .engine.engine import Engine, GenerationParams, GenerationResult
 from .engine.model.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
 from .engine.shared import shared_engine
 from .engine.storage.store import validate_agent_id
-from .namespace import agent_namespace
+from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile
 
 #: ``tool_choice`` values that force some tool call.
@@ -257,6 +258,68 @@ class ChatAgentMemory(BaseChatModel):
                 if run_manager and out.text:
                     await run_manager.on_llm_new_token(out.text, chunk=out)
                 yield out
+
+    # ------------------------------------------------------------------ fan-out
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """Every item on its own agent (``#{index}``, see ``namespace``): they run and
+        decode together, the prompt prefix they share is prefilled once, and no item
+        overwrites another's cache. An explicit ``agent_id`` puts them all on that one
+        agent (one after another)."""
+        configs = self._per_item(inputs, config, kwargs)
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[return-value]
+
+    async def abatch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        configs = self._per_item(inputs, config, kwargs)
+        return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[return-value]
+
+    def batch_as_completed(  # type: ignore[override]
+        self,
+        inputs: Sequence[LanguageModelInput],
+        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[tuple[int, AIMessage | Exception]]:
+        configs = self._per_item(inputs, config, kwargs)
+        yield from super().batch_as_completed(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[misc]
+
+    async def abatch_as_completed(  # type: ignore[override]
+        self,
+        inputs: Sequence[LanguageModelInput],
+        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> AsyncIterator[tuple[int, AIMessage | Exception]]:
+        configs = self._per_item(inputs, config, kwargs)
+        async for item in super().abatch_as_completed(
+            inputs, configs, return_exceptions=return_exceptions, **kwargs
+        ):
+            yield item  # type: ignore[misc]
+
+    def _per_item(
+        self, inputs: Sequence[Any], config: Any, kwargs: dict[str, Any]
+    ) -> list[RunnableConfig] | Any:
+        """Each item's config with its batch index in the run metadata (``namespace``)."""
+        if kwargs.get("agent_id") or self.agent_id or len(inputs) < 2:
+            return config
+        configs = get_config_list(config, len(inputs))
+        return [{**c, "metadata": {**c.get("metadata", {}), BATCH_INDEX: i}} for i, c in enumerate(configs)]
 
     # ------------------------------------------------------------------ tools and structure
 

@@ -74,7 +74,8 @@ class Engine:
     (``chunk_tokens``): None picks the device's (``device``: fixed on the CPU, from its
     memory on a GPU); ``cpu_kernels=False`` runs
     mlx-lm's own attention on the engine's caches (the path a GPU takes), for tests and
-    benchmarks on a CPU.
+    benchmarks on a CPU; ``share_prefixes``: requests in flight together whose prompts
+    start alike (a fan-out) prefill the common part once (``sharing``).
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class Engine:
         scheduling: str = "interleave",
         context_length: int | None = None,
         cpu_kernels: bool = True,
+        share_prefixes: bool = True,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -130,7 +132,7 @@ class Engine:
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
         steps = RequestSteps(
             self.agents, ModelRunner(self.lm.model), self.tokenizer, self.context_length, self.lm.name,
-            self._committed,
+            self._committed, share_prefixes,
         )  # fmt: skip
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=scheduling, chunk_tokens=chunk_tokens

@@ -104,6 +104,10 @@ class ModelRunner:
         offsets = mx.array([c.offset for c in self._caches[0].caches])
         return [c.step(offsets) for c in self._caches]
 
+    def in_batch(self, key: Hashable) -> bool:
+        """Whether ``key``'s caches are merged into the decode batch right now."""
+        return self._caches is not None and key in self._members
+
     def leave(self, key: Hashable) -> None:
         """A request stops decoding: its rows go back to its own layer caches."""
         if self._caches is None or key not in self._members:

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .agents import Admission, AgentCaches
+from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import (
     CacheOutcome,
+    CacheSource,
     ContextLengthError,
     GenerationParams,
     GenerationResult,
@@ -22,6 +24,7 @@ from .results import (
 from .runner import ModelRunner, Sampler
 from .runtime import mx
 from .scheduler import Phase
+from .sharing import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
 from .storage.store import AgentRecord
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
@@ -49,10 +52,33 @@ class Request:
     token: int = 0  # sampled, to be fed next
     ended_by_eos: bool = False
     decode_t0: float = 0.0
+    #: (request, tokens): start from a copy of that in-flight request's first ``tokens``
+    #: once it holds them (``sharing``), instead of prefilling them again.
+    share: tuple[Request, int] | None = None
+
+    @property
+    def holds(self) -> int:
+        """Prompt tokens its layer caches hold so far."""
+        return len(self.start.known) + self.prefilled if self.start is not None else 0
 
     @property
     def remaining_prefill(self) -> int:
-        return len(self.start.tail) - self.prefilled if self.start is not None else 0
+        """Tokens left to prefill (for the scheduler's order): while it waits for a shared
+        prefix, last of all (its source runs first); once that is ready, what is left after
+        the fork."""
+        if self.start is None:
+            return 0
+        left = len(self.start.tail) - self.prefilled
+        if self.share is None:
+            return left
+        source, tokens = self.share
+        if source.phase is Phase.PREFILL and source.holds < tokens:
+            return WAITING
+        return left - (tokens - len(self.start.known))
+
+
+#: ``remaining_prefill`` of a request waiting for another's prefix: it is scheduled last.
+WAITING = 1 << 40
 
 
 class RequestSteps:
@@ -66,11 +92,15 @@ class RequestSteps:
         context_length: int,
         model_name: str,
         on_commit: Callable[[AgentRecord], None],
+        share_prefixes: bool = True,
     ) -> None:
         self.agents, self.runner, self.tokenizer = agents, runner, tokenizer
         self.context_length, self.model_name = context_length, model_name
         self.on_commit = on_commit
         self.eos = set(tokenizer.eos_token_ids)
+        #: Fork prefixes in-flight requests share (``sharing``); off: each prefills its own.
+        self.share_prefixes = share_prefixes
+        self.inflight: list[Request] = []  # admitted, not finished: candidate sources
 
     def admit(self, req: Request) -> None:
         """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
@@ -87,16 +117,76 @@ class RequestSteps:
             req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
             req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint)
             req.stream = TextStream(self.tokenizer, p.stop)
+            if self.share_prefixes:
+                req.share = self._shared_prefix(req)
+            self.inflight.append(req)
         except BaseException as exc:
             self.fail(req, exc)
+
+    def _shared_prefix(self, req: Request) -> tuple[Request, int] | None:
+        """The in-flight request whose prompt shares the longest prefix with ``req``'s, if
+        forking it saves at least ``MIN_SHARED_TOKENS`` over what ``req`` reuses already."""
+        start = req.start
+        assert start is not None
+        ids = start.known.ids + start.tail.ids
+        best, best_n = None, 0
+        for other in self.inflight:
+            if other.phase is Phase.DONE or other.start is None:
+                continue
+            n = common_prefix(ids, other.start.known.ids + other.start.tail.ids)
+            if n > best_n:
+                best, best_n = other, n
+        if best is None:
+            return None
+        full = _joined(start.known, start.tail)
+        n = clean_cut(full, min(best_n, len(ids) - 1))  # one token at least is run: its logits
+        return (best, n) if n >= start.reused + MIN_SHARED_TOKENS else None
+
+    def _fork(self, req: Request) -> None:
+        """Start ``req``, and every other request waiting on the same source, from copies of
+        the source's caches: all at once, before any of them joins the decode batch (a
+        source merged into the batch cannot be forked; see ``_fork_one``)."""
+        assert req.share is not None
+        source = req.share[0]
+        for other in [r for r in self.inflight if r.share is not None and r.share[0] is source]:
+            if other is req or other.remaining_prefill != WAITING:
+                self._fork_one(other)
+        if req.share is not None:
+            self._fork_one(req)
+
+    def _fork_one(self, req: Request) -> None:
+        """Start ``req`` from a copy of its source's caches, if they can still be forked
+        (not merged into a decode batch, holding the window each layer needs); otherwise it
+        prefills those tokens itself."""
+        assert req.share is not None and req.start is not None
+        source, tokens = req.share
+        req.share = None
+        src = source.start
+        if (
+            source.phase is Phase.DONE
+            or src is None
+            or source.holds < tokens
+            or self.runner.in_batch(id(source))
+            or not can_fork(src.layers, tokens)
+        ):
+            return  # it prefills those tokens itself
+        start = req.start
+        known, tail = _joined(start.known, start.tail).split(tokens)
+        layers = self.agents.new_layers()
+        fork_layers(src.layers, layers, tokens)
+        shared = PrefixMatch(MatchKind.SHARED, tokens, len(known.text))
+        req.start = Admission(start.state, CacheSource.HOT, shared, layers, known, tail, start.load_s, [])
+        req.prefilled = 0
 
     def prefill(self, req: Request, n: int) -> None:
         """Run up to ``n`` of the request's new tokens; after the last, sample its first."""
         try:
             with self.agents.lock:
+                t0 = time.perf_counter()
+                if req.share is not None:
+                    self._fork(req)
                 start = req.start
                 assert start is not None and req.sampler is not None
-                t0 = time.perf_counter()
                 ids = start.tail.ids[req.prefilled : req.prefilled + n]
                 req.prefilled += len(ids)
                 logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
@@ -199,10 +289,23 @@ class RequestSteps:
             bytes_written=written,
         )
         req.phase = Phase.DONE
+        self._forget(req)
         req.sink.item(StreamChunk("", result))
         req.sink.end()
 
     def fail(self, req: Request, exc: BaseException) -> None:
         self.runner.leave(id(req))
         req.phase = Phase.DONE
+        self._forget(req)
         req.sink.error(exc)
+
+    def _forget(self, req: Request) -> None:
+        if req in self.inflight:
+            self.inflight.remove(req)
+
+
+def _joined(known: TokenizedText, tail: TokenizedText) -> TokenizedText:
+    """``known`` followed by ``tail``, as a new object."""
+    full = TokenizedText(known.text, list(known.ids), list(known.ends))
+    full.extend(tail)
+    return full

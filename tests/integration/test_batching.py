@@ -178,3 +178,33 @@ def test_a_warm_agent_does_not_wait_for_a_cold_prefill(smollm: object, tmp_path:
     first_token("b", engine.cached_text("b") + "\nQ: And who wrote it?\nA:")
     a.join()
     assert order == (["b", "a"] if policy == "interleave" else ["a", "b"])
+
+
+def test_fan_out_prefills_the_shared_prefix_once(smollm: Any, tmp_path: Path, together: Any) -> None:
+    """Four agents released at once with prompts that share a ~300-token prefix: one
+    prefills it, the others start from copies of its caches (``hot-shared``), and every
+    answer equals the one that agent gets alone, cold (16-bit KV)."""
+    prefix = "You answer questions about this license.\n\n" + corpus.apache_license()[:1200]
+    questions = ["Its name?", "Who wrote it?", "Can I sell copies?", "Is there a warranty?"]
+    prompts = {f"item-{i}": f"{prefix}\n\nQ: {q}\nA:" for i, q in enumerate(questions)}
+    params = GenerationParams(max_tokens=8)
+    expected = {
+        agent: Engine("smollm2-135m", cache_dir=tmp_path / f"alone-{agent}", kv_bits=None).generate(
+            agent, prompt, params
+        )
+        for agent, prompt in prompts.items()
+    }
+    engine = Engine("smollm2-135m", cache_dir=tmp_path / "fan-out", kv_bits=None)
+    got = together(engine, prompts, params)
+    outcomes = sorted(str(r.outcome) for r in got.values())
+    assert outcomes == ["cold", "hot-shared", "hot-shared", "hot-shared"], outcomes
+    for agent, result in got.items():
+        assert result.text == expected[agent].text, agent
+        if str(result.outcome) == "hot-shared":
+            assert result.reused_tokens >= 256
+    assert engine.stats()["max_decode_batch"] >= 2
+    # What each agent stored stands for its own prompt and reply: a reload extends it.
+    for agent, prompt in prompts.items():
+        engine.drop_hot(agent)
+        again = engine.generate(agent, prompt + got[agent].text + "\nQ: Thanks.\nA:", params)
+        assert again.outcome.match.value == "extend"

@@ -1,14 +1,21 @@
 """What LangChain users rely on beyond the standard suite: token counting in the model's
-own tokenizer (offline), the model profile, context overflow as LangChain's error."""
+own tokenizer (offline), the model profile, context overflow as LangChain's error, fan-out
+(``batch`` items and ``Send`` tasks each on their own agent, the shared prefix prefilled
+once)."""
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
+from typing import Annotated, TypedDict
 
 import pytest
 from langchain_core.exceptions import ContextOverflowError
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
 from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send
 
 from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.model.loading import LoadedModel
@@ -70,3 +77,49 @@ def test_an_over_long_prompt_raises_context_overflow(smollm: LoadedModel, tmp_pa
         llm.invoke([HumanMessage(text)], agent_id="too-long")
     # the agent is intact: a normal call still works
     assert llm.invoke([HumanMessage("Hi")], agent_id="too-long").usage_metadata is not None
+
+
+def test_batch_items_get_their_own_agents(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=3)
+    system = SystemMessage("You answer in one word.\n\n" + corpus.apache_license()[:900])
+    questions = [[system, HumanMessage(f"Question {i}: is it free?")] for i in range(4)]
+    replies = llm.batch(questions)
+    assert [r.response_metadata["agent_id"] for r in replies] == [f"default#{i}" for i in range(4)]
+    assert sorted(r.response_metadata["cache"] for r in replies)[-3:] == ["hot-shared"] * 3
+    # the next round: each item extends its own cache
+    again = llm.batch([[*q, r, HumanMessage("Why?")] for q, r in zip(questions, replies, strict=True)])
+    assert all(r.response_metadata["cache"] == "hot-extend" for r in again)
+    # an explicit agent keeps them on one agent
+    one = llm.batch(questions[:2], agent_id="solo")
+    assert {r.response_metadata["agent_id"] for r in one} == {"solo"}
+
+
+class MapState(TypedDict):
+    questions: list[str]
+    answers: Annotated[list[tuple[str, str]], operator.add]
+
+
+def test_send_map_reduce_runs_each_item_on_its_own_agent(smollm: LoadedModel, tmp_path: Path) -> None:
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=3)
+    doc = corpus.apache_license()[:900]
+
+    def fan_out(state: MapState) -> list[Send]:
+        return [Send("answer", {"question": q}) for q in state["questions"]]
+
+    def answer(item: dict) -> dict:
+        reply = llm.invoke(
+            [SystemMessage("Answer from this text.\n\n" + doc), HumanMessage(item["question"])]
+        )
+        return {"answers": [(reply.response_metadata["agent_id"], reply.response_metadata["cache"])]}
+
+    g = StateGraph(MapState)
+    g.add_node("answer", answer)
+    g.add_conditional_edges(START, fan_out, ["answer"])
+    g.add_edge("answer", END)
+    app = g.compile(checkpointer=InMemorySaver())
+    questions = [f"Question {i}: who may use it?" for i in range(4)]
+    out = app.invoke({"questions": questions, "answers": []}, {"configurable": {"thread_id": "t1"}})
+    agents = sorted(a for a, _ in out["answers"])
+    assert agents == [f"t1:answer#{i}" for i in range(4)]
+    assert sorted(c for _, c in out["answers"])[-3:] == ["hot-shared"] * 3
+    assert llm.engine.stats()["max_decode_batch"] >= 2

@@ -1,0 +1,66 @@
+"""Prefixes shared by requests in flight: a fan-out (eight LangGraph ``Send`` tasks, an
+``llm.batch``) sends several agents prompts that start alike (the same system prompt and
+document), at the same moment, before any of them has stored a block. Without sharing each
+would prefill the common part itself; here the later ones wait until the first has run it,
+then start from copies of its layer caches up to where their prompts part
+(copy-on-write: stored parts are shared views, only the working copies are their own).
+
+The forked keys and values are the ones the request would have computed (the same tokens at
+the same positions), so its output is the same as alone at 16-bit KV; a source that had
+reused stored (quantized) blocks passes those on, as a shared-block start would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .kv import LayerCache
+from .prefix import NOT_A_BOUNDARY, TokenizedText
+
+#: Fewest tokens worth waiting for and forking (below this, prefilling them is as cheap).
+MIN_SHARED_TOKENS = 128
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def clean_cut(tokens: TokenizedText, n: int) -> int:
+    """The largest ``m <= n`` after which ``tokens`` can be cut (not inside a character)."""
+    while n > 0 and tokens.ends[n - 1] == NOT_A_BOUNDARY:
+        n -= 1
+    return n
+
+
+def can_fork(layers: Sequence[LayerCache], n_tokens: int) -> bool:
+    """Whether ``layers`` hold what a request keeping their first ``n_tokens`` needs: every
+    full layer from position 0, every sliding layer its last window before ``n_tokens``."""
+    for layer in layers:
+        if layer.offset < n_tokens:
+            return False
+        window = layer.spec.window
+        if layer.start > (0 if window is None else max(0, n_tokens - window)):
+            return False
+    return True
+
+
+def fork_layers(source: Sequence[LayerCache], fresh: Sequence[LayerCache], n_tokens: int) -> None:
+    """Load ``fresh`` (empty caches of the same model) with ``source``'s first ``n_tokens``
+    (``can_fork`` first): stored parts as views (mlx copies a buffer rather than write into
+    one a view still reads), the source request's own full-precision tokens as the fork's
+    pending ones (committed with the fork's)."""
+    for src, dst in zip(source, fresh, strict=True):
+        stored_end = min(n_tokens, src.committed_end)
+        head, body = src.committed_slice(src.start, stored_end)
+        dst.load(src.start, head, *(body or (None, None)))
+        if n_tokens > src.committed_end:
+            pk, pv = src.pending_k, src.pending_v
+            assert pk is not None and pv is not None
+            n = n_tokens - src.committed_end
+            dst.push_pending(pk[:, :, :n], pv[:, :, :n])
+        if dst.offset != n_tokens:
+            raise RuntimeError(f"a fork holds {dst.offset} tokens, not {n_tokens} (this is a bug)")
