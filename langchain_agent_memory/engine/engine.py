@@ -134,6 +134,7 @@ class Engine:
             self.agents, ModelRunner(self.lm.model), self.tokenizer, self.context_length, self.lm.name,
             self._committed, share_prefixes,
         )  # fmt: skip
+        self._steps = steps
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=scheduling, chunk_tokens=chunk_tokens
         )
@@ -145,6 +146,15 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         return self.lm.tokenizer
+
+    @property
+    def share_prefixes(self) -> bool:
+        """Whether requests in flight together fork a prompt prefix they share (``sharing``)."""
+        return self._steps.share_prefixes
+
+    @share_prefixes.setter
+    def share_prefixes(self, value: bool) -> None:
+        self._steps.share_prefixes = value
 
     @property
     def work_budget_bytes(self) -> int:
