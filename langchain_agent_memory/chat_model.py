@@ -39,11 +39,12 @@ from pydantic import ConfigDict, Field, field_validator
 
 from . import prompt
 from .engine.engine import Engine, GenerationParams, GenerationResult
-from .engine.model.constrain import GrammarConstraint, json_schema_grammar, tool_call_grammar
+from .engine.model.constrain import GrammarConstraint, json_schema_grammar
 from .engine.shared import shared_engine
 from .engine.storage.store import validate_agent_id
 from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile
+from .tool_formats import ToolFormat, tool_format
 
 #: ``tool_choice`` values that force some tool call.
 _ANY_TOOL = ("any", "required", True)
@@ -187,14 +188,14 @@ class ChatAgentMemory(BaseChatModel):
         if fmt is not None:
             schema = fmt.get("schema", {"type": "object"}) if isinstance(fmt, dict) else {"type": "object"}
         text = prompt.render(engine.tokenizer, messages, tools or None, schema)
+        fmt = tool_format(engine.tokenizer)
         stops = [*(self.stop or []), *(stop or [])]
         if not engine.tokenizer.chat_template:
             stops.append(prompt.TRANSCRIPT_TURN_END)
         constraint = None
         forced = _forced_tools(tools, choice)
-        if forced:
-            grammar = tool_call_grammar(forced, prompt.TOOL_CALL_OPEN, prompt.TOOL_CALL_CLOSE)
-            constraint = GrammarConstraint(engine.tokenizer, grammar)
+        if forced:  # one call, in the model's own format, valid under the tool's schema
+            constraint = GrammarConstraint(engine.tokenizer, fmt.grammar(forced))
         elif schema is not None:
             constraint = GrammarConstraint(engine.tokenizer, json_schema_grammar(schema))
         params = GenerationParams(
@@ -207,7 +208,7 @@ class ChatAgentMemory(BaseChatModel):
             timeout_s=self.timeout,
             resume_from=metadata.get("checkpoint_id"),  # a LangGraph run resumed from an older checkpoint
         )
-        return _Request(engine, agent, text, params, parse_tools=bool(tools), hide_text=bool(forced))
+        return _Request(engine, agent, text, params, fmt if tools else None, hide_text=bool(forced))
 
     def _generate(
         self,
@@ -392,7 +393,7 @@ class ChatAgentMemory(BaseChatModel):
 
 
 class _Request:
-    __slots__ = ("agent", "engine", "hide_text", "params", "parse_tools", "text")
+    __slots__ = ("agent", "engine", "hide_text", "params", "text", "tools")
 
     def __init__(
         self,
@@ -400,11 +401,15 @@ class _Request:
         agent: str,
         text: str,
         params: GenerationParams,
-        parse_tools: bool,
+        tools: ToolFormat | None,
         hide_text: bool,
     ) -> None:
         self.engine, self.agent, self.text, self.params = engine, agent, text, params
-        self.parse_tools, self.hide_text = parse_tools, hide_text
+        self.tools = tools  # the format replies are parsed in for calls (None: no tools offered)
+        self.hide_text = hide_text
+
+    def parse(self, text: str) -> tuple[str, list[Any], list[Any]]:
+        return self.tools.parse(text) if self.tools is not None else (text, [], [])
 
 
 def _choice_name(choice: Any) -> str | None:
@@ -469,7 +474,7 @@ def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any
 
 
 def _chat_result(req: _Request, result: GenerationResult) -> ChatResult:
-    content, calls, invalid = prompt.parse_reply(result.text) if req.parse_tools else (result.text, [], [])
+    content, calls, invalid = req.parse(result.text)
     message = AIMessage(
         content=content,
         tool_calls=calls,
@@ -496,12 +501,20 @@ class _StreamShaper:
         self.text += piece
         if not self.in_call:
             limit = len(self.text)
-            if self.req.parse_tools:
-                at = self.text.find("<tool_call>", self.emitted)
+            fmt = self.req.tools
+            if fmt is not None and fmt.open:  # text is held back where a call may start
+                marker = fmt.open.strip()
+                at = self.text.find(marker, self.emitted)
                 if at != -1:
                     limit, self.in_call = at, True
                 else:
-                    limit = _safe_end(self.text, "<tool_call>")
+                    limit = _safe_end(self.text, marker)
+            elif fmt is not None:  # the call is the whole reply (Llama 3): held while it may be one
+                head = self.text.lstrip()
+                if head.startswith(("{", "<|python_tag|>")):
+                    limit, self.in_call = self.emitted, True
+                elif not head or "<|python_tag|>".startswith(head):
+                    limit = self.emitted
             if limit > self.emitted:
                 out.append(
                     ChatGenerationChunk(message=AIMessageChunk(content=self.text[self.emitted : limit]))
@@ -512,9 +525,7 @@ class _StreamShaper:
         return out
 
     def _last(self, result: GenerationResult) -> ChatGenerationChunk:
-        content, calls, invalid = (
-            prompt.parse_reply(result.text) if self.req.parse_tools else (result.text, [], [])
-        )
+        content, calls, invalid = self.req.parse(result.text)
         rest = content[self.emitted :] if content.startswith(self.text[: self.emitted]) else ""
         chunks = [
             ToolCallChunk(
@@ -524,7 +535,8 @@ class _StreamShaper:
         ]
         # A chunk's tool calls are re-parsed from its chunks (leniently: a cut-off call would
         # pass as a call), so an unparsable call is returned as the text it was.
-        rest += "".join(prompt.TOOL_CALL_OPEN + (c["args"] or "") for c in invalid)
+        opening = self.req.tools.open if self.req.tools is not None else ""
+        rest += "".join(opening + (c["args"] or "") for c in invalid)
         message = AIMessageChunk(
             content=rest,
             tool_call_chunks=chunks,

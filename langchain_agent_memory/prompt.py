@@ -120,11 +120,16 @@ def to_dicts(
     if response_schema is not None:
         listing = schema_system_text(response_schema)
     if listing:
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
-        else:
-            out.insert(0, {"role": "system", "content": listing})
+        with_listing(out, listing)
     return out
+
+
+def with_listing(dicts: list[dict[str, Any]], listing: str) -> None:
+    """Append ``listing`` to the first system message (one is inserted if there is none)."""
+    if dicts and dicts[0]["role"] == "system":
+        dicts[0] = {**dicts[0], "content": dicts[0]["content"] + "\n\n" + listing}
+    else:
+        dicts.insert(0, {"role": "system", "content": listing})
 
 
 def render(
@@ -132,14 +137,39 @@ def render(
     messages: Sequence[BaseMessage],
     tools: Sequence[dict[str, Any]] | None = None,
     response_schema: dict[str, Any] | None = None,
+    **template_kwargs: Any,
 ) -> str:
-    """The prompt text for ``messages`` (ending with the assistant's generation prompt)."""
+    """The prompt text for ``messages`` (ending with the assistant's generation prompt), in
+    the template's own tool format where it has one (``tool_formats``), else Hermes."""
     if not messages:
         raise ValueError("no messages to send: pass at least one message")
+    if not getattr(tokenizer, "chat_template", None):
+        return transcript(to_dicts(messages, tools, response_schema))
+    from .tool_formats import native_dicts, tool_format
+
+    fmt = tool_format(tokenizer)
+    if fmt.native:
+        dicts = native_dicts(fmt, messages)
+        if response_schema is not None:
+            with_listing(dicts, schema_system_text(response_schema))
+        kwargs = {"tools": list(tools)} if tools else {}
+        return tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=True, tokenize=False, **kwargs, **template_kwargs
+        )
     dicts = to_dicts(messages, tools, response_schema)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-    return transcript(dicts)
+    try:
+        return tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
+    except Exception:
+        if not any(d["role"] == "tool" for d in dicts):
+            raise
+        # A strict template without tool syntax (user / assistant turns only): tool results
+        # go in as user turns, still wrapped in <tool_response>.
+        dicts = [{**d, "role": "user"} if d["role"] == "tool" else d for d in dicts]
+        return tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=True, tokenize=False, **template_kwargs
+        )
 
 
 def transcript(dicts: Sequence[dict[str, str]]) -> str:

@@ -88,9 +88,12 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(bounded_strings(schema), defaults=JSON_OPTIONS)
 
 
-def tool_call_grammar(tools: Sequence[dict[str, Any]], open_tag: str, close_tag: str) -> str:
+def tool_call_grammar(
+    tools: Sequence[dict[str, Any]], open_tag: str, close_tag: str, args_key: str = "arguments"
+) -> str:
     """A grammar for exactly one call ``open_tag{"name": ..., "arguments": {...}}close_tag``
-    to one of ``tools`` (OpenAI-format tool dicts), arguments valid under its schema."""
+    to one of ``tools`` (OpenAI-format tool dicts), arguments valid under its schema
+    (``args_key``: what the format calls them, e.g. Llama 3's ``parameters``)."""
     import llguidance
 
     options = []
@@ -104,12 +107,16 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], open_tag: str, close_tag:
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**bounded_strings(schema), "x-guidance": JSON_OPTIONS}
-    lark = f"start: {json.dumps(open_tag)} call {json.dumps(close_tag)}\ncall: %json {json.dumps(schema)}\n"
+    head, tail = (
+        (json.dumps(open_tag) + " " if open_tag else ""),
+        (" " + json.dumps(close_tag) if close_tag else ""),
+    )
+    lark = f"start: {head}call{tail}\ncall: %json {json.dumps(schema)}\n"
     return llguidance.LLMatcher.grammar_from_lark(lark)
