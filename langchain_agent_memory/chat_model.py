@@ -37,7 +37,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
-from . import prompt
+from . import prompt, reasoning
 from .engine.engine import Engine, GenerationParams, GenerationResult
 from .engine.model.constrain import GrammarConstraint, json_schema_grammar
 from .engine.shared import shared_engine
@@ -69,7 +69,8 @@ class ChatAgentMemory(BaseChatModel):
         timeout: seconds after which decoding stops (``finish_reason="timeout"``).
 
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
-    ``temperature``, ``max_tokens``, ``top_p``, ``seed``, ``tools``, ``tool_choice``.
+    ``temperature``, ``max_tokens``, ``top_p``, ``seed``, ``tools``, ``tool_choice``,
+    ``chat_template_kwargs``.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -87,6 +88,11 @@ class ChatAgentMemory(BaseChatModel):
     hot_budget_mb: int | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0)
     max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
+    #: Split a thinking model's reasoning (``<think>``, gpt-oss's analysis channel) out of
+    #: ``content`` into ``additional_kwargs["reasoning_content"]`` (False: leave it in).
+    reasoning: bool = True
+    #: Extra variables for the chat template, e.g. ``{"enable_thinking": False}`` (Qwen 3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("agent_id")
     @classmethod
@@ -187,7 +193,8 @@ class ChatAgentMemory(BaseChatModel):
         schema = None
         if fmt is not None:
             schema = fmt.get("schema", {"type": "object"}) if isinstance(fmt, dict) else {"type": "object"}
-        text = prompt.render(engine.tokenizer, messages, tools or None, schema)
+        template_kwargs = {**(self.chat_template_kwargs or {}), **(kwargs.get("chat_template_kwargs") or {})}
+        text = prompt.render(engine.tokenizer, messages, tools or None, schema, **template_kwargs)
         fmt = tool_format(engine.tokenizer)
         stops = [*(self.stop or []), *(stop or [])]
         if not engine.tokenizer.chat_template:
@@ -208,7 +215,9 @@ class ChatAgentMemory(BaseChatModel):
             timeout_s=self.timeout,
             resume_from=metadata.get("checkpoint_id"),  # a LangGraph run resumed from an older checkpoint
         )
-        return _Request(engine, agent, text, params, fmt if tools else None, hide_text=bool(forced))
+        thinks = self.reasoning and not forced and schema is None  # constrained replies do not think
+        opened = thinks and reasoning.prompt_opens_thinking(text)
+        return _Request(engine, agent, text, params, fmt if tools else None, bool(forced), thinks, opened)
 
     def _generate(
         self,
@@ -393,7 +402,7 @@ class ChatAgentMemory(BaseChatModel):
 
 
 class _Request:
-    __slots__ = ("agent", "engine", "hide_text", "params", "text", "tools")
+    __slots__ = ("agent", "engine", "hide_text", "opened", "params", "text", "thinks", "tools")
 
     def __init__(
         self,
@@ -403,13 +412,25 @@ class _Request:
         params: GenerationParams,
         tools: ToolFormat | None,
         hide_text: bool,
+        thinks: bool,
+        opened: bool,
     ) -> None:
         self.engine, self.agent, self.text, self.params = engine, agent, text, params
         self.tools = tools  # the format replies are parsed in for calls (None: no tools offered)
         self.hide_text = hide_text
+        self.thinks, self.opened = thinks, opened  # split reasoning; the prompt opened <think>
 
-    def parse(self, text: str) -> tuple[str, list[Any], list[Any]]:
-        return self.tools.parse(text) if self.tools is not None else (text, [], [])
+    def split(self, text: str, partial: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of a reply (or of one still being generated)."""
+        return reasoning.split(text, self.opened, partial) if self.thinks else ("", text)
+
+    def parse(self, text: str) -> tuple[str, str, list[Any], list[Any]]:
+        """(reasoning, content, tool calls, invalid calls) of a whole reply."""
+        thought, answer = self.split(text)
+        content, calls, invalid = self.tools.parse(answer) if self.tools is not None else (answer, [], [])
+        if thought and content.lstrip().startswith("<|"):
+            content = reasoning.strip_headers(content)
+        return thought, content, calls, invalid
 
 
 def _choice_name(choice: Any) -> str | None:
@@ -474,9 +495,10 @@ def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any
 
 
 def _chat_result(req: _Request, result: GenerationResult) -> ChatResult:
-    content, calls, invalid = req.parse(result.text)
+    thought, content, calls, invalid = req.parse(result.text)
     message = AIMessage(
         content=content,
+        additional_kwargs={"reasoning_content": thought} if thought else {},
         tool_calls=calls,
         invalid_tool_calls=invalid,
         usage_metadata=_usage(result),
@@ -486,47 +508,58 @@ def _chat_result(req: _Request, result: GenerationResult) -> ChatResult:
 
 
 class _StreamShaper:
-    """Engine text chunks -> message chunks: text is streamed as it comes, except what may
-    be (or is) a ``<tool_call>`` block, which is parsed at the end into tool-call chunks;
-    the last chunk (``chunk_position="last"``) carries usage and metadata."""
+    """Engine text chunks -> message chunks: reasoning streams as ``reasoning_content``
+    chunks, the answer as content, except what may be (or is) a tool call, which is parsed
+    at the end into tool-call chunks; the last chunk (``chunk_position="last"``) carries
+    usage and metadata."""
 
     def __init__(self, req: _Request) -> None:
         self.req = req
-        self.text = ""
-        self.emitted = 0
+        self.text = ""  # the whole reply so far
+        self.thought_emitted = 0
+        self.answer = ""  # its answer part so far (``_Request.split``)
+        self.emitted = 0  # of ``answer``
         self.in_call = req.hide_text
 
     def feed(self, piece: str, result: GenerationResult | None) -> list[ChatGenerationChunk]:
         out: list[ChatGenerationChunk] = []
         self.text += piece
+        thought, self.answer = self.req.split(self.text, partial=True)
+        if len(thought) > self.thought_emitted:
+            delta = thought[self.thought_emitted :]
+            out.append(
+                ChatGenerationChunk(
+                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": delta})
+                )
+            )
+            self.thought_emitted = len(thought)
         if not self.in_call:
-            limit = len(self.text)
+            text = self.answer
+            limit = len(text)
             fmt = self.req.tools
             if fmt is not None and fmt.open:  # text is held back where a call may start
                 marker = fmt.open.strip()
-                at = self.text.find(marker, self.emitted)
+                at = text.find(marker, self.emitted)
                 if at != -1:
                     limit, self.in_call = at, True
                 else:
-                    limit = _safe_end(self.text, marker)
+                    limit = _safe_end(text, marker)
             elif fmt is not None:  # the call is the whole reply (Llama 3): held while it may be one
-                head = self.text.lstrip()
+                head = text.lstrip()
                 if head.startswith(("{", "<|python_tag|>")):
                     limit, self.in_call = self.emitted, True
                 elif not head or "<|python_tag|>".startswith(head):
                     limit = self.emitted
             if limit > self.emitted:
-                out.append(
-                    ChatGenerationChunk(message=AIMessageChunk(content=self.text[self.emitted : limit]))
-                )
+                out.append(ChatGenerationChunk(message=AIMessageChunk(content=text[self.emitted : limit])))
                 self.emitted = limit
         if result is not None:
             out.append(self._last(result))
         return out
 
     def _last(self, result: GenerationResult) -> ChatGenerationChunk:
-        content, calls, invalid = self.req.parse(result.text)
-        rest = content[self.emitted :] if content.startswith(self.text[: self.emitted]) else ""
+        thought, content, calls, invalid = self.req.parse(result.text)
+        rest = content[self.emitted :] if content.startswith(self.answer[: self.emitted]) else ""
         chunks = [
             ToolCallChunk(
                 name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i, type="tool_call_chunk"
@@ -537,8 +570,10 @@ class _StreamShaper:
         # pass as a call), so an unparsable call is returned as the text it was.
         opening = self.req.tools.open if self.req.tools is not None else ""
         rest += "".join(opening + (c["args"] or "") for c in invalid)
+        late = thought[self.thought_emitted :]  # reasoning the partial split held back
         message = AIMessageChunk(
             content=rest,
+            additional_kwargs={"reasoning_content": late} if late else {},
             tool_call_chunks=chunks,
             usage_metadata=_usage(result),
             response_metadata=_response_metadata(self.req, result),
