@@ -23,7 +23,8 @@ from .engine.model.loading import SHIPPED_MODELS, trained_context
 def model_profile(model: str) -> ModelProfile:
     """The profile of ``model`` (a shipped name, an mlx-lm directory or a ``.gguf``); what
     cannot be read cheaply is left out."""
-    context, chat = _context_and_chat(model)
+    context, template = _context_and_template(model)
+    chat = template is not None
     profile = ModelProfile(
         name=model,
         open_weights=True,
@@ -45,32 +46,42 @@ def model_profile(model: str) -> ModelProfile:
     )
     if context:
         profile["max_input_tokens"] = context
+    if template:  # a template that knows thinking: its reasoning is split out (``reasoning``)
+        profile["reasoning_output"] = "<think>" in template or "<|channel|>analysis" in template
     return profile
 
 
-def _context_and_chat(model: str) -> tuple[int | None, bool]:
+def _context_and_template(model: str) -> tuple[int | None, str | None]:
+    """The trained context length and the chat template ("" where it is not read here;
+    None: no template, a base model)."""
     shipped = SHIPPED_MODELS.get(model)
     if shipped is not None:
-        return shipped.context_length, shipped.chat
+        return shipped.context_length, "" if shipped.chat else None
     path = Path(model).expanduser()
     try:
         if path.is_dir():
-            return trained_context(path), _has_chat_template(path)
+            return trained_context(path), _template(path)
         if path.is_file() and path.suffix == ".gguf":
-            return _gguf_context_and_chat(path)
+            return _gguf_context_and_template(path)
     except (OSError, ValueError, KeyError):  # unreadable here: the engine says why on first use
         pass
-    return None, True
+    return None, ""
 
 
-def _has_chat_template(model_dir: Path) -> bool:
-    if (model_dir / "chat_template.jinja").exists() or (model_dir / "chat_template.json").exists():
-        return True
-    config = model_dir / "tokenizer_config.json"
-    return config.exists() and bool(json.loads(config.read_text()).get("chat_template"))
+def _template(model_dir: Path) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = model_dir / name
+        if f.exists():
+            value = json.loads(f.read_text()).get("chat_template")
+            if value:
+                return value if isinstance(value, str) else json.dumps(value)
+    return None
 
 
-def _gguf_context_and_chat(path: Path) -> tuple[int | None, bool]:
+def _gguf_context_and_template(path: Path) -> tuple[int | None, str | None]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -81,4 +92,5 @@ def _gguf_context_and_chat(path: Path) -> tuple[int | None, bool]:
 
     arch = field("general.architecture")
     context = field(f"{arch}.context_length")
-    return (int(context) if context else None), field("tokenizer.chat_template") is not None
+    template = field("tokenizer.chat_template")
+    return (int(context) if context else None), (str(template) if template else None)

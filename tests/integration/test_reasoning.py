@@ -46,6 +46,7 @@ def test_reasoning_goes_to_reasoning_content(thinker: Path, tmp_path: Path) -> N
     llm = ChatAgentMemory(
         model=str(thinker), cache_dir=str(tmp_path), max_tokens=12, chat_template_kwargs=thinking
     )
+    assert llm.profile is not None and llm.profile["reasoning_output"]
     question = [HumanMessage("List three colors.")]  # (some prompts get only whitespace from these weights)
     reply = llm.invoke(question, agent_id="a")
     thought = reply.additional_kwargs.get("reasoning_content")
