@@ -29,6 +29,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
+from langchain_core.messages import HumanMessage, SystemMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Send  # at module level: LangGraph reads the branch's annotations
+
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("one agent", "own agents", "own agents + shared prefix")
 
@@ -39,11 +44,6 @@ class State(TypedDict):
 
 
 def build(llm: Any, prefix: str, one_agent: bool) -> Any:
-    from langchain_core.messages import HumanMessage, SystemMessage
-    from langgraph.checkpoint.memory import InMemorySaver
-    from langgraph.graph import END, START, StateGraph
-    from langgraph.types import Send
-
     def fan_out(state: State) -> list[Send]:
         return [Send("answer", item) for item in state["items"]]
 

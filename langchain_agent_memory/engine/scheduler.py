@@ -12,7 +12,8 @@ Policies:
   first (shortest remaining prefill), so an agent whose cache is warm or hot (a short
   prefill) never waits behind another agent's long cold prefill for more than one chunk
   (the engine's chunks are small on the CPU: ``device.CPU_CHUNK_TOKENS``), and decoding agents get a token
-  between any two chunks.
+  between any two chunks. What a step's chunk leaves goes to other requests whose whole
+  prefill fits in it (the short tails of a fan-out finish together).
 - ``"fcfs"``: one request at a time, in arrival order, to its end: what an engine without
   a scheduler does (kept to measure the difference).
 
@@ -90,10 +91,26 @@ class Scheduler:
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
             else:
                 request = prefilling[0]
-            chunk = self.chunk_tokens
-            self._prefill(request, chunk)
+            budget = self.chunk_tokens - min(request.remaining_prefill, self.chunk_tokens)
+            self._prefill(request, self.chunk_tokens)
+            if self.policy == "interleave":
+                self._prefill_short(prefilling, request, budget)
         self.active = [r for r in self.active if r.phase is not Phase.DONE]
         self.steps += 1
+
+    def _prefill_short(self, prefilling: list[Schedulable], done: Schedulable, budget: int) -> None:
+        """What is left of the step's chunk goes to other requests whose whole prefill fits
+        in it (fewest tokens first): a fan-out's short tails then finish in one step and
+        join the decode batch together (one merged-buffer build, not one per member)."""
+        others = [r for r in prefilling if r is not done]
+        while budget > 0 and others:
+            request = min(others, key=lambda r: (r.remaining_prefill, r.arrival))
+            need = request.remaining_prefill
+            if need > budget or request.phase is not Phase.PREFILL:
+                return
+            self._prefill(request, need)
+            others.remove(request)
+            budget -= need
 
     def _admit_waiting(self) -> None:
         busy = {r.agent_id for r in self.active}

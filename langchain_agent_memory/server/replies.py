@@ -60,6 +60,9 @@ def tool_calls(message: AIMessage) -> list[dict[str, Any]]:
 def completion(cid: str, model: str, message: AIMessage) -> dict[str, Any]:
     """A whole ``chat.completion``."""
     reply: dict[str, Any] = {"role": "assistant", "content": message.text or None}
+    thought = message.additional_kwargs.get("reasoning_content")
+    if thought:  # as vLLM, llama.cpp and DeepSeek's API return a thinking model's reasoning
+        reply["reasoning_content"] = thought
     if message.tool_calls:
         reply["tool_calls"] = tool_calls(message)
     elif reply["content"] is None:
@@ -100,7 +103,10 @@ class ChunkWriter:
 
     def text(self, chunk: AIMessageChunk) -> list[dict[str, Any]]:
         """The chunks for one LangChain chunk (the last one closes the reply)."""
-        out = [self._chunk({"content": chunk.text})] if chunk.text else []
+        thought = chunk.additional_kwargs.get("reasoning_content")
+        out = [self._chunk({"reasoning_content": thought})] if thought else []
+        if chunk.text:
+            out.append(self._chunk({"content": chunk.text}))
         if chunk.chunk_position != "last":
             return out
         whole = AIMessage(
