@@ -551,10 +551,13 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         concurrent request of the same thread waits for it."""
         with self._rewinding:
             for key in [k for k in self._pending if k[0] == thread_id]:
-                c = self._pending.pop(key, None)
+                c = self._pending.get(key)
                 if c is not None and resume_from is not None and resume_from == c["checkpoint_id"]:
                     links = self.links.linked(*_where({"configurable": c}))
                     self._set_agents_to(thread_id, links, drop_rest=False, at=c["at"])
+                # Removed only now: a request that finds it pending waits for this rewind
+                # (``_before_request`` looks without the lock), never runs ahead of it.
+                self._pending.pop(key, None)
 
     def _set_agents_to(
         self, thread_id: str, links: list[Link], *, drop_rest: bool, at: float | None = None
