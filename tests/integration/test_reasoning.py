@@ -85,3 +85,22 @@ def test_chat_template_kwargs_reach_the_template(thinker: Path, tmp_path: Path) 
         [HumanMessage("And 3 + 3?")], agent_id="e", chat_template_kwargs={"enable_thinking": True}
     )
     assert thinking.additional_kwargs.get("reasoning_content") and thinking.content == ""
+
+
+def test_server_replies_carry_reasoning_content() -> None:
+    """OpenAI-compatible replies give the reasoning as ``reasoning_content`` (vLLM, llama.cpp
+    and DeepSeek's convention), whole and streamed."""
+    from langchain_agent_memory.server import replies
+
+    message = AIMessage(content="4", additional_kwargs={"reasoning_content": "2 + 2 = 4."})
+    whole = replies.completion("id", "m", message)["choices"][0]["message"]
+    assert whole["reasoning_content"] == "2 + 2 = 4." and whole["content"] == "4"
+    writer = replies.ChunkWriter("id", "m", include_usage=False)
+    deltas = [
+        c["choices"][0]["delta"]
+        for c in writer.text(AIMessageChunk(content="", additional_kwargs={"reasoning_content": "2 + 2"}))
+    ]
+    deltas += [
+        c["choices"][0]["delta"] for c in writer.text(AIMessageChunk(content="4", chunk_position="last"))
+    ]
+    assert deltas[0] == {"reasoning_content": "2 + 2"} and {"content": "4"} in deltas
