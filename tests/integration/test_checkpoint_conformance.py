@@ -70,3 +70,44 @@ async def test_wrapping_another_saver_passes_its_capabilities(smollm: LoadedMode
     assert results and all(r.passed is True for r in results.values()), {
         c: r.failures for c, r in results.items()
     }
+
+
+async def test_postgres_conformance_is_full(postgres_url: str, smollm: LoadedModel) -> None:
+    """PostgreSQL (a real server): langgraph-checkpoint-postgres completed with copy_thread
+    and delete_for_runs is FULL, alone and under AgentMemorySaver (called through its
+    async methods)."""
+    from contextlib import asynccontextmanager
+
+    from psycopg import AsyncConnection
+    from psycopg.rows import dict_row
+
+    from langchain_agent_memory.postgres_checkpoints import AsyncPostgresCheckpoints
+
+    @asynccontextmanager
+    async def postgres():  # type: ignore[no-untyped-def]
+        async with await AsyncConnection.connect(
+            postgres_url, autocommit=True, prepare_threshold=0, row_factory=dict_row
+        ) as conn:
+            saver = AsyncPostgresCheckpoints(conn)
+            await saver.setup()
+            yield saver
+            for table in ("checkpoints", "checkpoint_blobs", "checkpoint_writes"):
+                await conn.execute(f"TRUNCATE {table}")
+
+    @checkpointer_test(name="AsyncPostgresCheckpoints")
+    async def _postgres():  # type: ignore[no-untyped-def]
+        async with postgres() as saver:
+            yield saver
+
+    @checkpointer_test(name="AgentMemorySaver(AsyncPostgresCheckpoints)")
+    async def _wrapped():  # type: ignore[no-untyped-def]
+        async with postgres() as inner:
+            with tempfile.TemporaryDirectory() as tmp:
+                yield AgentMemorySaver(inner, cache_dir=tmp)
+
+    for registered in (_postgres, _wrapped):
+        report = await validate(registered)
+        report.print_report()
+        failures = {cap: r.failures for cap, r in report.results.items() if r.passed is not True}
+        assert not failures, (registered.name, failures)
+        assert report.conformance_level() == "FULL", registered.name

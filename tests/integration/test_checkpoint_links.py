@@ -367,3 +367,32 @@ async def test_langgraph_server_example_runs_on_server_checkpointer(
         assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
         state = await app.aget_state(_cfg("t1"))
         assert set(saver.linked_agents(state.config)) == {"t1:writer", "t1:critic"}
+
+
+def test_checkpoints_in_postgres(smollm: LoadedModel, tmp_path: Path, postgres_url: str) -> None:
+    """``from_conn_string("postgresql://...")``: checkpoints in a real PostgreSQL server, the
+    caches linked to them; copy_thread and delete_for_runs (missing from LangGraph's own
+    PostgresSaver) work on it."""
+    from langgraph.graph import END, START, StateGraph
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+
+    def lawyer(state: State) -> dict:
+        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+
+    g = StateGraph(State)
+    g.add_node("lawyer", lawyer)
+    g.add_edge(START, "lawyer")
+    g.add_edge("lawyer", END)
+    with AgentMemorySaver.from_conn_string(postgres_url, cache_dir=tmp_path) as saver:
+        app = g.compile(checkpointer=saver)
+        for run_id, question in (("run-1", "Name the license."), ("run-2", "Who wrote it?")):
+            config = {"configurable": {"thread_id": "pg"}, "metadata": {"run_id": run_id}}
+            out = app.invoke({"messages": [HumanMessage(question)]}, config)
+        assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
+        assert saver.linked_agents(app.get_state(_cfg("pg")).config)
+        saver.copy_thread("pg", "pg-copy")
+        assert app.get_state(_cfg("pg-copy")).values == app.get_state(_cfg("pg")).values
+        assert llm.engine.store.get_agent("pg-copy:lawyer") is not None
+        saver.delete_for_runs(["run-2"])
+        assert len(app.get_state(_cfg("pg")).values["messages"]) == 2  # back to after run 1
