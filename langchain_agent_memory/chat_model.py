@@ -543,7 +543,7 @@ class _StreamShaper:
                 if at != -1:
                     limit, self.in_call = at, True
                 else:
-                    limit = _safe_end(text, marker)
+                    limit = reasoning.safe_end(text, marker)
             elif fmt is not None:  # the call is the whole reply (Llama 3): held while it may be one
                 head = text.lstrip()
                 if head.startswith(("{", "<|python_tag|>")):
@@ -580,11 +580,3 @@ class _StreamShaper:
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
-
-
-def _safe_end(text: str, tag: str) -> int:
-    """End of the part of ``text`` that cannot be the start of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)

@@ -53,7 +53,7 @@ def split(text: str, opened: bool = False, partial: bool = False) -> tuple[str, 
     inner = head[len(THINK_OPEN) :]
     end = inner.find(THINK_CLOSE)
     if end == -1:
-        return _held(inner, THINK_CLOSE, partial).strip(), ""
+        return (inner[: safe_end(inner, THINK_CLOSE)] if partial else inner).strip(), ""
     return inner[:end].strip(), inner[end + len(THINK_CLOSE) :].lstrip()
 
 
@@ -71,13 +71,13 @@ def _split_channels(text: str, partial: bool) -> tuple[str, str]:
     return _held_any(reasoning, partial), rest.strip()
 
 
-def _held(text: str, tag: str, partial: bool) -> str:
-    """``text`` without a trailing prefix of ``tag`` (while ``partial``)."""
-    if partial:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-k:]):
-                return text[:-k]
-    return text
+def safe_end(text: str, tag: str) -> int:
+    """End of the part of ``text`` that cannot be the start of ``tag`` (a stream holds the
+    rest back until it knows)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
 
 
 def _held_any(text: str, partial: bool) -> str:

@@ -22,20 +22,25 @@ class State(TypedDict):
     messages: Annotated[list[AnyMessage], operator.add]
 
 
-def _app(tmp: Path):  # type: ignore[no-untyped-def]
+def _one_node(llm: ChatAgentMemory, name: str = "lawyer"):  # type: ignore[no-untyped-def]
+    """A graph (not compiled) of one node ``name`` that answers with ``llm`` over ``SYSTEM``
+    and the thread's messages."""
     from langgraph.graph import END, START, StateGraph
 
-    llm = ChatAgentMemory(cache_dir=str(tmp), max_tokens=6)
-    saver = AgentMemorySaver(cache_dir=tmp)
-
-    def lawyer(state: State) -> dict:
+    def answer(state: State) -> dict:
         return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
 
     g = StateGraph(State)
-    g.add_node("lawyer", lawyer)
-    g.add_edge(START, "lawyer")
-    g.add_edge("lawyer", END)
-    return g.compile(checkpointer=saver), saver, llm.engine
+    g.add_node(name, answer)
+    g.add_edge(START, name)
+    g.add_edge(name, END)
+    return g
+
+
+def _app(tmp: Path):  # type: ignore[no-untyped-def]
+    llm = ChatAgentMemory(cache_dir=str(tmp), max_tokens=6)
+    saver = AgentMemorySaver(cache_dir=tmp)
+    return _one_node(llm).compile(checkpointer=saver), saver, llm.engine
 
 
 def _cfg(thread: str) -> dict:
@@ -195,19 +200,9 @@ def test_browsing_history_changes_no_cache(two_turns) -> None:  # type: ignore[n
 
 
 def test_resuming_an_older_checkpoint_rewinds_first(smollm: LoadedModel, tmp_path: Path) -> None:
-    from langgraph.graph import END, START, StateGraph
-
     llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
     saver = AgentMemorySaver(cache_dir=tmp_path)
-
-    def critic(state: State) -> dict:
-        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
-
-    g = StateGraph(State)
-    g.add_node("critic", critic)
-    g.add_edge(START, "critic")
-    g.add_edge("critic", END)
-    app = g.compile(checkpointer=saver, interrupt_before=["critic"])
+    app = _one_node(llm, "critic").compile(checkpointer=saver, interrupt_before=["critic"])
     cfg = _cfg("t1")
     app.invoke({"messages": [HumanMessage("Name the license.")]}, cfg)
     app.invoke(None, cfg)
@@ -226,25 +221,16 @@ def test_resuming_an_older_checkpoint_rewinds_first(smollm: LoadedModel, tmp_pat
 
 
 def test_saver_conventions_from_conn_string_setup_close(smollm: LoadedModel, tmp_path: Path) -> None:
-    from langgraph.graph import END, START, StateGraph
-
     # The constructor is cheap: the model is not even resolved until the engine is needed.
     lazy = AgentMemorySaver(model="no-such-model", cache_dir=tmp_path / "lazy")
     with pytest.raises(ValueError, match="unknown model"):
         _ = lazy.engine
     lazy.close()
 
-    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
-
-    def lawyer(state: State) -> dict:
-        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
+    builder = _one_node(ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4))
 
     def graph(saver: AgentMemorySaver):  # type: ignore[no-untyped-def]
-        g = StateGraph(State)
-        g.add_node("lawyer", lawyer)
-        g.add_edge(START, "lawyer")
-        g.add_edge("lawyer", END)
-        return g.compile(checkpointer=saver)
+        return builder.compile(checkpointer=saver)
 
     conn = str(tmp_path / "checkpoints.db")
     with AgentMemorySaver.from_conn_string(conn, cache_dir=tmp_path) as saver:
@@ -373,19 +359,9 @@ def test_checkpoints_in_postgres(smollm: LoadedModel, tmp_path: Path, postgres_u
     """``from_conn_string("postgresql://...")``: checkpoints in a real PostgreSQL server, the
     caches linked to them; copy_thread and delete_for_runs (missing from LangGraph's own
     PostgresSaver) work on it."""
-    from langgraph.graph import END, START, StateGraph
-
     llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
-
-    def lawyer(state: State) -> dict:
-        return {"messages": [llm.invoke([SystemMessage(SYSTEM), *state["messages"]])]}
-
-    g = StateGraph(State)
-    g.add_node("lawyer", lawyer)
-    g.add_edge(START, "lawyer")
-    g.add_edge("lawyer", END)
     with AgentMemorySaver.from_conn_string(postgres_url, cache_dir=tmp_path) as saver:
-        app = g.compile(checkpointer=saver)
+        app = _one_node(llm).compile(checkpointer=saver)
         for run_id, question in (("run-1", "Name the license."), ("run-2", "Who wrote it?")):
             config = {"configurable": {"thread_id": "pg"}, "metadata": {"run_id": run_id}}
             out = app.invoke({"messages": [HumanMessage(question)]}, config)

@@ -52,10 +52,14 @@ def grown_rows(needed: int) -> int:
     return -(-want // WORK_STEP) * WORK_STEP
 
 
+def _spare(like: mx.array, rows: int) -> mx.array:
+    """``rows`` empty positions (axis 2) shaped and typed as ``like``."""
+    return mx.zeros((*like.shape[:2], rows, like.shape[3]), like.dtype)
+
+
 def _with_room(x: mx.array, used: int, rows: int) -> mx.array:
     """``x``'s first ``used`` positions (axis 2) in a new buffer of ``rows`` positions."""
-    spare = mx.zeros((*x.shape[:2], rows - used, x.shape[3]), x.dtype)
-    return mx.concatenate([x[:, :, :used], spare], axis=2)
+    return mx.concatenate([x[:, :, :used], _spare(x, rows - used)], axis=2)
 
 
 def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
@@ -365,8 +369,8 @@ class LayerCache:
             return ks[0], vs[0]
         if room:
             n = self.offset - lo
-            ks.append(mx.zeros((*ks[0].shape[:2], grown_rows(n) - n, ks[0].shape[3]), ks[0].dtype))
-            vs.append(mx.zeros((*vs[0].shape[:2], grown_rows(n) - n, vs[0].shape[3]), vs[0].dtype))
+            ks.append(_spare(ks[0], grown_rows(n) - n))
+            vs.append(_spare(vs[0], grown_rows(n) - n))
         return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
 
     @property
