@@ -64,6 +64,10 @@ class ChatAgentMemory(BaseChatModel):
         kv_bits: 4 (default, ``k6v4-rot-h4``: 0.34x the 16-bit bytes), 8, or None for
             16-bit KV; ``kv_format`` names any preset (``cache.KV_PRESETS``) instead.
         cache_dir: where caches live; default ``AGENT_MEMORY_CACHE_DIR``.
+        store, blocks: share caches between workers on several hosts: records in PostgreSQL
+            (``store="postgresql://..."``), blocks in S3-compatible storage
+            (``blocks="s3://bucket/prefix?endpoint=..."``), ``cache_dir`` the local tier in
+            front; default ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS`` (none: local only).
         hot_budget_mb: memory for the in-memory block tier (shared per engine); default by
             device (512 on the CPU, 1/16 of a GPU's memory).
         timeout: seconds after which decoding stops (``finish_reason="timeout"``).
@@ -85,6 +89,8 @@ class ChatAgentMemory(BaseChatModel):
     kv_bits: Literal[4, 8] | None = 4
     kv_format: str | None = None
     cache_dir: str | None = None
+    store: str | None = None
+    blocks: str | None = None
     hot_budget_mb: int | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0)
     max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
@@ -175,6 +181,8 @@ class ChatAgentMemory(BaseChatModel):
             kv_bits=self.kv_bits,
             kv_format=self.kv_format,
             hot_budget_bytes=None if self.hot_budget_mb is None else self.hot_budget_mb << 20,
+            store=self.store,
+            blocks=self.blocks,
         )
 
     # ------------------------------------------------------------------ one call

@@ -12,6 +12,10 @@ Environment variables (prefix ``AGENT_MEMORY_``):
 - ``AGENT_MEMORY_CHECKPOINTS``: where ``server_checkpointer`` (``langgraph.json``) keeps
   LangGraph checkpoints: a SQLite path or a ``postgresql://`` URL (default
   ``{cache_dir}/checkpoints.sqlite``).
+- ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``: share agents' caches between workers on
+  several hosts: records in PostgreSQL (``postgresql://...``), blocks in S3-compatible
+  storage (``s3://bucket/prefix?endpoint=...``; credentials from ``AWS_*``). Both or neither
+  (default: neither; the cache directory alone, no server needed).
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """
@@ -40,6 +44,8 @@ class Settings(BaseSettings):
     model: str = "smollm2-135m"
     weight_dtype: WeightDType | None = None  # None: by device (engine.device.weight_dtype)
     checkpoints: str | None = None  # None: {cache_dir}/checkpoints.sqlite
+    store: str | None = None  # postgresql:// URL of a shared store's records
+    blocks: str | None = None  # s3:// URL of a shared store's blocks
 
 
 def get_settings() -> Settings:

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+from services import PostgresServer, SeaweedServer
 
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.model.loading import LoadedModel, load_model
@@ -65,43 +66,37 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"{name}: {text}")
 
 
-def _postgres_bin(name: str) -> str | None:
-    import glob
-    import shutil
-
-    found = shutil.which(name) or sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return found if isinstance(found, str) else (found[-1] if found else None)
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for the session (``services``)."""
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A real PostgreSQL server for the session, on a unix socket in a temp directory (it
-    refuses to run as root: started as the ``postgres`` user). ``.ci/run`` installs it; where
-    it is missing the tests that need it are skipped, unless ``AGENT_MEMORY_REQUIRE_SERVICES``
-    is set (CI), where that fails them."""
-    import os
-    import subprocess
-    import tempfile
-    from pathlib import Path
+def postgres_url(postgres: PostgresServer) -> str:
+    return postgres.url
 
-    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        message = "PostgreSQL is not installed (Debian: apt-get install postgresql-15)"
-        if os.environ.get("AGENT_MEMORY_REQUIRE_SERVICES"):
-            pytest.fail(message)
-        pytest.skip(message)
-    # Not under pytest's temp root: the postgres user cannot enter that (mode 0700).
-    root = Path(tempfile.mkdtemp(prefix="agent-memory-pg-"))
-    root.chmod(0o777)
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    subprocess.run([*as_user, initdb, "-D", str(root / "data"), "-A", "trust", "-U", "postgres"],
-                   check=True, capture_output=True)  # fmt: skip
-    options = f"-k {root} -c listen_addresses='' -c fsync=off"
-    subprocess.run([*as_user, pg_ctl, "-D", str(root / "data"), "-o", options, "-l", str(root / "log"), "-w",
-                    "start"], check=True, capture_output=True)  # fmt: skip
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[SeaweedServer]:
+    """A real S3-compatible server (SeaweedFS) for the session (``services``)."""
+    server = SeaweedServer()
     try:
-        yield f"postgresql:///postgres?host={root}&user=postgres"
+        yield server
     finally:
-        subprocess.run(
-            [*as_user, pg_ctl, "-D", str(root / "data"), "-m", "immediate", "stop"], capture_output=True
-        )
+        server.close()
+
+
+@pytest.fixture
+def shared_store(
+    postgres: PostgresServer, seaweed: SeaweedServer, request: pytest.FixtureRequest
+) -> tuple[str, str]:
+    """``(store, blocks)`` URLs of a fresh shared store: a database and a bucket of its own."""
+    import hashlib
+
+    name = "t" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    return postgres.new_database(name), seaweed.new_bucket(name)

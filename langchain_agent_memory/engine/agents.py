@@ -23,6 +23,8 @@ from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .results import CacheSource
 from .runtime import mx
+from .storage.catalog import CommitConflictError
+from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
 from .storage.reader import BlockGroup
 from .storage.store import (
@@ -31,9 +33,9 @@ from .storage.store import (
     Block,
     BlockHash,
     BlockMissingError,
+    BlockStore,
     CacheFormatError,
     CacheWriteError,
-    DiskBlockStore,
     NewerFormatError,
     block_hash,
     validate_agent_id,
@@ -108,7 +110,7 @@ class AgentCaches:
         self,
         spec: ModelCacheSpec,
         quant: KVQuant,
-        store: DiskBlockStore,
+        store: BlockStore,
         pool: BlockPool,
         tokenizer: Any,
         policy: HotPolicy,
@@ -133,14 +135,18 @@ class AgentCaches:
     def admit(self, agent_id: str, prompt: str) -> Admission:
         """The caches a request for ``prompt`` starts from, loaded, and what to prefill."""
         with self.lock:
+            if not self.store.begin(agent_id):  # another worker saved it since: reread
+                self.hot.pop(agent_id, None)
             state, source = self.lookup(agent_id)
             m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
             if state is not None and m.kind is not MatchKind.MISS:
                 t0 = time.perf_counter()
-                layers, from_disk = self.materialize(agent_id, state, m.reuse_tokens)
+                layers, from_disk, reused = self.materialize(agent_id, state, m.reuse_tokens)
                 if layers is not None:
                     known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
-                    known.truncate(m.reuse_tokens)
+                    known.truncate(reused)
+                    if reused != m.reuse_tokens:  # the store delivered only part: prefill the rest
+                        m = PrefixMatch(MatchKind.DIVERGE, reused, len(known.text))
                     if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
                         raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
                     tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
@@ -182,17 +188,33 @@ class AgentCaches:
 
     def materialize(
         self, agent_id: str, state: AgentState, n_tokens: int
-    ) -> tuple[list[LayerCache] | None, bool]:
-        """Layer caches holding the first ``n_tokens`` of ``state`` and whether any block
-        came from disk; ``(None, False)`` if the stored cache is unusable (logged)."""
+    ) -> tuple[list[LayerCache] | None, bool, int]:
+        """Layer caches holding the first ``n_tokens`` of ``state`` (fewer if a shared store
+        does not deliver every block in time: how many is the third value) and whether any
+        block came from disk; ``(None, False, 0)`` if the stored cache is unusable (logged)."""
         live = state.layers
         if live is not None and all(_holds_window(layer, n_tokens) for layer in live):
             for layer in live:
                 layer.trim_to(n_tokens)
             state.layers = None  # handed over to this request
-            return live, False
+            return live, False, n_tokens
         try:
-            return self.from_blocks(state.blocks, n_tokens)
+            try:
+                return (*self.from_blocks(state.blocks, n_tokens), n_tokens)
+            except BlocksUnavailableError as exc:
+                fewer = self._available_prefix(state, n_tokens)
+                logger.warning(
+                    "agent %r: %s; reusing the %d of %d cached tokens on this worker and prefilling the rest",
+                    agent_id,
+                    exc,
+                    fewer,
+                    n_tokens,
+                )
+                if fewer == 0:
+                    return None, False, 0
+                return (*self.from_blocks(state.blocks, fewer), fewer)
+        except BlocksUnavailableError:
+            return None, False, 0
         except CacheFormatError as exc:
             quarantined = self._quarantine_bad(state.blocks)
             aside = f"; {quarantined} bad block file(s) moved to quarantine/" if quarantined else ""
@@ -203,7 +225,20 @@ class AgentCaches:
                 exc,
                 aside,
             )
-            return None, False
+            return None, False, 0
+
+    def _available_prefix(self, state: AgentState, n_tokens: int) -> int:
+        """The most of the first ``n_tokens`` of ``state`` whose blocks are here (pool or this
+        worker's disk), ending at a token boundary."""
+        k = 0
+        while k < len(state.blocks) and (
+            self.pool.is_hot(state.blocks[k]) or self.store.block_path(state.blocks[k]).exists()
+        ):
+            k += 1
+        n = min(n_tokens, k * BLOCK_TOKENS)
+        while n and state.tokens.ends[n - 1] == NOT_A_BOUNDARY:
+            n -= 1
+        return n
 
     def _quarantine_bad(self, chain: list[BlockHash]) -> int:
         """Move every unreadable block of ``chain`` aside; return how many were moved."""
@@ -304,10 +339,11 @@ class AgentCaches:
 
     # ------------------------------------------------------------------ a request's end
 
-    def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> tuple[AgentRecord, int]:
+    def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> tuple[AgentRecord | None, int]:
         """Store the cache of a request that began at ``start`` and now stands for ``known``:
         new blocks written, then the record (the blocks it replaced and nothing else names
-        are deleted); the agent stays hot. Returns the record and the bytes written."""
+        are deleted); the agent stays hot. Returns the record (None: a shared store refused
+        it, another worker saved the agent first) and the bytes written."""
         layers, old = start.layers, start.state
         n = len(known)
         for layer in layers:
@@ -316,9 +352,16 @@ class AgentCaches:
                 layer.trim_to(n)
         chain = self._chain_of(known, start.kept_blocks())
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
-        written = self.pool.save_agent(
-            record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
-        )
+        try:
+            written = self.pool.save_agent(
+                record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
+            )
+        except CommitConflictError as exc:
+            # Another worker saved this agent while the request ran: its save stands (no torn
+            # record), this reply's cache is not kept; the next request reads the winner's.
+            logger.warning("agent %r: not saved, another worker saved it first (%s)", agent_id, exc)
+            self.hot.pop(agent_id, None)
+            return None, 0
         # Sliding layers keep their window and the last (partial) block, for the next save.
         for layer in layers:
             if layer.spec.window is not None:
@@ -368,8 +411,8 @@ class AgentCaches:
         state, _ = self.lookup(agent_id)
         if state is None:
             return False
-        layers, _ = self.materialize(agent_id, state, len(state.tokens))
-        if layers is None:
+        layers, _, reused = self.materialize(agent_id, state, len(state.tokens))
+        if layers is None or reused != len(state.tokens):
             return False
         state.layers = layers
         self.keep_hot(agent_id, state)

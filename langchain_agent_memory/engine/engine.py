@@ -47,7 +47,8 @@ from .runtime import mx
 from .scheduler import Scheduler
 from .steps import Request, RequestSteps
 from .storage.pool import BlockPool
-from .storage.store import AgentRecord, DiskBlockStore, validate_agent_id
+from .storage.shared import open_store
+from .storage.store import AgentRecord, validate_agent_id
 from .worker import Sink, Start, Worker
 
 __all__ = [
@@ -75,7 +76,10 @@ class Engine:
     memory on a GPU); ``cpu_kernels=False`` runs
     mlx-lm's own attention on the engine's caches (the path a GPU takes), for tests and
     benchmarks on a CPU; ``share_prefixes``: requests in flight together whose prompts
-    start alike (a fan-out) prefill the common part once (``sharing``).
+    start alike (a fan-out) prefill the common part once (``sharing``); ``store`` (a
+    ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
+    several hosts, this ``cache_dir`` the local tier in front (``storage.shared``; default:
+    settings ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``, else this directory only).
     """
 
     def __init__(
@@ -93,6 +97,8 @@ class Engine:
         context_length: int | None = None,
         cpu_kernels: bool = True,
         share_prefixes: bool = True,
+        store: str | None = None,
+        blocks: str | None = None,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -109,7 +115,10 @@ class Engine:
         self.fingerprint = model_fingerprint(
             self.lm.path, self.spec, self.quant, settings.cache_dir / "models"
         )
-        self.store = DiskBlockStore(self.cache_dir / "kv", self.fingerprint)
+        # Shared by workers (Postgres + S3, this directory in front) or this directory only.
+        self.store = open_store(
+            self.cache_dir / "kv", self.fingerprint, store or settings.store, blocks or settings.blocks
+        )
         self.pool = BlockPool(
             self.store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
         )

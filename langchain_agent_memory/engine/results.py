@@ -71,6 +71,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (end of turn or stop sequence), "length", "cancelled", "timeout"
     timings: Timings
     bytes_written: int = 0
+    #: False when the cache was not kept: on a shared store another worker saved the agent
+    #: while this request ran (its save stands; the next request reads it).
+    saved: bool = True
 
 
 @dataclass(slots=True)

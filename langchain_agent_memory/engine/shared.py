@@ -17,7 +17,7 @@ from .kv import kv_format as kv_format_of
 from .model.loading import load_model, resolve_model_dir
 from .worker import Worker
 
-_SHARED: dict[tuple[Path, Path, str], Engine] = {}
+_SHARED: dict[tuple[Path, Path, str, str | None, str | None], Engine] = {}
 _SHARED_LOCK = threading.Lock()
 #: Called with every shared engine, those built already and those built later (weakly held:
 #: a watcher that is collected stops being called).
@@ -62,10 +62,13 @@ def shared_engine(
     kv_bits: int | None = 4,
     kv_format: str | KVQuant | None = None,
     hot_budget_bytes: int | None = None,
+    store: str | None = None,
+    blocks: str | None = None,
 ) -> Engine:
-    """The process's one engine for (model, cache directory, KV format): every chat model
-    and checkpointer naming the same three shares its caches, pool and worker thread. A
-    larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it."""
+    """The process's one engine for (model, cache directory, KV format, shared store): every
+    chat model and checkpointer naming the same shares its caches, pool and worker thread. A
+    larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it.
+    ``store`` / ``blocks``: a shared store's URLs (default: the settings')."""
     home = _home()
     if not home.on_worker:
         # Built on a long-lived daemon thread, not the caller's: the first call often comes
@@ -73,20 +76,24 @@ def shared_engine(
         # model) and then *ends* during interpreter shutdown makes MLX abort (see Worker).
         build = functools.partial(
             shared_engine, model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format,
-            hot_budget_bytes=hot_budget_bytes,
+            hot_budget_bytes=hot_budget_bytes, store=store, blocks=blocks,
         )  # fmt: skip
         return home.submit(build).result()
     lm = load_model(model)
     root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
     quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
-    key = (lm.path, root, quant.label)
+    settings = get_settings()
+    store, blocks = store or settings.store, blocks or settings.blocks
+    key = (lm.path, root, quant.label, store, blocks)
     with _SHARED_LOCK:
         engine = _SHARED.get(key)
         if engine is not None:
             if hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
                 engine.pool.hot_budget_bytes = hot_budget_bytes
             return engine
-        engine = Engine(model, cache_dir=root, kv_format=quant, **_budget(hot_budget_bytes))
+        engine = Engine(
+            model, cache_dir=root, kv_format=quant, store=store, blocks=blocks, **_budget(hot_budget_bytes)
+        )
         watchers = [w() for w in _WATCHERS]
     for watcher in watchers:  # before anyone uses it (outside the lock: they may ask for engines)
         if watcher is not None:

@@ -276,7 +276,8 @@ class RequestSteps:
                 gen.truncate(last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(stream.text))))
             known.extend(gen)
             record, written = self.agents.commit(req.agent_id, start, known)
-        self.on_commit(record)
+        if record is not None:
+            self.on_commit(record)
         req.timings.save_s = time.perf_counter() - t0
         result = GenerationResult(
             text=stream.text,
@@ -287,6 +288,7 @@ class RequestSteps:
             finish_reason=finish,
             timings=req.timings,
             bytes_written=written,
+            saved=record is not None,
         )
         req.phase = Phase.DONE
         self._forget(req)
@@ -295,6 +297,8 @@ class RequestSteps:
 
     def fail(self, req: Request, exc: BaseException) -> None:
         self.runner.leave(id(req))
+        if req.start is not None:  # admitted: give a shared store's lease back
+            self.agents.store.end(req.agent_id)
         req.phase = Phase.DONE
         self._forget(req)
         req.sink.error(exc)

@@ -203,6 +203,7 @@ class BlockStore(Protocol):
 
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
     def has_block(self, h: BlockHash) -> bool: ...
+    def block_path(self, h: BlockHash) -> Path: ...
     def put_block(self, block: Block) -> int: ...
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
     def delete_block(self, h: BlockHash) -> None: ...
@@ -216,6 +217,10 @@ class BlockStore(Protocol):
     def agent_chain(self, agent_id: str) -> list[BlockHash]: ...
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]: ...
+    def begin(self, agent_id: str) -> bool: ...
+    def end(self, agent_id: str) -> None: ...
+    def close(self) -> None: ...
 
 
 #: The index's schema, as migrations: entry ``i`` takes ``PRAGMA user_version`` from ``i``
@@ -234,6 +239,15 @@ INDEX_MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (agent_id, pos)
     );
     CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
+    """,
+    # A local tier of a shared store: which remote version each local record is (or, when
+    # ``pending``, was based on before this worker saved it while the store was unreachable).
+    """
+    CREATE TABLE IF NOT EXISTS remote_sync (
+        agent_id TEXT PRIMARY KEY,
+        version INTEGER,
+        pending INTEGER NOT NULL DEFAULT 0
+    );
     """,
 )
 INDEX_SCHEMA_VERSION = len(INDEX_MIGRATIONS)
@@ -278,7 +292,9 @@ class DiskBlockStore:
     it never committed (or left behind by a delete it did not finish).
     """
 
-    def __init__(self, root: str | os.PathLike[str], fingerprint: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], fingerprint: str, *, tier: bool = False) -> None:
+        #: The local tier of a shared store: its records may name blocks not fetched yet.
+        self.tier = tier
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint
         self.blocks_dir = self.dir / "blocks"
@@ -308,6 +324,14 @@ class DiskBlockStore:
     def locked(self) -> DirectoryLock:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
         return self._lock
+
+    def begin(self, agent_id: str) -> bool:
+        """A request for the agent starts: whether a live copy of it may be used (here always:
+        one directory has one writer at a time; a shared store checks its version)."""
+        return True
+
+    def end(self, agent_id: str) -> None:
+        """A request for the agent ended without a commit (a shared store's lease)."""
 
     def close(self) -> None:
         with self._db_lock:
@@ -439,9 +463,10 @@ class DiskBlockStore:
 
     # ------------------------------------------------------------------ agents
 
-    def put_agent(self, record: AgentRecord) -> int:
+    def put_agent(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
         """Store ``record`` and its block references in one transaction; its blocks must
-        already be stored (a crash then never leaves a record naming a missing block)."""
+        already be stored (a crash then never leaves a record naming a missing block).
+        ``sync``: (remote version, pending) of a shared store's local tier, written with it."""
         validate_agent_id(record.agent_id)
         data = record.to_json()
         refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
@@ -449,7 +474,34 @@ class DiskBlockStore:
             self._db.execute("INSERT OR REPLACE INTO agents VALUES (?, ?)", (record.agent_id, data))
             self._db.execute("DELETE FROM refs WHERE agent_id = ?", (record.agent_id,))
             self._db.executemany("INSERT INTO refs VALUES (?, ?, ?)", refs)
+            if sync is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)",
+                    (record.agent_id, sync[0], int(sync[1])),
+                )
         return len(data.encode())
+
+    def sync_state(self, agent_id: str) -> tuple[int | None, bool] | None:
+        """(remote version, pending) of a local record of a shared store; None if unknown."""
+        with self._db_lock:
+            row = self._db.execute(
+                "SELECT version, pending FROM remote_sync WHERE agent_id = ?", (agent_id,)
+            ).fetchone()
+        return (row[0], bool(row[1])) if row else None
+
+    def set_sync(self, agent_id: str, version: int | None, pending: bool) -> None:
+        with self._db_lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)", (agent_id, version, int(pending))
+            )
+
+    def pending_agents(self) -> list[str]:
+        """Agents saved here while the shared store was unreachable, oldest first."""
+        with self._db_lock:
+            return [
+                r[0]
+                for r in self._db.execute("SELECT agent_id FROM remote_sync WHERE pending = 1 ORDER BY rowid")
+            ]
 
     def has_agent(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
@@ -486,7 +538,7 @@ class DiskBlockStore:
             row = self._db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
         if row is None:
             return None
-        record = _parse_record(row[0], f"agent record {agent_id!r}")
+        record = parse_record(row[0], f"agent record {agent_id!r}")
         if record.agent_id != agent_id:
             raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
         return record
@@ -496,6 +548,7 @@ class DiskBlockStore:
         with self._db_lock, self._db:
             gone = self._db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
             self._db.execute("DELETE FROM refs WHERE agent_id = ?", (agent_id,))
+            self._db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
         return gone > 0
 
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
@@ -508,7 +561,7 @@ class DiskBlockStore:
             ).fetchall()
         for agent_id, raw in rows:
             try:
-                yield _parse_record(raw, f"agent record {agent_id!r}")
+                yield parse_record(raw, f"agent record {agent_id!r}")
             except CacheFormatError as exc:
                 logger.warning("skipping unreadable agent record: %s", exc)
 
@@ -556,7 +609,7 @@ class DiskBlockStore:
                 report.temp_files_removed,
                 report.orphan_blocks_removed,
             )
-        if report.missing_blocks:
+        if report.missing_blocks and not self.tier:
             logger.warning(
                 "cache %s: %d blocks named by agent records are missing (deleted outside this "
                 "package?); those agents will prefill again",
@@ -572,7 +625,7 @@ class DiskBlockStore:
         moved = 0
         for p in sorted(legacy.glob("*.json")):
             try:
-                record = _parse_record(p.read_text(), f"agent record {p}")
+                record = parse_record(p.read_text(), f"agent record {p}")
             except CacheFormatError as exc:
                 logger.warning("not migrating %s: %s", p, exc)
                 continue
@@ -585,7 +638,7 @@ class DiskBlockStore:
         return moved
 
 
-def _parse_record(raw: str, what: str) -> AgentRecord:
+def parse_record(raw: str, what: str) -> AgentRecord:
     try:
         return AgentRecord.from_json(raw)
     except CacheFormatError as exc:

@@ -1,0 +1,439 @@
+"""The system of record of a shared store, in PostgreSQL: agent records and their block
+references (the shape of the local ``index.sqlite``), a catalog of the block objects for
+garbage collection, and leases.
+
+Consistency rests on Postgres transactions, never on a worker's clock or memory:
+
+- A commit (``commit``) checks the record's version (compare-and-swap) and the writer's
+  lease, and touches the catalog rows of every block it names (``UPDATE ... RETURNING``:
+  their row locks, and a fresh ``touched_at``), in one transaction. A block whose row is
+  gone (collected) is reported missing: the writer uploads it again and retries.
+- Garbage collection (``collect``) takes a block's row lock (``FOR UPDATE SKIP LOCKED``),
+  checks that no record names it and that it was last touched longer ago than the grace
+  period, and only then deletes the object and the row. A block a commit is naming is
+  locked or freshly touched: a committed cache never loses a block.
+- Timestamps (``updated_at``, ``touched_at``, lease expiry) are Postgres's ``now()``.
+
+Every call has a deadline (``connect_timeout``, ``statement_timeout``); after a failure
+the catalog answers ``RemoteUnavailableError`` at once for ``retry_s`` (a circuit breaker:
+a worker whose store is down pays one timeout, not one per request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .objects import RemoteConfigError, RemoteUnavailableError
+from .store import CacheWriteError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CommitConflictError(CacheWriteError):
+    """Another writer committed this agent first (or holds its lease): this save lost."""
+
+
+class BlocksMissingError(RuntimeError):
+    """A commit names blocks the catalog does not hold (never uploaded, or collected)."""
+
+    def __init__(self, missing: list[str]) -> None:
+        super().__init__(f"{len(missing)} blocks are not in the shared store")
+        self.missing = missing
+
+
+#: The schema, as migrations (``am_schema`` holds how many have run). Add a step; never edit one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE IF NOT EXISTS am_agents (
+        fingerprint TEXT NOT NULL,
+        agent_id TEXT NOT NULL,
+        record TEXT NOT NULL,
+        version BIGINT NOT NULL,
+        updated_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        PRIMARY KEY (fingerprint, agent_id)
+    );
+    CREATE TABLE IF NOT EXISTS am_refs (
+        fingerprint TEXT NOT NULL,
+        agent_id TEXT NOT NULL,
+        pos INTEGER NOT NULL,
+        block TEXT NOT NULL,
+        PRIMARY KEY (fingerprint, agent_id, pos),
+        FOREIGN KEY (fingerprint, agent_id) REFERENCES am_agents ON DELETE CASCADE
+    );
+    CREATE INDEX IF NOT EXISTS am_refs_block ON am_refs (fingerprint, block);
+    CREATE TABLE IF NOT EXISTS am_blocks (
+        fingerprint TEXT NOT NULL,
+        hash TEXT NOT NULL,
+        nbytes BIGINT NOT NULL,
+        touched_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+        stored BOOLEAN NOT NULL DEFAULT false,  -- its object is written (set after the upload)
+        PRIMARY KEY (fingerprint, hash)
+    );
+    CREATE TABLE IF NOT EXISTS am_leases (
+        fingerprint TEXT NOT NULL,
+        agent_id TEXT NOT NULL,
+        holder TEXT NOT NULL,
+        expires_at TIMESTAMPTZ NOT NULL,
+        PRIMARY KEY (fingerprint, agent_id)
+    );
+    """,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    version: int
+    updated_at: float  # Postgres's clock, seconds since the epoch
+
+
+class Catalog:
+    """One worker's connection to the system of record (thread-safe: one connection, one lock)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0, retry_s: float = 5.0) -> None:
+        import psycopg  # imported here: only a shared store needs it
+
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise RemoteConfigError(
+                f"store={url!r}: expected a postgresql:// URL, e.g. postgresql://user@host/dbname"
+            )
+        self._psycopg = psycopg
+        self.url = url
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._conn: Any = None
+        self._lock = threading.RLock()
+        self._down_until = 0.0
+        self._migrated = False
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> Any:
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            return self._conn
+        ms = int(self.timeout_s * 1000)
+        conn = self._psycopg.connect(
+            self.url,
+            autocommit=True,
+            connect_timeout=max(1, round(self.timeout_s)),
+            options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
+        )
+        self._conn = conn
+        if not self._migrated:
+            self._migrate(conn)
+            self._migrated = True
+        return conn
+
+    def _migrate(self, conn: Any) -> None:
+        with conn.transaction():
+            # One migrator at a time across workers (a transaction-scoped advisory lock).
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/schema'))")
+            conn.execute("CREATE TABLE IF NOT EXISTS am_schema (version INTEGER NOT NULL)")
+            row = conn.execute("SELECT version FROM am_schema").fetchone()
+            found = row[0] if row else 0
+            if found > len(MIGRATIONS):
+                raise RemoteConfigError(
+                    f"store {self.url} has schema {found}, written by a newer langchain-agent-memory "
+                    f"(this version reads {len(MIGRATIONS)}): upgrade the package"
+                )
+            for step in MIGRATIONS[found:]:
+                conn.execute(step)
+            if row is None:
+                conn.execute("INSERT INTO am_schema VALUES (%s)", (len(MIGRATIONS),))
+            else:
+                conn.execute("UPDATE am_schema SET version = %s", (len(MIGRATIONS),))
+
+    def _run(self, what: str, fn: Callable[[Any], T]) -> T:
+        """``fn(connection)`` under the lock; connection failures and timeouts become
+        ``RemoteUnavailableError`` (and open the circuit breaker)."""
+        errors = self._psycopg
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                raise RemoteUnavailableError(f"store {self._safe_url}: unreachable (retrying in a moment)")
+            try:
+                return fn(self._connect())
+            except (errors.OperationalError, errors.errors.QueryCanceled, errors.InterfaceError) as exc:
+                if isinstance(exc, errors.errors.LockNotAvailable):
+                    raise CommitConflictError(f"{what}: another writer holds the record") from exc
+                self._down_until = time.monotonic() + self.retry_s
+                if self._conn is not None:
+                    with contextlib.suppress(Exception):  # already broken
+                        self._conn.close()
+                    self._conn = None
+                raise RemoteUnavailableError(f"store {self._safe_url}: could not {what}: {exc}") from exc
+
+    @property
+    def _safe_url(self) -> str:
+        """The URL without a password (for messages)."""
+        head, sep, tail = self.url.partition("@")
+        if not sep or ":" not in head.split("//", 1)[-1]:
+            return self.url
+        scheme, _, user = head.partition("//")
+        return f"{scheme}//{user.split(':', 1)[0]}:***@{tail}"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def now(self) -> float:
+        """Postgres's clock (seconds since the epoch)."""
+        return self._run(
+            "read the clock", lambda c: float(c.execute("SELECT extract(epoch FROM now())").fetchone()[0])
+        )
+
+    # ------------------------------------------------------------------ records
+
+    def get(self, fp: str, agent_id: str) -> tuple[str, int] | None:
+        def read(c: Any) -> tuple[str, int] | None:
+            row = c.execute(
+                "SELECT record, version FROM am_agents WHERE fingerprint = %s AND agent_id = %s",
+                (fp, agent_id),
+            ).fetchone()
+            return (row[0], int(row[1])) if row else None
+
+        return self._run("read an agent record", read)
+
+    def begin(self, fp: str, agent_id: str, holder: str, ttl_s: float) -> tuple[bool, int | None]:
+        """Take (or renew) the agent's lease for ``ttl_s`` unless another worker holds an
+        unexpired one; return whether it was taken and the record's version (None: none),
+        in one round trip."""
+
+        def take(c: Any) -> tuple[bool, int | None]:
+            row = c.execute(
+                """
+                WITH l AS (
+                    INSERT INTO am_leases VALUES (%(fp)s, %(a)s, %(h)s, now() + %(ttl)s * interval '1 second')
+                    ON CONFLICT (fingerprint, agent_id) DO UPDATE
+                        SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
+                        WHERE am_leases.holder = EXCLUDED.holder OR am_leases.expires_at < now()
+                    RETURNING 1
+                )
+                SELECT (SELECT count(*) FROM l),
+                       (SELECT version FROM am_agents WHERE fingerprint = %(fp)s AND agent_id = %(a)s)
+                """,
+                {"fp": fp, "a": agent_id, "h": holder, "ttl": ttl_s},
+            ).fetchone()
+            return bool(row[0]), (int(row[1]) if row[1] is not None else None)
+
+        return self._run("take a lease", take)
+
+    def end(self, fp: str, agent_id: str, holder: str) -> None:
+        """Give the lease back (if this worker holds it)."""
+        self._run(
+            "release a lease",
+            lambda c: c.execute(
+                "DELETE FROM am_leases WHERE fingerprint = %s AND agent_id = %s AND holder = %s",
+                (fp, agent_id, holder),
+            ),
+        )
+
+    def commit(
+        self, fp: str, agent_id: str, record: Callable[[float], str], blocks: list[str],
+        expected: int | None, holder: str,
+    ) -> Committed:  # fmt: skip
+        """Store a record naming ``blocks`` if the stored version is still ``expected``
+        (None: no record) and no other worker holds the agent's lease; ``record(now)``
+        renders it with Postgres's clock. Raises ``CommitConflictError`` or
+        ``BlocksMissingError`` (nothing written)."""
+
+        def write(c: Any) -> Committed:
+            with c.transaction():
+                now = float(c.execute("SELECT extract(epoch FROM now())").fetchone()[0])
+                row = c.execute(
+                    "SELECT version FROM am_agents WHERE fingerprint = %s AND agent_id = %s FOR UPDATE",
+                    (fp, agent_id),
+                ).fetchone()
+                current = int(row[0]) if row else None
+                if current != expected:
+                    raise CommitConflictError(
+                        f"agent {agent_id!r} is at version {current}, this save was based on {expected}"
+                    )
+                lease = c.execute(
+                    "SELECT holder FROM am_leases WHERE fingerprint = %s AND agent_id = %s "
+                    "AND expires_at >= now()",
+                    (fp, agent_id),
+                ).fetchone()
+                if lease is not None and lease[0] != holder:
+                    raise CommitConflictError(f"agent {agent_id!r} is leased to another worker ({lease[0]})")
+                wanted = sorted(set(blocks))
+                touched = {
+                    r[0]
+                    for r in c.execute(
+                        "UPDATE am_blocks SET touched_at = now() WHERE fingerprint = %s AND hash = ANY(%s) "
+                        "AND stored RETURNING hash",
+                        (fp, wanted),
+                    )
+                }
+                if len(touched) != len(wanted):
+                    raise BlocksMissingError([h for h in wanted if h not in touched])
+                version = (current or 0) + 1
+                if current is None:  # a concurrent first save waits on this row, then fails
+                    c.execute(
+                        "INSERT INTO am_agents VALUES (%s, %s, %s, %s, to_timestamp(%s))",
+                        (fp, agent_id, record(now), version, now),
+                    )
+                else:
+                    c.execute(
+                        "UPDATE am_agents SET record = %s, version = %s, updated_at = to_timestamp(%s) "
+                        "WHERE fingerprint = %s AND agent_id = %s",
+                        (record(now), version, now, fp, agent_id),
+                    )
+                c.execute("DELETE FROM am_refs WHERE fingerprint = %s AND agent_id = %s", (fp, agent_id))
+                with c.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO am_refs VALUES (%s, %s, %s, %s)",
+                        [(fp, agent_id, i, h) for i, h in enumerate(blocks)],
+                    )
+                c.execute(
+                    "DELETE FROM am_leases WHERE fingerprint = %s AND agent_id = %s AND holder = %s",
+                    (fp, agent_id, holder),
+                )
+                return Committed(version, now)
+
+        try:
+            return self._run("commit an agent record", write)
+        except self._psycopg.errors.UniqueViolation as exc:  # two first saves of one agent
+            raise CommitConflictError(f"agent {agent_id!r} was created by another worker meanwhile") from exc
+
+    def delete(self, fp: str, agent_id: str) -> bool:
+        def drop(c: Any) -> bool:
+            with c.transaction():
+                gone = c.execute(
+                    "DELETE FROM am_agents WHERE fingerprint = %s AND agent_id = %s", (fp, agent_id)
+                ).rowcount
+                c.execute("DELETE FROM am_leases WHERE fingerprint = %s AND agent_id = %s", (fp, agent_id))
+            return gone > 0
+
+        return self._run("delete an agent record", drop)
+
+    def agents(self, fp: str, prefix: str = "") -> list[tuple[str, str, int]]:
+        """(agent id, record, version) of every agent whose id starts with ``prefix``."""
+
+        def read(c: Any) -> list[tuple[str, str, int]]:
+            rows = c.execute(
+                "SELECT agent_id, record, version FROM am_agents WHERE fingerprint = %s "
+                "AND left(agent_id, %s) = %s ORDER BY agent_id",
+                (fp, len(prefix), prefix),
+            ).fetchall()
+            return [(r[0], r[1], int(r[2])) for r in rows]
+
+        return self._run("list agent records", read)
+
+    def chain(self, fp: str, agent_id: str) -> list[str]:
+        return self._run(
+            "read block references",
+            lambda c: [
+                r[0]
+                for r in c.execute(
+                    "SELECT block FROM am_refs WHERE fingerprint = %s AND agent_id = %s ORDER BY pos",
+                    (fp, agent_id),
+                )
+            ],
+        )
+
+    # ------------------------------------------------------------------ blocks
+
+    def has_blocks(self, fp: str, hashes: list[str]) -> set[str]:
+        """Which of ``hashes`` the store holds (uploaded)."""
+        return self._run(
+            "look up blocks",
+            lambda c: {
+                r[0]
+                for r in c.execute(
+                    "SELECT hash FROM am_blocks WHERE fingerprint = %s AND hash = ANY(%s) AND stored",
+                    (fp, hashes),
+                )
+            },
+        )
+
+    def add_block(self, fp: str, h: str, nbytes: int) -> None:
+        """Catalog a block before its object is written (an upload a crash interrupts is
+        then collected like any other unreferenced block); ``stored`` follows the upload."""
+        self._run(
+            "catalog a block",
+            lambda c: c.execute(
+                "INSERT INTO am_blocks VALUES (%s, %s, %s, now(), false) "
+                "ON CONFLICT (fingerprint, hash) DO UPDATE SET touched_at = now()",
+                (fp, h, nbytes),
+            ),
+        )
+
+    def block_stored(self, fp: str, hashes: list[str]) -> None:
+        """Mark blocks whose objects are written (and touch them: a fresh grace period)."""
+        self._run(
+            "mark blocks stored",
+            lambda c: c.execute(
+                "UPDATE am_blocks SET stored = true, touched_at = now() "
+                "WHERE fingerprint = %s AND hash = ANY(%s)",
+                (fp, hashes),
+            ),
+        )
+
+    def collectable(self, fp: str, grace_s: float) -> list[str]:
+        """Blocks no record names, untouched for ``grace_s`` (candidates: ``collect`` checks again)."""
+        return self._run(
+            "find unreferenced blocks",
+            lambda c: [
+                r[0]
+                for r in c.execute(
+                    """
+                    SELECT b.hash FROM am_blocks b
+                    WHERE b.fingerprint = %s AND b.touched_at < now() - %s * interval '1 second'
+                      AND NOT EXISTS (
+                          SELECT 1 FROM am_refs r WHERE r.fingerprint = b.fingerprint AND r.block = b.hash
+                      )
+                    """,
+                    (fp, grace_s),
+                )
+            ],
+        )
+
+    def collect(self, fp: str, h: str, grace_s: float, delete_object: Callable[[], None]) -> bool:
+        """Delete block ``h`` (object, then catalog row) if, under its row lock, no record
+        names it and it is older than the grace period; False if it was kept."""
+
+        def drop(c: Any) -> bool:
+            with c.transaction():
+                row = c.execute(
+                    """
+                    SELECT 1 FROM am_blocks b
+                    WHERE b.fingerprint = %s AND b.hash = %s
+                      AND b.touched_at < now() - %s * interval '1 second'
+                    FOR UPDATE SKIP LOCKED
+                    """,
+                    (fp, h, grace_s),
+                ).fetchone()
+                if row is None:
+                    return False
+                # The row is locked: a commit naming it waits, then finds it gone.
+                named = c.execute(
+                    "SELECT 1 FROM am_refs WHERE fingerprint = %s AND block = %s LIMIT 1", (fp, h)
+                ).fetchone()
+                if named is not None:
+                    return False
+                delete_object()
+                c.execute("DELETE FROM am_blocks WHERE fingerprint = %s AND hash = %s", (fp, h))
+                return True
+
+        return self._run("collect a block", drop)
+
+    def cataloged(self, fp: str) -> set[str]:
+        return self._run(
+            "list the block catalog",
+            lambda c: {r[0] for r in c.execute("SELECT hash FROM am_blocks WHERE fingerprint = %s", (fp,))},
+        )
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        """The connection, under the lock (for tables of other modules, e.g. the saver's links)."""
+        with self._lock:
+            yield self._connect()

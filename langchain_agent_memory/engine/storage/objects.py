@@ -1,0 +1,151 @@
+"""Blocks as immutable objects in S3-compatible storage (through ``obstore``).
+
+A block's object holds its safetensors file byte for byte, under
+``{prefix}/{fingerprint}/{hash[:2]}/{hash}.safetensors``. Objects are content-addressed,
+so a write is a conditional create (``If-None-Match: *``): the first writer wins and a
+second write of the same block is a no-op. Every call has a deadline: an unreachable or
+slow store raises ``RemoteUnavailableError`` quickly (the caller falls back to its local
+tier) instead of retrying for minutes, as S3 clients do by default.
+
+``s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1``: the query sets
+the client's options (any key of obstore's ``S3Config``); credentials and the rest come
+from the usual ``AWS_*`` environment variables. An ``http://`` endpoint is allowed (a
+server on loopback); without credentials requests go unsigned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from .store import BlockHash
+
+
+class RemoteUnavailableError(ConnectionError):
+    """The shared store (PostgreSQL or the object store) did not answer in time."""
+
+
+class BlocksUnavailableError(RemoteUnavailableError):
+    """Blocks could not be fetched in time; the first ``available`` of those asked for are here."""
+
+    def __init__(self, message: str, available: int) -> None:
+        super().__init__(message)
+        self.available = available
+
+
+class RemoteConfigError(ValueError):
+    """A ``store=`` / ``blocks=`` setting that cannot be used as given."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    last_modified: datetime
+
+
+class ObjectBlocks:
+    """The block objects of every model under one bucket prefix."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        import obstore  # imported here: only a shared store needs it
+        from obstore.store import S3Store
+
+        self._obs = obstore
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise RemoteConfigError(
+                f"blocks={url!r}: expected s3://bucket[/prefix][?endpoint=http://host:port], "
+                "e.g. s3://agent-memory/kv?endpoint=http://127.0.0.1:8333"
+            )
+        self.url = url
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        config: dict[str, Any] = dict(parse_qsl(parts.query))
+        endpoint = (
+            config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+        )
+        config.setdefault(
+            "region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        )
+        if not (os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in config):
+            config.setdefault("skip_signature", True)  # a server without credentials
+        timeout = f"{max(0.05, timeout_s):.3f}s"
+        client = {
+            "timeout": timeout,
+            "connect_timeout": timeout,
+            "allow_http": bool(endpoint and endpoint.startswith("http:")),
+        }
+        # One quick retry: a deadline, not the default minutes of backoff.
+        retry = {
+            "max_retries": 1,
+            "retry_timeout": timedelta(seconds=timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(milliseconds=200),
+                "base": 2.0,
+            },
+        }
+        try:
+            self._store = S3Store(self.bucket, config=config, client_options=client, retry_config=retry)
+        except Exception as exc:  # obstore's configuration errors
+            raise RemoteConfigError(f"blocks={url!r}: {exc}") from exc
+
+    def key(self, fingerprint: str, h: BlockHash) -> str:
+        name = f"{fingerprint}/{h[:2]}/{h}.safetensors"
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def hash_of(self, key: str) -> BlockHash | None:
+        name = key.rsplit("/", 1)[-1]
+        return BlockHash(name.removesuffix(".safetensors")) if name.endswith(".safetensors") else None
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` unless it exists; True if this call created it."""
+        try:
+            self._obs.put(self._store, key, data, mode="create")
+        except self._obs.exceptions.AlreadyExistsError:
+            return False
+        except self._obs.exceptions.PreconditionError:
+            return False
+        except Exception as exc:
+            raise self._unavailable("write", key, exc) from exc
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if there is none."""
+        try:
+            return bytes(self._obs.get(self._store, key).bytes())
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._unavailable("read", key, exc) from exc
+
+    def delete(self, key: str) -> None:
+        try:
+            self._obs.delete(self._store, key)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            raise self._unavailable("delete", key, exc) from exc
+
+    def list(self, fingerprint: str) -> Iterator[ObjectInfo]:
+        """Every object stored for one model."""
+        prefix = self.key(fingerprint, BlockHash("00")).rsplit("/", 2)[0]
+        try:
+            for batch in self._obs.list(self._store, prefix=prefix):
+                for meta in batch:
+                    yield ObjectInfo(meta["path"], int(meta["size"]), meta["last_modified"])
+        except Exception as exc:
+            raise self._unavailable("list", prefix, exc) from exc
+
+    def _unavailable(self, what: str, key: str, exc: BaseException) -> RemoteUnavailableError:
+        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
+            return RemoteUnavailableError(
+                f"object store {self.url}: bucket {self.bucket!r} does not exist; create it first"
+            )
+        return RemoteUnavailableError(f"object store {self.url}: could not {what} {key}: {text}")

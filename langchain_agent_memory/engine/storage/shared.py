@@ -1,0 +1,455 @@
+"""A store shared by workers on several hosts: records in PostgreSQL (``catalog``), blocks
+in S3-compatible object storage (``objects``), this worker's disk in front of both.
+
+``SharedBlockStore`` is a ``BlockStore``: the engine runs on it as on the local one.
+
+- Reads are read-through: a block not on this worker's disk is fetched (in parallel, with
+  a deadline) and written there; a record read from Postgres is mirrored in the local
+  index, with the version it is. If blocks do not come in time the request reuses those
+  it has and prefills the rest (``BlocksUnavailableError.available``).
+- A save writes the blocks and the record locally first (marked pending), uploads the
+  blocks the store lacks (catalog row, then conditional create of the object), then
+  commits the record in one Postgres transaction that checks its version and the lease
+  (``Catalog.commit``). A lost race raises ``CommitConflictError`` (the local copy is
+  dropped: the next request reads the winner's). An unreachable store leaves the save
+  pending: a background thread uploads it when the store answers again.
+- A request takes the agent's lease (``begin``: one round trip, which also says whether
+  this worker's live copy is still the newest); the commit gives it back.
+- Nothing here deletes a block object except ``collect_garbage`` (grace period, row lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .catalog import BlocksMissingError, Catalog, CommitConflictError
+from .files import DirectoryLock, atomic_write_bytes
+from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
+from .reader import BlockGroup
+from .store import (
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    CacheWriteError,
+    DiskBlockStore,
+    parse_record,
+    validate_agent_id,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SharedStats:
+    blocks_fetched: int = 0
+    bytes_fetched: int = 0
+    blocks_uploaded: int = 0
+    bytes_uploaded: int = 0
+    commits: int = 0
+    conflicts: int = 0
+    pending_saves: int = 0  # saved here while the store was unreachable, not yet uploaded
+    remote_failures: int = 0
+
+
+@dataclass(slots=True)
+class GarbageReport:
+    blocks_collected: int = 0
+    stray_objects_removed: int = 0  # objects with no catalog row (an upload cut short)
+
+
+class SharedBlockStore:
+    """Blocks and records shared through PostgreSQL and an object store, with this
+    worker's directory (a ``DiskBlockStore``) as the tier in front."""
+
+    def __init__(
+        self,
+        local: DiskBlockStore,
+        catalog: Catalog,
+        objects: ObjectBlocks,
+        *,
+        worker_id: str | None = None,
+        read_timeout_s: float = 5.0,
+        lease_s: float = 300.0,
+        grace_s: float = 3600.0,
+        retry_s: float = 5.0,
+    ) -> None:
+        self.local, self.catalog, self.objects = local, catalog, objects
+        self.fingerprint = local.fingerprint
+        self.dir = local.dir
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.read_timeout_s = read_timeout_s
+        self.lease_s = lease_s
+        self.grace_s = grace_s
+        self.retry_s = retry_s
+        self.stats = SharedStats()
+        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-memory-remote")
+        self._uploader: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._said_down = False
+        if self.local.pending_agents():
+            self._start_uploader()
+
+    @property
+    def recovery(self):
+        return self.local.recovery
+
+    def locked(self) -> DirectoryLock:
+        return self.local.locked()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._uploader is not None:
+            self._uploader.join(timeout=self.retry_s + 1)
+        self._io.shutdown(wait=True)
+        self.catalog.close()
+        self.local.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def begin(self, agent_id: str) -> bool:
+        """Take the agent's lease for a request; False if this worker's copy of the agent is
+        stale (another worker committed since). Unreachable: True (work from what is here)."""
+        try:
+            _, version = self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            return True
+        state = self.local.sync_state(agent_id)
+        return version == (state[0] if state else None)
+
+    def end(self, agent_id: str) -> None:
+        """Give the lease back after a request that did not commit."""
+        with contextlib.suppress(RemoteUnavailableError):
+            self.catalog.end(self.fingerprint, agent_id, self.worker_id)
+
+    # ------------------------------------------------------------------ blocks
+
+    def block_path(self, h: BlockHash) -> Path:
+        return self.local.block_path(h)
+
+    def has_block(self, h: BlockHash) -> bool:
+        if self.local.has_block(h):
+            return True
+        try:
+            return h in self.catalog.has_blocks(self.fingerprint, [h])
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            return False
+
+    def put_block(self, block: Block) -> int:
+        """Written to this worker's disk; uploaded when a record naming it commits."""
+        return self.local.put_block(block)
+
+    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
+        self._fetch([h])
+        return self.local.get_block(h, names)
+
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]:
+        self._fetch(hashes)
+        return self.local.read_blocks(hashes)
+
+    def _fetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Bring ``hashes`` to this worker's disk; ``BlocksUnavailableError`` (with how many
+        leading ones are here) if the store does not deliver them within the deadline."""
+        missing = [h for h in hashes if not self.local.has_block(h)]
+        if not missing:
+            return
+        futures = {h: self._io.submit(self._download, h) for h in missing}
+        done, _ = wait(futures.values(), timeout=self.read_timeout_s)
+        failed: BaseException | None = None
+        for h, f in futures.items():
+            if f not in done:
+                failed = failed or RemoteUnavailableError(
+                    f"block {h[:12]} did not arrive in {self.read_timeout_s} s"
+                )
+            elif f.exception() is not None:
+                failed = failed or f.exception()
+        if failed is None:
+            return
+        available = next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
+        if isinstance(failed, BlockMissingError):
+            raise failed
+        self._down(failed)
+        raise BlocksUnavailableError(f"shared store: {failed}", available)
+
+    def _download(self, h: BlockHash) -> None:
+        data = self.objects.get(self.objects.key(self.fingerprint, h))
+        if data is None:
+            raise BlockMissingError(f"block {h[:12]} is missing from the object store {self.objects.url}")
+        atomic_write_bytes(self.local.block_path(h), data)
+        self.stats.blocks_fetched += 1
+        self.stats.bytes_fetched += len(data)
+
+    def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
+        """Upload the blocks of ``hashes`` the store lacks, from this worker's disk."""
+        wanted = list(dict.fromkeys(hashes))
+        have = self.catalog.has_blocks(self.fingerprint, wanted) if check else set()
+        todo = [h for h in wanted if h not in have]
+        if not todo:
+            return
+        for f in [self._io.submit(self._upload_one, h) for h in todo]:
+            f.result()
+        self.catalog.block_stored(self.fingerprint, todo)
+
+    def _upload_one(self, h: BlockHash) -> None:
+        path = self.local.block_path(h)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CacheWriteError(
+                f"block {h[:12]} is neither in the shared store nor on this worker; the cache was not "
+                "saved (the next request prefills)"
+            ) from None
+        self.catalog.add_block(self.fingerprint, h, len(data))  # before the object: GC sees it
+        if self.objects.put_new(self.objects.key(self.fingerprint, h), data):
+            self.stats.blocks_uploaded += 1
+            self.stats.bytes_uploaded += len(data)
+
+    def delete_block(self, h: BlockHash) -> None:
+        """This worker's copy only: objects go through ``collect_garbage``."""
+        self.local.delete_block(h)
+
+    def quarantine_block(self, h: BlockHash) -> Path | None:
+        return self.local.quarantine_block(h)
+
+    def block_hashes(self) -> Iterator[BlockHash]:
+        return self.local.block_hashes()
+
+    def is_referenced(self, h: BlockHash) -> bool:
+        """Whether a record on this worker names ``h`` (its local copy is kept while one does)."""
+        return self.local.is_referenced(h)
+
+    def refcount(self, h: BlockHash) -> int:
+        return self.local.refcount(h)
+
+    def referenced_blocks(self) -> set[BlockHash]:
+        return self.local.referenced_blocks()
+
+    def recover(self):
+        return self.local.recover()
+
+    # ------------------------------------------------------------------ records
+
+    def get_agent(self, agent_id: str) -> AgentRecord | None:
+        """The agent's record in the store (mirrored here), or this worker's copy if the store
+        is unreachable."""
+        validate_agent_id(agent_id)
+        try:
+            self._push_pending(agent_id)
+            got = self.catalog.get(self.fingerprint, agent_id)
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            return self.local.get_agent(agent_id)
+        state = self.local.sync_state(agent_id)
+        if got is None:
+            if self.local.has_agent(agent_id) and not (state and state[1]):
+                self.local.delete_agent(agent_id)  # deleted on another worker
+            return None
+        raw, version = got
+        if state == (version, False) and self.local.has_agent(agent_id):
+            with contextlib.suppress(CacheFormatError):
+                return self.local.get_agent(agent_id)
+        self.local.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
+        record = parse_record(raw, f"agent record {agent_id!r}")
+        if record.agent_id != agent_id:
+            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
+        self.local.put_agent(record, sync=(version, False))
+        return record
+
+    def has_agent(self, agent_id: str) -> bool:
+        try:
+            return self.catalog.get(self.fingerprint, agent_id) is not None
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            return self.local.has_agent(agent_id)
+
+    def agent_chain(self, agent_id: str) -> list[BlockHash]:
+        """The chain of this worker's copy (the blocks a save may release locally)."""
+        return self.local.agent_chain(agent_id)
+
+    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+        try:
+            rows = self.catalog.agents(self.fingerprint, prefix)
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            yield from self.local.agents(prefix)
+            return
+        for agent_id, raw, _ in rows:
+            try:
+                yield parse_record(raw, f"agent record {agent_id!r}")
+            except CacheFormatError as exc:
+                logger.warning("skipping unreadable agent record: %s", exc)
+
+    def put_agent(self, record: AgentRecord) -> int:
+        """Save ``record`` here (pending), then in the store (compare-and-swap on the version
+        this worker last saw). ``CommitConflictError`` if another worker's save won; an
+        unreachable store leaves it pending (uploaded later) and returns normally."""
+        state = self.local.sync_state(record.agent_id)
+        base = state[0] if state else None
+        written = self.local.put_agent(record, sync=(base, True))
+        self._push(record, base)
+        return written
+
+    def _push(self, record: AgentRecord, base: int | None) -> bool:
+        """Upload a locally saved record; False if the store is unreachable (still pending)."""
+        try:
+            self._upload(record.blocks)
+            for _ in range(3):
+                try:
+                    done = self.catalog.commit(
+                        self.fingerprint, record.agent_id,
+                        lambda now: replace(record, updated_at=now).to_json(),
+                        record.blocks, base, self.worker_id,
+                    )  # fmt: skip
+                    break
+                except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
+                    self._upload([BlockHash(h) for h in exc.missing], check=False)
+            else:
+                raise RemoteUnavailableError("blocks kept disappearing from the store during the commit")
+        except RemoteUnavailableError as exc:
+            self._down(exc)
+            self.stats.pending_saves = len(self.local.pending_agents())
+            logger.warning(
+                "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
+                "uploaded when the store answers again",
+                record.agent_id,
+                exc,
+            )
+            self._start_uploader()
+            return False
+        except CommitConflictError:
+            self.stats.conflicts += 1
+            self.local.delete_agent(record.agent_id)  # the winner's record is read next time
+            raise
+        record.updated_at = done.updated_at  # Postgres's clock: links to checkpoints use it
+        self.local.set_sync(record.agent_id, done.version, False)
+        self.stats.commits += 1
+        self._said_down = False
+        return True
+
+    def _push_pending(self, agent_id: str) -> None:
+        """Upload this agent's pending save before reading the store (it is the newest)."""
+        state = self.local.sync_state(agent_id)
+        if not (state and state[1]):
+            return
+        record = self.local.get_agent(agent_id)
+        if record is None:
+            self.local.set_sync(agent_id, state[0], False)
+            return
+        try:
+            if not self._push(record, state[0]):
+                raise RemoteUnavailableError("the store is still unreachable")
+        except CommitConflictError as exc:
+            logger.warning(
+                "agent %r: a save made while the shared store was unreachable lost to a newer save by "
+                "another worker (%s); that one is kept",
+                agent_id,
+                exc,
+            )
+
+    def flush_pending(self) -> int:
+        """Upload every save made while the store was unreachable; how many are left."""
+        for agent_id in self.local.pending_agents():
+            try:
+                self._push_pending(agent_id)
+            except RemoteUnavailableError:
+                break
+        left = len(self.local.pending_agents())
+        self.stats.pending_saves = left
+        return left
+
+    def _start_uploader(self) -> None:
+        if self._uploader is not None and self._uploader.is_alive():
+            return
+        self._uploader = threading.Thread(target=self._upload_loop, name="agent-memory-uploader", daemon=True)
+        self._uploader.start()
+
+    def _upload_loop(self) -> None:
+        while not self._closed.wait(self.retry_s):
+            try:
+                if self.flush_pending() == 0:
+                    logger.info("shared store: every pending save is uploaded")
+                    return
+            except Exception:  # keep retrying; never lose the pending saves
+                logger.exception("uploading pending saves failed; retrying")
+
+    def delete_agent(self, agent_id: str) -> bool:
+        validate_agent_id(agent_id)
+        try:
+            gone = self.catalog.delete(self.fingerprint, agent_id)
+        except RemoteUnavailableError as exc:
+            raise CacheWriteError(
+                f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
+                "store answers"
+            ) from exc
+        return self.local.delete_agent(agent_id) or gone
+
+    def quarantine_agent(self, agent_id: str) -> Path | None:
+        return self.local.quarantine_agent(agent_id)
+
+    # ------------------------------------------------------------------ garbage
+
+    def collect_garbage(self, grace_s: float | None = None) -> GarbageReport:
+        """Delete block objects no record names, untouched for ``grace_s`` (default: the
+        store's), each under its catalog row lock; then objects without a catalog row
+        older than the grace period (uploads cut short)."""
+        grace = self.grace_s if grace_s is None else grace_s
+        report = GarbageReport()
+        for h in self.catalog.collectable(self.fingerprint, grace):
+            key = self.objects.key(self.fingerprint, BlockHash(h))
+            if self.catalog.collect(self.fingerprint, h, grace, lambda key=key: self.objects.delete(key)):
+                report.blocks_collected += 1
+        now = self.catalog.now()
+        known = self.catalog.cataloged(self.fingerprint)
+        for info in self.objects.list(self.fingerprint):
+            h = self.objects.hash_of(info.key)
+            if h is not None and h not in known and info.last_modified.timestamp() < now - grace:
+                self.objects.delete(info.key)
+                report.stray_objects_removed += 1
+        return report
+
+    # ------------------------------------------------------------------ health
+
+    def _down(self, exc: BaseException) -> None:
+        self.stats.remote_failures += 1
+        if not self._said_down:
+            self._said_down = True
+            logger.warning("shared store unreachable (%s); working from this worker's copies", exc)
+
+
+def open_store(
+    root: str | os.PathLike[str],
+    fingerprint: str,
+    store: str | None = None,
+    blocks: str | None = None,
+    *,
+    read_timeout_s: float = 5.0,
+    grace_s: float = 3600.0,
+    worker_id: str | None = None,
+) -> DiskBlockStore | SharedBlockStore:
+    """The local store under ``root``, or a shared one (``store``: a postgresql:// URL for
+    the records, ``blocks``: an s3:// URL for the blocks) with it as the local tier."""
+    if not store and not blocks:
+        return DiskBlockStore(root, fingerprint)
+    if not (store and blocks):
+        raise RemoteConfigError(
+            "a shared store needs both store='postgresql://...' (records) and blocks='s3://...' (blocks); "
+            f"got store={store!r}, blocks={blocks!r}"
+        )
+    catalog = Catalog(store, timeout_s=read_timeout_s)
+    objects = ObjectBlocks(blocks, timeout_s=read_timeout_s)
+    local = DiskBlockStore(root, fingerprint, tier=True)
+    return SharedBlockStore(
+        local, catalog, objects, worker_id=worker_id, read_timeout_s=read_timeout_s, grace_s=grace_s
+    )

@@ -1,0 +1,70 @@
+"""A worker process on a shared store, for the distributed tests: one Engine (SmolLM2) with
+its own local cache directory in front of PostgreSQL + an object store, driven by JSON
+commands on stdin, one per line, each answered by one JSON line on stdout.
+
+    python shared_worker.py CACHE_DIR STORE_URL BLOCKS_URL [KV_BITS]
+
+Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "delete",
+"agent": A}, {"op": "fork", "agent": A, "to": B}, {"op": "flush"}, {"op": "gc", "grace": S},
+{"op": "stats"}, {"op": "quit"}."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import traceback
+
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+
+def main() -> None:
+    cache_dir, store, blocks = sys.argv[1:4]
+    kv_bits = None if len(sys.argv) < 5 or sys.argv[4] == "16" else int(sys.argv[4])
+    engine = Engine("smollm2-135m", cache_dir=cache_dir, kv_bits=kv_bits, store=store, blocks=blocks)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply = run(engine, cmd)
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+        if cmd["op"] == "quit":
+            break
+    engine.close()
+
+
+def run(engine: Engine, cmd: dict) -> dict:
+    op = cmd["op"]
+    store = engine.store
+    if op == "generate":
+        params = GenerationParams(max_tokens=cmd.get("max_tokens", 8))
+        result = engine.generate(cmd["agent"], cmd["prompt"], params)
+        return {
+            "text": result.text,
+            "outcome": str(result.outcome),
+            "reused": result.reused_tokens,
+            "prompt_tokens": result.prompt_tokens,
+            "saved": result.saved,
+            "ttft_s": result.timings.ttft_s,
+        }
+    if op == "delete":
+        return {"deleted": engine.delete(cmd["agent"])}
+    if op == "fork":
+        record = store.get_agent(cmd["agent"])
+        engine.set_agent(cmd["to"], record)
+        return {"forked": True}
+    if op == "flush":
+        return {"pending": store.flush_pending()}
+    if op == "gc":
+        return dataclasses.asdict(store.collect_garbage(cmd.get("grace")))
+    if op == "stats":
+        return dataclasses.asdict(store.stats)
+    if op == "quit":
+        return {"bye": True}
+    raise ValueError(f"unknown op {op!r}")
+
+
+if __name__ == "__main__":
+    main()

