@@ -495,6 +495,8 @@ def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any
         "agent_id": req.agent,
         "cache": str(result.outcome),
         "cached_tokens": result.reused_tokens,
+        # False: a worker sharing the store saved this agent while the call ran (that save stands)
+        "cache_saved": result.saved,
         "time_to_first_token_s": round(result.timings.ttft_s, 4),
         "prefill_s": round(result.timings.prefill_s, 4),
         "decode_s": round(result.timings.decode_s, 4),

@@ -38,12 +38,12 @@ links, for each agent, its last commit before the checkpoint's own timestamp.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
@@ -65,8 +65,9 @@ from .config import get_settings
 from .engine.engine import Engine, GenerationParams
 from .engine.kv import preset_name
 from .engine.shared import engine_key, shared_engine, unwatch_engines, watch_engines
+from .engine.storage.catalog import CommitConflictError
 from .engine.storage.store import AgentRecord
-from .links import Link, Links
+from .links import Link, Links, PostgresLinks
 from .sqlite_checkpoints import SqliteCheckpoints
 
 SNAPSHOT_PREFIX = "@snapshot:"
@@ -127,9 +128,16 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         kv_bits: int | None = 4,
         kv_format: str | None = None,
         prefetch: bool = True,
+        store: str | None = None,
+        blocks: str | None = None,
     ) -> None:
-        root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
+        settings = get_settings()
+        root = Path(cache_dir or settings.cache_dir).expanduser().resolve()
         root.mkdir(parents=True, exist_ok=True)
+        store, blocks = store or settings.store, blocks or settings.blocks
+        self._owned_conn: Any = None
+        if checkpoints is None and store:  # workers sharing a store share its checkpoints too
+            checkpoints = self._postgres_checkpoints(store)
         self.inner = (
             checkpoints if checkpoints is not None else SqliteCheckpoints(root / "checkpoints.sqlite")
         )
@@ -140,8 +148,12 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             "cache_dir": root,
             "kv_bits": kv_bits,
             "kv_format": kv_format,
+            "store": store,
+            "blocks": blocks,
         }
-        self.links = Links(root / "agent_links.sqlite")
+        # Links beside the caches they name: in the shared store's database when workers
+        # share one (every worker sees every link), else in the cache directory.
+        self.links: Links = PostgresLinks(store) if store else Links(root / "agent_links.sqlite")
         self.prefetch = prefetch
         self.last_prefetch: Future[int] | None = None  # the latest background load, if any
         #: (thread, namespace) -> the older checkpoint a read named (and its time): the
@@ -152,7 +164,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         self._engines: dict[str, Engine] = {}
         self._hooks: list[tuple[Engine, Callable[[AgentRecord], None]]] = []
         self._own: Engine | None = None
-        self._own_key: tuple[Path, Path, str] | None = None
+        self._own_key: tuple[Any, ...] | None = None
         self._attach_lock = threading.RLock()
         self._closed = False
         watch_engines(self._attach)  # no model loaded here: engines are heard once they exist
@@ -178,6 +190,17 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             with cls(inner, **kwargs) as saver:
                 await saver.asetup()
                 yield saver
+
+    def _postgres_checkpoints(self, url: str) -> BaseCheckpointSaver:
+        """``PostgresCheckpoints`` on a connection of this saver's own (closed with it)."""
+        import psycopg
+        from psycopg.rows import dict_row
+
+        module = _postgres_module()
+        self._owned_conn = psycopg.connect(url, autocommit=True, prepare_threshold=0, row_factory=dict_row)
+        saver = module.PostgresCheckpoints(self._owned_conn)
+        saver.setup()
+        return saver
 
     def setup(self) -> None:
         """Create the inner saver's tables where it needs that (PostgresSaver); the links'
@@ -207,6 +230,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             if self._before_request in engine.request_hooks:
                 engine.request_hooks.remove(self._before_request)
         self.links.close()
+        if self._owned_conn is not None:
+            self._owned_conn.close()
 
     def __enter__(self) -> AgentMemorySaver:
         return self
@@ -256,7 +281,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
                 self._own_key = engine_key(**self._engine_args)
             except (ValueError, OSError, ImportError):  # a model that cannot load: ``engine`` says why
                 return False
-        return (engine.lm.path, Path(engine.cache_dir).resolve(), engine.quant.label) == self._own_key
+        return engine.key == self._own_key
 
     def _engine_of(self, fp: str) -> Engine | None:
         """The engine a link names: built here already, else built from what was noted of
@@ -273,7 +298,10 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             return None
         model, kv = args
         try:
-            built = shared_engine(model, cache_dir=self.cache_dir, kv_format=kv)
+            built = shared_engine(
+                model, cache_dir=self.cache_dir, kv_format=kv,
+                store=self._engine_args["store"], blocks=self._engine_args["blocks"],
+            )  # fmt: skip
         except (ValueError, OSError, ImportError):
             return None
         self._attach(built)
@@ -324,7 +352,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         older = latest is not None and latest.config["configurable"]["checkpoint_id"] != checkpoint_id
         if older:
             # As of its own time: the checkpoints a resumed run puts then link the rewound caches.
-            self._pending[(thread, ns)] = {**tup.config["configurable"], "at": _at(tup.checkpoint)}
+            at = self.links.clock(_at(tup.checkpoint))
+            self._pending[(thread, ns)] = {**tup.config["configurable"], "at": at}
         elif self.prefetch:
             self._prefetch_next(tup)
 
@@ -410,7 +439,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
 
     def _link(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
         self._settle()  # every commit before the checkpoint's time is in the history
-        self.links.link(*_where(saved), _at(checkpoint))
+        self.links.link(*_where(saved), self.links.clock(_at(checkpoint)))
 
     def put_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
@@ -472,7 +501,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         for engine, record in self._thread_agents(src):
             agent_id = dst + record.agent_id[len(src) :]
             engine.set_agent(agent_id, record)
-            self._remember(engine, agent_id, record, time.time())
+            self._remember(engine, agent_id, record, self.links.clock())
         self.links.copy_thread(src, dst)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -515,7 +544,9 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
     ) -> None:
         digest = record_digest(record)
         if not engine.store.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
-            engine.set_agent(SNAPSHOT_PREFIX + digest, record)
+            # Another worker may store the same snapshot at the same time: either one serves.
+            with contextlib.suppress(CommitConflictError):
+                engine.set_agent(SNAPSHOT_PREFIX + digest, record)
         self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
     def _prefetch_next(self, tup: CheckpointTuple) -> None:
@@ -575,7 +606,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
                 engine.set_agent(agent_id, snapshot)
                 # Now the agent's latest state: a checkpoint put before its next commit
                 # (the input of a resumed run) must link this, not the state it replaced.
-                self._remember(engine, agent_id, snapshot, time.time() if at is None else at, replace=True)
+                when = self.links.clock() if at is None else at
+                self._remember(engine, agent_id, snapshot, when, replace=True)
         if not drop_rest:
             return
         linked = self.links.linked_in_thread(thread_id)

@@ -12,24 +12,31 @@ format) of the directory.
 An engine is named by its store's fingerprint (model weights and KV format). Databases of
 earlier versions (no engine column) are migrated in place: their rows belong to the
 saver's own engine (``adopt``).
+
+Workers that share a store (``storage.shared``) keep these tables in its PostgreSQL
+database (``PostgresLinks``: same tables, same statements) so that a thread's phases may
+run on different workers; times there are on Postgres's clock (``clock``).
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS history (
+CREATE TABLE IF NOT EXISTS {history} (
     agent_id TEXT NOT NULL,
-    committed_at REAL NOT NULL,
+    committed_at DOUBLE PRECISION NOT NULL,
     snapshot TEXT NOT NULL,
     engine TEXT NOT NULL DEFAULT ''
 );
-CREATE INDEX IF NOT EXISTS history_agent ON history (agent_id, committed_at);
-CREATE TABLE IF NOT EXISTS links (
+CREATE INDEX IF NOT EXISTS {history}_agent ON {history} (agent_id, committed_at);
+CREATE TABLE IF NOT EXISTS {links} (
     thread_id TEXT NOT NULL,
     checkpoint_ns TEXT NOT NULL,
     checkpoint_id TEXT NOT NULL,
@@ -38,12 +45,12 @@ CREATE TABLE IF NOT EXISTS links (
     engine TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (thread_id, checkpoint_ns, checkpoint_id, engine, agent_id)
 );
-CREATE TABLE IF NOT EXISTS snapshots (
+CREATE TABLE IF NOT EXISTS {snapshots} (
     digest TEXT NOT NULL,
     engine TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (engine, digest)
 );
-CREATE TABLE IF NOT EXISTS engines (
+CREATE TABLE IF NOT EXISTS {engines} (
     engine TEXT PRIMARY KEY,
     model TEXT NOT NULL,
     kv_format TEXT NOT NULL
@@ -53,56 +60,89 @@ CREATE TABLE IF NOT EXISTS engines (
 #: A link: (engine, agent id, snapshot digest).
 Link = tuple[str, str, str]
 
+_TABLES = ("history", "links", "snapshots", "engines")
+
 
 class Links:
-    """The link tables of one cache directory (thread-safe; every call is one transaction)."""
+    """The link tables of one cache directory, in SQLite (thread-safe; every call is one
+    transaction). Statements use ``?`` and ``{table}`` names; ``PostgresLinks`` runs the
+    same ones."""
 
     def __init__(self, path: Path) -> None:
         self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
         self._lock = threading.RLock()
         with self._lock, self._db:
             _migrate(self._db)
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(self._sql(_SCHEMA))
+
+    def _sql(self, statement: str) -> str:
+        return statement.format(**{t: t for t in _TABLES})
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """A transaction; yields something with ``execute`` / ``executemany``."""
+        with self._lock, self._db:
+            yield self._db
+
+    def _rows(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._tx() as db:
+            return [tuple(r) for r in db.execute(self._sql(statement), params).fetchall()]
+
+    def _run(self, *steps: tuple[str, Any], many: bool = False) -> None:
+        with self._tx() as db:
+            for statement, params in steps:
+                if many:
+                    db.executemany(self._sql(statement), list(params))
+                else:
+                    db.execute(self._sql(statement), params)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def clock(self, at: float | None = None) -> float:
+        """A time of this process (``time.time()`` if None) on the clock the tables use."""
+        return time.time() if at is None else at
+
     # ------------------------------------------------------------------ engines
 
     def note_engine(self, engine: str, model: str, kv_format: str) -> None:
-        with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO engines VALUES (?, ?, ?)", (engine, model, kv_format))
+        self._run((
+            "INSERT INTO {engines} VALUES (?, ?, ?) ON CONFLICT (engine) DO UPDATE "
+            "SET model = excluded.model, kv_format = excluded.kv_format",
+            (engine, model, kv_format),
+        ))  # fmt: skip
 
     def engine_args(self, engine: str) -> tuple[str, str] | None:
         """(model directory, KV format) of an engine a link names, if it was ever noted."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT model, kv_format FROM engines WHERE engine = ?", (engine,)
-            ).fetchone()
-        return (row[0], row[1]) if row else None
+        rows = self._rows("SELECT model, kv_format FROM {engines} WHERE engine = ?", (engine,))
+        return (rows[0][0], rows[0][1]) if rows else None
 
     def adopt(self, engine: str) -> None:
         """Rows written before links named engines belong to ``engine`` (the saver's own)."""
-        with self._lock, self._db:
+        with self._tx() as db:
             for table in ("history", "links", "snapshots"):
-                self._db.execute(f"UPDATE OR IGNORE {table} SET engine = ? WHERE engine = ''", (engine,))
+                db.execute(f"UPDATE OR IGNORE {table} SET engine = ? WHERE engine = ''", (engine,))
 
     # ------------------------------------------------------------------ history
 
     def remember(self, engine: str, agent_id: str, at: float, digest: str, *, replace: bool = False) -> None:
         """``agent_id`` stood at snapshot ``digest`` from ``at`` on (``replace``: its
         earlier history is forgotten: a rewind)."""
-        with self._lock, self._db:
-            if replace:
-                self._db.execute("DELETE FROM history WHERE engine = ? AND agent_id = ?", (engine, agent_id))
-            self._db.execute("INSERT OR IGNORE INTO snapshots VALUES (?, ?)", (digest, engine))
-            self._db.execute("INSERT INTO history VALUES (?, ?, ?, ?)", (agent_id, at, digest, engine))
+        steps = (
+            [("DELETE FROM {history} WHERE engine = ? AND agent_id = ?", (engine, agent_id))]
+            if replace
+            else []
+        )
+        self._run(
+            *steps,
+            ("INSERT INTO {snapshots} VALUES (?, ?) ON CONFLICT DO NOTHING", (digest, engine)),
+            ("INSERT INTO {history} VALUES (?, ?, ?, ?)", (agent_id, at, digest, engine)),
+        )
 
     def forget_agents(self, agents: Iterable[tuple[str, str]]) -> None:
         """Forget the history of these (engine, agent id) pairs."""
-        with self._lock, self._db:
-            self._db.executemany("DELETE FROM history WHERE engine = ? AND agent_id = ?", list(agents))
+        self._run(("DELETE FROM {history} WHERE engine = ? AND agent_id = ?", list(agents)), many=True)
 
     # ------------------------------------------------------------------ links
 
@@ -110,91 +150,135 @@ class Links:
         """Link each of the thread's agents to its last commit before ``at``; older history
         of those agents can no longer be chosen by a later checkpoint and is dropped."""
         prefix = f"{thread_id}:"
-        with self._lock, self._db:
-            rows = self._db.execute(
-                "SELECT engine, agent_id, snapshot, MAX(committed_at) FROM history "
-                "WHERE substr(agent_id, 1, ?) = ? AND committed_at <= ? GROUP BY engine, agent_id",
+        with self._tx() as db:
+            rows = db.execute(
+                self._sql(
+                    "SELECT h.engine, h.agent_id, h.snapshot, h.committed_at FROM {history} h "
+                    "WHERE substr(h.agent_id, 1, ?) = ? AND h.committed_at = (SELECT MAX(l.committed_at) "
+                    "FROM {history} l WHERE l.engine = h.engine AND l.agent_id = h.agent_id "
+                    "AND l.committed_at <= ?)"
+                ),
                 (len(prefix), prefix, at),
             ).fetchall()
-            self._db.executemany(
-                "INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?, ?)",
+            db.executemany(
+                self._sql(
+                    "INSERT INTO {links} VALUES (?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, engine, agent_id) "
+                    "DO UPDATE SET snapshot = excluded.snapshot"
+                ),
                 [(thread_id, ns, checkpoint_id, agent, digest, engine) for engine, agent, digest, _ in rows],
             )
-            self._db.executemany(
-                "DELETE FROM history WHERE engine = ? AND agent_id = ? AND committed_at < ?",
+            db.executemany(
+                self._sql("DELETE FROM {history} WHERE engine = ? AND agent_id = ? AND committed_at < ?"),
                 [(engine, agent, when) for engine, agent, _, when in rows],
             )
 
     def linked(self, thread_id: str, ns: str, checkpoint_id: str) -> list[Link]:
-        with self._lock:
-            return self._db.execute(
-                "SELECT engine, agent_id, snapshot FROM links WHERE thread_id = ? AND checkpoint_ns = ? "
-                "AND checkpoint_id = ?",
-                (thread_id, ns, checkpoint_id),
-            ).fetchall()
+        return self._rows(  # type: ignore[return-value]
+            "SELECT engine, agent_id, snapshot FROM {links} WHERE thread_id = ? AND checkpoint_ns = ? "
+            "AND checkpoint_id = ?",
+            (thread_id, ns, checkpoint_id),
+        )
 
     def linked_in_thread(self, thread_id: str) -> set[tuple[str, str]]:
         """(engine, agent id) of every agent some checkpoint of the thread links."""
-        with self._lock:
-            rows = self._db.execute("SELECT engine, agent_id FROM links WHERE thread_id = ?", (thread_id,))
-            return {(e, a) for e, a in rows}
+        return {
+            (e, a)
+            for e, a in self._rows("SELECT engine, agent_id FROM {links} WHERE thread_id = ?", (thread_id,))
+        }
 
     def engines_of_thread(self, thread_id: str) -> set[str]:
         """The engines the thread's links and history name."""
         prefix = f"{thread_id}:"
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT engine FROM links WHERE thread_id = ? UNION SELECT engine FROM history "
-                "WHERE substr(agent_id, 1, ?) = ?",
-                (thread_id, len(prefix), prefix),
-            )
-            return {row[0] for row in rows}
+        rows = self._rows(
+            "SELECT engine FROM {links} WHERE thread_id = ? UNION SELECT engine FROM {history} "
+            "WHERE substr(agent_id, 1, ?) = ?",
+            (thread_id, len(prefix), prefix),
+        )
+        return {row[0] for row in rows}
 
     def checkpoints(self, thread_id: str) -> set[tuple[str, str]]:
         """(namespace, checkpoint id) of the thread's checkpoints that link something."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT DISTINCT checkpoint_ns, checkpoint_id FROM links WHERE thread_id = ?", (thread_id,)
-            )
-            return {(ns, cid) for ns, cid in rows}
+        rows = self._rows(
+            "SELECT DISTINCT checkpoint_ns, checkpoint_id FROM {links} WHERE thread_id = ?", (thread_id,)
+        )
+        return {(ns, cid) for ns, cid in rows}
 
     def unlink(self, checkpoints: Iterable[tuple[str, str, str]]) -> None:
         """Drop the links of these (thread, namespace, checkpoint id)."""
-        with self._lock, self._db:
-            self._db.executemany(
-                "DELETE FROM links WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+        self._run(
+            (
+                "DELETE FROM {links} WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
                 list(checkpoints),
-            )
+            ),
+            many=True,
+        )
 
     def drop_thread(self, thread_id: str) -> None:
         prefix = f"{thread_id}:"
-        with self._lock, self._db:
-            self._db.execute("DELETE FROM links WHERE thread_id = ?", (thread_id,))
-            self._db.execute("DELETE FROM history WHERE substr(agent_id, 1, ?) = ?", (len(prefix), prefix))
+        self._run(
+            ("DELETE FROM {links} WHERE thread_id = ?", (thread_id,)),
+            ("DELETE FROM {history} WHERE substr(agent_id, 1, ?) = ?", (len(prefix), prefix)),
+        )
 
     def copy_thread(self, source: str, target: str) -> None:
         """The target thread's checkpoints link what the source's do (agent ids renamed)."""
-        with self._lock, self._db:
-            self._db.execute(
-                "INSERT OR REPLACE INTO links SELECT ?, checkpoint_ns, checkpoint_id, "
-                "? || substr(agent_id, ?), snapshot, engine FROM links WHERE thread_id = ?",
-                (target, target, len(source) + 1, source),
-            )
+        self._run((
+            "INSERT INTO {links} SELECT ?, checkpoint_ns, checkpoint_id, "
+            "? || substr(agent_id, ?), snapshot, engine FROM {links} WHERE thread_id = ? "
+            "ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, engine, agent_id) "
+            "DO UPDATE SET snapshot = excluded.snapshot",
+            (target, target, len(source) + 1, source),
+        ))  # fmt: skip
 
     # ------------------------------------------------------------------ snapshots
 
     def dead_snapshots(self) -> list[tuple[str, str]]:
         """(engine, digest) of snapshots that no link and no history row names."""
-        with self._lock:
-            return self._db.execute(
-                "SELECT engine, digest FROM snapshots s WHERE NOT EXISTS (SELECT 1 FROM links l "
-                "WHERE l.engine = s.engine AND l.snapshot = s.digest) AND NOT EXISTS (SELECT 1 "
-                "FROM history h WHERE h.engine = s.engine AND h.snapshot = s.digest)"
-            ).fetchall()
+        return self._rows(  # type: ignore[return-value]
+            "SELECT engine, digest FROM {snapshots} s WHERE NOT EXISTS (SELECT 1 FROM {links} l "
+            "WHERE l.engine = s.engine AND l.snapshot = s.digest) AND NOT EXISTS (SELECT 1 "
+            "FROM {history} h WHERE h.engine = s.engine AND h.snapshot = s.digest)"
+        )
 
     def drop_snapshots(self, snapshots: Iterable[tuple[str, str]]) -> None:
-        with self._lock, self._db:
-            self._db.executemany("DELETE FROM snapshots WHERE engine = ? AND digest = ?", list(snapshots))
+        self._run(("DELETE FROM {snapshots} WHERE engine = ? AND digest = ?", list(snapshots)), many=True)
+
+
+class PostgresLinks(Links):
+    """The same tables in a shared store's PostgreSQL database (``am_``-prefixed names), so
+    that every worker sees every link; times on Postgres's clock."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self._conn = psycopg.connect(url, autocommit=True)
+        self._lock = threading.RLock()
+        with self._tx() as db:
+            db.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/links'))")
+            for statement in self._sql(_SCHEMA).split(";"):
+                if statement.strip():
+                    db.execute(statement)
+        now = float(self._conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+        self._offset = now - time.time()  # Postgres's clock minus this process's
+
+    def _sql(self, statement: str) -> str:
+        return statement.format(**{t: f"am_{t}" for t in _TABLES}).replace("?", "%s")
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        with self._lock, self._conn.transaction(), self._conn.cursor() as cur:
+            yield cur
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def clock(self, at: float | None = None) -> float:
+        return (time.time() if at is None else at) + self._offset
+
+    def adopt(self, engine: str) -> None:
+        """Nothing to adopt: these tables always named engines."""
 
 
 def _migrate(db: sqlite3.Connection) -> None:
@@ -211,6 +295,6 @@ def _migrate(db: sqlite3.Connection) -> None:
         ("snapshots", "digest"),
     ):
         db.execute(f"ALTER TABLE {table} RENAME TO {table}_v1")
-        db.executescript(_SCHEMA)
+        db.executescript(_SCHEMA.format(**{t: t for t in _TABLES}))
         db.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {table}_v1")
         db.execute(f"DROP TABLE {table}_v1")

@@ -52,6 +52,8 @@ class AgentState:
     tokens: TokenizedText
     blocks: list[BlockHash]
     layers: list[LayerCache] | None
+    #: The shared store's version this state is (None: a local store, or not known).
+    version: int | None = None
 
 
 @dataclass(slots=True)
@@ -135,7 +137,9 @@ class AgentCaches:
     def admit(self, agent_id: str, prompt: str) -> Admission:
         """The caches a request for ``prompt`` starts from, loaded, and what to prefill."""
         with self.lock:
-            if not self.store.begin(agent_id):  # another worker saved it since: reread
+            hot = self.hot.get(agent_id)
+            # A shared store: take the agent's lease; another worker saved it since: reread.
+            if not self.store.begin(agent_id, hot.version if hot else None) and hot is not None:
                 self.hot.pop(agent_id, None)
             state, source = self.lookup(agent_id)
             m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
@@ -166,7 +170,7 @@ class AgentCaches:
         tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
-        return AgentState(tokens, record.blocks, None), CacheSource.HOT
+        return AgentState(tokens, record.blocks, None, self.store.seen_version(agent_id)), CacheSource.HOT
 
     def read_record(self, agent_id: str) -> AgentRecord | None:
         try:
@@ -366,7 +370,7 @@ class AgentCaches:
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
-        self.keep_hot(agent_id, AgentState(known, chain, layers))
+        self.keep_hot(agent_id, AgentState(known, chain, layers, self.store.seen_version(agent_id)))
         return record, written
 
     def _chain_of(self, known: TokenizedText, kept: list[BlockHash]) -> list[BlockHash]:
@@ -427,7 +431,13 @@ class AgentCaches:
             record = AgentRecord(
                 agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
             )
-            self.pool.set_agent(record)
+            if not self.store.begin(agent_id, self.store.seen_version(agent_id)):
+                self.read_record(agent_id)  # a shared store's newer version: this replaces that one
+            try:
+                self.pool.set_agent(record)
+            except BaseException:
+                self.store.end(agent_id)
+                raise
             self.hot.pop(agent_id, None)  # a live copy would stand for the old text
 
     def delete(self, agent_id: str) -> bool:

@@ -116,9 +116,10 @@ class Engine:
             self.lm.path, self.spec, self.quant, settings.cache_dir / "models"
         )
         # Shared by workers (Postgres + S3, this directory in front) or this directory only.
-        self.store = open_store(
-            self.cache_dir / "kv", self.fingerprint, store or settings.store, blocks or settings.blocks
-        )
+        store, blocks = store or settings.store, blocks or settings.blocks
+        self.store = open_store(self.cache_dir / "kv", self.fingerprint, store, blocks)
+        #: (model directory, cache directory, KV format, store, blocks): ``shared.engine_key``.
+        self.key = (self.lm.path, self.cache_dir.expanduser().resolve(), self.quant.label, store, blocks)
         self.pool = BlockPool(
             self.store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
         )

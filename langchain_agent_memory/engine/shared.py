@@ -46,13 +46,17 @@ def engine_key(
     cache_dir: str | Path | None = None,
     kv_bits: int | None = 4,
     kv_format: str | KVQuant | None = None,
-) -> tuple[Path, Path, str]:
-    """Which shared engine these arguments name: (model directory, cache directory, KV
-    format). Resolving the model converts a GGUF on first use, like loading it."""
+    store: str | None = None,
+    blocks: str | None = None,
+) -> tuple[Path, Path, str, str | None, str | None]:
+    """Which shared engine these arguments name (``Engine.key``): model directory, cache
+    directory, KV format and shared store. Resolving the model converts a GGUF on first
+    use, like loading it."""
     path, _ = resolve_model_dir(model)
-    root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
+    settings = get_settings()
+    root = Path(cache_dir or settings.cache_dir).expanduser().resolve()
     quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
-    return path, root, quant.label
+    return path, root, quant.label, store or settings.store, blocks or settings.blocks
 
 
 def shared_engine(
@@ -83,8 +87,7 @@ def shared_engine(
     root = Path(cache_dir or get_settings().cache_dir).expanduser().resolve()
     quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
     settings = get_settings()
-    store, blocks = store or settings.store, blocks or settings.blocks
-    key = (lm.path, root, quant.label, store, blocks)
+    key = (lm.path, root, quant.label, store or settings.store, blocks or settings.blocks)
     with _SHARED_LOCK:
         engine = _SHARED.get(key)
         if engine is not None:
@@ -92,7 +95,7 @@ def shared_engine(
                 engine.pool.hot_budget_bytes = hot_budget_bytes
             return engine
         engine = Engine(
-            model, cache_dir=root, kv_format=quant, store=store, blocks=blocks, **_budget(hot_budget_bytes)
+            model, cache_dir=root, kv_format=quant, store=key[3], blocks=key[4], **_budget(hot_budget_bytes)
         )
         watchers = [w() for w in _WATCHERS]
     for watcher in watchers:  # before anyone uses it (outside the lock: they may ask for engines)

@@ -7,7 +7,11 @@ it finds and now and then runs an agent of its own on the same system prompt, so
 write, reuse and free the same blocks at the same time.
 Both print a JSON summary at the end.
 
-    python concurrent_child.py (app|cleanup) CACHE_DIR SECONDS
+    python concurrent_child.py (app|cleanup) CACHE_DIR SECONDS [STORE_URL BLOCKS_URL]
+
+With a shared store (``test_shared_store.py``) each process has its own cache directory,
+the cleanup also collects garbage (grace 0: blocks are deleted as soon as nothing names
+them), and the invariant is checked in PostgreSQL: no record names a block the store lacks.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ class _Count(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def main(role: str, cache_dir: str, seconds: float) -> None:
+def main(role: str, cache_dir: str, seconds: float, store: str | None = None, blocks: str | None = None) -> None:
     warnings = _Count()
     logging.getLogger("langchain_agent_memory").addHandler(warnings)
     # Almost nothing kept in memory: blocks are read from, checked on and written to disk,
     # where the other process is deleting them.
-    engine = Engine("smollm2-135m", cache_dir=cache_dir, hot_budget_bytes=1, hot_agents=1)
+    engine = Engine(
+        "smollm2-135m", cache_dir=cache_dir, hot_budget_bytes=1, hot_agents=1, store=store, blocks=blocks
+    )
     rng = random.Random(role)
     ops: dict[str, int] = {}
     end = time.monotonic() + seconds
@@ -59,9 +65,17 @@ def main(role: str, cache_dir: str, seconds: float) -> None:
         else:  # delete every cache it finds, keep one of its own alive now and then
             for record in engine.agent_records():
                 ops["cleanup deletes"] = ops.get("cleanup deletes", 0) + int(engine.delete(record.agent_id))
+            if store:
+                collected = engine.store.collect_garbage(grace_s=0).blocks_collected
+                ops["cleanup blocks collected"] = ops.get("cleanup blocks collected", 0) + collected
             if turn % 5 == 0:
                 engine.generate("cleanup:probe", SYSTEM + f"\nQ: section {turn}?\nA:", PARAMS)
                 ops["cleanup turns"] = ops.get("cleanup turns", 0) + 1
+        if store:  # the invariant, in one snapshot of the system of record
+            dangling = engine.store.catalog.dangling(engine.fingerprint)
+            if dangling:
+                ops["records naming a missing block"] = ops.get("records naming a missing block", 0) + dangling
+            continue
         with engine.store.locked():  # the invariant, seen from either process at any time
             for record in engine.agent_records():
                 if not all(engine.store.has_block(h) for h in record.blocks):
@@ -70,4 +84,4 @@ def main(role: str, cache_dir: str, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], float(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), *sys.argv[4:6])

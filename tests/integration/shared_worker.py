@@ -6,13 +6,16 @@ commands on stdin, one per line, each answered by one JSON line on stdout.
 
 Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "delete",
 "agent": A}, {"op": "fork", "agent": A, "to": B}, {"op": "flush"}, {"op": "gc", "grace": S},
-{"op": "stats"}, {"op": "quit"}."""
+{"op": "stats"}, {"op": "check"}, {"op": "record", "agent": A}, {"op": "quit"}, and loops for the crash and race tests:
+{"op": "turns", "agents": N, "prompt": P} (turns on N agents until killed), {"op": "churn",
+"agent": A, "seconds": S} (fork A, extend and delete forks), {"op": "gcloop", "seconds": S}."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
+import time
 import traceback
 
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
@@ -49,6 +52,9 @@ def run(engine: Engine, cmd: dict) -> dict:
             "saved": result.saved,
             "ttft_s": result.timings.ttft_s,
         }
+    if op == "record":  # the store's record of an agent (read through this worker)
+        record = store.get_agent(cmd["agent"])
+        return {"text": record.text if record else None, "blocks": len(record.blocks) if record else 0}
     if op == "delete":
         return {"deleted": engine.delete(cmd["agent"])}
     if op == "fork":
@@ -60,7 +66,35 @@ def run(engine: Engine, cmd: dict) -> dict:
     if op == "gc":
         return dataclasses.asdict(store.collect_garbage(cmd.get("grace")))
     if op == "stats":
-        return dataclasses.asdict(store.stats)
+        return {**dataclasses.asdict(store.stats), "fingerprint": engine.fingerprint}
+    if op == "check":
+        return {"dangling": store.catalog.dangling(engine.fingerprint), "agents": len(list(store.agents()))}
+    if op == "turns":  # until killed: every turn extends one of N agents' caches
+        params = GenerationParams(max_tokens=2)
+        n = 0
+        while True:
+            agent = f"crash:{n % cmd['agents']}"
+            engine.generate(agent, (engine.cached_text(agent) or cmd["prompt"]) + f" Q{n}?", params)
+            n += 1
+            print(json.dumps({"turn": n}), flush=True)
+    if op == "churn":  # fork an agent, extend the forks, delete older ones
+        params = GenerationParams(max_tokens=2)
+        base = store.get_agent(cmd["agent"])
+        end, n = time.monotonic() + cmd["seconds"], 0
+        while time.monotonic() < end:
+            fork = f"{cmd['agent']}#fork{n}"
+            engine.set_agent(fork, base)
+            engine.generate(fork, base.text + f" And then {n}?", params)
+            if n >= 2:
+                engine.delete(f"{cmd['agent']}#fork{n - 2}")
+            n += 1
+        return {"forks": n}
+    if op == "gcloop":
+        end, collected, rounds = time.monotonic() + cmd["seconds"], 0, 0
+        while time.monotonic() < end:
+            collected += store.collect_garbage(grace_s=0).blocks_collected
+            rounds += 1
+        return {"collected": collected, "rounds": rounds}
     if op == "quit":
         return {"bye": True}
     raise ValueError(f"unknown op {op!r}")

@@ -426,6 +426,20 @@ class Catalog:
 
         return self._run("collect a block", drop)
 
+    def dangling(self, fp: str) -> int:
+        """References to blocks the store does not hold (0 in a consistent store), counted
+        in one snapshot."""
+        return self._run(
+            "check block references",
+            lambda c: int(
+                c.execute(
+                    "SELECT count(*) FROM am_refs r WHERE r.fingerprint = %s AND NOT EXISTS (SELECT 1 "
+                    "FROM am_blocks b WHERE b.fingerprint = r.fingerprint AND b.hash = r.block AND b.stored)",
+                    (fp,),
+                ).fetchone()[0]
+            ),
+        )
+
     def cataloged(self, fp: str) -> set[str]:
         return self._run(
             "list the block catalog",

@@ -80,7 +80,7 @@ class SharedBlockStore:
         *,
         worker_id: str | None = None,
         read_timeout_s: float = 5.0,
-        lease_s: float = 300.0,
+        lease_s: float = 30.0,
         grace_s: float = 3600.0,
         retry_s: float = 5.0,
     ) -> None:
@@ -117,16 +117,19 @@ class SharedBlockStore:
 
     # ------------------------------------------------------------------ requests
 
-    def begin(self, agent_id: str) -> bool:
-        """Take the agent's lease for a request; False if this worker's copy of the agent is
-        stale (another worker committed since). Unreachable: True (work from what is here)."""
+    def begin(self, agent_id: str, version: int | None) -> bool:
+        """Take the agent's lease for a request; False if a live copy at ``version`` is stale
+        (another worker committed since). Unreachable: True (work from what is here)."""
         try:
-            _, version = self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
+            _, current = self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
         except RemoteUnavailableError as exc:
             self._down(exc)
             return True
+        return current == version
+
+    def seen_version(self, agent_id: str) -> int | None:
         state = self.local.sync_state(agent_id)
-        return version == (state[0] if state else None)
+        return state[0] if state else None
 
     def end(self, agent_id: str) -> None:
         """Give the lease back after a request that did not commit."""

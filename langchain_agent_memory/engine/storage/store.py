@@ -218,7 +218,8 @@ class BlockStore(Protocol):
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
     def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]: ...
-    def begin(self, agent_id: str) -> bool: ...
+    def begin(self, agent_id: str, version: int | None) -> bool: ...
+    def seen_version(self, agent_id: str) -> int | None: ...
     def end(self, agent_id: str) -> None: ...
     def close(self) -> None: ...
 
@@ -325,10 +326,15 @@ class DiskBlockStore:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
         return self._lock
 
-    def begin(self, agent_id: str) -> bool:
-        """A request for the agent starts: whether a live copy of it may be used (here always:
-        one directory has one writer at a time; a shared store checks its version)."""
+    def begin(self, agent_id: str, version: int | None) -> bool:
+        """A request for the agent starts: whether a live copy of it at ``version`` may be
+        used (here always: one directory has one writer at a time; a shared store takes a
+        lease and compares versions)."""
         return True
+
+    def seen_version(self, agent_id: str) -> int | None:
+        """The shared store's version of the agent this process last read or wrote (None here)."""
+        return None
 
     def end(self, agent_id: str) -> None:
         """A request for the agent ended without a commit (a shared store's lease)."""
