@@ -127,9 +127,8 @@ class SeaweedServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited: see {self.root / 'log'}")
             try:
-                self._request("GET", "/")
                 # The gateway answers before the volume server is ready: write a probe.
-                self._request("PUT", "/agent-memory-probe")
+                self.new_bucket("agent-memory-probe")
                 self._request("PUT", "/agent-memory-probe/probe", b"ok")
                 return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -142,8 +141,12 @@ class SeaweedServer:
             reply.read()
 
     def new_bucket(self, name: str) -> str:
-        """A fresh bucket; the ``blocks=`` URL of a prefix in it."""
-        self._request("PUT", f"/{name}")
+        """A bucket (made unless it exists); the ``blocks=`` URL of a prefix in it."""
+        try:
+            self._request("PUT", f"/{name}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:  # 409: it exists (a restarted server)
+                raise
         return f"s3://{name}/kv?endpoint={self.endpoint}"
 
     def stop(self) -> None:

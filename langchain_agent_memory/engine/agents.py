@@ -330,7 +330,7 @@ class AgentCaches:
             t0 = time.perf_counter()
             try:
                 layers, from_disk = self.from_blocks(chain, n)
-            except CacheFormatError as exc:
+            except (CacheFormatError, BlocksUnavailableError) as exc:
                 logger.warning("shared blocks unusable (%s); prefilling from scratch", exc)
             else:
                 known, tail = full.split(n)

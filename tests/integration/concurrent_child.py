@@ -38,7 +38,7 @@ class _Count(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def main(role: str, cache_dir: str, seconds: float, store: str | None = None, blocks: str | None = None) -> None:
+def main(role: str, cache_dir: str, seconds: float, store: str | None = None, blocks: str | None = None) -> None:  # fmt: skip
     warnings = _Count()
     logging.getLogger("langchain_agent_memory").addHandler(warnings)
     # Almost nothing kept in memory: blocks are read from, checked on and written to disk,
@@ -74,7 +74,8 @@ def main(role: str, cache_dir: str, seconds: float, store: str | None = None, bl
         if store:  # the invariant, in one snapshot of the system of record
             dangling = engine.store.catalog.dangling(engine.fingerprint)
             if dangling:
-                ops["records naming a missing block"] = ops.get("records naming a missing block", 0) + dangling
+                key = "records naming a missing block"
+                ops[key] = ops.get(key, 0) + dangling
             continue
         with engine.store.locked():  # the invariant, seen from either process at any time
             for record in engine.agent_records():

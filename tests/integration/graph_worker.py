@@ -26,7 +26,7 @@ def main() -> None:
     cache_dir, store, blocks = sys.argv[1:4]
     llm = ChatAgentMemory(cache_dir=cache_dir, store=store, blocks=blocks, kv_bits=None, max_tokens=8)
 
-    def node(name: str):  # noqa: ANN202
+    def node(name: str):
         def run(state: State) -> State:
             reply = llm.invoke([("system", f"You are the {name}. " * 60), *state["messages"]])
             return {"messages": [reply]}

@@ -6,7 +6,8 @@ commands on stdin, one per line, each answered by one JSON line on stdout.
 
 Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "delete",
 "agent": A}, {"op": "fork", "agent": A, "to": B}, {"op": "flush"}, {"op": "gc", "grace": S},
-{"op": "stats"}, {"op": "check"}, {"op": "record", "agent": A}, {"op": "quit"}, and loops for the crash and race tests:
+{"op": "stats"}, {"op": "check"}, {"op": "record", "agent": A}, {"op": "quit"}, and loops for
+the crash and race tests:
 {"op": "turns", "agents": N, "prompt": P} (turns on N agents until killed), {"op": "churn",
 "agent": A, "seconds": S} (fork A, extend and delete forks), {"op": "gcloop", "seconds": S}."""
 

@@ -23,7 +23,8 @@ from langchain_agent_memory.engine.storage.objects import ObjectBlocks
 from langchain_agent_memory.engine.storage.store import AgentRecord
 
 HERE = Path(__file__).parent
-WORKER, GRAPH, TWO_PROCESSES = HERE / "shared_worker.py", HERE / "graph_worker.py", HERE / "concurrent_child.py"
+WORKER, GRAPH = HERE / "shared_worker.py", HERE / "graph_worker.py"
+TWO_PROCESSES = HERE / "concurrent_child.py"
 SYSTEM = "You are a careful assistant. " * 100
 
 
@@ -166,7 +167,6 @@ def test_two_workers_racing_on_one_agent(workers: Any, shared_store: tuple[str, 
 
 def test_sigkill_mid_save_loses_nothing(workers: Any, tmp_path: Path, shared_store: tuple[str, str]) -> None:
     rng = random.Random(20)
-    kills = 0
     for _ in range(20):
         w = workers("crashing")  # the same host's worker, restarted: same local directory
         w.send({"op": "turns", "agents": 3, "prompt": SYSTEM})
@@ -174,7 +174,6 @@ def test_sigkill_mid_save_loses_nothing(workers: Any, tmp_path: Path, shared_sto
         while time.monotonic() < deadline:
             w.receive()  # a turn done (its save committed or pending)
         w.kill()
-        kills += 1
     survivor = workers("crashing")
     assert survivor("flush")["pending"] == 0
     fp = survivor("stats")["fingerprint"]
@@ -186,3 +185,94 @@ def test_sigkill_mid_save_loses_nothing(workers: Any, tmp_path: Path, shared_sto
         assert out["outcome"].startswith("warm"), out
     survivor("gc", grace=0)
     _objects_all_named(shared_store, fp)
+
+
+@pytest.mark.parametrize("down", ["postgres", "object store"])
+def test_a_store_stopped_mid_run(down: str, tmp_path: Path) -> None:
+    """Replies still come (prefill where blocks are out of reach, same text at 16-bit KV),
+    saves wait on the worker and upload once the store is back; nothing is lost."""
+    pg, s3 = PostgresServer(), SeaweedServer()  # servers of its own: this test stops one
+    made: list[Proc] = []
+    try:
+        store = (pg.new_database("down"), s3.new_bucket("down"))
+        a, b = (Proc(WORKER, str(tmp_path / n), *store, "16") for n in "ab")
+        made += [a, b]
+        turn1 = {g: SYSTEM + f"User: tell me about {g}.\nAssistant:" for g in ("owls", "bees")}
+        first = {g: a.generate(g, p) for g, p in turn1.items()}
+        turn2 = {g: turn1[g] + first[g]["text"] + "\nUser: go on.\nAssistant:" for g in turn1}
+        (pg if down == "postgres" else s3).stop()
+        second = {"owls": a.generate("owls", turn2["owls"]), "bees": b.generate("bees", turn2["bees"])}
+        assert all(r["saved"] for r in second.values()), second
+        assert a("stats")["pending_saves"] == 1 and b("stats")["pending_saves"] == 1
+        assert second["bees"]["reused"] == 0  # B had none of its blocks: prefilled, replied
+        for g in turn1:
+            assert [first[g]["text"], second[g]["text"]] == _solo(tmp_path / g, [turn1[g], turn2[g]])
+        (pg if down == "postgres" else s3).start()
+        deadline = time.monotonic() + 60
+        while (a("flush")["pending"], b("flush")["pending"]) != (0, 0):
+            assert time.monotonic() < deadline, "pending saves were not uploaded"
+            time.sleep(1)
+        c = Proc(WORKER, str(tmp_path / "c"), *store, "16")
+        made.append(c)
+        for g in turn1:  # both second turns reached the store: each resumes warm elsewhere
+            turn3 = turn2[g] + second[g]["text"] + "\nUser: thanks.\nAssistant:"
+            out = c.generate(g, turn3)
+            assert out["outcome"].startswith("warm") and out["reused"] >= 0.95 * out["prompt_tokens"], out
+        _store_is_whole(store, c("stats")["fingerprint"])
+    finally:
+        for w in made:
+            w.kill()
+        pg.close()
+        s3.close()
+
+
+def test_gc_while_another_worker_forks(workers: Any, shared_store: tuple[str, str]) -> None:
+    a, b = workers("a"), workers("b")
+    a.generate("base", SYSTEM + "User: begin.\nAssistant:")
+    a.send({"op": "churn", "agent": "base", "seconds": 8})
+    b.send({"op": "gcloop", "seconds": 8})
+    forks, gc = a.receive(), b.receive()
+    assert forks["forks"] >= 3 and gc["rounds"] >= 3, (forks, gc)
+    fp = a("stats")["fingerprint"]
+    records = _store_is_whole(shared_store, fp)  # no committed block was collected
+    fresh = workers("fresh")
+    for record in records:
+        out = fresh.generate(record.agent_id, record.text, max_tokens=1)
+        assert out["outcome"].startswith("warm"), out
+    b("gc", grace=0)
+    _objects_all_named(shared_store, fp)
+
+
+def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store: tuple[str, str]) -> None:
+    """``test_two_processes`` on the shared store: the cleanup also collects garbage as it
+    goes (grace 0), and the invariant is checked in one snapshot of PostgreSQL."""
+    procs = {
+        role: subprocess.Popen(
+            [sys.executable, str(TWO_PROCESSES), role, str(tmp_path / role), "20", *shared_store],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for role in ("app", "cleanup")
+    }
+    outputs = {role: proc.communicate(timeout=300)[0] for role, proc in procs.items()}
+    assert all(proc.returncode == 0 for proc in procs.values()), outputs
+    summaries = {role: json.loads(out.strip().splitlines()[-1]) for role, out in outputs.items()}
+    ops = {k: v for s in summaries.values() for k, v in s["ops"].items()}
+    assert (
+        ops.get("cleanup deletes", 0) >= 5
+        and sum(v for k, v in ops.items() if k.startswith("app turns")) >= 10
+    )
+    assert "records naming a missing block" not in ops, ops
+    warnings = [w for s in summaries.values() for w in s["warnings"]]
+    assert not [w for w in warnings if "corrupt" in w or "checksum" in w or "unreadable" in w], warnings
+    with Engine(
+        "smollm2-135m", cache_dir=tmp_path / "after", store=shared_store[0], blocks=shared_store[1]
+    ) as e:
+        records = _store_is_whole(shared_store, e.fingerprint)
+        for record in records:
+            assert (
+                str(e.generate(record.agent_id, record.text, GenerationParams(max_tokens=1)).outcome)
+                != "cold"
+            )
+        e.store.collect_garbage(grace_s=0)
+        _objects_all_named(shared_store, e.fingerprint)

@@ -38,7 +38,12 @@ T = TypeVar("T")
 
 
 class CommitConflictError(CacheWriteError):
-    """Another writer committed this agent first (or holds its lease): this save lost."""
+    """Another writer committed this agent first (or holds its lease): this save lost.
+    ``leased``: another worker holds the lease (a later retry may succeed)."""
+
+    def __init__(self, message: str, *, leased: bool = False) -> None:
+        super().__init__(message)
+        self.leased = leased
 
 
 class BlocksMissingError(RuntimeError):
@@ -161,7 +166,9 @@ class Catalog:
                 return fn(self._connect())
             except (errors.OperationalError, errors.errors.QueryCanceled, errors.InterfaceError) as exc:
                 if isinstance(exc, errors.errors.LockNotAvailable):
-                    raise CommitConflictError(f"{what}: another writer holds the record") from exc
+                    raise CommitConflictError(
+                        f"{what}: another writer holds the record", leased=True
+                    ) from exc
                 self._down_until = time.monotonic() + self.retry_s
                 if self._conn is not None:
                     with contextlib.suppress(Exception):  # already broken
@@ -263,7 +270,9 @@ class Catalog:
                     (fp, agent_id),
                 ).fetchone()
                 if lease is not None and lease[0] != holder:
-                    raise CommitConflictError(f"agent {agent_id!r} is leased to another worker ({lease[0]})")
+                    raise CommitConflictError(
+                        f"agent {agent_id!r} is leased to another worker ({lease[0]})", leased=True
+                    )
                 wanted = sorted(set(blocks))
                 touched = {
                     r[0]

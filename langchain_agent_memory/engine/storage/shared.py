@@ -304,11 +304,12 @@ class SharedBlockStore:
         self._push(record, base)
         return written
 
-    def _push(self, record: AgentRecord, base: int | None) -> bool:
-        """Upload a locally saved record; False if the store is unreachable (still pending)."""
+    def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
+        """Upload a locally saved record; False if the store is unreachable (still pending)
+        or, for a ``pending`` save, another worker holds the agent's lease (retried later)."""
         try:
             self._upload(record.blocks)
-            for _ in range(3):
+            for _ in range(4):
                 try:
                     done = self.catalog.commit(
                         self.fingerprint, record.agent_id,
@@ -318,20 +319,29 @@ class SharedBlockStore:
                     break
                 except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
                     self._upload([BlockHash(h) for h in exc.missing], check=False)
+                except CommitConflictError as exc:
+                    rebased = None if exc.leased else self._rebase(record)
+                    if rebased is None:
+                        raise
+                    base = rebased
             else:
-                raise RemoteUnavailableError("blocks kept disappearing from the store during the commit")
+                raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
             self._down(exc)
             self.stats.pending_saves = len(self.local.pending_agents())
-            logger.warning(
-                "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
-                "uploaded when the store answers again",
-                record.agent_id,
-                exc,
-            )
+            if not pending:  # said once, when the save is left pending
+                logger.warning(
+                    "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
+                    "uploaded when the store answers again",
+                    record.agent_id,
+                    exc,
+                )
             self._start_uploader()
             return False
-        except CommitConflictError:
+        except CommitConflictError as exc:
+            if pending and exc.leased:  # another worker is running the agent: try again later
+                self._start_uploader()
+                return False
             self.stats.conflicts += 1
             self.local.delete_agent(record.agent_id)  # the winner's record is read next time
             raise
@@ -340,6 +350,20 @@ class SharedBlockStore:
         self.stats.commits += 1
         self._said_down = False
         return True
+
+    def _rebase(self, record: AgentRecord) -> int | None:
+        """The store's version to commit ``record`` over if it continues what the store holds
+        (its text extends the stored one: a save made while the store was unreachable, or
+        one based on an older read, is the newer state of the same conversation); None if
+        the two diverge (a real conflict: the stored one stands)."""
+        got = self.catalog.get(self.fingerprint, record.agent_id)
+        if got is None:
+            return None
+        try:
+            stored = parse_record(got[0], f"agent record {record.agent_id!r}")
+        except CacheFormatError:
+            return got[1]  # an unreadable record: replaced
+        return got[1] if _continues(record.text, stored.text) else None
 
     def _push_pending(self, agent_id: str) -> None:
         """Upload this agent's pending save before reading the store (it is the newest)."""
@@ -351,8 +375,8 @@ class SharedBlockStore:
             self.local.set_sync(agent_id, state[0], False)
             return
         try:
-            if not self._push(record, state[0]):
-                raise RemoteUnavailableError("the store is still unreachable")
+            if not self._push(record, state[0], pending=True):
+                raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
         except CommitConflictError as exc:
             logger.warning(
                 "agent %r: a save made while the shared store was unreachable lost to a newer save by "
@@ -429,6 +453,13 @@ class SharedBlockStore:
         if not self._said_down:
             self._said_down = True
             logger.warning("shared store unreachable (%s); working from this worker's copies", exc)
+
+
+def _continues(new: str, old: str) -> bool:
+    """Whether ``new`` goes on from ``old``, whitespace aside (a reply's leading space is
+    trimmed when it is returned, so a prompt built from it may differ there)."""
+    a, b = "".join(new.split()), "".join(old.split())
+    return len(a) > len(b) and a.startswith(b)
 
 
 def open_store(
