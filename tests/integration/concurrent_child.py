@@ -38,7 +38,9 @@ class _Count(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def main(role: str, cache_dir: str, seconds: float, store: str | None = None, blocks: str | None = None) -> None:  # fmt: skip
+def main(
+    role: str, cache_dir: str, seconds: float, store: str | None = None, blocks: str | None = None
+) -> None:
     warnings = _Count()
     logging.getLogger("langchain_agent_memory").addHandler(warnings)
     # Almost nothing kept in memory: blocks are read from, checked on and written to disk,

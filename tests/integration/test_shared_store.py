@@ -251,7 +251,7 @@ def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store:
             [sys.executable, str(TWO_PROCESSES), role, str(tmp_path / role), "20", *shared_store],
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for role in ("app", "cleanup")
     }
     outputs = {role: proc.communicate(timeout=300)[0] for role, proc in procs.items()}
