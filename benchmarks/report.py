@@ -345,6 +345,42 @@ against 0.18 s for a hot one). Without sharing, 8 prefills of the prefix cost 3.
 """
 
 
+def distributed() -> str:
+    data = _load("distributed")
+    if not data:
+        return ""
+    systems = ["cold", "same worker", "other worker", "local store"]
+    rows = []
+    for n, row in data["latency"].items():
+        t, s = row["ttft_s"], row["save_s"]
+        rows.append([
+            n, *(f"{t[k]:.3f}" for k in systems), f"{t['other worker'] / t['same worker']:.2f}x",
+            f"{t['cold'] / t['other worker']:.1f}x", f"{s['local store']:.3f} / {s['shared store']:.3f}",
+        ])  # fmt: skip
+    header = ["context", *systems, "other / same", "cold / other", "save s: local / shared"]
+    tput = data["throughput_turns_per_s"]
+    one = tput.get("1")
+    trows = [[w, f"{v:.2f}", f"{v / one:.2f}x" if one else "-"] for w, v in tput.items()]
+    return f"""## Several workers, one store: PostgreSQL + S3
+
+    .venv/bin/python benchmarks/distributed.py
+
+Real servers on this machine (PostgreSQL 15, SeaweedFS's S3 gateway on loopback), SmolLM2 on
+this CPU, 4-bit KV, time to first token of a resume with ~15 new tokens (median). `same
+worker`: from its own disk (live copy and memory tier dropped); `other worker`: an engine
+whose cache directory is empty (record from Postgres, every block fetched from the object
+store); `local store`: the same resume without a shared store. `save s`: the first turn's
+save (every block written; on the shared store also uploaded and committed).
+
+{_md(header, rows)}
+
+Throughput, worker processes on this 2-core machine, each running turns on 2 agents of its
+own (contexts grow from ~700 tokens):
+
+{_md(["workers", "turns / s", "vs 1"], trows)}
+"""
+
+
 def gpu() -> str:
     data = _load("gpu")
     if not data:
@@ -467,6 +503,7 @@ SECTIONS: list[Callable[[], str]] = [
     server,
     concurrency,
     fanout,
+    distributed,
     gpu,
 ]
 

@@ -24,6 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import get_settings
+from .engine.storage.catalog import Catalog
+from .engine.storage.shared import SharedBlockStore, open_store
 from .engine.storage.store import DiskBlockStore
 
 app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
@@ -40,17 +42,38 @@ def _console() -> Console:
     return Console(width=max(Console().width, 120))
 
 
-def _stores(cache_dir: Path | None) -> Iterator[DiskBlockStore]:
-    """One ``DiskBlockStore`` per model fingerprint under ``{cache_dir}/kv``."""
+Store = Annotated[
+    str | None,
+    typer.Option(envvar="AGENT_MEMORY_STORE", help="A shared store's PostgreSQL URL (with --blocks)"),
+]
+Blocks = Annotated[
+    str | None,
+    typer.Option(envvar="AGENT_MEMORY_BLOCKS", help="A shared store's s3:// URL for blocks (with --store)"),
+]
+
+
+def _stores(
+    cache_dir: Path | None, store: str | None = None, blocks: str | None = None
+) -> Iterator[DiskBlockStore | SharedBlockStore]:
+    """One store per model fingerprint: the directories under ``{cache_dir}/kv``, or with a
+    shared store (``--store`` / ``--blocks``), every model it holds (this directory its
+    local tier)."""
+    if bool(store) != bool(blocks):
+        raise typer.BadParameter(
+            "a shared store needs both --store (postgresql://...) and --blocks (s3://...)"
+        )
     root = Path(cache_dir or get_settings().cache_dir).expanduser() / "kv"
-    if not root.is_dir():
-        return
-    for fp_dir in sorted(p for p in root.iterdir() if (p / "format.json").exists()):
-        store = DiskBlockStore(root, fp_dir.name)
+    fingerprints = {p.name for p in root.glob("*") if (p / "format.json").exists()}
+    if store and blocks:
+        catalog = Catalog(store)
+        fingerprints |= catalog.fingerprints()
+        catalog.close()
+    for fp in sorted(fingerprints):
+        opened = open_store(root, fp, store, blocks)
         try:
-            yield store
+            yield opened
         finally:
-            store.close()
+            opened.close()
 
 
 def _kv_bits(kv_bits: int) -> int | None:
@@ -72,35 +95,40 @@ def _size(n: float) -> str:
 def ls(
     prefix: Annotated[str, typer.Option(help="Only agents whose id starts with this")] = "",
     cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
 ) -> None:
     """List agents with a stored cache."""
     table = Table(title="agent caches")
     for col in ("model / KV format", "agent", "tokens", "blocks", "updated"):
         table.add_column(col, justify="left" if col in ("model / KV format", "agent") else "right")
-    for store in _stores(cache_dir):
-        for record in store.agents(prefix):
+    for opened in _stores(cache_dir, store, blocks):
+        for record in opened.agents(prefix):
             when = datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S")
             table.add_row(
-                store.fingerprint, record.agent_id, str(len(record.token_ids)), str(len(record.blocks)), when
+                opened.fingerprint, record.agent_id, str(len(record.token_ids)), str(len(record.blocks)), when
             )
     _console().print(table)
 
 
 @cache_app.command("show")
-def show(agent: str, cache_dir: CacheDir = None, chars: int = 400) -> None:
+def show(
+    agent: str, cache_dir: CacheDir = None, chars: int = 400, store: Store = None, blocks: Blocks = None
+) -> None:
     """Show one agent's cache: tokens, blocks, and the start and end of its text."""
     found = False
-    for store in _stores(cache_dir):
-        record = store.get_agent(agent)
+    for opened in _stores(cache_dir, store, blocks):
+        record = opened.get_agent(agent)
         if record is None:
             continue
         found = True
         console = _console()
-        console.print(f"[bold]{agent}[/bold] in {store.fingerprint}")
+        console.print(f"[bold]{agent}[/bold] in {opened.fingerprint}")
         console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
         for h in record.blocks:
-            path = store.block_path(h)
-            size = _size(path.stat().st_size) if path.exists() else "MISSING"
+            path = opened.block_path(h)
+            here = _size(path.stat().st_size) if path.exists() else None
+            size = here or ("in the shared store" if isinstance(opened, SharedBlockStore) else "MISSING")
             console.print(f"  {h[:16]}  {size}")
         text = record.text
         shown = text if len(text) <= 2 * chars else text[:chars] + "\n[...]\n" + text[-chars:]
@@ -110,13 +138,13 @@ def show(agent: str, cache_dir: CacheDir = None, chars: int = 400) -> None:
 
 
 @cache_app.command("rm")
-def rm(agents: list[str], cache_dir: CacheDir = None) -> None:
+def rm(agents: list[str], cache_dir: CacheDir = None, store: Store = None, blocks: Blocks = None) -> None:
     """Delete agents' caches; blocks other agents share stay."""
     from .engine.storage.pool import BlockPool
 
     deleted = 0
-    for store in _stores(cache_dir):
-        pool = BlockPool(store, hot_budget_bytes=0)
+    for opened in _stores(cache_dir, store, blocks):
+        pool = BlockPool(opened, hot_budget_bytes=0)
         for agent in agents:
             deleted += pool.delete_agent(agent)
     _console().print(f"deleted {deleted} agent cache(s)")
@@ -125,14 +153,26 @@ def rm(agents: list[str], cache_dir: CacheDir = None) -> None:
 
 
 @cache_app.command("gc")
-def gc(cache_dir: CacheDir = None) -> None:
-    """Remove temporary files and blocks no agent names (what a killed process left)."""
-    temps = orphans = 0
-    for store in _stores(cache_dir):  # opening recovers; run it again for what came since
-        report = store.recover()
-        temps += store.recovery.temp_files_removed + report.temp_files_removed
-        orphans += store.recovery.orphan_blocks_removed + report.orphan_blocks_removed
-    _console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s)")
+def gc(
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+    grace_hours: Annotated[
+        float, typer.Option(help="Shared store: delete block objects unreferenced for at least this long")
+    ] = 1.0,
+) -> None:
+    """Remove temporary files and blocks no agent names (what a killed process left); with a
+    shared store, also its block objects no record names (after the grace period)."""
+    temps = orphans = collected = 0
+    for opened in _stores(cache_dir, store, blocks):  # opening recovers; run it again for what came since
+        report = opened.recover()
+        temps += opened.recovery.temp_files_removed + report.temp_files_removed
+        orphans += opened.recovery.orphan_blocks_removed + report.orphan_blocks_removed
+        if isinstance(opened, SharedBlockStore):
+            done = opened.collect_garbage(grace_s=grace_hours * 3600)
+            collected += done.blocks_collected + done.stray_objects_removed
+    shared = f" and {collected} block object(s) from the shared store" if store else ""
+    _console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s){shared}")
 
 
 @cache_app.command("du")
@@ -235,8 +275,12 @@ def serve(
     hot_budget_mb: Annotated[int, typer.Option(help="Memory for in-memory KV blocks, in MB")] = 512,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
 ) -> None:
     """Serve the OpenAI Chat Completions API; each agent (X-Agent-ID) keeps its KV cache."""
+    if bool(store) != bool(blocks):
+        raise typer.BadParameter("give both --store (postgresql://...) and --blocks (s3://...), or neither")
     try:
         import uvicorn
 
@@ -253,6 +297,8 @@ def serve(
         max_body_bytes=int(max_body_mb * (1 << 20)),
         max_tokens_limit=max_tokens_limit,
         hot_budget_mb=hot_budget_mb,
+        store=store,
+        blocks=blocks,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         _console().print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it")

@@ -12,6 +12,8 @@ from typing import Any
 from langgraph.checkpoint.postgres import PostgresSaver
 from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
+from .threaded_async import ThreadedAsync
+
 _TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes")
 
 
@@ -51,8 +53,9 @@ def _unzip(rows: list[Any]) -> tuple[list[str], list[str], list[str]]:
     return [k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys]
 
 
-class PostgresCheckpoints(PostgresSaver):
-    """A complete PostgreSQL checkpointer (every extended capability)."""
+class PostgresCheckpoints(ThreadedAsync, PostgresSaver):
+    """A complete PostgreSQL checkpointer (every extended capability; its async methods run
+    the sync ones on a worker thread, so ``ainvoke`` works on one sync connection)."""
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint, blob and write of ``source_thread_id`` to

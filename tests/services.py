@@ -119,7 +119,9 @@ class SeaweedServer:
         self.proc = subprocess.Popen(
             [self.weed, "server", f"-dir={self.root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
-             "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=0"],
+             "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=0",
+             # no fixed-port extras (a second server would collide), no telemetry (offline)
+             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 60

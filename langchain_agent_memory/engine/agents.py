@@ -252,7 +252,7 @@ class AgentCaches:
                 self.pool.forget(h)
                 try:
                     self.store.get_block(h)
-                except BlockMissingError:
+                except (BlockMissingError, BlocksUnavailableError):
                     continue
                 except CacheFormatError:
                     moved += self.store.quarantine_block(h) is not None

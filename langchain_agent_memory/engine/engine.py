@@ -294,6 +294,8 @@ class Engine:
             # full-precision working copies kept for the next request (``work_budget_bytes``)
             "working_copy_bytes": self.agents.working_copy_bytes(),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            # a shared store's traffic: blocks fetched / uploaded, commits, conflicts, pending saves
+            **({"shared_store": dataclasses.asdict(s)} if (s := getattr(self.store, "stats", None)) else {}),
             "scheduling": self._scheduler.policy,
             "max_decode_batch": self._scheduler.max_batch,
             # batch size -> generated tokens per second while that many agents decoded together

@@ -51,6 +51,10 @@ class ServerConfig:
     kv_bits: Literal[4, 8] | None = 4
     kv_format: str | None = None
     hot_budget_mb: int = 512
+    #: A store shared by several servers (postgresql:// records, s3:// blocks); None: the
+    #: settings' (``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``), else the cache directory.
+    store: str | None = None
+    blocks: str | None = None
     #: Bearer token every ``/v1`` request must carry (None: no auth; bind to loopback then).
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
@@ -135,6 +139,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 kv_bits=config.kv_bits,
                 kv_format=config.kv_format,
                 hot_budget_mb=config.hot_budget_mb,
+                store=config.store,
+                blocks=config.blocks,
             )
             engine = await asyncio.to_thread(lambda llm=llm: llm.engine)  # load before serving
             logger.info("serving %s (KV cache %s)", name, engine.fingerprint)

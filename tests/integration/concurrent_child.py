@@ -10,7 +10,7 @@ Both print a JSON summary at the end.
     python concurrent_child.py (app|cleanup) CACHE_DIR SECONDS [STORE_URL BLOCKS_URL]
 
 With a shared store (``test_shared_store.py``) each process has its own cache directory,
-the cleanup also collects garbage (grace 0: blocks are deleted as soon as nothing names
+the cleanup also collects garbage (grace 2 s: blocks are deleted soon after nothing names
 them), and the invariant is checked in PostgreSQL: no record names a block the store lacks.
 """
 
@@ -68,7 +68,7 @@ def main(
             for record in engine.agent_records():
                 ops["cleanup deletes"] = ops.get("cleanup deletes", 0) + int(engine.delete(record.agent_id))
             if store:
-                collected = engine.store.collect_garbage(grace_s=0).blocks_collected
+                collected = engine.store.collect_garbage(grace_s=2).blocks_collected
                 ops["cleanup blocks collected"] = ops.get("cleanup blocks collected", 0) + collected
             if turn % 5 == 0:
                 engine.generate("cleanup:probe", SYSTEM + f"\nQ: section {turn}?\nA:", PARAMS)

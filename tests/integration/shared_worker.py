@@ -9,7 +9,7 @@ Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "
 {"op": "stats"}, {"op": "check"}, {"op": "record", "agent": A}, {"op": "quit"}, and loops for
 the crash and race tests:
 {"op": "turns", "agents": N, "prompt": P} (turns on N agents until killed), {"op": "churn",
-"agent": A, "seconds": S} (fork A, extend and delete forks), {"op": "gcloop", "seconds": S}."""
+"agent": A, "seconds": S} (fork A, extend and delete forks), {"op": "gcloop", "seconds": S, "grace": G}."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def run(engine: Engine, cmd: dict) -> dict:
     if op == "gcloop":
         end, collected, rounds = time.monotonic() + cmd["seconds"], 0, 0
         while time.monotonic() < end:
-            collected += store.collect_garbage(grace_s=0).blocks_collected
+            collected += store.collect_garbage(grace_s=cmd["grace"]).blocks_collected
             rounds += 1
         return {"collected": collected, "rounds": rounds}
     if op == "quit":

@@ -111,3 +111,26 @@ async def test_postgres_conformance_is_full(postgres_url: str, smollm: LoadedMod
         failures = {cap: r.failures for cap, r in report.results.items() if r.passed is not True}
         assert not failures, (registered.name, failures)
         assert report.conformance_level() == "FULL", registered.name
+
+
+async def test_shared_store_saver_conformance_is_full(
+    shared_store: tuple[str, str], smollm: LoadedModel
+) -> None:
+    """``AgentMemorySaver(store=, blocks=)``: checkpoints and links in the shared store's
+    PostgreSQL database (what workers on several hosts share) is FULL too."""
+
+    @checkpointer_test(name="AgentMemorySaver(store=postgresql://, blocks=s3://)")
+    async def _shared():  # type: ignore[no-untyped-def]
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            AgentMemorySaver(cache_dir=tmp, store=shared_store[0], blocks=shared_store[1]) as saver,
+        ):
+            yield saver
+            for table in ("checkpoints", "checkpoint_blobs", "checkpoint_writes", "am_links", "am_history"):
+                saver._owned_conn.execute(f"TRUNCATE {table}")
+
+    report = await validate(_shared)
+    report.print_report()
+    failures = {cap: r.failures for cap, r in report.results.items() if r.passed is not True}
+    assert not failures, failures
+    assert report.conformance_level() == "FULL"

@@ -230,9 +230,12 @@ def test_gc_while_another_worker_forks(workers: Any, shared_store: tuple[str, st
     a, b = workers("a"), workers("b")
     a.generate("base", SYSTEM + "User: begin.\nAssistant:")
     a.send({"op": "churn", "agent": "base", "seconds": 8})
-    b.send({"op": "gcloop", "seconds": 8})
+    # A grace of 2 s (1 h by default): longer than an upload takes to be committed, so GC
+    # also collects what the forks uploaded and replaced a moment ago, as they run.
+    b.send({"op": "gcloop", "seconds": 8, "grace": 2})
     forks, gc = a.receive(), b.receive()
-    assert forks["forks"] >= 3 and gc["rounds"] >= 3, (forks, gc)
+    assert forks["forks"] >= 3 and gc["rounds"] >= 3 and gc["collected"] > 0, (forks, gc)
+    assert a("flush")["pending"] == 0
     fp = a("stats")["fingerprint"]
     records = _store_is_whole(shared_store, fp)  # no committed block was collected
     fresh = workers("fresh")
@@ -245,7 +248,7 @@ def test_gc_while_another_worker_forks(workers: Any, shared_store: tuple[str, st
 
 def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store: tuple[str, str]) -> None:
     """``test_two_processes`` on the shared store: the cleanup also collects garbage as it
-    goes (grace 0), and the invariant is checked in one snapshot of PostgreSQL."""
+    goes (grace 2 s), and the invariant is checked in one snapshot of PostgreSQL."""
     procs = {
         role: subprocess.Popen(
             [sys.executable, str(TWO_PROCESSES), role, str(tmp_path / role), "20", *shared_store],
@@ -276,3 +279,48 @@ def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store:
             )
         e.store.collect_garbage(grace_s=0)
         _objects_all_named(shared_store, e.fingerprint)
+
+
+def test_a_corrupt_object_is_detected_replaced_and_resumed(
+    workers: Any, tmp_path: Path, shared_store: tuple[str, str]
+) -> None:
+    a = workers("a")
+    turn1 = SYSTEM + "User: name a river.\nAssistant:"
+    first = a.generate("agent", turn1)
+    fp = a("stats")["fingerprint"]
+    (record,) = _store_is_whole(shared_store, fp)
+    objects = ObjectBlocks(shared_store[1])
+    key = objects.key(fp, record.blocks[0])
+    data = bytearray(objects.get(key) or b"")
+    data[-100] ^= 0xFF  # a flipped bit in the tensors: the header's checksum no longer holds
+    objects.delete(key)
+    objects.put_new(key, bytes(data))
+    b = workers("b")
+    turn2 = turn1 + first["text"] + "\nUser: and a mountain?\nAssistant:"
+    second = b.generate("agent", turn2)  # detected, prefilled: the same text as one worker's
+    assert second["reused"] == 0 and [first["text"], second["text"]] == _solo(tmp_path, [turn1, turn2])
+    _store_is_whole(shared_store, fp)  # B's save uploaded a sound copy
+    out = workers("c").generate("agent", turn2 + second["text"] + "\nUser: thanks.\nAssistant:")
+    assert out["outcome"].startswith("warm") and out["reused"] >= 0.95 * out["prompt_tokens"], out
+
+
+def test_the_cache_commands_read_the_shared_store(
+    workers: Any, tmp_path: Path, shared_store: tuple[str, str]
+) -> None:
+    from typer.testing import CliRunner
+
+    from langchain_agent_memory.cli import app
+
+    a = workers("a")
+    a.generate("t1:writer", SYSTEM + "User: hi\nAssistant:")
+    a("delete", agent="t1:writer")  # its blocks stay until collected
+    a.generate("t1:editor", "Edit this. " * 40)
+    shared = ["--store", shared_store[0], "--blocks", shared_store[1], "--cache-dir", str(tmp_path / "admin")]
+    listed = CliRunner().invoke(app, ["cache", "ls", *shared])
+    assert listed.exit_code == 0 and "t1:editor" in listed.output and "t1:writer" not in listed.output
+    one_sided = CliRunner().invoke(app, ["cache", "ls", "--store", shared_store[0]])
+    assert one_sided.exit_code != 0 and "--blocks" in one_sided.output
+    gc = CliRunner().invoke(app, ["cache", "gc", *shared, "--grace-hours", "0"])
+    assert gc.exit_code == 0, gc.output
+    assert int(gc.output.split(" and ")[-1].split()[0]) >= 2, gc.output  # the writer's own blocks
+    _objects_all_named(shared_store, a("stats")["fingerprint"])

@@ -387,6 +387,15 @@ class Catalog:
             ),
         )
 
+    def unstore(self, fp: str, hashes: list[str]) -> None:
+        """Mark blocks whose objects are bad or gone: the next commit naming them uploads them."""
+        self._run(
+            "mark blocks missing",
+            lambda c: c.execute(
+                "UPDATE am_blocks SET stored = false WHERE fingerprint = %s AND hash = ANY(%s)", (fp, hashes)
+            ),
+        )
+
     def collectable(self, fp: str, grace_s: float) -> list[str]:
         """Blocks no record names, untouched for ``grace_s`` (candidates: ``collect`` checks again)."""
         return self._run(
@@ -447,6 +456,12 @@ class Catalog:
                     (fp,),
                 ).fetchone()[0]
             ),
+        )
+
+    def fingerprints(self) -> set[str]:
+        """The models (store fingerprints) with records here."""
+        return self._run(
+            "list models", lambda c: {r[0] for r in c.execute("SELECT DISTINCT fingerprint FROM am_agents")}
         )
 
     def cataloged(self, fp: str) -> set[str]:

@@ -96,6 +96,10 @@ class SharedBlockStore:
         self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-memory-remote")
         self._uploader: threading.Thread | None = None
         self._closed = threading.Event()
+        self._pushing = threading.RLock()
+        #: agent -> (version a pending save was based on, version its upload made): a live
+        #: copy at the first is the second (this worker's own save, uploaded later).
+        self._uploaded: dict[str, tuple[int | None, int]] = {}
         self._said_down = False
         if self.local.pending_agents():
             self._start_uploader()
@@ -125,7 +129,7 @@ class SharedBlockStore:
         except RemoteUnavailableError as exc:
             self._down(exc)
             return True
-        return current == version
+        return current == version or self._uploaded.get(agent_id) == (version, current)
 
     def seen_version(self, agent_id: str) -> int | None:
         state = self.local.sync_state(agent_id)
@@ -224,7 +228,29 @@ class SharedBlockStore:
         self.local.delete_block(h)
 
     def quarantine_block(self, h: BlockHash) -> Path | None:
-        return self.local.quarantine_block(h)
+        """Move a bad copy here aside and fetch the block again; if the store's copy is bad
+        too, delete it there (its catalog row unmarked): the next save that needs the block
+        uploads a sound one, as a local store's next save rewrites a quarantined file."""
+        moved = self.local.quarantine_block(h)
+        try:
+            self._fetch([h])
+            self.local.get_block(h)
+        except RemoteUnavailableError:
+            pass
+        except CacheFormatError as exc:
+            self.local.quarantine_block(h)
+            try:
+                self.catalog.unstore(self.fingerprint, [h])
+                self.objects.delete(self.objects.key(self.fingerprint, h))
+            except RemoteUnavailableError:
+                return moved
+            logger.warning(
+                "block %s is unusable in the object store too (%s): deleted there; the next save that "
+                "needs it uploads a sound copy",
+                h[:12],
+                exc,
+            )
+        return moved
 
     def block_hashes(self) -> Iterator[BlockHash]:
         return self.local.block_hashes()
@@ -298,10 +324,11 @@ class SharedBlockStore:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        state = self.local.sync_state(record.agent_id)
-        base = state[0] if state else None
-        written = self.local.put_agent(record, sync=(base, True))
-        self._push(record, base)
+        with self._pushing:
+            state = self.local.sync_state(record.agent_id)
+            base = state[0] if state else None
+            written = self.local.put_agent(record, sync=(base, True))
+            self._push(record, base)
         return written
 
     def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
@@ -345,6 +372,8 @@ class SharedBlockStore:
             self.stats.conflicts += 1
             self.local.delete_agent(record.agent_id)  # the winner's record is read next time
             raise
+        if pending:
+            self._uploaded[record.agent_id] = (self.seen_version(record.agent_id), done.version)
         record.updated_at = done.updated_at  # Postgres's clock: links to checkpoints use it
         self.local.set_sync(record.agent_id, done.version, False)
         self.stats.commits += 1
@@ -367,16 +396,17 @@ class SharedBlockStore:
 
     def _push_pending(self, agent_id: str) -> None:
         """Upload this agent's pending save before reading the store (it is the newest)."""
-        state = self.local.sync_state(agent_id)
-        if not (state and state[1]):
-            return
-        record = self.local.get_agent(agent_id)
-        if record is None:
-            self.local.set_sync(agent_id, state[0], False)
-            return
         try:
-            if not self._push(record, state[0], pending=True):
-                raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
+            with self._pushing:  # one push at a time: the uploader and a request may both try
+                state = self.local.sync_state(agent_id)
+                if not (state and state[1]):
+                    return
+                record = self.local.get_agent(agent_id)
+                if record is None:
+                    self.local.set_sync(agent_id, state[0], False)
+                    return
+                if not self._push(record, state[0], pending=True):
+                    raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
         except CommitConflictError as exc:
             logger.warning(
                 "agent %r: a save made while the shared store was unreachable lost to a newer save by "
