@@ -41,6 +41,7 @@ from langchain_agent_memory.engine.engine import Engine, GenerationParams  # noq
 
 PARAMS = GenerationParams(max_tokens=8)
 SYSTEMS = ("cold", "same worker", "other worker", "local store")
+SAVES = ("first, local", "first, shared", "follow-up, local", "follow-up, shared")
 
 
 def _prompt(engine: Engine, tokens: int, salt: str) -> str:
@@ -65,26 +66,28 @@ def latency(contexts: list[int], repeats: int, store: tuple[str, str]) -> dict[s
     try:
         for n in contexts:
             got: dict[str, list[float]] = {k: [] for k in SYSTEMS}
-            saves: dict[str, list[float]] = {"local store": [], "shared store": []}
+            # first turn (every block written) and a follow-up turn (the new blocks only)
+            saves: dict[str, list[float]] = {k: [] for k in SAVES}
             for r in range(repeats):
                 print(f"  context {n}: repeat {r + 1}/{repeats}", flush=True)
                 base = _prompt(a, n, f"{n}-{r}")
                 follow = "\nQuestion: what does section 4 ask of a redistributor?\nAnswer:"
                 agent = f"bench:{n}:{r}"
                 first = a.generate(agent, base, PARAMS)
-                saves["shared store"].append(first.timings.save_s)
+                saves["first, shared"].append(first.timings.save_s)
                 turn2 = base + first.text + follow
                 # (another first block: no block of the stored turn is shared with it)
                 got["cold"].append(a.generate(f"cold:{n}:{r}", "~" + turn2, PARAMS).timings.ttft_s)
                 # the same worker from its own disk, then another (nothing of it on its disk)
                 a.drop_hot(agent)
-                got["same worker"].append(_warm(a, agent, turn2, drop_pool=True))
-                got["other worker"].append(_warm(b, agent, turn2))
+                got["same worker"].append(_warm(a, agent, turn2, saves["follow-up, shared"], drop_pool=True))
+                got["other worker"].append(_warm(b, agent, turn2, saves["follow-up, shared"]))
                 first_local = local.generate(agent, base, PARAMS)
-                saves["local store"].append(first_local.timings.save_s)
+                saves["first, local"].append(first_local.timings.save_s)
                 local.drop_hot(agent)
+                turn2_local = base + first_local.text + follow
                 got["local store"].append(
-                    _warm(local, agent, base + first_local.text + follow, drop_pool=True)
+                    _warm(local, agent, turn2_local, saves["follow-up, local"], drop_pool=True)
                 )
             rows[str(n)] = {
                 "ttft_s": {k: statistics.median(v) for k, v in got.items()},
@@ -96,11 +99,12 @@ def latency(contexts: list[int], repeats: int, store: tuple[str, str]) -> dict[s
     return rows
 
 
-def _warm(engine: Engine, agent: str, prompt: str, drop_pool: bool = False) -> float:
+def _warm(engine: Engine, agent: str, prompt: str, saves: list[float], drop_pool: bool = False) -> float:
     if drop_pool:
         engine.agents.clear_memory()  # from disk, not the in-memory tier
     result = engine.generate(agent, prompt, PARAMS)
     assert str(result.outcome).startswith("warm"), result.outcome
+    saves.append(result.timings.save_s)
     return result.timings.ttft_s
 
 
@@ -182,9 +186,9 @@ def main() -> None:
         t = row["ttft_s"]
         ratios = f"  {t['other worker'] / t['same worker']:10.2f}  {t['cold'] / t['other worker']:10.2f}"
         print(f"{n:>8} " + " ".join(f"{t[k]:13.3f}" for k in SYSTEMS) + ratios)
-    print("\nSave per turn, s (median): local store vs shared store")
+    print("\nSave per turn, s (median): " + ", ".join(SAVES))
     for n, row in rows.items():
-        print(f"{n:>8} {row['save_s']['local store']:8.3f} {row['save_s']['shared store']:8.3f}")
+        print(f"{n:>8} " + " ".join(f"{row['save_s'][k]:17.3f}" for k in SAVES))
     print("\nThroughput, turns/s (2 agents per worker, ~700-token contexts, 4-bit KV)")
     for w, t in tput.items():
         print(f"{w:>3} workers: {t:.2f}")
