@@ -58,7 +58,8 @@ class ChatAgentMemory(BaseChatModel):
             directory or a ``.gguf`` file; default ``AGENT_MEMORY_MODEL`` or ``smollm2-135m``.
         agent_id: the cache to use; default: per LangGraph thread and node (see
             ``namespace``), ``"default"`` outside a graph. Per call: ``agent_id=`` kwarg.
-        temperature, top_p, seed: sampling (``temperature=0``: greedy).
+        temperature, top_p, top_k, min_p, seed: sampling (``temperature=0``: greedy; ``top_k=0``
+            and ``min_p=0``: off).
         max_tokens: most tokens to generate per call.
         stop: stop sequences (the stop text and anything after it are not returned or kept).
         kv_bits: 4 (default, ``k6v4-rot-h4``: 0.34x the 16-bit bytes), 8, or None for
@@ -73,7 +74,7 @@ class ChatAgentMemory(BaseChatModel):
         timeout: seconds after which decoding stops (``finish_reason="timeout"``).
 
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
-    ``temperature``, ``max_tokens``, ``top_p``, ``seed``, ``tools``, ``tool_choice``,
+    ``temperature``, ``max_tokens``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``tools``, ``tool_choice``,
     ``chat_template_kwargs``.
     """
 
@@ -84,6 +85,8 @@ class ChatAgentMemory(BaseChatModel):
     temperature: float = 0.0
     max_tokens: int = Field(default=256, ge=1)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     kv_bits: Literal[4, 8] | None = 4
@@ -217,6 +220,8 @@ class ChatAgentMemory(BaseChatModel):
             max_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            min_p=kwargs.get("min_p", self.min_p),
             seed=kwargs.get("seed", self.seed),
             stop=stops,
             constraint=constraint,

@@ -40,6 +40,8 @@ class GenerationParams:
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: none)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     #: Restricts sampling to what a grammar allows (``constrain.GrammarConstraint``); it is

@@ -20,13 +20,21 @@ from .runtime import mx
 
 
 class Sampler:
-    """One request's token choice: greedy at temperature 0, else categorical (after top-p)
-    with the key of (seed, step); a grammar constraint masks the logits first."""
+    """One request's token choice: greedy at temperature 0, else categorical (after top-k,
+    min-p and top-p, as mlx-lm's sampler orders them) with the key of (seed, step); a
+    grammar constraint masks the logits first."""
 
     def __init__(
-        self, temperature: float, top_p: float, seed: int | None, constraint: TokenConstraint | None
+        self,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        constraint: TokenConstraint | None,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> None:
         self.temperature, self.top_p, self.constraint = temperature, top_p, constraint
+        self.top_k, self.min_p = top_k, min_p
         self.seed = seed if seed is not None else secrets.randbits(62)
 
     @property
@@ -40,9 +48,13 @@ class Sampler:
         if self.temperature == 0:
             token = int(mx.argmax(logits).item())
         else:
-            from mlx_lm.sample_utils import apply_top_p
+            from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            if 0 < self.top_k < logprobs.shape[-1]:
+                logprobs = apply_top_k(logprobs[None], self.top_k)[0]
+            if self.min_p > 0.0:
+                logprobs = apply_min_p(logprobs[None], self.min_p)[0]
             if self.top_p < 1.0:
                 logprobs = apply_top_p(logprobs[None], self.top_p)[0]
             key = mx.random.key(self.seed + step)

@@ -115,7 +115,7 @@ class RequestSteps:
                 )
             p = req.params
             req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
-            req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint)
+            req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint, p.top_k, p.min_p)
             req.stream = TextStream(self.tokenizer, p.stop)
             if self.share_prefixes:
                 req.share = self._shared_prefix(req)

@@ -31,9 +31,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat_model import ChatAgentMemory
-from ..engine.engine import ContextLengthError
+from ..engine.engine import ContextLengthError, Engine
 from ..engine.model.loading import DEFAULT_MODEL
-from ..engine.storage.store import validate_agent_id
+from ..engine.storage.store import AgentRecord, validate_agent_id
 from . import replies
 from .protocol import ChatCompletionRequest, NamedToolChoice, call_kwargs, to_messages
 
@@ -69,16 +69,10 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
-_ERROR_TYPES = {
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    500: "server_error",
-}
-
-
 def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error")
+    # OpenAI's shape: every client error is an ``invalid_request_error`` (a wrong key too),
+    # told apart by ``code`` (``invalid_api_key``, ``model_not_found``, ...).
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
@@ -157,7 +151,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(list(exc.errors()))
-        return _error(400, message, "invalid_request", param)
+        return _error(400, message, param=param)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -184,6 +178,52 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         _served(models, name)
         return _model_card(name)
 
+    # ------------------------------------------------------------------ agents' caches
+    # (as llama.cpp's /slots: list, free, and fork them; ``model`` picks the engine, default
+    # the first served model)
+
+    def engine_of(model: str | None) -> Engine:
+        return _served(models, model or next(iter(models))).engine
+
+    @app.get("/v1/agents", dependencies=[Depends(authorize)])
+    async def list_agents(model: str | None = None, prefix: str = "") -> dict[str, Any]:
+        engine = engine_of(model)
+        records = await asyncio.to_thread(engine.agent_records, prefix)
+        name = model or next(iter(models))
+        return {"object": "list", "data": [_agent_card(engine, name, r) for r in records]}
+
+    @app.delete("/v1/agents/{agent_id}", dependencies=[Depends(authorize)])
+    async def delete_agent(agent_id: str, model: str | None = None) -> dict[str, Any]:
+        engine = engine_of(model)
+        _valid_agent(agent_id)
+        with _as_api_errors():
+            gone = await asyncio.to_thread(engine.delete, agent_id)
+        if not gone:
+            raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
+        return {"id": agent_id, "object": "agent.deleted", "deleted": True}
+
+    @app.post("/v1/agents/{agent_id}/fork", dependencies=[Depends(authorize)])
+    async def fork_agent(agent_id: str, request: Request, model: str | None = None) -> dict[str, Any]:
+        """Body ``{"to": "new-agent"}``: the new agent's cache stands for what this one's does
+        (blocks shared, no tensor copied); an existing ``to`` is refused unless ``"replace": true``."""
+        engine = engine_of(model)
+        try:
+            body = json.loads(await request.body() or b"{}")
+            target, replace = body["to"], bool(body.get("replace", False))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise APIError(400, 'send a JSON body {"to": "<new agent id>"}', param="to") from exc
+        _valid_agent(agent_id)
+        _valid_agent(target, "to")
+        source = await asyncio.to_thread(engine.agents.read_record, agent_id)
+        if source is None:
+            raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
+        if not replace and await asyncio.to_thread(engine.store.has_agent, target):
+            raise APIError(409, f'agent {target!r} exists: send "replace": true to overwrite it', param="to")
+        with _as_api_errors():
+            await asyncio.to_thread(engine.set_agent, target, source)
+        card = _agent_card(engine, model or next(iter(models)), source)
+        return {**card, "id": target, "forked_from": agent_id}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
     async def chat_completions(
         request: Request, x_agent_id: str | None = Header(default=None)
@@ -194,22 +234,21 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             body = ChatCompletionRequest.model_validate_json(await request.body())
         except ValidationError as exc:
             message, param = _validation_message(exc.errors())
-            raise APIError(400, message, "invalid_request", param) from exc
+            raise APIError(400, message, param=param) from exc
         llm = _served(models, body.model)
-        agent = _agent_of(x_agent_id, body.agent_id)
+        agent = _agent_of(body, x_agent_id)
         max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
         if max_tokens > config.max_tokens_limit:
             raise APIError(
                 400,
                 f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens_limit}",
-                "invalid_request",
-                "max_tokens",
+                param="max_tokens",
             )
         if body.tools and isinstance(body.tool_choice, NamedToolChoice):
             wanted = body.tool_choice.function["name"]
             if wanted not in {t.function.name for t in body.tools}:
                 message = f"tool_choice names {wanted!r}, which is not in tools"
-                raise APIError(400, message, "invalid_request", "tool_choice")
+                raise APIError(400, message, param="tool_choice")
         with _as_api_errors():
             messages = to_messages(body.messages)
         kwargs = call_kwargs(body, agent, max_tokens)
@@ -262,7 +301,7 @@ def _as_api_errors() -> Iterator[None]:
     except ContextLengthError as exc:
         raise APIError(400, str(exc), "context_length_exceeded", "messages") from exc
     except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_request") from exc
+        raise APIError(400, str(exc)) from exc
     except APIError:
         raise
     except Exception as exc:
@@ -282,19 +321,41 @@ def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
     return llm
 
 
-def _agent_of(header: str | None, body: str | None) -> str:
-    if header and body and header != body:
-        raise APIError(
-            400,
-            f"X-Agent-ID header {header!r} and body agent_id {body!r} differ: send one",
-            "invalid_request",
-            "agent_id",
-        )
-    agent = header or body or DEFAULT_AGENT
+def _agent_of(body: ChatCompletionRequest, header: str | None) -> str:
+    """The agent a request's cache belongs to: ``prompt_cache_key``, else ``user``, else the
+    ``X-Agent-ID`` header / ``agent_id`` field (which must agree), else the default."""
+    if header and body.agent_id and header != body.agent_id:
+        message = f"X-Agent-ID header {header!r} and body agent_id {body.agent_id!r} differ: send one"
+        raise APIError(400, message, param="agent_id")
+    chosen = [(f, v) for f, v in (("prompt_cache_key", body.prompt_cache_key), ("user", body.user),
+              ("agent_id", header or body.agent_id)) if v]  # fmt: skip
+    field, agent = chosen[0] if chosen else ("agent_id", DEFAULT_AGENT)
     try:
         return validate_agent_id(agent)
     except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_request", "agent_id") from exc
+        raise APIError(400, f"{field}: {exc}", param=field) from exc
+
+
+def _valid_agent(agent_id: str, param: str = "agent_id") -> None:
+    try:
+        validate_agent_id(agent_id)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param) from exc
+
+
+def _agent_card(engine: Engine, model: str, record: AgentRecord) -> dict[str, Any]:
+    """An agent's cache as ``GET /v1/agents`` lists it (bytes: its blocks on this server's
+    disk; blocks shared with other agents count for each)."""
+    paths = (engine.store.block_path(h) for h in record.blocks)
+    return {
+        "id": record.agent_id,
+        "object": "agent",
+        "model": model,
+        "tokens": len(record.token_ids),
+        "blocks": len(record.blocks),
+        "bytes": sum(p.stat().st_size for p in paths if p.exists()),
+        "last_used_at": int(record.updated_at),
+    }
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -1,14 +1,15 @@
 """The OpenAI Chat Completions request, as this server reads it, and its translation into
 LangChain messages and ``ChatAgentMemory`` call arguments.
 
-Fields a client may send but this server cannot honour change the reply, so they are
-refused with a 400 that names them (``n > 1``, ``logprobs``, penalties, ``logit_bias``);
-fields that only describe the caller (``user``, ``metadata``, ``store``,
-``parallel_tool_calls``) and unknown fields are accepted and ignored, as clients add
-fields faster than servers learn them.
+Every sampling field is honoured (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``seed``, ``stop``, ``max_tokens``) or, where this server cannot honour it, refused with a
+400 that names it (``n > 1``, ``logprobs``, penalties, ``logit_bias``); fields that only
+describe the caller (``metadata``, ``store``, ``parallel_tool_calls``) and unknown fields
+are accepted and ignored, as clients add fields faster than servers learn them.
 
-The agent whose cache a request uses comes from the ``X-Agent-ID`` header or the body
-field ``agent_id`` (``extra_body={"agent_id": ...}`` in the ``openai`` client).
+The agent whose cache a request uses: OpenAI's ``prompt_cache_key`` (``ChatOpenAI`` and the
+``openai`` client pass it per call), else ``user``, else the ``X-Agent-ID`` header or the
+body field ``agent_id`` (``extra_body={"agent_id": ...}``), else ``"default"``.
 """
 
 from __future__ import annotations
@@ -109,12 +110,16 @@ class ChatCompletionRequest(_Lenient):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM / llama.cpp: -1 or 0 is off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     agent_id: str | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
     # refused unless left at their no-op values (see the module docstring)
     n: int = 1
     logprobs: bool | None = None
@@ -122,6 +127,7 @@ class ChatCompletionRequest(_Lenient):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
@@ -131,6 +137,7 @@ class ChatCompletionRequest(_Lenient):
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
         }
         for name, bad in refused.items():
             if bad:
@@ -183,6 +190,10 @@ def call_kwargs(req: ChatCompletionRequest, agent_id: str, max_tokens: int) -> d
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:
         kwargs["top_p"] = req.top_p
+    if req.top_k is not None and req.top_k > 0:
+        kwargs["top_k"] = req.top_k
+    if req.min_p is not None:
+        kwargs["min_p"] = req.min_p
     if req.seed is not None:
         kwargs["seed"] = req.seed
     if req.tools:

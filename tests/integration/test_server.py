@@ -398,3 +398,91 @@ def test_restarted_server_serves_an_agent_warm(tmp_path: Path, figures: dict[str
         f"cold TTFT {cold[1]['time_to_first_token_s']:.2f} s (request {cold[0]:.2f} s), "
         f"after restart TTFT {warm[1]['time_to_first_token_s']:.2f} s (request {warm[0]:.2f} s)"
     )
+
+
+# ------------------------------------------------------------------ issue 21: agents without headers
+
+
+def test_prompt_cache_key_then_user_choose_the_agent(server: tuple[str, Path], client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You help with maps. " * 30}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=4, prompt_cache_key="conv-7", user="u1"
+    )
+    assert first.headers["X-Agent-ID"] == "conv-7"  # prompt_cache_key wins over user
+    reply = first.parse().choices[0].message.content
+    again = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=4, prompt_cache_key="conv-7",
+        messages=[*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "More"}],
+    )  # fmt: skip
+    assert again.usage.prompt_tokens_details.cached_tokens >= 0.8 * again.usage.prompt_tokens
+    by_user = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=2, user="alice@example.com"
+    )
+    assert by_user.headers["X-Agent-ID"] == "alice@example.com"
+    # ChatOpenAI passes prompt_cache_key per call
+    llm = ChatOpenAI(base_url=server[0] + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=2)
+    out = llm.invoke("Hello", prompt_cache_key="lc-conv")
+    assert out.response_metadata.get("model_name") and _agent_ids(server) >= {
+        "conv-7",
+        "alice@example.com",
+        "lc-conv",
+    }
+
+
+def _agent_ids(server: tuple[str, Path]) -> set[str]:
+    listed = httpx.get(server[0] + "/v1/agents", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert listed.status_code == 200, listed.text
+    return {a["id"] for a in listed.json()["data"]}
+
+
+def test_top_k_and_min_p_are_honoured(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    greedy = _complete(client, "sampling", messages, max_tokens=8).choices[0].message.content
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):  # either leaves only the most likely token
+        sampled = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=1.0, seed=3, max_tokens=8,
+            extra_body=extra, **_agent("sampling"),
+        )  # fmt: skip
+        assert sampled.choices[0].message.content == greedy, extra
+
+
+def test_unsupported_fields_are_refused_by_name_in_openai_error_shapes(server: tuple[str, Path]) -> None:
+    r = _post(server, _ok(repetition_penalty=1.3))
+    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    wrong_key = _post(server, _ok(), {"Authorization": "Bearer nope"}).json()["error"]
+    assert (wrong_key["type"], wrong_key["code"]) == ("invalid_request_error", "invalid_api_key")
+    no_model = _post(server, _ok(model="gpt-9")).json()["error"]
+    assert (no_model["type"], no_model["code"], no_model["param"]) == (
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+    bad_key = _post(server, _ok(prompt_cache_key="../x"))
+    assert bad_key.status_code == 400 and bad_key.json()["error"]["param"] == "prompt_cache_key"
+
+
+def test_agents_are_listed_forked_and_deleted_over_http(
+    server: tuple[str, Path], client: openai.OpenAI
+) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "You plan trips. " * 40}, {"role": "user", "content": "Rome?"}]
+    _complete(client, "planner-1", messages, max_tokens=4)
+    (card,) = [a for a in httpx.get(server[0] + "/v1/agents", headers=auth, timeout=60).json()["data"]
+               if a["id"] == "planner-1"]  # fmt: skip
+    assert card["tokens"] > 100 and card["blocks"] >= 1 and card["bytes"] > 0 and card["last_used_at"] > 0
+    fork = httpx.post(
+        server[0] + "/v1/agents/planner-1/fork", json={"to": "planner-2"}, headers=auth, timeout=60
+    )
+    assert fork.status_code == 200 and fork.json()["forked_from"] == "planner-1", fork.text
+    again = httpx.post(
+        server[0] + "/v1/agents/planner-1/fork", json={"to": "planner-2"}, headers=auth, timeout=60
+    )
+    assert again.status_code == 409
+    # the fork resumes warm from the shared blocks: no tensor was copied, nothing prefilled twice
+    resumed = _complete(client, "planner-2", messages, max_tokens=2)
+    assert resumed.usage.prompt_tokens_details.cached_tokens >= 0.9 * resumed.usage.prompt_tokens
+    gone = httpx.delete(server[0] + "/v1/agents/planner-1", headers=auth, timeout=60)
+    assert gone.status_code == 200 and gone.json()["deleted"] is True
+    assert httpx.delete(server[0] + "/v1/agents/planner-1", headers=auth, timeout=60).status_code == 404
+    assert "planner-1" not in _agent_ids(server) and "planner-2" in _agent_ids(server)
