@@ -14,6 +14,7 @@ so this is safe while an application is using the same directory.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,25 @@ from .engine.storage.store import DiskBlockStore
 app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"agent-memory (langchain-agent-memory) {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit"),
+    ] = False,
+) -> None:
+    """Persistent agent KV caches: inspect and manage them."""
+
 
 CacheDir = Annotated[
     Path | None,
@@ -53,11 +73,13 @@ Blocks = Annotated[
 
 
 def _stores(
-    cache_dir: Path | None, store: str | None = None, blocks: str | None = None
+    cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
 ) -> Iterator[DiskBlockStore | SharedBlockStore]:
     """One store per model fingerprint: the directories under ``{cache_dir}/kv``, or with a
     shared store (``--store`` / ``--blocks``), every model it holds (this directory its
-    local tier)."""
+    local tier). ``read_only``: for commands that only look: a local directory is opened
+    without recovery, lock or migration (a shared store is read through a local tier of
+    this directory, which it may fill)."""
     if bool(store) != bool(blocks):
         raise typer.BadParameter(
             "a shared store needs both --store (postgresql://...) and --blocks (s3://...)"
@@ -69,7 +91,7 @@ def _stores(
         fingerprints |= catalog.fingerprints()
         catalog.close()
     for fp in sorted(fingerprints):
-        opened = open_store(root, fp, store, blocks)
+        opened = open_store(root, fp, store, blocks, read_only=read_only and not store)
         try:
             yield opened
         finally:
@@ -102,7 +124,7 @@ def ls(
     table = Table(title="agent caches")
     for col in ("model / KV format", "agent", "tokens", "blocks", "updated"):
         table.add_column(col, justify="left" if col in ("model / KV format", "agent") else "right")
-    for opened in _stores(cache_dir, store, blocks):
+    for opened in _stores(cache_dir, store, blocks, read_only=True):
         for record in opened.agents(prefix):
             when = datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S")
             table.add_row(
@@ -117,7 +139,7 @@ def show(
 ) -> None:
     """Show one agent's cache: tokens, blocks, and the start and end of its text."""
     found = False
-    for opened in _stores(cache_dir, store, blocks):
+    for opened in _stores(cache_dir, store, blocks, read_only=True):
         record = opened.get_agent(agent)
         if record is None:
             continue
@@ -181,7 +203,7 @@ def du(cache_dir: CacheDir = None) -> None:
     table = Table(title="cache disk use")
     for col in ("model / KV format", "agents", "blocks", "block bytes", "quarantined"):
         table.add_column(col, justify="left" if col == "model / KV format" else "right")
-    for store in _stores(cache_dir):
+    for store in _stores(cache_dir, read_only=True):
         sizes = [store.block_path(h).stat().st_size for h in store.block_hashes()]
         quarantine = store.dir / "quarantine"
         bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
@@ -303,6 +325,49 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         _console().print(f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it")
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+
+
+@app.command("models")
+def models(
+    cache_dir: CacheDir = None,
+    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
+) -> None:
+    """List the shipped models (usable by name) and the models converted into the cache
+    directory (GGUF conversions, usable by their directory)."""
+    from .engine.model.loading import SHIPPED_MODELS
+
+    rows = [
+        {
+            "name": m.name,
+            "kind": "shipped",
+            "context": m.context_length,
+            "chat": m.chat,
+            "about": m.description,
+        }
+        for m in SHIPPED_MODELS.values()
+    ]
+    converted = Path(cache_dir or get_settings().cache_dir).expanduser() / "models"
+    for d in sorted(p for p in converted.glob("*") if (p / "config.json").exists()):
+        try:
+            config = json.loads((d / "config.json").read_text())
+        except ValueError:
+            continue
+        context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+            "max_position_embeddings"
+        )
+        rows.append({"name": str(d), "kind": "converted", "context": context, "chat": None,
+                     "about": config.get("model_type", "")})  # fmt: skip
+    if format == "json":
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if format != "table":
+        raise typer.BadParameter("give table or json", param_hint="--format")
+    table = Table(title="models")
+    for col in ("name", "kind", "context", "about"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["kind"], str(r["context"] or "?"), r["about"])
+    _console().print(table)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,25 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
 
     orphan_dir = engine.store.block_path(shared).parent
     (orphan_dir / f".{shared}.safetensors.x.safetensors").write_bytes(b"half")  # a killed save's temp file
+    # Looking never changes the store: ls, show and du leave what a killed save left
+    files = sorted(
+        p for p in Path(d).rglob("*") if p.is_file() and "-wal" not in p.name and "-shm" not in p.name
+    )
+    _run("cache", "ls", "--cache-dir", d), _run("cache", "du", "--cache-dir", d)
+    _run("cache", "show", "t2:lawyer", "--cache-dir", d)
+    assert (
+        sorted(p for p in Path(d).rglob("*") if p.is_file() and "-wal" not in p.name and "-shm" not in p.name)
+        == files
+    )
     assert "removed 1 temporary file(s)" in _run("cache", "gc", "--cache-dir", d)
     usage = _run("cache", "du", "--cache-dir", d)
     assert engine.fingerprint[:20] in usage
     assert "Usage" in _run("cache", "--help")
+    from langchain_agent_memory import __version__
+
+    assert __version__ in _run("--version")
+    listed = json.loads(_run("models", "--format", "json", "--cache-dir", d))
+    assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed if m["kind"] == "shipped"}
 
 
 @pytest.mark.parametrize(

@@ -501,11 +501,13 @@ def open_store(
     read_timeout_s: float = 5.0,
     grace_s: float = 3600.0,
     worker_id: str | None = None,
+    read_only: bool = False,
 ) -> DiskBlockStore | SharedBlockStore:
     """The local store under ``root``, or a shared one (``store``: a postgresql:// URL for
-    the records, ``blocks``: an s3:// URL for the blocks) with it as the local tier."""
+    the records, ``blocks``: an s3:// URL for the blocks) with it as the local tier.
+    ``read_only``: a local store opened only to look (no recovery, lock or migration)."""
     if not store and not blocks:
-        return DiskBlockStore(root, fingerprint)
+        return DiskBlockStore(root, fingerprint, read_only=read_only)
     if not (store and blocks):
         raise RemoteConfigError(
             "a shared store needs both store='postgresql://...' (records) and blocks='s3://...' (blocks); "

@@ -293,12 +293,17 @@ class DiskBlockStore:
     it never committed (or left behind by a delete it did not finish).
     """
 
-    def __init__(self, root: str | os.PathLike[str], fingerprint: str, *, tier: bool = False) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], fingerprint: str, *, tier: bool = False, read_only: bool = False
+    ) -> None:
         #: The local tier of a shared store: its records may name blocks not fetched yet.
         self.tier = tier
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint
         self.blocks_dir = self.dir / "blocks"
+        if read_only:  # for looking (``cache ls``/``du``): no lock, no migration, no recovery
+            self._open_read_only()
+            return
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self._lock = DirectoryLock(self.dir / "lock")
         with self._lock:
@@ -321,6 +326,25 @@ class DiskBlockStore:
             migrate_index(self._db, self.dir / "index.sqlite")
             self._db_lock = threading.RLock()
             self.recovery = self.recover()
+
+    def _open_read_only(self) -> None:
+        """Open an existing directory without changing anything in it: its index read-only
+        (a write raises ``sqlite3.OperationalError``), no recovery (``recovery`` is empty)."""
+        fmt = self.dir / "format.json"
+        try:
+            version = json.loads(fmt.read_text()).get("format_version")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CacheFormatError(f"{self.dir} is not a readable cache directory ({exc})") from exc
+        if version != FORMAT_VERSION:
+            raise _version_error(f"cache directory {self.dir}", version)
+        index = (self.dir / "index.sqlite").resolve()
+        self._db = sqlite3.connect(f"file:{index}?mode=ro", uri=True, check_same_thread=False, timeout=60)
+        found = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if found > INDEX_SCHEMA_VERSION:
+            raise NewerFormatError(f"{index} has index schema {found}, written by a newer version: upgrade")
+        self._db_lock = threading.RLock()
+        self._lock = DirectoryLock(self.dir / "lock")  # never taken by a reader
+        self.recovery = RecoveryReport()
 
     def locked(self) -> DirectoryLock:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
