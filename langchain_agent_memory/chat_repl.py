@@ -26,7 +26,14 @@ from rich.console import Console
 from .chat_model import ChatAgentMemory
 from .checkpoint import AgentMemorySaver
 
-COMMANDS = ("/history", "/undo", "/reset", "/exit")
+#: The REPL's commands and what each does (``/help`` prints them).
+COMMANDS = {
+    "/help": "show these commands",
+    "/history": "show the conversation so far",
+    "/undo": "forget the last exchange (the cache goes back with it)",
+    "/reset": "delete the conversation and its cache",
+    "/exit": "leave (the conversation stays: come back later and it resumes warm)",
+}
 
 
 @dataclass
@@ -129,7 +136,10 @@ def run(options: ChatOptions, console: Console, read: Callable[[str], str] | Non
             continue
         if line == "/exit":
             return
-        if line == "/history":
+        if line in ("/help", "/?"):
+            for command, what in COMMANDS.items():
+                console.print(f"  {command:<9} {what}")
+        elif line == "/history":
             _history(console, session.messages)
         elif line == "/undo":
             console.print("undone: the last exchange is forgotten" if session.undo() else "nothing to undo")

@@ -15,10 +15,11 @@ so this is safe while an application is using the same directory.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -105,6 +106,32 @@ def _kv_bits(kv_bits: int) -> int | None:
     return None if kv_bits == 16 else kv_bits
 
 
+Format = Annotated[
+    str, typer.Option("--format", help="table (plain text when not a terminal), text, or json")
+]
+
+
+def _emit(title: str, rows: list[dict[str, Any]], columns: list[str], fmt: str, right: set[str]) -> None:
+    """A listing: a table on a terminal, tab-separated lines elsewhere (pipes, files), or
+    ``--format json`` (every field, machine-readable)."""
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if fmt not in ("table", "text"):
+        raise typer.BadParameter("give table, text or json", param_hint="--format")
+    if fmt == "text" or not sys.stdout.isatty():
+        typer.echo("\t".join(columns))
+        for r in rows:
+            typer.echo("\t".join(str(r[c]) for c in columns))
+        return
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left")
+    for r in rows:
+        table.add_row(*(str(r[c]) for c in columns))
+    _console().print(table)
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
@@ -119,18 +146,23 @@ def ls(
     cache_dir: CacheDir = None,
     store: Store = None,
     blocks: Blocks = None,
+    format: Format = "table",
 ) -> None:
-    """List agents with a stored cache."""
-    table = Table(title="agent caches")
-    for col in ("model / KV format", "agent", "tokens", "blocks", "updated"):
-        table.add_column(col, justify="left" if col in ("model / KV format", "agent") else "right")
-    for opened in _stores(cache_dir, store, blocks, read_only=True):
-        for record in opened.agents(prefix):
-            when = datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(
-                opened.fingerprint, record.agent_id, str(len(record.token_ids)), str(len(record.blocks)), when
-            )
-    _console().print(table)
+    """List agents with a stored cache (never changes the store)."""
+    rows = [
+        {
+            "model": opened.fingerprint,
+            "agent": record.agent_id,
+            "tokens": len(record.token_ids),
+            "blocks": len(record.blocks),
+            "updated": datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        for opened in _stores(cache_dir, store, blocks, read_only=True)
+        for record in opened.agents(prefix)
+    ]
+    _emit(
+        "agent caches", rows, ["model", "agent", "tokens", "blocks", "updated"], format, {"tokens", "blocks"}
+    )
 
 
 @cache_app.command("show")
@@ -160,16 +192,50 @@ def show(
 
 
 @cache_app.command("rm")
-def rm(agents: list[str], cache_dir: CacheDir = None, store: Store = None, blocks: Blocks = None) -> None:
-    """Delete agents' caches; blocks other agents share stay."""
+def rm(
+    agents: Annotated[list[str] | None, typer.Argument(help="Agent ids to delete")] = None,
+    prefix: Annotated[str | None, typer.Option(help="Every agent whose id starts with this")] = None,
+    thread: Annotated[
+        str | None, typer.Option(help="Every agent of a LangGraph thread (ids 'THREAD:node...')")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing")
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Delete a --prefix/--thread selection without asking")
+    ] = False,
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+) -> None:
+    """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
     from .engine.storage.pool import BlockPool
 
+    if not agents and prefix is None and thread is None:
+        raise typer.BadParameter("name agents, or select them with --prefix or --thread")
+    selector = f"{thread}:" if thread is not None else prefix
     deleted = 0
     for opened in _stores(cache_dir, store, blocks):
+        chosen = list(agents or [])
+        if selector is not None:
+            chosen += [r.agent_id for r in opened.agents(selector)]
+        chosen = list(dict.fromkeys(chosen))
+        if dry_run:
+            for agent in chosen:
+                typer.echo(f"would delete {agent} ({opened.fingerprint})")
+            continue
+        if (
+            selector is not None
+            and chosen
+            and not yes
+            and not typer.confirm(f"delete {len(chosen)} agent cache(s)?")
+        ):
+            raise typer.Exit(code=1)
         pool = BlockPool(opened, hot_budget_bytes=0)
-        for agent in agents:
-            deleted += pool.delete_agent(agent)
-    _console().print(f"deleted {deleted} agent cache(s)")
+        deleted += sum(pool.delete_agent(agent) for agent in chosen)
+    if dry_run:
+        return
+    typer.echo(f"deleted {deleted} agent cache(s)")
     if not deleted:
         raise typer.Exit(code=1)
 
@@ -198,18 +264,20 @@ def gc(
 
 
 @cache_app.command("du")
-def du(cache_dir: CacheDir = None) -> None:
-    """Disk use per model / KV format."""
-    table = Table(title="cache disk use")
-    for col in ("model / KV format", "agents", "blocks", "block bytes", "quarantined"):
-        table.add_column(col, justify="left" if col == "model / KV format" else "right")
+def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
+    """Disk use per model / KV format (never changes the store)."""
+    rows = []
     for store in _stores(cache_dir, read_only=True):
         sizes = [store.block_path(h).stat().st_size for h in store.block_hashes()]
         quarantine = store.dir / "quarantine"
         bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
         agents = sum(1 for _ in store.agents())
-        table.add_row(store.fingerprint, str(agents), str(len(sizes)), _size(sum(sizes)), str(bad))
-    _console().print(table)
+        rows.append({
+            "model": store.fingerprint, "agents": agents, "blocks": len(sizes), "bytes": sum(sizes),
+            "size": _size(sum(sizes)), "quarantined": bad,
+        })  # fmt: skip
+    _emit("cache disk use", rows, ["model", "agents", "blocks", "size", "quarantined"], format,
+          {"agents", "blocks", "size", "quarantined"})  # fmt: skip
 
 
 @app.command("convert")

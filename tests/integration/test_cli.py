@@ -61,6 +61,13 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     from langchain_agent_memory import __version__
 
     assert __version__ in _run("--version")
+    (row,) = json.loads(_run("cache", "ls", "--format", "json", "--cache-dir", d))
+    assert row["agent"] == "t2:lawyer" and row["tokens"] == engine.cached_tokens("t2:lawyer")
+    assert "\tt2:lawyer\t" in _run("cache", "ls", "--cache-dir", d)  # not a terminal: plain lines
+    assert "would delete t2:lawyer" in _run("cache", "rm", "--thread", "t2", "--dry-run", "--cache-dir", d)
+    assert engine.store.get_agent("t2:lawyer") is not None
+    assert "deleted 1 agent cache" in _run("cache", "rm", "--prefix", "t2:", "-y", "--cache-dir", d)
+    assert engine.store.get_agent("t2:lawyer") is None
     listed = json.loads(_run("models", "--format", "json", "--cache-dir", d))
     assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed if m["kind"] == "shipped"}
 
@@ -134,6 +141,7 @@ def test_chat_resumes_conversation_and_cache_after_a_restart(smollm: LoadedModel
     stats = [line for line in second.splitlines() if "prompt tokens from cache" in line]
     assert len(stats) == 1 and stats[0].split(":")[0].endswith("-extend"), stats
 
-    third = _chat(tmp_path, ["/reset", "/history"])
+    third = _chat(tmp_path, ["/reset", "/history", "/help"])
     assert "conversation and cache deleted" in third and "no messages yet" in third
+    assert "/undo" in third and "forget the last exchange" in third
     assert "chat:ada" not in _run("cache", "ls", "--cache-dir", str(tmp_path))
