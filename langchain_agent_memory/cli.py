@@ -347,6 +347,46 @@ def chat(
     run(options, _console())
 
 
+@app.command("run")
+def run_once(
+    question: Annotated[
+        str | None, typer.Argument(help="What to ask (stdin, when piped, comes first)")
+    ] = None,
+    agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in the reply")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Ask one agent one question and stream the answer: `cat notes.md | agent-memory run
+    --agent notes "Summarise"`. The turn joins the agent's conversation (the same as `chat
+    --agent`): the next run resumes it from its cache. How the cache served it (hot, warm or
+    cold) goes to stderr."""
+    from .chat_repl import ChatOptions, ChatSession, describe
+    from .engine.storage.store import validate_agent_id
+
+    try:
+        validate_agent_id(agent)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--agent") from exc
+    piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    text = "\n\n".join(part.strip() for part in (piped, question or "") if part and part.strip())
+    if not text:
+        raise typer.BadParameter(
+            "ask something: a QUESTION argument, or text on stdin", param_hint="QUESTION"
+        )
+    options = ChatOptions(
+        agent=agent, model=model, system=system, max_tokens=max_tokens, temperature=temperature,
+        kv_bits=_kv_bits(kv_bits), cache_dir=str(cache_dir) if cache_dir else None,
+    )  # fmt: skip
+    session = ChatSession(options)
+    reply = session.ask(text, lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    sys.stdout.write("\n")
+    typer.echo(describe(reply), err=True)
+
+
 @app.command("serve")
 def serve(
     model: Annotated[

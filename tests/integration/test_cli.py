@@ -145,3 +145,17 @@ def test_chat_resumes_conversation_and_cache_after_a_restart(smollm: LoadedModel
     assert "conversation and cache deleted" in third and "no messages yet" in third
     assert "/undo" in third and "forget the last exchange" in third
     assert "chat:ada" not in _run("cache", "ls", "--cache-dir", str(tmp_path))
+
+
+def test_run_reads_stdin_streams_and_says_how_the_cache_served(smollm: LoadedModel, tmp_path: Path) -> None:
+    d = str(tmp_path)
+    args = ["run", "--agent", "notes", "--max-tokens", "4", "--cache-dir", d]
+    first = CliRunner().invoke(app, [*args, "Summarise."], input="Notes: the meeting moved to noon. " * 20)
+    assert first.exit_code == 0, first.output
+    assert "cold" in first.stderr and "prompt tokens from cache" in first.stderr
+    second = CliRunner().invoke(app, [*args, "And who attends?"])
+    assert second.exit_code == 0, second.output
+    assert second.stderr.split(":")[0].split("-")[0] in ("hot", "warm"), second.stderr
+    assert second.stdout.strip()  # the streamed answer
+    empty = CliRunner().invoke(app, ["run", "--cache-dir", d], input="")
+    assert empty.exit_code != 0 and "ask something" in empty.output
