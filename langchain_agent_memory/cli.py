@@ -400,6 +400,20 @@ def serve(
         typer.Option(envvar="AGENT_MEMORY_API_KEY", help="Bearer token every /v1 request must carry"),
     ] = None,
     kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    kv_format: Annotated[
+        str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
+    ] = None,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="The name clients use for each --model (repeat, in the same order)"),
+    ] = None,
+    allowed_origins: Annotated[
+        list[str] | None, typer.Option(help="Origins browsers may call from (CORS; '*': any); repeat")
+    ] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Default temperature (0: greedy)")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Default top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Default top-k (0: off)")] = 0,
+    min_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Default min-p (0: off)")] = 0.0,
     max_body_mb: Annotated[float, typer.Option(help="Largest request body, in MB")] = 4.0,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask")] = 4096,
     hot_budget_mb: Annotated[int, typer.Option(help="Memory for in-memory KV blocks, in MB")] = 512,
@@ -419,10 +433,19 @@ def serve(
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
     from .config import get_settings
 
+    if served_model_name and len(served_model_name) != len(model or [None]):
+        raise typer.BadParameter("give one --served-model-name per --model", param_hint="--served-model-name")
     config = ServerConfig(
         models=model or [get_settings().model],
         cache_dir=str(cache_dir) if cache_dir else None,
         kv_bits=_kv_bits(kv_bits),  # type: ignore[arg-type]
+        kv_format=kv_format,
+        served_names=served_model_name or None,
+        allowed_origins=allowed_origins or [],
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         api_key=api_key,
         max_body_bytes=int(max_body_mb * (1 << 20)),
         max_tokens_limit=max_tokens_limit,

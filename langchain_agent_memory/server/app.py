@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from langchain_core.messages import AIMessageChunk
 from pydantic import ValidationError
@@ -61,6 +62,16 @@ class ServerConfig:
     #: Largest ``max_tokens`` a request may ask for, and what it gets when it asks nothing.
     max_tokens_limit: int = 4096
     default_max_tokens: int = 512
+    #: The names clients use for the models (``--served-model-name``), one per model; None:
+    #: the models' own names.
+    served_names: list[str] | None = None
+    #: Origins a browser may call from (CORS; ``["*"]``: any); empty: no CORS headers.
+    allowed_origins: list[str] = field(default_factory=list)
+    #: Sampling a request gets for what it leaves out (``--temperature`` ... on the CLI).
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 class APIError(Exception):
@@ -126,9 +137,18 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        for name in config.models:
+        names = config.served_names or config.models
+        if len(names) != len(config.models):
+            raise ValueError(
+                f"{len(names)} served model names for {len(config.models)} models: give one each"
+            )
+        for name, model in zip(names, config.models, strict=True):
             llm = ChatAgentMemory(
-                model=name,
+                model=model,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                top_k=config.top_k,
+                min_p=config.min_p,
                 cache_dir=config.cache_dir,
                 kv_bits=config.kv_bits,
                 kv_format=config.kv_format,
@@ -143,6 +163,14 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="langchain-agent-memory", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.allowed_origins:  # browsers calling from a web app
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Agent-ID"],
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -486,3 +486,30 @@ def test_agents_are_listed_forked_and_deleted_over_http(
     assert gone.status_code == 200 and gone.json()["deleted"] is True
     assert httpx.delete(server[0] + "/v1/agents/planner-1", headers=auth, timeout=60).status_code == 404
     assert "planner-1" not in _agent_ids(server) and "planner-2" in _agent_ids(server)
+
+
+def test_served_names_cors_and_default_sampling(smollm: LoadedModel, tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    config = ServerConfig(
+        models=[MODEL], served_names=["team-model"], cache_dir=str(tmp_path), allowed_origins=["http://app.example"],
+        temperature=1.0, top_k=1,  # the server's default sampling: top-k 1 is greedy whatever the temperature
+    )  # fmt: skip
+    with TestClient(create_app(config)) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["team-model"]
+        ask = {
+            "model": "team-model",
+            "messages": [{"role": "user", "content": "Name a fruit."}],
+            "max_tokens": 6,
+        }
+        by_default = http.post("/v1/chat/completions", json={**ask, "seed": 5}).json()
+        greedy = http.post("/v1/chat/completions", json={**ask, "temperature": 0}).json()
+        assert by_default["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+        assert http.post("/v1/chat/completions", json={**ask, "model": MODEL}).status_code == 404
+        preflight = http.options(
+            "/v1/chat/completions",
+            headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+        other = http.get("/v1/models", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
