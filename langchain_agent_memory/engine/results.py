@@ -42,6 +42,9 @@ class GenerationParams:
     top_p: float = 1.0
     top_k: int = 0  # sample among the k most likely tokens (0: all)
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: none)
+    #: The reply's text exactly as it continues the prompt: a leading space is kept (mlx-lm's
+    #: streaming detokenizers drop it, as a chat reply wants); raw completions set it.
+    exact_text: bool = False
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     #: Restricts sampling to what a grammar allows (``constrain.GrammarConstraint``); it is

@@ -116,7 +116,8 @@ class RequestSteps:
             p = req.params
             req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
             req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint, p.top_k, p.min_p)
-            req.stream = TextStream(self.tokenizer, p.stop)
+            last = (start.tail.ids or start.known.ids)[-1:] or [None]
+            req.stream = TextStream(self.tokenizer, p.stop, anchor=last[0] if p.exact_text else None)
             if self.share_prefixes:
                 req.share = self._shared_prefix(req)
             self.inflight.append(req)

@@ -40,23 +40,38 @@ class TextStream:
     """One request's text as it is decoded: ``add`` a token and get the text that is safe
     to emit (nothing a stop sequence could still claim); ``stopped`` once one was found."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], anchor: int | None = None) -> None:
         self._detok = tokenizer.detokenizer  # mlx-lm's streaming detokenizer (a copy per caller)
         self._stops = StopMatcher(stops)
+        #: ``anchor`` (the prompt's last token): keep a leading space the detokenizer drops at
+        #: the start of its text, decided by decoding the first token after the anchor.
+        self._tokenizer, self._anchor = tokenizer, anchor
+        self._lead: str | None = None if anchor is not None else ""
+        self._first: int | None = None
         self.text = ""  # the reply so far (cut at a stop sequence once ``stopped``)
         self.emitted = 0  # characters of ``text`` handed out
         self.stopped = False
 
     def add(self, token: int) -> str:
         """Feed one generated token; return the new text to emit (maybe "")."""
+        if self._first is None:
+            self._first = token
         self._detok.add_token(token)
-        return self._advance(self._detok.text, final=False)
+        return self._advance(self._text(), final=False)
+
+    def _text(self) -> str:
+        text = self._detok.text
+        if self._lead is None and text:  # the first text: was a leading space dropped?
+            base = self._tokenizer.decode([self._anchor])
+            piece = self._tokenizer.decode([self._anchor, self._first])[len(base) :]
+            self._lead = " " if piece.startswith(" ") and not text.startswith(" ") else ""
+        return (self._lead or "") + text
 
     def finish(self) -> str:
         """No more tokens: flush the detokenizer; return the rest of the text to emit."""
         if not self.stopped:
             self._detok.finalize()
-            self._advance(self._detok.text, final=True)
+            self._advance(self._text(), final=True)
         rest = self.text[self.emitted :]
         self.emitted = len(self.text)
         return rest

@@ -32,11 +32,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat_model import ChatAgentMemory
-from ..engine.engine import ContextLengthError, Engine
+from ..engine.engine import ContextLengthError, Engine, GenerationParams, StreamChunk
 from ..engine.model.loading import DEFAULT_MODEL
 from ..engine.storage.store import AgentRecord, validate_agent_id
 from . import replies
-from .protocol import ChatCompletionRequest, NamedToolChoice, call_kwargs, to_messages
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SampledRequest,
+    call_kwargs,
+    to_messages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +259,44 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         card = _agent_card(engine, model or next(iter(models)), source)
         return {**card, "id": target, "forked_from": agent_id}
 
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None)
+    async def completions(
+        request: Request, x_agent_id: str | None = Header(default=None)
+    ) -> JSONResponse | EventSourceResponse:
+        """Plain text continued, exactly (a leading space kept): base models, raw prompts."""
+        try:
+            body = CompletionRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            message, param = _validation_message(exc.errors())
+            raise APIError(400, message, param=param) from exc
+        llm = _served(models, body.model)
+        agent = _agent_of(body, x_agent_id)
+        max_tokens = body.max_tokens or 16
+        if max_tokens > config.max_tokens_limit:
+            message = f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens_limit}"
+            raise APIError(400, message, param="max_tokens")
+        params = GenerationParams(
+            max_tokens=max_tokens,
+            temperature=llm.temperature if body.temperature is None else body.temperature,
+            top_p=llm.top_p if body.top_p is None else body.top_p,
+            top_k=llm.top_k if body.top_k is None else max(0, body.top_k),
+            min_p=llm.min_p if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=body.stops or [],
+            exact_text=True,
+        )
+        engine, headers, cid = llm.engine, {"X-Agent-ID": agent}, "cmpl-" + replies.new_id()[9:]
+        if not body.stream:
+            with _as_api_errors():
+                result = await engine.agenerate(agent, body.text, params)
+            return JSONResponse(replies.text_completion(cid, body.model, result), headers=headers)
+        chunks = aiter(engine.astream(agent, body.text, params))
+        with _as_api_errors():
+            first = await anext(chunks)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _text_events(cid, body.model, first, chunks, include_usage)
+        return EventSourceResponse(events, headers=headers, ping=15)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
     async def chat_completions(
         request: Request, x_agent_id: str | None = Header(default=None)
@@ -320,6 +365,35 @@ async def _events(
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
+async def _text_events(
+    cid: str, model: str, first: StreamChunk, chunks: AsyncIterator[StreamChunk], include_usage: bool
+) -> AsyncIterator[dict[str, str]]:
+    try:
+        chunk = first
+        while True:
+            if chunk.text or chunk.result is not None:
+                yield {
+                    "data": json.dumps(
+                        replies.text_chunk(cid, model, chunk.text, chunk.result), ensure_ascii=False
+                    )
+                }
+            if chunk.result is not None and include_usage:
+                yield {"data": json.dumps({**replies.text_chunk(cid, model, ""), "choices": [],
+                                           "usage": replies.text_usage(chunk.result)})}  # fmt: skip
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                error = {"message": f"generation failed: {exc}", "type": "server_error", "code": None}
+                yield {"data": json.dumps({"error": error})}
+                return
+        yield {"data": "[DONE]"}
+    finally:  # the client went away: closing the stream stops decoding
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
 @contextmanager
 def _as_api_errors() -> Iterator[None]:
     """Turns a ``ValueError`` (what the request asks cannot be done) into a 400, and any
@@ -349,7 +423,7 @@ def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
     return llm
 
 
-def _agent_of(body: ChatCompletionRequest, header: str | None) -> str:
+def _agent_of(body: SampledRequest, header: str | None) -> str:
     """The agent a request's cache belongs to: ``prompt_cache_key``, else ``user``, else the
     ``X-Agent-ID`` header / ``agent_id`` field (which must agree), else the default."""
     if header and body.agent_id and header != body.agent_id:

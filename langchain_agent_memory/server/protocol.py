@@ -101,9 +101,11 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class SampledRequest(_Lenient):
+    """What chat and plain completions share: the model, sampling, the agent, and the
+    fields refused unless left at their no-op values (see the module docstring)."""
+
     model: str
-    messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -114,38 +116,35 @@ class ChatCompletionRequest(_Lenient):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
     agent_id: str | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
     # refused unless left at their no-op values (see the module docstring)
     n: int = 1
-    logprobs: bool | None = None
+    logprobs: bool | int | None = None
     top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        refused = {
+    def refused(self) -> dict[str, bool]:
+        return {
             "n": self.n != 1,
-            "logprobs": bool(self.logprobs) or bool(self.top_logprobs),
+            "logprobs": self.logprobs not in (None, False) or bool(self.top_logprobs),
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
         }
-        for name, bad in refused.items():
+
+    @model_validator(mode="after")
+    def _supported(self) -> SampledRequest:
+        for name, bad in self.refused().items():
             if bad:
                 raise ValueError(f"{name} is not supported by this server: leave it out")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if isinstance(self.tool_choice, NamedToolChoice) and not self.tool_choice.function.get("name"):
-            raise ValueError('tool_choice must name a function: {"function": {"name": ...}}')
         return self
 
     @property
@@ -153,6 +152,42 @@ class ChatCompletionRequest(_Lenient):
         if self.stop is None:
             return None
         return [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class ChatCompletionRequest(SampledRequest):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _named_tool(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, NamedToolChoice) and not self.tool_choice.function.get("name"):
+            raise ValueError('tool_choice must name a function: {"function": {"name": ...}}')
+        return self
+
+
+class CompletionRequest(SampledRequest):
+    """``POST /v1/completions``: plain text continued (base models, raw prompts)."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refused(self) -> dict[str, bool]:
+        return {
+            **super().refused(),
+            "echo": self.echo,
+            "suffix": bool(self.suffix),
+            "best_of": self.best_of not in (None, 1),
+            "prompt": isinstance(self.prompt, list) and len(self.prompt) != 1,  # one prompt per request
+        }
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
 def to_messages(messages: list[Any]) -> list[BaseMessage]:

@@ -15,6 +15,8 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk
 
+from ..engine.results import GenerationResult
+
 #: Engine finish reasons -> OpenAI's (a timeout ends the reply early, as a length limit does).
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
 #: response_metadata keys copied into ``agent_memory``.
@@ -122,3 +124,50 @@ class ChunkWriter:
         if self.include_usage:
             out.append({**self._chunk({}), "choices": [], "usage": usage(whole)})
         return out
+
+
+# ------------------------------------------------------------------ plain completions
+
+
+def text_completion(cid: str, model: str, result: GenerationResult) -> dict[str, Any]:
+    """``POST /v1/completions``'s reply (``text_completion``) from an engine result."""
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _text_finish(result)}
+        ],
+        "usage": text_usage(result),
+        "agent_memory": {
+            "cache": str(result.outcome),
+            "cached_tokens": result.reused_tokens,
+            "time_to_first_token_s": round(result.timings.ttft_s, 4),
+        },
+    }
+
+
+def text_chunk(cid: str, model: str, text: str, result: GenerationResult | None = None) -> dict[str, Any]:
+    """One streamed piece of a plain completion (the last carries the finish reason)."""
+    finish = _text_finish(result) if result is not None else None
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def text_usage(result: GenerationResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.reused_tokens},
+    }
+
+
+def _text_finish(result: GenerationResult) -> str:
+    return _FINISH.get(result.finish_reason, "stop")

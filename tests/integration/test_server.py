@@ -513,3 +513,42 @@ def test_served_names_cors_and_default_sampling(smollm: LoadedModel, tmp_path: P
         assert preflight.headers["access-control-allow-origin"] == "http://app.example"
         other = http.get("/v1/models", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_plain_completions_continue_text_exactly(server: tuple[str, Path], client: openai.OpenAI) -> None:
+    prompt = "The Apache License, Version 2.0, is a permissive license written by the"
+    done = client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_headers={"X-Agent-ID": "plain"}
+    )
+    assert done.headers["X-Agent-ID"] == "plain"
+    first = done.parse()
+    assert first.object == "text_completion" and first.choices[0].finish_reason == "length"
+    text = first.choices[0].text
+    assert text.startswith(" ")  # the leading space a continuation needs is kept
+    # The oracle: the engine's own tokens for prompt + text are what the model saw.
+    engine = shared_engine(MODEL, cache_dir=server[1])
+    assert engine.cached_text("plain") == prompt + text[: len(engine.cached_text("plain")) - len(prompt)]
+    # Continuing from prompt + text extends the cache: only the new words are read.
+    more = client.completions.create(
+        model=MODEL,
+        prompt=prompt + text + " and",
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"X-Agent-ID": "plain"},
+    )
+    assert more.usage.prompt_tokens_details.cached_tokens >= more.usage.prompt_tokens - 4
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_headers={"X-Agent-ID": "plain-2"},
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    refused = _post_to(server, "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True})
+    assert refused.status_code == 400 and "echo" in refused.json()["error"]["message"]
+
+
+def _post_to(server: tuple[str, Path], path: str, body: dict[str, Any]) -> Any:
+    return httpx.post(server[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
