@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,6 +29,9 @@ from .config import get_settings
 from .engine.storage.catalog import Catalog
 from .engine.storage.shared import SharedBlockStore, open_store
 from .engine.storage.store import DiskBlockStore
+
+if TYPE_CHECKING:
+    from .chat_repl import ChatOptions
 
 app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
@@ -317,6 +320,24 @@ def convert(
     _console().print(f"{target}  ({_size(size)}, {time.perf_counter() - t0:.1f} s)")
 
 
+def _chat_options(
+    agent: str, model: str | None, system: str | None, max_tokens: int, temperature: float, kv_bits: int,
+    cache_dir: Path | None,
+) -> ChatOptions:  # fmt: skip
+    """``chat`` / ``run``'s options, the agent id checked."""
+    from .chat_repl import ChatOptions
+    from .engine.storage.store import validate_agent_id
+
+    try:
+        validate_agent_id(agent)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--agent") from exc
+    return ChatOptions(
+        agent=agent, model=model, system=system, max_tokens=max_tokens, temperature=temperature,
+        kv_bits=_kv_bits(kv_bits), cache_dir=str(cache_dir) if cache_dir else None,
+    )  # fmt: skip
+
+
 @app.command("chat")
 def chat(
     agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
@@ -328,23 +349,9 @@ def chat(
     cache_dir: CacheDir = None,
 ) -> None:
     """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
-    from .chat_repl import ChatOptions, run
-    from .engine.storage.store import validate_agent_id
+    from .chat_repl import run
 
-    try:
-        validate_agent_id(agent)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--agent") from exc
-    options = ChatOptions(
-        agent=agent,
-        model=model,
-        system=system,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        kv_bits=_kv_bits(kv_bits),
-        cache_dir=str(cache_dir) if cache_dir else None,
-    )
-    run(options, _console())
+    run(_chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir), _console())
 
 
 @app.command("run")
@@ -364,23 +371,15 @@ def run_once(
     --agent notes "Summarise"`. The turn joins the agent's conversation (the same as `chat
     --agent`): the next run resumes it from its cache. How the cache served it (hot, warm or
     cold) goes to stderr."""
-    from .chat_repl import ChatOptions, ChatSession, describe
-    from .engine.storage.store import validate_agent_id
+    from .chat_repl import ChatSession, describe
 
-    try:
-        validate_agent_id(agent)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--agent") from exc
+    options = _chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir)
     piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     text = "\n\n".join(part.strip() for part in (piped, question or "") if part and part.strip())
     if not text:
         raise typer.BadParameter(
             "ask something: a QUESTION argument, or text on stdin", param_hint="QUESTION"
         )
-    options = ChatOptions(
-        agent=agent, model=model, system=system, max_tokens=max_tokens, temperature=temperature,
-        kv_bits=_kv_bits(kv_bits), cache_dir=str(cache_dir) if cache_dir else None,
-    )  # fmt: skip
     session = ChatSession(options)
     reply = session.ask(text, lambda t: (sys.stdout.write(t), sys.stdout.flush()))
     sys.stdout.write("\n")

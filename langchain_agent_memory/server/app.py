@@ -16,23 +16,22 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
-from langchain_core.messages import AIMessageChunk
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat_model import ChatAgentMemory
-from ..engine.engine import ContextLengthError, Engine, GenerationParams, StreamChunk
+from ..engine.engine import ContextLengthError, Engine, GenerationParams
 from ..engine.model.loading import DEFAULT_MODEL
 from ..engine.storage.store import AgentRecord, validate_agent_id
 from . import replies
@@ -46,6 +45,7 @@ from .protocol import (
 )
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=SampledRequest)
 
 DEFAULT_AGENT = "default"
 
@@ -264,17 +264,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         request: Request, x_agent_id: str | None = Header(default=None)
     ) -> JSONResponse | EventSourceResponse:
         """Plain text continued, exactly (a leading space kept): base models, raw prompts."""
-        try:
-            body = CompletionRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            message, param = _validation_message(exc.errors())
-            raise APIError(400, message, param=param) from exc
+        body = _parse(CompletionRequest, await request.body())
         llm = _served(models, body.model)
         agent = _agent_of(body, x_agent_id)
-        max_tokens = body.max_tokens or 16
-        if max_tokens > config.max_tokens_limit:
-            message = f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens_limit}"
-            raise APIError(400, message, param="max_tokens")
+        max_tokens = _within_limit(body.max_tokens or 16, config.max_tokens_limit)
         params = GenerationParams(
             max_tokens=max_tokens,
             temperature=llm.temperature if body.temperature is None else body.temperature,
@@ -285,7 +278,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             stop=body.stops or [],
             exact_text=True,
         )
-        engine, headers, cid = llm.engine, {"X-Agent-ID": agent}, "cmpl-" + replies.new_id()[9:]
+        engine, headers, cid = llm.engine, {"X-Agent-ID": agent}, replies.new_id("cmpl-")
         if not body.stream:
             with _as_api_errors():
                 result = await engine.agenerate(agent, body.text, params)
@@ -294,29 +287,18 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         with _as_api_errors():
             first = await anext(chunks)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _text_events(cid, body.model, first, chunks, include_usage)
+        events = _events(first, chunks, lambda c: replies.text_chunks(cid, body.model, c, include_usage), [])
         return EventSourceResponse(events, headers=headers, ping=15)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
     async def chat_completions(
         request: Request, x_agent_id: str | None = Header(default=None)
     ) -> JSONResponse | EventSourceResponse:
-        # Parsed here, not by FastAPI, so that a JSON body is read whatever its
-        # Content-Type (curl -d sends a form type) and errors keep OpenAI's shape.
-        try:
-            body = ChatCompletionRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            message, param = _validation_message(exc.errors())
-            raise APIError(400, message, param=param) from exc
+        body = _parse(ChatCompletionRequest, await request.body())
         llm = _served(models, body.model)
         agent = _agent_of(body, x_agent_id)
-        max_tokens = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
-        if max_tokens > config.max_tokens_limit:
-            raise APIError(
-                400,
-                f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens_limit}",
-                param="max_tokens",
-            )
+        asked = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
+        max_tokens = _within_limit(asked, config.max_tokens_limit)
         if body.tools and isinstance(body.tool_choice, NamedToolChoice):
             wanted = body.tool_choice.function["name"]
             if wanted not in {t.function.name for t in body.tools}:
@@ -337,49 +319,24 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             first = await anext(chunks)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         writer = replies.ChunkWriter(cid, body.model, include_usage)
-        return EventSourceResponse(_events(writer, first, chunks), headers=headers, ping=15)
+        events = _events(first, chunks, writer.text, [writer.first()])
+        return EventSourceResponse(events, headers=headers, ping=15)
 
     return app
 
 
 async def _events(
-    writer: replies.ChunkWriter, first: Any, chunks: AsyncIterator[Any]
+    first: Any, chunks: AsyncIterator[Any], render: Callable[[Any], list[dict[str, Any]]], head: list[Any]
 ) -> AsyncIterator[dict[str, str]]:
+    """A reply's SSE events: ``head``, then what ``render`` makes of each stream chunk, then
+    ``[DONE]``; a failure after the status line was sent goes in the stream."""
     try:
-        yield {"data": json.dumps(writer.first())}
-        chunk: AIMessageChunk = first
-        while True:
-            for out in writer.text(chunk):
-                yield {"data": json.dumps(out, ensure_ascii=False)}
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except Exception as exc:  # the status line is sent: the error goes in the stream
-                logger.exception("generation failed mid-stream")
-                error = {"message": f"generation failed: {exc}", "type": "server_error", "code": None}
-                yield {"data": json.dumps({"error": error})}
-                return
-        yield {"data": "[DONE]"}
-    finally:  # the client went away: closing the stream stops decoding
-        await chunks.aclose()  # type: ignore[attr-defined]
-
-
-async def _text_events(
-    cid: str, model: str, first: StreamChunk, chunks: AsyncIterator[StreamChunk], include_usage: bool
-) -> AsyncIterator[dict[str, str]]:
-    try:
+        for out in head:
+            yield {"data": json.dumps(out)}
         chunk = first
         while True:
-            if chunk.text or chunk.result is not None:
-                yield {
-                    "data": json.dumps(
-                        replies.text_chunk(cid, model, chunk.text, chunk.result), ensure_ascii=False
-                    )
-                }
-            if chunk.result is not None and include_usage:
-                yield {"data": json.dumps({**replies.text_chunk(cid, model, ""), "choices": [],
-                                           "usage": replies.text_usage(chunk.result)})}  # fmt: skip
+            for out in render(chunk):
+                yield {"data": json.dumps(out, ensure_ascii=False)}
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -412,6 +369,24 @@ def _as_api_errors() -> Iterator[None]:
         # the client's keep-alive connection.
         logger.exception("request failed")
         raise APIError(500, f"generation failed: {exc}") from exc
+
+
+def _parse(kind: type[R], raw: bytes) -> R:
+    """A request body, parsed here rather than by FastAPI: a JSON body is read whatever its
+    Content-Type (curl -d sends a form type) and errors keep OpenAI's shape."""
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as exc:
+        message, param = _validation_message(exc.errors())
+        raise APIError(400, message, param=param) from exc
+
+
+def _within_limit(max_tokens: int, limit: int) -> int:
+    if max_tokens > limit:
+        raise APIError(
+            400, f"max_tokens {max_tokens} is over this server's limit of {limit}", param="max_tokens"
+        )
+    return max_tokens
 
 
 def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:

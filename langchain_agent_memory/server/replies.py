@@ -15,7 +15,7 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk
 
-from ..engine.results import GenerationResult
+from ..engine.results import GenerationResult, StreamChunk
 
 #: Engine finish reasons -> OpenAI's (a timeout ends the reply early, as a length limit does).
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
@@ -23,8 +23,8 @@ _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled":
 _META = ("agent_id", "cache", "cached_tokens", "time_to_first_token_s", "prefill_s", "decode_s")
 
 
-def new_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex[:24]
+def new_id(prefix: str = "chatcmpl-") -> str:
+    return prefix + uuid.uuid4().hex[:24]
 
 
 def usage(message: AIMessage) -> dict[str, Any]:
@@ -146,6 +146,15 @@ def text_completion(cid: str, model: str, result: GenerationResult) -> dict[str,
             "time_to_first_token_s": round(result.timings.ttft_s, 4),
         },
     }
+
+
+def text_chunks(cid: str, model: str, chunk: StreamChunk, include_usage: bool) -> list[dict[str, Any]]:
+    """What one engine stream chunk of a plain completion sends: its text (the last one with
+    the finish reason), then the usage chunk if asked for."""
+    out = [text_chunk(cid, model, chunk.text, chunk.result)] if chunk.text or chunk.result else []
+    if chunk.result is not None and include_usage:
+        out.append({**text_chunk(cid, model, ""), "choices": [], "usage": text_usage(chunk.result)})
+    return out
 
 
 def text_chunk(cid: str, model: str, text: str, result: GenerationResult | None = None) -> dict[str, Any]:

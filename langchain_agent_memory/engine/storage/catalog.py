@@ -209,6 +209,18 @@ class Catalog:
 
         return self._run("read an agent record", read)
 
+    def has(self, fp: str, agent_id: str) -> bool:
+        """Whether the agent has a record (without fetching it: the saver asks on every commit)."""
+        return self._run(
+            "look up an agent",
+            lambda c: (
+                c.execute(
+                    "SELECT 1 FROM am_agents WHERE fingerprint = %s AND agent_id = %s", (fp, agent_id)
+                ).fetchone()
+                is not None
+            ),
+        )
+
     def begin(self, fp: str, agent_id: str, holder: str, ttl_s: float) -> tuple[bool, int | None]:
         """Take (or renew) the agent's lease for ``ttl_s`` unless another worker holds an
         unexpired one; return whether it was taken and the record's version (None: none),

@@ -298,7 +298,7 @@ class SharedBlockStore:
 
     def has_agent(self, agent_id: str) -> bool:
         try:
-            return self.catalog.get(self.fingerprint, agent_id) is not None
+            return self.catalog.has(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
             self._down(exc)
             return self.local.has_agent(agent_id)
