@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from datetime import timedelta
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -41,6 +42,7 @@ from . import prompt, reasoning
 from .engine.engine import Engine, GenerationParams, GenerationResult
 from .engine.model.constrain import GrammarConstraint, json_schema_grammar
 from .engine.shared import shared_engine
+from .engine.storage.budget import parse_age, parse_size
 from .engine.storage.store import validate_agent_id
 from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile
@@ -71,6 +73,10 @@ class ChatAgentMemory(BaseChatModel):
             front; default ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS`` (none: local only).
         hot_budget_mb: memory for the in-memory block tier (shared per engine); default by
             device (512 on the CPU, 1/16 of a GPU's memory).
+        max_disk_bytes, cache_ttl: bound the model's stored caches (``"5GB"``; ``"7d"``):
+            agents least recently used (or unused for longer) are evicted, never one a call
+            is using, and their next call prefills (shared per engine: the latest given
+            wins); default ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``.
         timeout: seconds after which decoding stops (``finish_reason="timeout"``).
 
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
@@ -95,6 +101,8 @@ class ChatAgentMemory(BaseChatModel):
     store: str | None = None
     blocks: str | None = None
     hot_budget_mb: int | None = Field(default=None, ge=0)
+    max_disk_bytes: int | str | None = None
+    cache_ttl: float | str | timedelta | None = None
     timeout: float | None = Field(default=None, gt=0)
     max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
     #: Split a thinking model's reasoning (``<think>``, gpt-oss's analysis channel) out of
@@ -107,6 +115,16 @@ class ChatAgentMemory(BaseChatModel):
     @classmethod
     def _valid_agent_id(cls, value: str | None) -> str | None:
         return None if value is None else validate_agent_id(value)
+
+    @field_validator("max_disk_bytes")
+    @classmethod
+    def _valid_size(cls, value: int | str | None) -> int | None:
+        return None if value is None else parse_size(value)
+
+    @field_validator("cache_ttl")
+    @classmethod
+    def _valid_ttl(cls, value: float | str | timedelta | None) -> float | None:
+        return None if value is None else parse_age(value)
 
     # ------------------------------------------------------------------ identity
 
@@ -186,6 +204,8 @@ class ChatAgentMemory(BaseChatModel):
             hot_budget_bytes=None if self.hot_budget_mb is None else self.hot_budget_mb << 20,
             store=self.store,
             blocks=self.blocks,
+            max_disk_bytes=self.max_disk_bytes,
+            cache_ttl=self.cache_ttl,
         )
 
     # ------------------------------------------------------------------ one call

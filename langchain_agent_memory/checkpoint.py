@@ -47,7 +47,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from .config import get_settings
 from .engine.engine import Engine, GenerationParams
 from .engine.kv import preset_name
 from .engine.shared import engine_key, shared_engine, unwatch_engines, watch_engines
+from .engine.storage.budget import StorageBudget
 from .engine.storage.catalog import CommitConflictError
 from .engine.storage.store import AgentRecord
 from .links import Link, Links, PostgresLinks
@@ -117,6 +118,10 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             the saver itself needs one, and the owner of links written by earlier versions.
         prefetch: when a thread is read to run (``get_tuple``), load the caches of the
             nodes it runs next into memory in the background.
+        max_disk_bytes, cache_ttl: a disk budget (``"5GB"``; ``"7d"``) for the caches of
+            each engine of the directory that has none of its own: agents and snapshots
+            least recently used are evicted (their checkpoints stay; a thread resumed from
+            one prefills).
     """
 
     def __init__(
@@ -130,8 +135,11 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         prefetch: bool = True,
         store: str | None = None,
         blocks: str | None = None,
+        max_disk_bytes: int | str | None = None,
+        cache_ttl: float | str | timedelta | None = None,
     ) -> None:
         settings = get_settings()
+        self.storage_budget = StorageBudget.of(max_disk_bytes, cache_ttl)
         root = Path(cache_dir or settings.cache_dir).expanduser().resolve()
         root.mkdir(parents=True, exist_ok=True)
         store, blocks = store or settings.store, blocks or settings.blocks
@@ -271,6 +279,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
                 self.links.note_engine(
                     fp, str(engine.lm.path), preset_name(engine.quant) or engine.quant.label
                 )
+                if self.storage_budget is not None and engine.storage_budget is None:
+                    engine.storage_budget = self.storage_budget
             if self._own is None and self._is_own(engine):
                 self._own = engine
                 self.links.adopt(fp)

@@ -5,6 +5,7 @@
     agent-memory cache rm AGENT...          delete agents' caches (shared blocks stay)
     agent-memory cache gc                   remove temporary files and unreferenced blocks
     agent-memory cache du                   disk use per model/KV format
+    agent-memory cache prune --older-than 7d --max-size 5GB   evict least recently used
 
 Every command reads the cache directory (``--cache-dir``, default the settings') without
 loading a model: a cache directory holds one store per model fingerprint (``kv/<fp>/``),
@@ -14,24 +15,29 @@ so this is safe while an application is using the same directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from .config import get_settings
+from .engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
 from .engine.storage.catalog import Catalog
 from .engine.storage.shared import SharedBlockStore, open_store
 from .engine.storage.store import DiskBlockStore
 
 if TYPE_CHECKING:
     from .chat_repl import ChatOptions
+
+T = TypeVar("T")
 
 app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
@@ -79,6 +85,15 @@ Blocks = Annotated[
 def _stores(
     cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
 ) -> Iterator[DiskBlockStore | SharedBlockStore]:
+    """One store per model fingerprint, opened in turn (``_all_stores``)."""
+    with _all_stores(cache_dir, store, blocks, read_only=read_only) as stores:
+        yield from stores
+
+
+@contextmanager
+def _all_stores(
+    cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
+) -> Iterator[list[DiskBlockStore | SharedBlockStore]]:
     """One store per model fingerprint: the directories under ``{cache_dir}/kv``, or with a
     shared store (``--store`` / ``--blocks``), every model it holds (this directory its
     local tier). ``read_only``: for commands that only look: a local directory is opened
@@ -94,12 +109,22 @@ def _stores(
         catalog = Catalog(store)
         fingerprints |= catalog.fingerprints()
         catalog.close()
-    for fp in sorted(fingerprints):
-        opened = open_store(root, fp, store, blocks, read_only=read_only and not store)
-        try:
-            yield opened
-        finally:
-            opened.close()
+    opened: list[DiskBlockStore | SharedBlockStore] = []
+    try:
+        for fp in sorted(fingerprints):
+            opened.append(open_store(root, fp, store, blocks, read_only=read_only and not store))
+        yield opened
+    finally:
+        for one in opened:
+            one.close()
+
+
+def _checked(parse: Callable[[str], T], value: str | None, flag: str) -> T | None:
+    """``value`` parsed, or a usage error naming ``flag``."""
+    try:
+        return None if value is None else parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
 
 
 def _kv_bits(kv_bits: int) -> int | None:
@@ -268,19 +293,62 @@ def gc(
 
 @cache_app.command("du")
 def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
-    """Disk use per model / KV format (never changes the store)."""
+    """Disk use per model / KV format, as a disk budget counts it: the blocks agents name,
+    the index and quarantined files (never changes the store)."""
     rows = []
     for store in _stores(cache_dir, read_only=True):
-        sizes = [store.block_path(h).stat().st_size for h in store.block_hashes()]
+        usage = store.usage()
         quarantine = store.dir / "quarantine"
         bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
-        agents = sum(1 for _ in store.agents())
         rows.append({
-            "model": store.fingerprint, "agents": agents, "blocks": len(sizes), "bytes": sum(sizes),
-            "size": _size(sum(sizes)), "quarantined": bad,
+            "model": store.fingerprint, "agents": len(usage.agents), "blocks": len(usage.sizes),
+            "bytes": usage.total, "size": _size(usage.total), "quarantined": bad,
         })  # fmt: skip
     _emit("cache disk use", rows, ["model", "agents", "blocks", "size", "quarantined"], format,
           {"agents", "blocks", "size", "quarantined"})  # fmt: skip
+
+
+@cache_app.command("prune")
+def prune(
+    older_than: Annotated[
+        str | None, typer.Option(help="Evict agents unused for this long (e.g. 7d, 12h, 30m)")
+    ] = None,
+    max_size: Annotated[
+        str | None,
+        typer.Option(help="Then evict least recently used agents until all caches fit (e.g. 5GB, 500MB)"),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be evicted; evict nothing")
+    ] = False,
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+) -> None:
+    """Evict agent caches least recently used first: those unused for --older-than, then
+    more until every model's caches together fit --max-size (blocks other agents share stay;
+    LangGraph checkpoints stay: a thread resumed from an evicted cache prefills). With a
+    shared store, only this directory's copies go."""
+    budget = StorageBudget.of(
+        _checked(parse_size, max_size, "--max-size"), _checked(parse_age, older_than, "--older-than")
+    )
+    if budget is None:
+        raise typer.BadParameter("give --older-than and/or --max-size")
+    with _all_stores(cache_dir, store, blocks) as stores, contextlib.ExitStack() as locks:
+        for one in stores:  # no save of another process lands between the plan and the deletes
+            locks.enter_context(one.locked())
+        report = enforce(stores, budget, dry_run=dry_run)
+    verb = "would evict" if dry_run else "evicted"
+    for fp, agent in report.evicted:
+        typer.echo(f"{verb} {agent} ({fp})")
+    typer.echo(
+        f"{verb} {len(report.evicted)} agent cache(s) ({report.expired} unused for longer than "
+        f"{older_than or 'any limit'}): {_size(report.bytes_before)} -> {_size(report.bytes_after)}"
+    )
+    if report.over_budget:
+        typer.echo(
+            f"still over {max_size}: what is left cannot be evicted (saves not yet uploaded)", err=True
+        )
+        raise typer.Exit(code=1)
 
 
 @app.command("convert")
@@ -416,6 +484,23 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(help="Largest request body, in MB")] = 4.0,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask")] = 4096,
     hot_budget_mb: Annotated[int, typer.Option(help="Memory for in-memory KV blocks, in MB")] = 512,
+    context_length: Annotated[
+        int | None,
+        typer.Option(min=2, help="Most tokens (prompt and reply) per agent (default: the model's)"),
+    ] = None,
+    max_disk_bytes: Annotated[
+        str | None,
+        typer.Option(
+            envvar="AGENT_MEMORY_MAX_DISK_BYTES",
+            help="Disk budget of the stored caches (e.g. 5GB): least recently used agents are evicted",
+        ),
+    ] = None,
+    cache_ttl: Annotated[
+        str | None,
+        typer.Option(
+            envvar="AGENT_MEMORY_CACHE_TTL", help="Evict caches unused for this long (e.g. 7d, 12h)"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     cache_dir: CacheDir = None,
     store: Store = None,
@@ -449,6 +534,9 @@ def serve(
         max_body_bytes=int(max_body_mb * (1 << 20)),
         max_tokens_limit=max_tokens_limit,
         hot_budget_mb=hot_budget_mb,
+        context_length=context_length,
+        max_disk_bytes=_checked(parse_size, max_disk_bytes, "--max-disk-bytes"),
+        cache_ttl=_checked(parse_age, cache_ttl, "--cache-ttl"),
         store=store,
         blocks=blocks,
     )

@@ -16,6 +16,9 @@ Environment variables (prefix ``AGENT_MEMORY_``):
   several hosts: records in PostgreSQL (``postgresql://...``), blocks in S3-compatible
   storage (``s3://bucket/prefix?endpoint=...``; credentials from ``AWS_*``). Both or neither
   (default: neither; the cache directory alone, no server needed).
+- ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``: bound what each model's
+  caches keep on disk (``5GB``; ``7d``): least recently used agents are evicted (default:
+  unbounded; ``storage.budget``).
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """
@@ -46,6 +49,8 @@ class Settings(BaseSettings):
     checkpoints: str | None = None  # None: {cache_dir}/checkpoints.sqlite
     store: str | None = None  # postgresql:// URL of a shared store's records
     blocks: str | None = None  # s3:// URL of a shared store's blocks
+    max_disk_bytes: str | None = None  # a disk budget for each model's caches: "5GB", "500MiB", bytes
+    cache_ttl: str | None = None  # evict caches unused for this long: "7d", "12h", seconds
 
 
 def get_settings() -> Settings:

@@ -23,6 +23,7 @@ from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .results import CacheSource
 from .runtime import mx
+from .storage.budget import EvictionReport, StorageBudget, enforce
 from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
@@ -439,6 +440,17 @@ class AgentCaches:
                 self.store.end(agent_id)
                 raise
             self.hot.pop(agent_id, None)  # a live copy would stand for the old text
+
+    def evict(self, budget: StorageBudget, in_use: set[str], low_water: float) -> EvictionReport:
+        """Bring the store within ``budget`` (``budget.enforce``), never evicting ``in_use``;
+        evicted agents are forgotten in memory too (their next request prefills)."""
+        with self.lock, self.store.locked():
+            report = enforce([self.store], budget, in_use=lambda _, a: a in in_use, low_water=low_water)
+            for _, agent in report.evicted:
+                self.hot.pop(agent, None)
+            for h in report.deleted_blocks.get(self.fingerprint, ()):
+                self.pool.forget(h)
+        return report
 
     def delete(self, agent_id: str) -> bool:
         with self.lock:

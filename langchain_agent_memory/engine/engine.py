@@ -19,8 +19,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +47,9 @@ from .results import (
 )
 from .runner import ModelRunner
 from .runtime import mx
-from .scheduler import Scheduler
+from .scheduler import Phase, Scheduler
 from .steps import Request, RequestSteps
+from .storage.budget import DiskWatch, EvictionReport, StorageBudget
 from .storage.pool import BlockPool
 from .storage.shared import open_store
 from .storage.store import AgentRecord, validate_agent_id
@@ -64,6 +68,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Over its byte budget, an engine evicts down to this share of it (headroom for the next
+#: saves: an eviction pass then runs every few saves, not after each).
+LOW_WATER = 0.9
+
 
 class Engine:
     """Persistent per-agent KV caches around one mlx-lm model.
@@ -80,6 +88,12 @@ class Engine:
     ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
     several hosts, this ``cache_dir`` the local tier in front (``storage.shared``; default:
     settings ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``, else this directory only).
+    ``max_disk_bytes`` (``5GB``, ``500MiB`` or bytes) and ``cache_ttl`` (``7d``, ``12h``,
+    seconds or a ``timedelta``) bound what this engine's store keeps on disk: agents least
+    recently used (and unused for longer than the TTL) are evicted, never one a request is
+    using (``storage.budget``; default: settings ``AGENT_MEMORY_MAX_DISK_BYTES`` /
+    ``AGENT_MEMORY_CACHE_TTL``, else unbounded). With a shared store it bounds this worker's
+    local tier; the store keeps everything.
     """
 
     def __init__(
@@ -99,14 +113,14 @@ class Engine:
         share_prefixes: bool = True,
         store: str | None = None,
         blocks: str | None = None,
+        max_disk_bytes: int | str | None = None,
+        cache_ttl: float | str | timedelta | None = None,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
         self.lm: LoadedModel = load_model(model, cpu_kernels=cpu_kernels)  # refuses unsupported families
         self.spec = ModelCacheSpec.from_model(self.lm.model)
-        #: Most tokens (prompt + reply) one agent's context holds: the model's trained
-        #: context unless given (a longer one runs, with RoPE past what it was trained on).
-        self.context_length = context_length or trained_context(self.lm.path) or 1 << 20
+        context_length = context_length or trained_context(self.lm.path) or 1 << 20
         # kv_format (a KV_PRESETS name or a KVQuant) wins over the kv_bits shorthand.
         self.quant = kv_format_of(kv_format if kv_format is not None else kv_bits)
         for layer in self.spec.layers:
@@ -141,7 +155,7 @@ class Engine:
         self.request_hooks: list[Callable[[str, GenerationParams], None]] = []
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
         steps = RequestSteps(
-            self.agents, ModelRunner(self.lm.model), self.tokenizer, self.context_length, self.lm.name,
+            self.agents, ModelRunner(self.lm.model), self.tokenizer, context_length, self.lm.name,
             self._committed, share_prefixes,
         )  # fmt: skip
         self._steps = steps
@@ -152,6 +166,36 @@ class Engine:
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler
         self._closed = False
+        self._disk: DiskWatch | None = None
+        self._said_over = False
+        self._evicted: deque[str] = deque(maxlen=100)  # the latest evicted agents, oldest first
+        self._evicted_count = 0
+        self._saves = 0  # requests committed (a save's index growth counts until the next look)
+        self.storage_budget = StorageBudget.of(
+            max_disk_bytes if max_disk_bytes is not None else settings.max_disk_bytes,
+            cache_ttl if cache_ttl is not None else settings.cache_ttl,
+        )
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + reply) one agent's context holds: the model's trained
+        context unless given (a longer one runs, with RoPE past what it was trained on)."""
+        return self._steps.context_length
+
+    @context_length.setter
+    def context_length(self, value: int) -> None:
+        if value < 2:
+            raise ValueError(f"context_length must be at least 2 tokens, not {value}")
+        self._steps.context_length = value
+
+    @property
+    def storage_budget(self) -> StorageBudget | None:
+        """The disk budget this engine keeps its store within (None: unbounded)."""
+        return self._disk.budget if self._disk else None
+
+    @storage_budget.setter
+    def storage_budget(self, budget: StorageBudget | None) -> None:
+        self._disk = DiskWatch(budget) if budget is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -225,8 +269,67 @@ class Engine:
         return start
 
     def _committed(self, record: AgentRecord) -> None:
+        """A request saved ``record`` (on the worker, before it returns)."""
         for listener in self.commit_listeners:
             self._notify.submit(_deliver, listener, record)
+        self._saves += 1
+        if self._disk is not None:
+            try:
+                self._keep_budget()
+            except Exception:  # the save stands; the budget is kept at the next one
+                logger.exception("keeping the cache within its disk budget failed")
+
+    def _keep_budget(self, force: bool = False) -> EvictionReport | None:
+        """Evict what the budget says must go (on the worker: the scheduler's requests are
+        the agents in use, the one just saved among them). Looks at the disk only when
+        ``DiskWatch`` says a save may have crossed the budget, or now and then."""
+        watch, written, now = self._disk, self.pool.stats.bytes_written, time.time()
+        saves = self._saves
+        if watch is None or not (force or watch.due(written, saves, now)):
+            return None
+        budget = watch.budget
+        total, oldest = self.store.disk_bytes(), self.store.oldest_use()
+        expired = budget.ttl_s is not None and oldest is not None and oldest < now - budget.ttl_s
+        report = None
+        if expired or (budget.max_bytes is not None and total > budget.max_bytes):
+            in_use = {
+                r.agent_id
+                for r in (*self._scheduler.waiting, *self._scheduler.active)
+                if isinstance(r, Request) and r.phase is not Phase.DONE
+            }
+            report = self.agents.evict(budget, in_use, low_water=1.0 if force else LOW_WATER)
+            total = report.bytes_after
+            self._evicted.extend(agent for _, agent in report.evicted)
+            self._evicted_count += len(report.evicted)
+            if report.over_budget and not self._said_over:
+                self._said_over = True
+                logger.warning(
+                    "cache budget %s cannot be met: the agents in use (or saves not yet uploaded) "
+                    "hold %d bytes; it is kept again once they finish",
+                    budget, total,
+                )  # fmt: skip
+        watch.looked(total, written, saves, now)
+        return report
+
+    def _disk_stats(self) -> dict[str, Any]:
+        assert self._disk is not None
+        return {
+            "max_bytes": self._disk.budget.max_bytes,
+            "ttl_s": self._disk.budget.ttl_s,
+            "bytes": self._disk.known,  # at the last look (``disk_bytes()``: now)
+            "evicted_agents": self._evicted_count,
+            "recently_evicted": list(self._evicted),  # the latest 100, oldest first
+        }
+
+    def enforce_storage_budget(self) -> EvictionReport | None:
+        """Bring the store within ``storage_budget`` now (it is also kept after every save);
+        None without a budget, or when nothing had to go."""
+        self._check_open()
+        return self._worker.submit(self._keep_budget, True).result()
+
+    def disk_bytes(self) -> int:
+        """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
+        return self.store.disk_bytes()
 
     def settle_commits(self) -> None:
         """Wait until ``commit_listeners`` have seen every commit made so far."""
@@ -296,6 +399,7 @@ class Engine:
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             # a shared store's traffic: blocks fetched / uploaded, commits, conflicts, pending saves
             **({"shared_store": dataclasses.asdict(s)} if (s := getattr(self.store, "stats", None)) else {}),
+            **({"disk": self._disk_stats()} if self._disk is not None else {}),
             "scheduling": self._scheduler.policy,
             "max_decode_batch": self._scheduler.max_batch,
             # batch size -> generated tokens per second while that many agents decoded together

@@ -8,6 +8,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from ..config import get_settings
@@ -15,6 +16,7 @@ from .engine import Engine
 from .kv import KVQuant
 from .kv import kv_format as kv_format_of
 from .model.loading import load_model, resolve_model_dir
+from .storage.budget import StorageBudget
 from .worker import Worker
 
 _SHARED: dict[tuple[Path, Path, str, str | None, str | None], Engine] = {}
@@ -68,11 +70,14 @@ def shared_engine(
     hot_budget_bytes: int | None = None,
     store: str | None = None,
     blocks: str | None = None,
+    max_disk_bytes: int | str | None = None,
+    cache_ttl: float | str | timedelta | None = None,
 ) -> Engine:
     """The process's one engine for (model, cache directory, KV format, shared store): every
     chat model and checkpointer naming the same shares its caches, pool and worker thread. A
     larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it.
-    ``store`` / ``blocks``: a shared store's URLs (default: the settings')."""
+    ``store`` / ``blocks``: a shared store's URLs (default: the settings'). A disk budget
+    (``max_disk_bytes`` / ``cache_ttl``) given replaces the engine's (the latest wins)."""
     home = _home()
     if not home.on_worker:
         # Built on a long-lived daemon thread, not the caller's: the first call often comes
@@ -81,6 +86,7 @@ def shared_engine(
         build = functools.partial(
             shared_engine, model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format,
             hot_budget_bytes=hot_budget_bytes, store=store, blocks=blocks,
+            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl,
         )  # fmt: skip
         return home.submit(build).result()
     lm = load_model(model)
@@ -93,10 +99,14 @@ def shared_engine(
         if engine is not None:
             if hot_budget_bytes is not None and hot_budget_bytes > engine.pool.hot_budget_bytes:
                 engine.pool.hot_budget_bytes = hot_budget_bytes
+            disk = StorageBudget.of(max_disk_bytes, cache_ttl)
+            if disk is not None and disk != engine.storage_budget:
+                engine.storage_budget = disk
             return engine
         engine = Engine(
-            model, cache_dir=root, kv_format=quant, store=key[3], blocks=key[4], **_budget(hot_budget_bytes)
-        )
+            model, cache_dir=root, kv_format=quant, store=key[3], blocks=key[4],
+            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl, **_budget(hot_budget_bytes),
+        )  # fmt: skip
         watchers = [w() for w in _WATCHERS]
     for watcher in watchers:  # before anyone uses it (outside the lock: they may ask for engines)
         if watcher is not None:

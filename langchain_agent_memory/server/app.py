@@ -59,6 +59,12 @@ class ServerConfig:
     kv_bits: Literal[4, 8] | None = 4
     kv_format: str | None = None
     hot_budget_mb: int = 512
+    #: Most tokens (prompt and reply) an agent's context holds (None: the model's own).
+    context_length: int | None = None
+    #: Disk budget of the stored caches (``--max-disk-bytes`` / ``--cache-ttl``; None: the
+    #: settings', else unbounded): least recently used agents are evicted.
+    max_disk_bytes: int | str | None = None
+    cache_ttl: float | str | None = None
     #: A store shared by several servers (postgresql:// records, s3:// blocks); None: the
     #: settings' (``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``), else the cache directory.
     store: str | None = None
@@ -162,8 +168,12 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 hot_budget_mb=config.hot_budget_mb,
                 store=config.store,
                 blocks=config.blocks,
+                max_disk_bytes=config.max_disk_bytes,
+                cache_ttl=config.cache_ttl,
             )
             engine = await asyncio.to_thread(lambda llm=llm: llm.engine)  # load before serving
+            if config.context_length is not None:
+                engine.context_length = config.context_length
             logger.info("serving %s (KV cache %s)", name, engine.fingerprint)
             models[name] = llm
         yield

@@ -28,6 +28,7 @@ from langchain_openai import ChatOpenAI
 from langchain_agent_memory.corpus import apache_license
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.shared import shared_engine
+from langchain_agent_memory.engine.storage.budget import StorageBudget
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.server.process import free_port, start_server
@@ -494,8 +495,15 @@ def test_served_names_cors_and_default_sampling(smollm: LoadedModel, tmp_path: P
     config = ServerConfig(
         models=[MODEL], served_names=["team-model"], cache_dir=str(tmp_path), allowed_origins=["http://app.example"],
         temperature=1.0, top_k=1,  # the server's default sampling: top-k 1 is greedy whatever the temperature
+        context_length=128, max_disk_bytes="1GB", cache_ttl="7d",
     )  # fmt: skip
     with TestClient(create_app(config)) as http:
+        engine = shared_engine(MODEL, cache_dir=tmp_path)
+        assert engine.context_length == 128
+        assert engine.storage_budget == StorageBudget(max_bytes=10**9, ttl_s=7 * 86400)
+        long = {"model": "team-model", "messages": [{"role": "user", "content": "word " * 200}]}
+        over = http.post("/v1/chat/completions", json=long)
+        assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["team-model"]
         ask = {
             "model": "team-model",
@@ -552,3 +560,23 @@ def test_plain_completions_continue_text_exactly(server: tuple[str, Path], clien
 
 def _post_to(server: tuple[str, Path], path: str, body: dict[str, Any]) -> Any:
     return httpx.post(server[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def test_plain_completions_on_the_gemma3_base_model(gemma: LoadedModel, tmp_path: Path) -> None:
+    """A base model (no chat template) served for text completion: the continuation keeps
+    its leading space and the next call, prompt + reply + more, reads only the new text."""
+    from fastapi.testclient import TestClient
+
+    config = ServerConfig(models=["gemma3-270m"], cache_dir=str(tmp_path))
+    with TestClient(create_app(config)) as http:
+        ask = {"model": "gemma3-270m", "prompt": "The capital of France is", "max_tokens": 5}
+        ask["temperature"] = 0
+        first = http.post("/v1/completions", json=ask, headers={"X-Agent-ID": "base"}).json()
+        text = first["choices"][0]["text"]
+        assert text.startswith(" ") and text.strip()
+        engine = shared_engine("gemma3-270m", cache_dir=tmp_path)
+        assert engine.cached_text("base").startswith(ask["prompt"] + text.rstrip()[:3])
+        more = {**ask, "prompt": ask["prompt"] + text + " It", "max_tokens": 3}
+        second = http.post("/v1/completions", json=more, headers={"X-Agent-ID": "base"}).json()
+        usage = second["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 3

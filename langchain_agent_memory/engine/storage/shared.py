@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .budget import StoreUsage
 from .catalog import BlocksMissingError, Catalog, CommitConflictError
 from .files import DirectoryLock, atomic_write_bytes
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
@@ -183,6 +184,7 @@ class SharedBlockStore:
             elif f.exception() is not None:
                 failed = failed or f.exception()
         if failed is None:
+            self.local.note_blocks(missing)  # counted in this worker's disk use
             return
         available = next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
         if isinstance(failed, BlockMissingError):
@@ -454,6 +456,31 @@ class SharedBlockStore:
 
     def quarantine_agent(self, agent_id: str) -> Path | None:
         return self.local.quarantine_agent(agent_id)
+
+    # ------------------------------------------------------------------ this worker's disk
+
+    def disk_bytes(self) -> int:
+        return self.local.disk_bytes()
+
+    def usage(self) -> StoreUsage:
+        return self.local.usage()
+
+    def oldest_use(self) -> float | None:
+        return self.local.oldest_use()
+
+    def pinned(self) -> set[str]:
+        """Saves made while the store was unreachable: the only copy until uploaded."""
+        return set(self.local.pending_agents())
+
+    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
+        """Drop this worker's copies only: the store keeps the agents (their next request
+        reads them through, as on any other worker)."""
+        for agent in agent_ids:
+            self._uploaded.pop(agent, None)
+        return self.local.evict_agents(agent_ids)
+
+    def clear_quarantine(self) -> int:
+        return self.local.clear_quarantine()
 
     # ------------------------------------------------------------------ garbage
 

@@ -40,6 +40,7 @@ from typing import Any, NewType, Protocol
 import numpy as np
 
 from ..runtime import mx
+from .budget import StoreUsage
 from .files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
 from .reader import BlockFileError, BlockGroup, BlockHeader, Layouts, checksum, read_groups, read_header
 
@@ -218,6 +219,12 @@ class BlockStore(Protocol):
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
     def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]: ...
+    def disk_bytes(self) -> int: ...
+    def oldest_use(self) -> float | None: ...
+    def usage(self) -> StoreUsage: ...
+    def pinned(self) -> set[str]: ...
+    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]: ...
+    def clear_quarantine(self) -> int: ...
     def begin(self, agent_id: str, version: int | None) -> bool: ...
     def seen_version(self, agent_id: str) -> int | None: ...
     def end(self, agent_id: str) -> None: ...
@@ -250,6 +257,19 @@ INDEX_MIGRATIONS: tuple[str, ...] = (
         pending INTEGER NOT NULL DEFAULT 0
     );
     """,
+    # Bounded storage (``budget``): each agent's last use, for least-recently-used eviction
+    # (from its record's time until then), and each block file's size, so that the bytes on
+    # disk are one query, not a stat of every file.
+    """
+    ALTER TABLE agents ADD COLUMN used_at REAL NOT NULL DEFAULT 0;
+    UPDATE agents SET used_at = CASE WHEN json_valid(record)
+        THEN coalesce(json_extract(record, '$.updated_at'), 0) ELSE 0 END;
+    CREATE INDEX IF NOT EXISTS agents_used ON agents (used_at);
+    CREATE TABLE IF NOT EXISTS block_sizes (
+        block TEXT PRIMARY KEY,
+        nbytes INTEGER NOT NULL
+    );
+    """,
 )
 INDEX_SCHEMA_VERSION = len(INDEX_MIGRATIONS)
 
@@ -268,7 +288,11 @@ def migrate_index(db: sqlite3.Connection, where: Path) -> int:
             db.execute("BEGIN IMMEDIATE")
             for statement in INDEX_MIGRATIONS[version].split(";"):
                 if statement.strip():
-                    db.execute(statement)
+                    try:
+                        db.execute(statement)
+                    except sqlite3.OperationalError as exc:  # a column the index has already
+                        if "duplicate column" not in str(exc):
+                            raise
             db.execute(f"PRAGMA user_version = {version + 1}")
     return found
 
@@ -324,6 +348,7 @@ class DiskBlockStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
             migrate_index(self._db, self.dir / "index.sqlite")
+            self._schema = INDEX_SCHEMA_VERSION
             self._db_lock = threading.RLock()
             self.recovery = self.recover()
 
@@ -342,6 +367,7 @@ class DiskBlockStore:
         found = int(self._db.execute("PRAGMA user_version").fetchone()[0])
         if found > INDEX_SCHEMA_VERSION:
             raise NewerFormatError(f"{index} has index schema {found}, written by a newer version: upgrade")
+        self._schema = found
         self._db_lock = threading.RLock()
         self._lock = DirectoryLock(self.dir / "lock")  # never taken by a reader
         self.recovery = RecoveryReport()
@@ -501,9 +527,13 @@ class DiskBlockStore:
         data = record.to_json()
         refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
         with self._db_lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO agents VALUES (?, ?)", (record.agent_id, data))
+            self._db.execute(
+                "INSERT OR REPLACE INTO agents (agent_id, record, used_at) VALUES (?, ?, ?)",
+                (record.agent_id, data, record.updated_at),
+            )
             self._db.execute("DELETE FROM refs WHERE agent_id = ?", (record.agent_id,))
             self._db.executemany("INSERT INTO refs VALUES (?, ?, ?)", refs)
+            self._note_sizes(record.blocks)
             if sync is not None:
                 self._db.execute(
                     "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)",
@@ -610,6 +640,127 @@ class DiskBlockStore:
         with self._db_lock:
             return {BlockHash(r[0]) for r in self._db.execute("SELECT DISTINCT block FROM refs")}
 
+    # ------------------------------------------------------------------ disk use
+
+    def _note_sizes(self, blocks: Sequence[BlockHash]) -> None:
+        """Record the file sizes of ``blocks`` not known yet (those on this disk), in the
+        caller's transaction. Rows of deleted blocks stay until ``evict_agents`` or recovery:
+        usage counts only blocks some record names (a block is deleted when none does)."""
+        wanted = list(dict.fromkeys(blocks))
+        known: set[str] = set()
+        for i in range(0, len(wanted), 500):
+            part = wanted[i : i + 500]
+            query = f"SELECT block FROM block_sizes WHERE block IN ({','.join('?' * len(part))})"
+            known.update(r[0] for r in self._db.execute(query, part))
+        rows = []
+        for h in wanted:
+            if h not in known:
+                with contextlib.suppress(FileNotFoundError):  # a local tier's block not fetched yet
+                    rows.append((h, self.block_path(h).stat().st_size))
+        self._db.executemany("INSERT OR REPLACE INTO block_sizes VALUES (?, ?)", rows)
+
+    def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
+        """Blocks that arrived on this disk without a save (a shared store's fetch)."""
+        with self._db_lock, self._db:
+            self._note_sizes(blocks)
+
+    def _fixed_bytes(self) -> tuple[int, int]:
+        """(the directory's own files: index with its journal, format; quarantined files) in bytes."""
+        index = sum(_size_of(p) for p in self.dir.iterdir() if p.is_file())
+        quarantine = self.dir / "quarantine"
+        bad = sum(_size_of(p) for p in quarantine.iterdir()) if quarantine.is_dir() else 0
+        return index, bad
+
+    def disk_bytes(self) -> int:
+        """Bytes this store holds on disk: the blocks its records name, its index and the
+        quarantine (one query: the sizes are recorded as blocks are saved)."""
+        if self._schema < 3:  # an older index opened read-only: look at the files
+            return self.usage().total
+        with self._db_lock:
+            (blocks,) = self._db.execute(
+                "SELECT coalesce(sum(nbytes), 0) FROM block_sizes b "
+                "WHERE EXISTS (SELECT 1 FROM refs r WHERE r.block = b.block)"
+            ).fetchone()
+        return int(blocks) + sum(self._fixed_bytes())
+
+    def oldest_use(self) -> float | None:
+        """The last use of the least recently used agent (None: no agent)."""
+        used = "used_at" if self._schema >= 3 else "json_extract(record, '$.updated_at')"
+        with self._db_lock:
+            (oldest,) = self._db.execute(f"SELECT min({used}) FROM agents").fetchone()
+        return None if oldest is None else float(oldest)
+
+    def usage(self) -> StoreUsage:
+        """Every agent with its last use (least recent first), the blocks it names and their
+        sizes: what ``budget.enforce`` plans with."""
+        used = "used_at" if self._schema >= 3 else "json_extract(record, '$.updated_at')"
+        with self._db_lock:
+            agents = [
+                (a, float(t or 0))
+                for a, t in self._db.execute(f"SELECT agent_id, {used} FROM agents ORDER BY 2, 1")
+            ]
+            refs: dict[str, set[BlockHash]] = {}
+            for agent, block in self._db.execute("SELECT agent_id, block FROM refs"):
+                refs.setdefault(agent, set()).add(BlockHash(block))
+            known = (
+                dict(self._db.execute("SELECT block, nbytes FROM block_sizes")) if self._schema >= 3 else {}
+            )
+        named = set().union(*refs.values()) if refs else set()
+        sizes = {}
+        for h in named:
+            size = known.get(h)
+            if size is None:
+                size = _size_of(self.block_path(h))
+            if size:
+                sizes[h] = int(size)
+        index, bad = self._fixed_bytes()
+        return StoreUsage(self.fingerprint, agents, refs, sizes, index, bad)
+
+    def pinned(self) -> set[str]:
+        """Agents eviction must keep whatever their age (a shared store's local tier keeps
+        saves not uploaded yet); none here."""
+        return set()
+
+    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
+        """Delete these agents' records and the blocks no remaining record names, under the
+        directory lock; return the bytes freed and the blocks deleted."""
+        with self._lock:
+            with self._db_lock, self._db:
+                chains = set()
+                for agent in agent_ids:
+                    chains.update(
+                        r[0] for r in self._db.execute("SELECT block FROM refs WHERE agent_id = ?", (agent,))
+                    )
+                    self._db.execute("DELETE FROM agents WHERE agent_id = ?", (agent,))
+                    self._db.execute("DELETE FROM refs WHERE agent_id = ?", (agent,))
+                    self._db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent,))
+            freed, deleted = 0, []
+            for h in sorted(chains):
+                if not self.is_referenced(BlockHash(h)):
+                    freed += _size_of(self.block_path(BlockHash(h)))
+                    self.delete_block(BlockHash(h))
+                    deleted.append(BlockHash(h))
+            self._forget_sizes()
+        return freed, deleted
+
+    def _forget_sizes(self) -> None:
+        """Drop the size rows of blocks no record names (their files are gone or going)."""
+        with self._db_lock, self._db:
+            self._db.execute(
+                "DELETE FROM block_sizes WHERE NOT EXISTS "
+                "(SELECT 1 FROM refs r WHERE r.block = block_sizes.block)"
+            )
+
+    def clear_quarantine(self) -> int:
+        """Delete quarantined files (kept for inspection until a budget needs the space)."""
+        quarantine, freed = self.dir / "quarantine", 0
+        if quarantine.is_dir():
+            for p in quarantine.iterdir():
+                freed += _size_of(p)
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        return freed
+
     # ------------------------------------------------------------------ recovery
 
     def recover(self) -> RecoveryReport:
@@ -632,6 +783,8 @@ class DiskBlockStore:
                     self.delete_block(h)
                     report.orphan_blocks_removed += 1
             report.missing_blocks = sum(1 for h in referenced if not self.has_block(h))
+            self.note_blocks(sorted(referenced))  # sizes of blocks saved before they were kept
+            self._forget_sizes()
         if report.temp_files_removed or report.orphan_blocks_removed:
             logger.info(
                 "cache %s: removed %d temporary files and %d unreferenced blocks left by an interrupted save",
@@ -673,6 +826,13 @@ def parse_record(raw: str, what: str) -> AgentRecord:
         return AgentRecord.from_json(raw)
     except CacheFormatError as exc:
         raise type(exc)(f"{what}: {exc}") from exc
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _int_or(value: Any) -> Any:

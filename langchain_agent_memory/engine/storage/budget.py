@@ -1,0 +1,243 @@
+"""Bounded cache storage: a byte budget and/or a time to live for stored agent caches,
+enforced by evicting agents least recently used first.
+
+An agent's record and the blocks only it names go together (blocks shared with agents that
+stay, stay); a LangGraph snapshot (``@snapshot:...``) is an agent like any other here, so
+an evicted one leaves its checkpoint in place and a thread resumed from it prefills. What
+counts: every block file the store's records name, the index (with its journal) and
+quarantined files (moved aside as corrupt: the first to go). Agents a request is using
+(``in_use``) and saves not yet uploaded to a shared store are never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # store.py imports this module
+    from .store import BlockHash
+
+logger = logging.getLogger(__name__)
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 1 << 10,
+    "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+    "g": 10**9, "gb": 10**9, "gib": 1 << 30,
+    "t": 10**12, "tb": 10**12, "tib": 1 << 40,
+}  # fmt: skip
+_AGE_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``5GB``, ``512MiB``, ``1.5g`` or a number (decimal units: GB = 10^9;
+    binary with an ``i``: GiB = 2^30)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value}")
+        return int(value)
+    m = _NUMBER.match(str(value))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (write e.g. 5GB, 500MB, 2GiB or a number of bytes)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_age(value: float | int | str | timedelta) -> float:
+    """Seconds from ``7d``, ``12h``, ``30m``, ``2w``, ``45s``, a ``timedelta`` or a number of
+    seconds."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        m = _NUMBER.match(str(value))
+        unit = m.group(2).lower() if m else ""
+        if m is None or (unit and unit not in _AGE_UNITS):
+            raise ValueError(f"not a duration: {value!r} (write e.g. 7d, 12h, 30m, 2w or seconds)")
+        seconds = float(m.group(1)) * _AGE_UNITS.get(unit, 1)
+    if seconds <= 0:
+        raise ValueError(f"a time to live must be positive: {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class StorageBudget:
+    """At most ``max_bytes`` on disk; agents unused for ``ttl_s`` seconds evicted."""
+
+    max_bytes: int | None = None
+    ttl_s: float | None = None
+
+    @classmethod
+    def of(
+        cls, max_disk_bytes: int | str | None = None, ttl: float | str | timedelta | None = None
+    ) -> StorageBudget | None:
+        """A budget from user values (``parse_size`` / ``parse_age`` forms); None if neither."""
+        if max_disk_bytes is None and ttl is None:
+            return None
+        return cls(
+            None if max_disk_bytes is None else parse_size(max_disk_bytes),
+            None if ttl is None else parse_age(ttl),
+        )
+
+    def __str__(self) -> str:
+        parts = [f"{self.max_bytes} bytes" if self.max_bytes is not None else "",
+                 f"ttl {self.ttl_s:g} s" if self.ttl_s is not None else ""]  # fmt: skip
+        return ", ".join(p for p in parts if p) or "unbounded"
+
+
+@dataclass(slots=True)
+class StoreUsage:
+    """What one store holds, as eviction sees it."""
+
+    fingerprint: str
+    #: (agent id, last use as a Unix time), least recently used first.
+    agents: list[tuple[str, float]]
+    refs: dict[str, set[BlockHash]]  # agent id -> the blocks its record names
+    sizes: dict[BlockHash, int]  # bytes of each named block present on this disk
+    index_bytes: int  # the index and its journal
+    quarantine_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
+
+
+class Evictable(Protocol):
+    """A store eviction works on (``DiskBlockStore``; a shared store's local tier)."""
+
+    fingerprint: str
+
+    def disk_bytes(self) -> int: ...
+    def oldest_use(self) -> float | None: ...
+    def usage(self) -> StoreUsage: ...
+    def pinned(self) -> set[str]: ...
+    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]: ...
+    def clear_quarantine(self) -> int: ...
+
+
+@dataclass(slots=True)
+class EvictionReport:
+    bytes_before: int = 0
+    bytes_after: int = 0
+    #: (store fingerprint, agent id) of each evicted agent, in eviction order.
+    evicted: list[tuple[str, str]] = field(default_factory=list)
+    expired: int = 0  # of them, evicted for the time to live
+    quarantine_bytes: int = 0  # quarantined files removed
+    #: Blocks deleted, per store fingerprint (a pool forgets its memory copies of them).
+    deleted_blocks: dict[str, list[BlockHash]] = field(default_factory=dict)
+    #: Still over the budget: what is left is in use (or not yet uploaded).
+    over_budget: bool = False
+
+
+def enforce(
+    stores: Sequence[Evictable],
+    budget: StorageBudget,
+    *,
+    in_use: Callable[[str, str], bool] = lambda fp, agent: False,
+    now: float | None = None,
+    low_water: float = 1.0,
+    dry_run: bool = False,
+) -> EvictionReport:
+    """Bring ``stores`` (together) within ``budget``: first agents unused for longer than
+    its time to live, then, when over the byte budget, quarantined files and agents least
+    recently used first (across the stores) until the bytes fit ``low_water`` of it (an
+    engine leaves headroom, so that a pass runs every few saves, not after each).
+    ``in_use(fingerprint, agent_id)``: never evicted. ``dry_run``: plan only (the report
+    says what would go). Callers hold each store's lock when other threads may write."""
+    usages = [s.usage() for s in stores]
+    report = EvictionReport(bytes_before=sum(u.total for u in usages))
+    # How many records name each block: a block's bytes are freed when the last goes.
+    holders = {u.fingerprint: Counter(h for blocks in u.refs.values() for h in blocks) for u in usages}
+    candidates = sorted(
+        ((used, u.fingerprint, agent) for u in usages for agent, used in u.agents),
+        key=lambda c: (c[0], c[1], c[2]),
+    )
+    total = report.bytes_before
+    chosen: dict[str, list[str]] = {}
+    cutoff = None if budget.ttl_s is None else (now if now is not None else time.time()) - budget.ttl_s
+
+    def take(fp: str, agent: str) -> None:
+        nonlocal total
+        usage = next(u for u in usages if u.fingerprint == fp)
+        for h in usage.refs.get(agent, ()):
+            holders[fp][h] -= 1
+            if holders[fp][h] == 0:
+                total -= usage.sizes.get(h, 0)
+        chosen.setdefault(fp, []).append(agent)
+        report.evicted.append((fp, agent))
+
+    pinned = {s.fingerprint: s.pinned() for s in stores}
+    left = []
+    for used, fp, agent in candidates:
+        if in_use(fp, agent) or agent in pinned[fp]:
+            continue
+        if cutoff is not None and used < cutoff:
+            take(fp, agent)
+            report.expired += 1
+        else:
+            left.append((fp, agent))
+    if budget.max_bytes is not None and total > budget.max_bytes:
+        report.quarantine_bytes = sum(u.quarantine_bytes for u in usages)
+        total -= report.quarantine_bytes
+        goal = int(budget.max_bytes * low_water)
+        for fp, agent in left:
+            if total <= goal:
+                break
+            take(fp, agent)
+    report.over_budget = budget.max_bytes is not None and total > budget.max_bytes
+    if dry_run:
+        report.bytes_after = total
+        return report
+    for store in stores:
+        if report.quarantine_bytes:
+            store.clear_quarantine()
+        agents = chosen.get(store.fingerprint)
+        if agents:
+            _, deleted = store.evict_agents(agents)
+            report.deleted_blocks[store.fingerprint] = deleted
+    report.bytes_after = sum(s.disk_bytes() for s in stores)
+    if report.evicted:
+        names = [agent for _, agent in report.evicted]
+        logger.info(
+            "cache budget (%s): evicted %d agent cache(s) least recently used first (%d expired), "
+            "%d -> %d bytes: %s%s",
+            budget, len(names), report.expired, report.bytes_before, report.bytes_after,
+            ", ".join(names[:20]), " ..." if len(names) > 20 else "",
+        )  # fmt: skip
+    return report
+
+
+@dataclass(slots=True)
+class DiskWatch:
+    """When an engine looks at its disk use: before the first save, when what it saved since
+    its last look may have crossed the byte budget, and every ``recheck_s`` (other processes
+    write to the directory too; agents age past the time to live)."""
+
+    budget: StorageBudget
+    recheck_s: float = 30.0
+    #: What a save may add to the index beyond the bytes it reports (pages of the record,
+    #: its references and sizes in SQLite's journal): counted until the next look.
+    index_margin: int = 64 << 10
+    known: int | None = None  # bytes at the last look
+    then: tuple[int, int] = (0, 0)  # (bytes written, saves) by the engine at the last look
+    looked_at: float = float("-inf")
+
+    def due(self, written: int, saves: int, now: float) -> bool:
+        ttl = self.budget.ttl_s
+        interval = self.recheck_s if ttl is None else min(self.recheck_s, ttl / 10)
+        if self.known is None or now - self.looked_at >= interval:
+            return True
+        grown = written - self.then[0] + (saves - self.then[1]) * self.index_margin
+        cap = self.budget.max_bytes
+        return cap is not None and self.known + grown > cap
+
+    def looked(self, total: int, written: int, saves: int, now: float) -> None:
+        self.known, self.then, self.looked_at = total, (written, saves), now
