@@ -39,8 +39,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-app = typer.Typer(help="Persistent agent KV caches: inspect and manage them.", no_args_is_help=True)
-cache_app = typer.Typer(help="Inspect and manage stored agent caches.", no_args_is_help=True)
+_HELP = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(no_args_is_help=True, context_settings=_HELP, rich_markup_mode="markdown")
+cache_app = typer.Typer(
+    help="Inspect and manage stored agent caches: ls, show, du, rm, prune, gc.",
+    no_args_is_help=True,
+    context_settings=_HELP,
+)
 app.add_typer(cache_app, name="cache")
 
 
@@ -59,7 +64,25 @@ def _options(
         typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit"),
     ] = False,
 ) -> None:
-    """Persistent agent KV caches: inspect and manage them."""
+    """Local LLM agents that remember: each agent keeps its KV cache (4-bit, on disk), so it
+    resumes in milliseconds instead of re-reading its context.
+
+    **Talk and serve**: `chat --agent A` (a terminal conversation that resumes warm), `run
+    --agent A "question"` (one answer, stdin too: `cat notes.md | agent-memory run --agent
+    notes "Summarise"`), `serve` (OpenAI-compatible /v1/chat/completions and /v1/completions,
+    an agent per `prompt_cache_key`, `user` or X-Agent-ID; /v1/agents to list, fork, delete).
+
+    **Models**: `models` lists the shipped ones (smollm2-135m, gemma3-270m) and converted
+    ones; `convert FILE.gguf` converts a GGUF; `--model` also takes an mlx-lm directory.
+
+    **Caches**: `cache ls | show | du` look (never change anything); `cache rm` deletes by
+    id, --prefix or --thread; `cache prune --older-than 7d --max-size 5GB` evicts least
+    recently used; `cache gc` cleans what a killed process left. `--store/--blocks` (or
+    AGENT_MEMORY_STORE/BLOCKS) work on a store shared by several hosts.
+
+    Settings come from AGENT_MEMORY_* variables (cache dir, model, disk budget: see the
+    README). In Python: `ChatAgentMemory()` and `AgentMemorySaver()`.
+    """
 
 
 CacheDir = Annotated[

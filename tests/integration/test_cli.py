@@ -82,15 +82,20 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
         ["cache", "rm"],
         ["cache", "gc"],
         ["cache", "du"],
+        ["cache", "prune"],
         ["serve"],
         ["chat"],
+        ["run"],
         ["convert"],
     ],
 )
 def test_every_command_has_help(command: list[str]) -> None:
-    out = _run(*command, "--help")
+    out = _run(*command, "-h")
     assert "Usage: " in out and " ".join(command) in out
     assert "--cache-dir" in out or not command or command == ["cache"]
+    if not command:  # the top-level help says everything the tool does
+        for word in ("chat", "run", "serve", "models", "convert", "cache prune", "cache rm", "--store"):
+            assert word in out
 
 
 def _sha256(path: Path) -> str:
