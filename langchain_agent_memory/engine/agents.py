@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,7 +262,8 @@ class AgentCaches:
 
     def from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
         """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
-        from disk. A sliding-window layer reads only the blocks of its last window."""
+        from disk. A sliding-window layer reads only the blocks of its last window: blocks
+        before every window are read for the full-attention layers' tensors alone."""
         layers = self.new_layers()
         first = [
             0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
@@ -270,9 +272,15 @@ class AgentCaches:
         n_blocks = -(-n_tokens // BLOCK_TOKENS)
         if len(chain) < n_blocks:
             raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
-        base = min(first)
+        base, every = min(first), max(first)
+
+        def wanted(j: int) -> frozenset[int] | None:
+            """The layers that need block ``base + j`` (None: all of them)."""
+            b = base + j
+            return None if b >= every else frozenset(i for i, f in enumerate(first) if f <= b)
+
         needed = chain[base:n_blocks]
-        runs = self._sources(needed)
+        runs = self._sources(needed, wanted)
         from_disk = any(isinstance(src, BlockGroup) for _, src in runs)
         for i, layer in enumerate(layers):
             own = first[i] - base
@@ -288,10 +296,13 @@ class AgentCaches:
             layer.trim_to(n_tokens)
         return layers, from_disk
 
-    def _sources(self, needed: list[BlockHash]) -> list[tuple[int, BlockGroup | Block]]:
+    def _sources(
+        self, needed: list[BlockHash], wanted: Callable[[int], frozenset[int] | None]
+    ) -> list[tuple[int, BlockGroup | Block]]:
         """Where each of ``needed`` comes from, as (index of its first block, source): blocks
-        in the pool's memory tier one by one; every run of the others in one read from disk
-        (``reader``: a few device arrays, not one read per block)."""
+        in the pool's memory tier one by one; every run of the others that the same layers
+        need (``wanted``) in one read from disk (``reader``: a few device arrays, not one
+        read per block)."""
         runs: list[tuple[int, BlockGroup | Block]] = []
         b = 0
         while b < len(needed):
@@ -300,11 +311,11 @@ class AgentCaches:
                 runs.append((b, block))
                 b += 1
                 continue
-            end = b
-            while end < len(needed) and not self.pool.is_hot(needed[end]):
+            end, layers = b, wanted(b)
+            while end < len(needed) and not self.pool.is_hot(needed[end]) and wanted(end) == layers:
                 end += 1
             b0 = b
-            for group in self.store.read_blocks(needed[b:end]):
+            for group in self.store.read_blocks(needed[b:end], layers):
                 runs.append((b0, group))
                 b0 += len(group.headers)
             self.pool.stats.misses += end - b

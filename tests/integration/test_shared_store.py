@@ -324,3 +324,24 @@ def test_the_cache_commands_read_the_shared_store(
     assert gc.exit_code == 0, gc.output
     assert int(gc.output.split(" and ")[-1].split()[0]) >= 2, gc.output  # the writer's own blocks
     _objects_all_named(shared_store, a("stats")["fingerprint"])
+
+
+def test_a_disk_budget_bounds_the_local_tier_and_the_store_keeps_everything(
+    tmp_path: Path, shared_store: tuple[str, str]
+) -> None:
+    from langchain_agent_memory.engine.storage.budget import StorageBudget
+
+    one = GenerationParams(max_tokens=1)
+    prompts = {f"x{i}": f"Worker note {i}: " + "the river runs to the sea. " * 12 for i in range(6)}
+    with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=shared_store[0], blocks=shared_store[1]) as e:
+        e.generate("x0", prompts["x0"], one)
+        e.storage_budget = StorageBudget(max_bytes=3 * e.disk_bytes())
+        for agent in list(prompts)[1:]:
+            e.generate(agent, prompts[agent], one)
+            assert e.disk_bytes() <= e.storage_budget.max_bytes
+        evicted = e.stats()["disk"]["recently_evicted"]
+        assert evicted and evicted[0] == "x0"
+        assert {r.agent_id for r in _store_is_whole(shared_store, e.fingerprint)} == set(prompts)
+        e.drop_hot()
+        back = e.generate("x0", prompts["x0"] + " More.", one)  # read through from the store
+        assert back.outcome.source.value == "warm" and back.reused_tokens > 0

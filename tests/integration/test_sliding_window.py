@@ -71,3 +71,29 @@ def test_ignoring_the_window_is_caught(gemma: LoadedModel, reference) -> None:
     last, step = _ours(gemma, ids, None, ignore_window=True)
     assert _rel(last, ref_last) > 0.3  # measured ~0.6: far outside every tolerance above
     assert _rel(step, ref_step) > 0.3
+
+
+def test_a_warm_restore_past_the_window_equals_the_uninterrupted_run(gemma: LoadedModel, tmp_path) -> None:
+    """At 16-bit KV the oracle holds exactly: a new engine restoring a 1.5K-token context
+    (its sliding layers read only their last window's blocks, the full layers every block)
+    continues with the same greedy tokens as the engine that never stopped."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    text = gemma.tokenizer.decode(
+        gemma.tokenizer.encode(corpus.python_docs(), add_special_tokens=False)[:1500]
+    )
+    params = GenerationParams(max_tokens=8)
+    hot = Engine("gemma3-270m", cache_dir=tmp_path / "hot", kv_bits=None)
+    first = hot.generate("g", text, params)
+    more = text + first.text + "\n\nIn short,"
+    uninterrupted = hot.generate("g", more, params)
+    cold_dir = tmp_path / "warm"
+    warm = Engine("gemma3-270m", cache_dir=cold_dir, kv_bits=None)
+    assert warm.generate("g", text, params).text == first.text
+    warm.close()
+    again = Engine("gemma3-270m", cache_dir=cold_dir, kv_bits=None)
+    resumed = again.generate("g", more, params)
+    assert resumed.outcome.source.value == "warm" and resumed.reused_tokens >= 1500
+    assert resumed.text == uninterrupted.text
+    hot.close()
+    again.close()

@@ -219,3 +219,52 @@ def test_index_schema_is_versioned_and_migrated(tmp_path: Path) -> None:
     with pytest.raises(NewerFormatError, match="upgrade the package"):
         DiskBlockStore(tmp_path, FP)
     assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION + 1
+
+
+def _layered_block(layers: int = 3, seed: int = 0) -> Block:
+    mx.random.seed(seed)
+    tensors = {}
+    for i in (*range(layers), 10):  # L10 sorts between L1 and L2: ranges still per layer
+        tensors[f"L{i}.k.q"] = mx.random.randint(0, 2**31, (1, 1, 4, 8)).astype(mx.uint32)
+        tensors[f"L{i}.v"] = mx.random.normal((1, 1, 4, 16)).astype(mx.float16)
+    return Block(block_hash(None, [1, 2, 3, 4], FP), None, [1, 2, 3, 4], tensors)
+
+
+def test_some_layers_are_read_alone_and_checked_alone(tmp_path: Path) -> None:
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _layered_block()
+    store.put_block(blk)
+    (whole,) = store.read_blocks([blk.hash])
+    (part,) = store.read_blocks([blk.hash], layers=[0, 10])
+    assert part.names() == ["L0.k.q", "L0.v", "L10.k.q", "L10.v"]
+    assert part.blob.size == whole.blob.size // 2  # 2 of 4 layers: only their bytes were read
+    for name in part.names():
+        assert mx.array_equal(part.tensor(name), blk.tensors[name]).item()
+    # A flipped bit in a layer that is read is caught; one in a layer that is not, is not
+    # read (a whole read still catches it).
+    path = store.block_path(blk.hash)
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    table = json.loads(data[8 : 8 + header_len])
+    at = 8 + header_len + table["L2.v"]["data_offsets"][0]
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    store.read_blocks([blk.hash], layers=[0])  # L2 not read: nothing to check
+    with pytest.raises(CacheFormatError, match="checksum"):
+        store.read_blocks([blk.hash], layers=[2])
+    with pytest.raises(CacheFormatError, match="checksum"):
+        store.read_blocks([blk.hash])
+
+
+def test_blocks_without_part_checksums_are_read_whole(tmp_path: Path) -> None:
+    """A block written before per-layer checksums (same format version) still loads: whole."""
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _layered_block()
+    store.put_block(blk)
+    path = store.block_path(blk.hash)
+    (meta_back,) = [json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])]
+    meta = meta_back["__metadata__"]
+    del meta["part_checksums"]
+    mx.save_safetensors(str(path), dict(blk.tensors), metadata=meta)
+    (group,) = store.read_blocks([blk.hash], layers=[0])
+    assert len(group.names()) == len(blk.tensors)

@@ -14,6 +14,12 @@ time went to per-array overhead, not to bytes. Here:
    others read on (``cuda_memory``: ``mx.array`` of host memory costs ~2.5 GB/s there);
    elsewhere the group is one ``mx.array`` of the host rows.
 
+A block may be read in part: only some layers' tensors (``select``; a sliding-window layer
+needs only its last window's blocks, so Gemma 3's blocks before that window are read for its
+full-attention layers only). Each layer's tensors are one contiguous range of the file
+(names ``L{i}.…`` sort together) and have a checksum of their own in the header
+(``part_checksums``; blocks written before it was added are read whole).
+
 Nothing unverified is returned: a block whose header, hash or checksum is wrong raises
 ``CacheFormatError`` (``BlockMissingError`` if absent), naming the file.
 """
@@ -26,7 +32,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +78,14 @@ class TensorEntry:
 class BlockHeader:
     path: Path
     data_offset: int  # where the data section starts in the file
-    data_len: int
-    tensors: tuple[TensorEntry, ...]  # sorted by name
+    data_len: int  # bytes read (the data section, or the selected layers' ranges packed)
+    tensors: tuple[TensorEntry, ...]  # sorted by name (offsets into what is read)
     meta: dict[str, str]
     _n_tokens: int | None = None
+    #: A partial read (``select``): the (begin, end) ranges of the data section read, in
+    #: order, and the layers (``L{i}``) they hold; None: the whole data section.
+    ranges: tuple[tuple[int, int], ...] | None = None
+    parts: tuple[str, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -133,6 +143,39 @@ def read_header(path: Path, layouts: Layouts | None = None) -> BlockHeader:
     return BlockHeader(path, 8 + n, data_len, tuple(entries), meta)
 
 
+def layer_of(name: str) -> str:
+    """The layer a block tensor belongs to: ``L3`` for ``L3.k.q``."""
+    return name.split(".", 1)[0]
+
+
+def part_checksums(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
+    """``checksum`` of each layer's tensors, by layer (what a partial read verifies)."""
+    by_layer: dict[str, list[tuple[str, Any]]] = {}
+    for name, data in named:
+        by_layer.setdefault(layer_of(name), []).append((name, data))
+    return {layer: checksum(group) for layer, group in sorted(by_layer.items())}
+
+
+def select(header: BlockHeader, layers: Collection[str]) -> BlockHeader:
+    """A view of ``header`` that reads only the tensors of ``layers`` (``L{i}``), packed in
+    file order: one range per run of adjacent tensors."""
+    chosen = [e for e in header.tensors if layer_of(e.name) in layers]
+    ranges: list[tuple[int, int]] = []
+    packed: list[TensorEntry] = []
+    at = 0
+    for e in sorted(chosen, key=lambda e: e.begin):
+        if ranges and ranges[-1][1] == e.begin:
+            ranges[-1] = (ranges[-1][0], e.end)
+        else:
+            ranges.append((e.begin, e.end))
+        packed.append(TensorEntry(e.name, e.dtype, e.shape, at, at + e.end - e.begin))
+        at += e.end - e.begin
+    return BlockHeader(
+        header.path, header.data_offset, at, tuple(sorted(packed, key=lambda e: e.name)), header.meta,
+        header._n_tokens, tuple(ranges), tuple(sorted({layer_of(e.name) for e in chosen})),
+    )  # fmt: skip
+
+
 def checksum(named: Sequence[tuple[str, Any]]) -> str:
     """SHA-256 over (name, NUL, bytes) of tensors in name order: what a block's header
     stores (``tensor_checksum`` over arrays; here over the raw bytes just read)."""
@@ -168,9 +211,13 @@ class BlockGroup:
         return [e.name for e in self.headers[0].tensors]
 
 
-def read_groups(headers: list[BlockHeader], verify: Callable[[BlockHeader, str], None]) -> list[BlockGroup]:
+Verify = Callable[[BlockHeader, "str | dict[str, str]"], None]
+
+
+def read_groups(headers: list[BlockHeader], verify: Verify) -> list[BlockGroup]:
     """The data of ``headers`` (in order), grouped by layout, checked with ``verify(header,
-    checksum)`` (which raises on a mismatch) and uploaded one array per group."""
+    digest)`` (which raises on a mismatch; the digest is the ``checksum`` of a whole read, the
+    ``part_checksums`` of a partial one) and uploaded one array per group."""
     runs: list[list[int]] = []
     for i, hd in enumerate(headers):
         if runs and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
@@ -187,7 +234,7 @@ def read_groups(headers: list[BlockHeader], verify: Callable[[BlockHeader, str],
 def _read(
     headers: list[BlockHeader],
     runs: list[list[int]],
-    verify: Callable[[BlockHeader, str], None],
+    verify: Verify,
     to_gpu: bool,
 ) -> list[BlockGroup]:
     widths = [headers[run[0]].data_len for run in runs]
@@ -205,15 +252,18 @@ def _read(
         g, row, hd = job
         up, host = uploads[g], hosts[g]
         with cuda_memory.staging(hd.data_len) if host is None else contextlib.nullcontext(host[row]) as dest:
+            view, got = memoryview(dest), 0
             try:
                 with open(hd.path, "rb") as f:
-                    f.seek(hd.data_offset)
-                    got = f.readinto(memoryview(dest))
+                    for begin, end in hd.ranges or ((0, hd.data_len),):
+                        f.seek(hd.data_offset + begin)
+                        got += f.readinto(view[got : got + end - begin])
             except OSError as exc:
                 raise BlockFileError(f"unreadable: {exc}") from exc
             if got != hd.data_len:
                 raise BlockFileError(f"read {got} of {hd.data_len} bytes (truncated?)")
-            verify(hd, checksum([(e.name, dest[e.begin : e.end]) for e in hd.tensors]))
+            named = [(e.name, dest[e.begin : e.end]) for e in hd.tensors]
+            verify(hd, part_checksums(named) if hd.ranges is not None else checksum(named))
             if up is not None:
                 up.write(row, dest)
 

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -163,9 +163,11 @@ class SharedBlockStore:
         self._fetch([h])
         return self.local.get_block(h, names)
 
-    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]:
+    def read_blocks(
+        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
+    ) -> list[BlockGroup]:
         self._fetch(hashes)
-        return self.local.read_blocks(hashes)
+        return self.local.read_blocks(hashes, layers)
 
     def _fetch(self, hashes: Sequence[BlockHash]) -> None:
         """Bring ``hashes`` to this worker's disk; ``BlocksUnavailableError`` (with how many

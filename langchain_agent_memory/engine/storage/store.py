@@ -32,7 +32,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NewType, Protocol
@@ -42,7 +42,17 @@ import numpy as np
 from ..runtime import mx
 from .budget import StoreUsage
 from .files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
-from .reader import BlockFileError, BlockGroup, BlockHeader, Layouts, checksum, read_groups, read_header
+from .reader import (
+    BlockFileError,
+    BlockGroup,
+    BlockHeader,
+    Layouts,
+    checksum,
+    part_checksums,
+    read_groups,
+    read_header,
+    select,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +105,14 @@ def validate_agent_id(agent_id: str) -> str:
     return agent_id
 
 
+def _named_bytes(tensors: dict[str, mx.array]) -> list[tuple[str, Any]]:
+    views = ((name, memoryview(a)) for name, a in tensors.items())
+    return [(name, v if v.c_contiguous else v.tobytes()) for name, v in views]
+
+
 def tensor_checksum(tensors: dict[str, mx.array]) -> str:
     """A block's checksum (``reader.checksum``) over evaluated arrays."""
-    views = ((name, memoryview(a)) for name, a in tensors.items())
-    return checksum([(name, v if v.c_contiguous else v.tobytes()) for name, v in views])
+    return checksum(_named_bytes(tensors))
 
 
 def _lineage(header: BlockHeader) -> tuple[list[int], BlockHash | None]:
@@ -218,7 +232,9 @@ class BlockStore(Protocol):
     def agent_chain(self, agent_id: str) -> list[BlockHash]: ...
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
-    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]: ...
+    def read_blocks(
+        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
+    ) -> list[BlockGroup]: ...
     def disk_bytes(self) -> int: ...
     def oldest_use(self) -> float | None: ...
     def usage(self) -> StoreUsage: ...
@@ -410,13 +426,17 @@ class DiskBlockStore:
             return 0
         tensors = {k: mx.contiguous(v) for k, v in block.tensors.items()}
         mx.eval(tensors)
+        named = _named_bytes(tensors)
         meta = {
             "format_version": str(FORMAT_VERSION),
             "fingerprint": self.fingerprint,
             "hash": block.hash,
             "parent": block.parent or "",
             "token_ids": json.dumps(block.token_ids),
-            "checksum": tensor_checksum(tensors),
+            "checksum": checksum(named),
+            # Each layer's own, for reads of some layers only (``reader.select``); an older
+            # reader ignores it and checks the whole.
+            "part_checksums": json.dumps(part_checksums(named), separators=(",", ":")),
         }
         # mx.save_safetensors appends ".safetensors" to a name that lacks it.
         return atomic_write(
@@ -438,9 +458,13 @@ class DiskBlockStore:
         token_ids, parent = _lineage(header)
         return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted})
 
-    def read_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockGroup]:
+    def read_blocks(
+        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
+    ) -> list[BlockGroup]:
         """The blocks ``hashes`` (in order), verified, as groups of consecutive blocks of one
-        tensor layout, each uploaded to the device as one array (``reader``)."""
+        tensor layout, each uploaded to the device as one array (``reader``). ``layers``: only
+        these layers' tensors are needed (read alone where every block has per-layer
+        checksums; blocks written before them are read whole)."""
         headers = []
         layouts: Layouts = {}
         for h in hashes:
@@ -456,8 +480,20 @@ class DiskBlockStore:
             self._check_header(h, header)
             headers.append(header)
 
-        def verify(header: BlockHeader, got: str) -> None:
-            if got != header.meta.get("checksum"):
+        if layers is not None and all("part_checksums" in hd.meta for hd in headers):
+            wanted = {f"L{i}" for i in layers}
+            headers = [select(hd, wanted) for hd in headers]
+
+        def verify(header: BlockHeader, got: str | dict[str, str]) -> None:
+            if isinstance(got, dict):
+                try:
+                    stored = json.loads(header.meta["part_checksums"])
+                except (KeyError, ValueError) as exc:
+                    raise CacheFormatError(f"block file {header.path} has corrupt part checksums") from exc
+                sound = isinstance(stored, dict) and all(stored.get(k) == v for k, v in got.items())
+            else:
+                sound = got == header.meta.get("checksum")
+            if not sound:
                 raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
 
         try:
