@@ -109,7 +109,7 @@ def warm_breakdown(model: str, n: int, tmp: Path) -> dict[str, Any]:
     from langchain_agent_memory.engine.storage.reader import read_header
     from langchain_agent_memory.engine.storage.store import BLOCK_TOKENS
 
-    engine = Engine(model, cache_dir=tmp / f"w{n}")
+    engine = Engine(model, cache_dir=tmp / f"w{n}", context_length=4 * n)
     text = _text(model, n)
     engine.generate("w", text, GenerationParams(max_tokens=1))
     record = engine.store.get_agent("w")
@@ -218,6 +218,11 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["prefill", "warm", "decode"])
     a = ap.parse_args()
     out: dict[str, Any] = {"prefill": [], "warm": [], "decode": []}
+    RESULTS.mkdir(exist_ok=True)
+
+    def save() -> None:  # after every step: a long run keeps what it measured
+        (RESULTS / "profile.json").write_text(json.dumps(out, indent=1))
+
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for model in a.models:
@@ -230,15 +235,16 @@ def main() -> None:
                         )
                     print(f"[prefill] {model} mlx-lm chunk={chunk} ...", flush=True)
                     out["prefill"].append({"model": model, **prefill_mlx(model, a.prefill_tokens, chunk)})
+                    save()
             if "warm" not in a.skip:
                 for n in a.warm_tokens:
                     print(f"[warm] {model} {n} ...", flush=True)
                     out["warm"].append(warm_breakdown(model, n, tmp))
+                    save()
             if "decode" not in a.skip:
                 print(f"[decode] {model} ...", flush=True)
                 out["decode"].append(decode_floor(model, tmp))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "profile.json").write_text(json.dumps(out, indent=1))
+                save()
     print("\nprefill: chunk time = a + b * position")
     print(f"{'model':14} {'system':12} {'chunk':>5} {'tokens':>6} {'prefill s':>9} {'save s':>7} "
           f"{'a ms':>7} {'b ms/1K':>8} {'attention %':>11}")  # fmt: skip

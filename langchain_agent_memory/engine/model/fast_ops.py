@@ -93,6 +93,9 @@ _SDPA_SMALL = 16384
 # One decoded token's MLP: mlx's single compiled op beats our five (graph-building cost).
 _ACT_SMALL = 4096
 _CAUSAL_BLOCK = 128  # query rows per block of a causal prefill (measured: 64 < 128 > 256)
+_KEY_TILE = 256  # keys per tile of a long attention (``_attend_tiled``; measured 256 < 512 < 1024)
+_TILED_FROM = 2048  # keys from which attention goes in tiles (below, one pass is as fast)
+_TILED_ROWS = 128  # query rows (heads per KV head x queries) from which tiles pay
 
 
 class _Kernel:
@@ -321,6 +324,51 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: in
     return o / w.sum(-2)[..., None]
 
 
+def _run(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
+    """``_attend``, in key tiles where a prefill block meets thousands of keys (a short
+    request or a decode step stays one pass: its scores fit in the cache anyway, and tiles
+    would only add ops)."""
+    tiled = k.shape[2] >= _TILED_FROM and q.shape[2] >= _TILED_ROWS
+    return (_attend_tiled if tiled else _attend)(q, k, v, mask, kv, n_rep)
+
+
+def _attend_tiled(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
+    """``_attend`` over keys in tiles of ``_KEY_TILE``, the softmax merged across tiles
+    (running max and sum, as flash attention does). Over thousands of keys the scores of a
+    whole block (9 heads x 128 queries x 8K keys: 38 MB) are read and written ~12 times from
+    memory; a tile's fit in the cache. Measured (1 layer, 384 query rows, 8K keys): 140 ms
+    whole, 45 ms in tiles of 256."""
+    B, _, rows, _ = q.shape
+    L = rows // n_rep
+    kL = k.shape[2]
+    fixed = rows >= 32 and rows * _KEY_TILE * kv >= _SMALL
+    add = _additive_mask_t(mask, L, kL, kv, n_rep)
+    # Keys every query sees need no mask: "causal" masks only the last L keys.
+    masked_from = kL if add is None else (kL - L if isinstance(mask, str) else 0)
+    qt = q.swapaxes(-1, -2)
+    m = acc = den = None
+    for a in range(0, kL, _KEY_TILE):
+        z = min(a + _KEY_TILE, kL)
+        s = (k[:, :, a:z] @ qt).reshape(B, kv, z - a, n_rep, L)
+        if add is not None and z > masked_from:
+            s = s + add[..., a:z, :, :]
+        top = s.max(-3, keepdims=True)
+        new = top if m is None else mx.maximum(m, top)
+        p, e = _exp_parts(s - new, _exp_bits_neg, fixed)
+        w = _mul(p, e, fixed=fixed).reshape(B, kv, z - a, rows)
+        o = w.swapaxes(-1, -2) @ v[:, :, a:z]
+        total = w.sum(-2)
+        if m is None:
+            acc, den = o, total
+        else:  # rescale what earlier tiles summed to the new running max
+            c = fast_exp(m - new).reshape(B, kv, rows)
+            acc = acc * c[..., None] + o
+            den = den * c + total
+        m = new
+    assert acc is not None and den is not None
+    return acc / den[..., None]
+
+
 _block_cache: list[tuple[mx.array, list[tuple[int, int, int, int]] | None]] = []
 
 
@@ -377,7 +425,7 @@ def attention(
     v = _f32(values)
     blocks = _query_blocks(mask, L, k.shape[2]) if L >= 2 * _CAUSAL_BLOCK else None
     if blocks is None:
-        o = _attend(q, k, v, mask, kv, n_rep)
+        o = _run(q, k, v, mask, kv, n_rep)
     else:
         # Long prefill: each block of queries only multiplies the keys it can see (skips the
         # causal upper triangle, and everything outside a sliding window), and stays in cache.
@@ -386,7 +434,7 @@ def attention(
         for a, b, lo, hi in blocks:
             qc = q5[:, :, :, a:b].reshape(B, kv, n_rep * (b - a), D)
             mc = "causal" if isinstance(mask, str) else mask.reshape(L, -1)[a:b, lo:hi]
-            oc = _attend(qc, k[:, :, lo:hi], v[:, :, lo:hi], mc, kv, n_rep)
+            oc = _run(qc, k[:, :, lo:hi], v[:, :, lo:hi], mc, kv, n_rep)
             outs.append(oc.reshape(B, kv, n_rep, b - a, -1))
         o = mx.concatenate(outs, axis=3)
     return o.reshape(B, H, L, -1).astype(queries.dtype)
