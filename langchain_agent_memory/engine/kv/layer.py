@@ -20,6 +20,8 @@ a prefill in the codec's rotated space.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,21 @@ def _spare(like: mx.array, rows: int) -> mx.array:
 def _with_room(x: mx.array, used: int, rows: int) -> mx.array:
     """``x``'s first ``used`` positions (axis 2) in a new buffer of ``rows`` positions."""
     return mx.concatenate([x[:, :, :used], _spare(x, rows - used)], axis=2)
+
+
+_THREAD = threading.local()
+
+
+def _decode_streams() -> tuple[Any, Any] | tuple[None, None]:
+    """Two CPU streams of this thread for decoding a working copy's keys and values: mlx
+    runs each stream on a thread of its own, so the two decodes and the model's own work
+    proceed at once (streams belong to the thread that made them: one pair per thread)."""
+    if mx.default_device() != mx.cpu:  # a GPU decodes on its own stream
+        return None, None
+    pair = getattr(_THREAD, "decode_streams", None)
+    if pair is None:
+        pair = _THREAD.decode_streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
+    return pair
 
 
 def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
@@ -360,18 +377,37 @@ class LayerCache:
         self, lo: int, dtype: mx.Dtype, krot: bool, vrot: bool, room: bool = False
     ) -> tuple[mx.array, mx.array]:
         """Positions ``[lo, offset)`` as held, at full precision (in the rotated space
-        where ``krot`` / ``vrot``); with ``room``, followed by spare positions (``grown_rows``)
-        where the segments are joined anyway (a copy with room costs no more than one without)."""
+        where ``krot`` / ``vrot``); with ``room``, followed by spare positions (``grown_rows``).
+
+        The largest segment (the stored body) is decoded straight into a buffer of the whole
+        size: its packed parts are padded (zeros decode to zeros) and the other segments are
+        written into it in place. Joining decoded segments instead wrote every value twice:
+        at 8K tokens of SmolLM2, 470 ms of a warm restore's 650 against 355 for the decode.
+        With ``room`` (a working copy being built: the first chunk of a warm request waits
+        for it) keys and values are decoded on two streams of their own, beside the model."""
         segments = self._segments(lo)
-        ks = [_in_space(kc.decode(kp, dtype), kc.rotate, krot) for kp, _, kc, _ in segments]
-        vs = [_in_space(vc.decode(vp, dtype), vc.rotate, vrot) for _, vp, _, vc in segments]
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        if room:
-            n = self.offset - lo
-            ks.append(_spare(ks[0], grown_rows(n) - n))
-            vs.append(_spare(vs[0], grown_rows(n) - n))
-        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+        n = self.offset - lo
+        rows = grown_rows(n) if room and len(segments) > 1 else n
+        big = max(range(len(segments)), key=lambda i: segments[i][0][0].shape[2])
+        streams = _decode_streams() if room else (None, None)
+        out = []
+        for side, rotated, stream in ((0, krot, streams[0]), (1, vrot, streams[1])):
+            pieces = [(seg[side], seg[2 + side]) for seg in segments]
+            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+                before = sum(parts[0].shape[2] for parts, _ in pieces[:big])
+                parts, codec = pieces[big]
+                after = rows - before - parts[0].shape[2]
+                if before or after:
+                    parts = tuple(mx.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)]) for x in parts)
+                buf = _in_space(codec.decode(parts, dtype), codec.rotate, rotated)
+                at = 0
+                for i, (parts, codec) in enumerate(pieces):
+                    m = parts[0].shape[2]
+                    if i != big:
+                        buf[:, :, at : at + m] = _in_space(codec.decode(parts, dtype), codec.rotate, rotated)
+                    at += m
+            out.append(buf)
+        return out[0], out[1]
 
     @property
     def work_nbytes(self) -> int:
