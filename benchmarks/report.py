@@ -509,8 +509,40 @@ What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
 """
 
 
+def profile() -> str:
+    return """## Where the CPU time goes (profile, issue 22)
+
+    .venv/bin/python -u benchmarks/profile.py [--models ...] [--prefill-tokens 4096] [--warm-tokens 1024 8192]
+
+Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`results/profile.json`):
+
+- Cold prefill, chunk time = a + b x position: SmolLM2 4-bit, chunks of 128: a = 304 ms (projections,
+  MLP: ~90 GFLOP/s, BLAS-bound), b = 371 ms per 1K positions: attention was 70 % of a 4K prefill and
+  ~83 % of an 8K one. Its matmuls take ~3.4 ms per layer per 1K keys; the rest was the softmax's ~12
+  passes over a score block (9 heads x 128 queries x P keys: 38 MB at 8K) through memory. 16-bit KV:
+  the same shape (a = 230 ms: the 4-bit commit costs ~70 ms per chunk). Chunks of 512: ~10 % faster.
+- Fix landed: keys in tiles of 256 with the softmax merged across tiles (`fast_ops._attend_tiled`),
+  so a tile's scores stay in the cache: 1 layer, 384 query rows over 8K keys 140 -> 45-57 ms; SmolLM2
+  cold 4K 33.7 -> 26.5 s, 8K 118 -> 77 s (llama.cpp f16 measured 51.8 s at 8K on the earlier VM: to
+  be re-measured side by side). Two CPU streams for query blocks or key halves gave nothing once tiled.
+- Warm restore (SmolLM2, 8K): reading, checking and uploading 65 MB of blocks 0.10 s; the first
+  chunk 0.65 s, of which building the float32 working copies (decode 355 ms, joining segments 115,
+  first-touch page faults inside both) ~0.45 s and the 15-token forward + attention over 8K keys
+  ~0.2-0.39 s (attention of 45 query rows over 8K keys: 8.5 ms per layer; `fast_exp` runs at ~3 ns
+  per element: mlx JIT-compiles its fused loops without -march, so SSE2). Fix landed: decode straight
+  into the whole buffer (padded packed parts), keys and values on two streams: 470 -> 140-290 ms.
+- Gemma 3 warm restore (8K): the 15 sliding layers need only their last window: bytes read 52 -> 12.6
+  MB (per-layer checksums, `reader.select`), warm TTFT 0.38 -> 0.30 s; what is left is the forward of
+  ~14 tokens over 1.07 GB of float32 weights (the 671 MB tied embedding read once for the logits).
+- Decode: SmolLM2 13.1 tok/s against a floor of 18.5 (609 MB per token / 11.2 GB/s measured copy
+  bandwidth): 0.71 of the floor; Gemma 9.2 vs 10.3: 0.90. Weights in bf16 or 8-bit do not beat
+  float32 here: mlx's CPU GEMV runs at 17 GB/s in float32 (MKL), 2.1 GB/s in bf16, 1.2 in 8-bit.
+"""
+
+
 SECTIONS: list[Callable[[], str]] = [
     ttft,
+    profile,
     capacity,
     fidelity,
     workflow,
