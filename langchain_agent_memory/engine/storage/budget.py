@@ -18,10 +18,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # store.py imports this module
-    from .store import BlockHash
+    from .store import BlockHash, BlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +110,6 @@ class StoreUsage:
         return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
 
 
-class Evictable(Protocol):
-    """A store eviction works on (``DiskBlockStore``; a shared store's local tier)."""
-
-    fingerprint: str
-
-    def disk_bytes(self) -> int: ...
-    def oldest_use(self) -> float | None: ...
-    def usage(self) -> StoreUsage: ...
-    def pinned(self) -> set[str]: ...
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]: ...
-    def clear_quarantine(self) -> int: ...
-
-
 @dataclass(slots=True)
 class EvictionReport:
     bytes_before: int = 0
@@ -138,7 +125,7 @@ class EvictionReport:
 
 
 def enforce(
-    stores: Sequence[Evictable],
+    stores: Sequence[BlockStore],
     budget: StorageBudget,
     *,
     in_use: Callable[[str, str], bool] = lambda fp, agent: False,
