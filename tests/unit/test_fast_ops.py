@@ -123,6 +123,7 @@ def _masks(h: int, L: int, kL: int) -> dict[str, object]:
         (9, 3, 128, 2300, 64),  # a prefill chunk over a long cache: keys in tiles
         (4, 1, 300, 2600, 16),  # a long prefill: query blocks, keys in tiles
         (9, 3, 1, 2100, 64),  # decode over a long cache: one pass, no tiles
+        (3, 1, 15, 8300, 16),  # a warm agent's new turn over a long cache: wide key tiles
     ],
 )
 def test_attention_matches_mx_fast(h: int, kv: int, L: int, kL: int, d: int) -> None:

@@ -93,9 +93,15 @@ _SDPA_SMALL = 16384
 # One decoded token's MLP: mlx's single compiled op beats our five (graph-building cost).
 _ACT_SMALL = 4096
 _CAUSAL_BLOCK = 128  # query rows per block of a causal prefill (measured: 64 < 128 > 256)
-_KEY_TILE = 256  # keys per tile of a long attention (``_attend_tiled``; measured 256 < 512 < 1024)
-_TILED_FROM = 2048  # keys from which attention goes in tiles (below, one pass is as fast)
-_TILED_ROWS = 128  # query rows (heads per KV head x queries) from which tiles pay
+_KEY_TILE = 256  # keys per tile of a long prefill block (``_attend_tiled``; measured 256 < 512 < 1024)
+_TILED_FROM = 2048  # keys from which a prefill block goes in tiles (below, one pass is as fast)
+_TILED_ROWS = 128  # query rows (heads per KV head x queries) of a prefill block
+# A short request over a long context (a warm agent's ~15 new tokens: 45 rows per KV head)
+# has few rows per key: its tiles are wider. Measured (45 rows, median ms, whole / tiles of
+# 256 / 1024): 4K keys 3.2 / 7.3 / 3.7; 8K 16.5 / 17.7 / 10.8; 16K 38.8 / 35.5 / 18.4.
+_SHORT_TILE = 1024
+_SHORT_TILED_FROM = 8192
+_SHORT_ROWS = 16  # fewer rows (a decode step: 1 query per head) stay one pass at any length
 
 
 class _Kernel:
@@ -328,12 +334,18 @@ def _run(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) 
     """``_attend``, in key tiles where a prefill block meets thousands of keys (a short
     request or a decode step stays one pass: its scores fit in the cache anyway, and tiles
     would only add ops)."""
-    tiled = k.shape[2] >= _TILED_FROM and q.shape[2] >= _TILED_ROWS
-    return (_attend_tiled if tiled else _attend)(q, k, v, mask, kv, n_rep)
+    rows, kL = q.shape[2], k.shape[2]
+    if rows >= _TILED_ROWS and kL >= _TILED_FROM:
+        return _attend_tiled(q, k, v, mask, kv, n_rep, _KEY_TILE)
+    if rows >= _SHORT_ROWS and kL >= _SHORT_TILED_FROM:
+        return _attend_tiled(q, k, v, mask, kv, n_rep, _SHORT_TILE)
+    return _attend(q, k, v, mask, kv, n_rep)
 
 
-def _attend_tiled(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
-    """``_attend`` over keys in tiles of ``_KEY_TILE``, the softmax merged across tiles
+def _attend_tiled(
+    q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int, tile: int
+) -> mx.array:
+    """``_attend`` over keys in tiles of ``tile``, the softmax merged across tiles
     (running max and sum, as flash attention does). Over thousands of keys the scores of a
     whole block (9 heads x 128 queries x 8K keys: 38 MB) are read and written ~12 times from
     memory; a tile's fit in the cache. Measured (1 layer, 384 query rows, 8K keys): 140 ms
@@ -341,14 +353,14 @@ def _attend_tiled(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_r
     B, _, rows, _ = q.shape
     L = rows // n_rep
     kL = k.shape[2]
-    fixed = rows >= 32 and rows * _KEY_TILE * kv >= _SMALL
+    fixed = rows >= 32 and rows * tile * kv >= _SMALL
     add = _additive_mask_t(mask, L, kL, kv, n_rep)
     # Keys every query sees need no mask: "causal" masks only the last L keys.
     masked_from = kL if add is None else (kL - L if isinstance(mask, str) else 0)
     qt = q.swapaxes(-1, -2)
     m = acc = den = None
-    for a in range(0, kL, _KEY_TILE):
-        z = min(a + _KEY_TILE, kL)
+    for a in range(0, kL, tile):
+        z = min(a + tile, kL)
         s = (k[:, :, a:z] @ qt).reshape(B, kv, z - a, n_rep, L)
         if add is not None and z > masked_from:
             s = s + add[..., a:z, :, :]
