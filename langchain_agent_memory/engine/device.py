@@ -1,9 +1,10 @@
 """What the device the engine runs on asks for: the engine's defaults on a GPU (Metal or
 CUDA) and on a CPU differ, and each is measured on its own device (benchmarks/README.md).
 
-- prefill chunk: on the CPU 128 tokens (as fast as larger chunks there, and a new arrival
-  waits for one chunk only); on a GPU 2048, mlx-lm's own step (a 128-token chunk leaves an
-  8B model's matmuls far from the H200's peak: 256 forward passes for a 32K prompt);
+- prefill chunk: on the CPU 128 tokens while other requests are served (a new arrival
+  waits for one chunk only), 256 for a request alone; on a GPU 2048, mlx-lm's own step (a
+  128-token chunk leaves an 8B model's matmuls far from the H200's peak: 256 forward
+  passes for a 32K prompt);
 - memory budgets: from the device's memory on a GPU (an H200 holds ~140 GB; a Mac's unified
   memory is shared with the system), fixed on the CPU (what the 2-core machine measured).
 """
@@ -16,6 +17,11 @@ from .runtime import mx
 #: arrival waited 0.59 s with 128-token chunks, 3.9 s with 512; 3161 tokens prefilled in
 #: 16-19 s at 128, 256 and 512 alike).
 CPU_CHUNK_TOKENS = 128
+#: CPU prefill chunk of a request with no other to serve: the model's matmuls run nearer
+#: their peak (SmolLM2 cold 4K, runs alternated: 128 -> 26.6, 28.3 s, 512 -> 22.5, 26.9 s;
+#: later 128 -> 32.1, 30.9 s, 256 -> 28.3, 28.1 s). 256, not 512: a request arriving
+#: meanwhile waits for one such chunk, and 256 already takes most of the gain.
+CPU_ALONE_CHUNK_TOKENS = 256
 #: GPU prefill chunk: mlx-lm's ``prefill_step_size``.
 GPU_CHUNK_TOKENS = 2048
 #: CPU working-copy budget: one 16K-token SmolLM2 agent (754 MB at float32), or ~15 Gemma 3
@@ -45,6 +51,10 @@ def memory_bytes() -> int | None:
 
 def chunk_tokens() -> int:
     return GPU_CHUNK_TOKENS if on_gpu() else CPU_CHUNK_TOKENS
+
+
+def alone_chunk_tokens() -> int:
+    return GPU_CHUNK_TOKENS if on_gpu() else CPU_ALONE_CHUNK_TOKENS
 
 
 def work_budget_bytes() -> int:

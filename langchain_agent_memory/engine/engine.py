@@ -137,6 +137,8 @@ class Engine:
         self.pool = BlockPool(
             self.store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
         )
+        # A chunk given is used alone or not; the device's default is larger when alone.
+        alone_chunk = chunk_tokens or device.alone_chunk_tokens()
         self.chunk_tokens = chunk_tokens = chunk_tokens or device.chunk_tokens()
         if work_budget_bytes is None:
             work_budget_bytes = device.work_budget_bytes()
@@ -160,8 +162,9 @@ class Engine:
         )  # fmt: skip
         self._steps = steps
         self._scheduler = Scheduler(
-            steps.admit, steps.prefill, steps.decode, policy=scheduling, chunk_tokens=chunk_tokens
-        )
+            steps.admit, steps.prefill, steps.decode, policy=scheduling, chunk_tokens=chunk_tokens,
+            alone_chunk_tokens=alone_chunk,
+        )  # fmt: skip
         self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler

@@ -56,12 +56,17 @@ class Scheduler:
         decode: Callable[[list[Schedulable]], None],
         policy: str = "interleave",
         chunk_tokens: int = 512,
+        alone_chunk_tokens: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, not {policy!r}")
         self._admit, self._prefill, self._decode = admit, prefill, decode
         self.policy = policy
         self.chunk_tokens = chunk_tokens
+        #: The chunk of a prefill with nothing else to serve: larger chunks run the model's
+        #: matmuls nearer their peak, and no other request waits behind them (a request
+        #: arriving meanwhile waits for one of them at most; the next step is small again).
+        self.alone_chunk_tokens = alone_chunk_tokens or chunk_tokens
         self.waiting: deque[Schedulable] = deque()
         self.active: list[Schedulable] = []
         self.steps = 0
@@ -91,8 +96,10 @@ class Scheduler:
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
             else:
                 request = prefilling[0]
-            budget = self.chunk_tokens - min(request.remaining_prefill, self.chunk_tokens)
-            self._prefill(request, self.chunk_tokens)
+            alone = len(self.active) == 1 and not self.waiting
+            chunk = self.alone_chunk_tokens if alone else self.chunk_tokens
+            budget = chunk - min(request.remaining_prefill, chunk)
+            self._prefill(request, chunk)
             if self.policy == "interleave":
                 self._prefill_short(prefilling, request, budget)
         self.active = [r for r in self.active if r.phase is not Phase.DONE]
