@@ -90,10 +90,12 @@ class Ours:
 
     @staticmethod
     def warm(model: str, kv_bits: int | None, state_dir: Path, context: int, prompt: str, i: int) -> Result:
+        t0 = time.perf_counter()
         ours = Ours(model, kv_bits, state_dir, context)
+        start = time.perf_counter() - t0
         rss0 = rss_bytes()
         out = ours._first(prompt + extension(i), "warm")
-        return out | {"rss_delta_bytes": rss_bytes() - rss0}
+        return out | {"rss_delta_bytes": rss_bytes() - rss0, "start_s": start}
 
 
 # ---------------------------------------------------------------------------- mlx-lm
@@ -176,7 +178,10 @@ class MlxLm:
 
     @staticmethod
     def warm(model_dir: Path, kv_bits: int | None, state_dir: Path, prompt: str, i: int) -> Result:
-        return MlxLm(model_dir, kv_bits, state_dir)._extend(prompt, i, load_first=True)
+        t0 = time.perf_counter()
+        peer = MlxLm(model_dir, kv_bits, state_dir)
+        start = time.perf_counter() - t0
+        return peer._extend(prompt, i, load_first=True) | {"start_s": start}
 
 
 # ---------------------------------------------------------------------------- llama.cpp
@@ -251,10 +256,12 @@ class LlamaCpp:
 
     @staticmethod
     def warm(gguf: Path, kv: str, state_dir: Path, n_ctx: int, prompt: str, i: int) -> Result:
-        peer = LlamaCpp(gguf, kv, state_dir, n_ctx)
+        t0 = time.perf_counter()
+        peer = LlamaCpp(gguf, kv, state_dir, n_ctx)  # allocates (and clears) its KV buffer
+        start = time.perf_counter() - t0
         ids = peer._ids(prompt, i)
         rss0, t0 = rss_bytes(), time.perf_counter()
         peer._restore()
         peer.llm.create_completion(ids, max_tokens=1, temperature=0.0)
         ttft = time.perf_counter() - t0
-        return {"ttft_s": ttft, "tokens": len(ids), "rss_delta_bytes": rss_bytes() - rss0}
+        return {"ttft_s": ttft, "tokens": len(ids), "rss_delta_bytes": rss_bytes() - rss0, "start_s": start}

@@ -6,6 +6,7 @@ text, on both shipped models, 4-bit and 16-bit KV: ours beside the peers in the 
 
     .venv/bin/python benchmarks/ttft.py                     # 1K..16K, both models, all systems
     .venv/bin/python benchmarks/ttft.py --lengths 1024 2048 --models smollm2-135m --systems ours-q4
+    .venv/bin/python benchmarks/ttft.py --states /tmp/states   # keep states; a rerun measures warm only
 
 Context: the first N tokens of the Python reference manual (CPython's pydoc_data), as plain
 text, the same for every system. Cold: the first request, which builds the state that is
@@ -20,6 +21,7 @@ keeps what it measured) and ttft.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -109,7 +111,12 @@ def worker(system: str, model: str, state_dir: str, context: str, prompt_file: s
     return LlamaCpp.warm(gguf_of(model), kv, d, int(context), prompt, int(i))
 
 
-def measure(model: str, n: int, systems: list[str], progress: Any) -> list[dict[str, Any]]:
+def measure(
+    model: str, n: int, systems: list[str], progress: Any, states: Path | None = None
+) -> list[dict[str, Any]]:
+    """Each system's cold, hot and warm times at ``n`` tokens. ``states``: keep each built state
+    there, and where one was kept by an earlier run, reuse it (its cold and hot times) and
+    measure warm again only (a long cold prefill is then paid once)."""
     prompt = prompt_text(model, n)
     context = n + 256  # the prompt, the new turn and tokenizer differences
     rows = []
@@ -119,19 +126,32 @@ def measure(model: str, n: int, systems: list[str], progress: Any) -> list[dict[
             rows.append({"model": model, "n": n, "system": system, "skipped": why})
             progress(3)
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            obj = make(system, model, Path(tmp), context)
-            # mlx-lm's 4-bit prefill takes 745 s at 8K on SmolLM2 (~50 min at 16K): past 8K
-            # its state is built at full precision and quantized, its cold time not taken.
-            slow = system == "mlx-lm-q4" and n > 8192
-            cold = obj.cold(prompt, prefill_16bit=True) if slow else obj.cold(prompt)
-            progress(1)
-            hot = [obj.hot(prompt, i)["ttft_s"] for i in range(HOT_RUNS)]
-            progress(1)
-            if hasattr(obj, "close"):
-                obj.close()  # free its memory: warm processes and later systems need it
-            del obj
-            warms = [warm(system, model, Path(tmp), context, prompt, i) for i in range(WARM_RUNS)]
+        with contextlib.ExitStack() as stack:
+            if states is None:
+                where = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            else:
+                where = states / model / str(n) / system
+                where.mkdir(parents=True, exist_ok=True)
+            built = where / "built.json"
+            if built.exists():
+                kept = json.loads(built.read_text())
+                cold, hot = kept["cold"], kept["hot"]
+                progress(2)
+            else:
+                obj = make(system, model, where, context)
+                # mlx-lm's 4-bit prefill takes 745 s at 8K on SmolLM2 (~50 min at 16K): past
+                # 8K its state is built at full precision and quantized, its cold time not taken.
+                slow = system == "mlx-lm-q4" and n > 8192
+                cold = obj.cold(prompt, prefill_16bit=True) if slow else obj.cold(prompt)
+                progress(1)
+                hot = [obj.hot(prompt, i)["ttft_s"] for i in range(HOT_RUNS)]
+                progress(1)
+                if hasattr(obj, "close"):
+                    obj.close()  # free its memory: warm processes and later systems need it
+                del obj
+                if states is not None:
+                    built.write_text(json.dumps({"cold": cold, "hot": hot}))
+            warms = [warm(system, model, where, context, prompt, i) for i in range(WARM_RUNS)]
             progress(1)
         row = {
             "model": model,
@@ -143,6 +163,9 @@ def measure(model: str, n: int, systems: list[str], progress: Any) -> list[dict[
             "warm_s": statistics.median(w["ttft_s"] for w in warms),
             "hot_runs": hot,
             "warm_runs": [w["ttft_s"] for w in warms],
+            # a new process's construction (model load; llama.cpp also allocates its KV buffer
+            # for the whole context there), before warm's clock starts
+            "start_s": statistics.median(w.get("start_s", 0.0) for w in warms),
             # resident memory one restored agent added to a fresh process (median)
             "rss_delta_bytes": statistics.median(w["rss_delta_bytes"] for w in warms),
             "disk_bytes": cold["disk_bytes"],
@@ -196,6 +219,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument(
+        "--states", type=Path, help="keep built states here; reuse kept ones (warm measured again only)"
+    )
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(*a.worker)))
@@ -213,7 +239,7 @@ def main() -> None:
         for model in a.models:
             for n in a.lengths:
                 progress.update(task, description=f"{model} {n} tokens")
-                new = measure(model, n, a.systems, lambda k: progress.advance(task, k))
+                new = measure(model, n, a.systems, lambda k: progress.advance(task, k), a.states)
                 for r in new:
                     if "skipped" not in r:
                         progress.console.print(
@@ -227,7 +253,7 @@ def main() -> None:
     measured = [r for r in rows if "skipped" not in r]
     table = Table(title="time to first token, seconds (hot: median of 3, warm: median of 2)")
     for c in ("model", "tokens", "system", "cold", "warm", "hot", "cold/warm", "cold/hot", "disk MB",
-              "vs ours-q4 warm"):  # fmt: skip
+              "vs ours-q4 warm", "start+warm"):  # fmt: skip
         table.add_column(c, justify="right")
     for r in measured:
         key = (r["model"], r["n"], "ours-q4")
@@ -238,6 +264,7 @@ def main() -> None:
             r["model"], f"{r['tokens']}{mark}", r["system"], _num(r["cold_s"], ".2f"), f"{r['warm_s']:.3f}",
             f"{r['hot_s']:.3f}", _num(r["cold_over_warm"], ".0f", "x"), _num(r["cold_over_hot"], ".0f", "x"),
             f"{r['disk_bytes'] / 1e6:.1f}", vs,
+            f"{r['start_s'] + r['warm_s']:.3f}" if r.get("start_s") else "-",
         )  # fmt: skip
     console.print(table)
     console.print("* past SmolLM2's trained context (8,192 tokens)")

@@ -238,13 +238,21 @@ def _read(
     to_gpu: bool,
 ) -> list[BlockGroup]:
     widths = [headers[run[0]].data_len for run in runs]
+    on_cpu = mx.default_device() == mx.cpu
     uploads = [
         cuda_memory.Upload.make(len(run), w) if to_gpu else None for run, w in zip(runs, widths, strict=True)
     ]
-    # Host rows only where a group is not copied to the GPU file by file.
-    hosts = [
-        None if up else np.empty((len(run), w), np.uint8)
+    # Host rows only where a group is not copied to the GPU file by file. On the CPU the rows
+    # are the memory of the group's array itself (mlx shares a CPU array's buffer through the
+    # buffer protocol): no second copy of every byte read, nor the fresh pages it would fault.
+    blobs = [
+        mx.zeros((len(run), w), mx.uint8) if up is None and on_cpu else None
         for run, w, up in zip(runs, widths, uploads, strict=True)
+    ]
+    mx.eval([b for b in blobs if b is not None])
+    hosts = [
+        np.asarray(blob) if blob is not None else None if up else np.empty((len(run), w), np.uint8)
+        for run, w, up, blob in zip(runs, widths, uploads, blobs, strict=True)
     ]
     jobs = [(g, row, headers[i]) for g, run in enumerate(runs) for row, i in enumerate(run)]
 
@@ -274,6 +282,9 @@ def _read(
         for job in jobs:
             load(job)
     return [
-        BlockGroup([headers[i] for i in run], up.array if up is not None else mx.array(host))
-        for run, host, up in zip(runs, hosts, uploads, strict=True)
+        BlockGroup(
+            [headers[i] for i in run],
+            up.array if up is not None else blob if blob is not None else mx.array(host),
+        )
+        for run, host, up, blob in zip(runs, hosts, uploads, blobs, strict=True)
     ]
