@@ -551,12 +551,13 @@ Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`result
 Against issue 22's goals, from the table above (one run, this VM):
 
 - Cold prefill within 1.5x of llama.cpp f16 at 8K-16K: SmolLM2 1.33x at 8K, 1.38x at 16K (1.30x at
-  4K); Gemma 3 1.47x at 8K, 1.55x at 16K. Never behind plain mlx-lm: SmolLM2 2.2-2.8x faster, Gemma
+  4K); Gemma 3 1.47x at 8K, 1.55x at 16K. Never behind plain mlx-lm: SmolLM2 2.0-2.8x faster, Gemma
   1.4-2.0x faster at every length (Gemma's was behind mlx-lm's at every length before).
 - Hot never behind mlx-lm on either model; beside llama.cpp f16 SmolLM2 hot is 0.87x its time at 16K
   but 1.25-2.3x at 1K-8K, Gemma 2.7-4.2x.
 - Warm: still behind llama.cpp f16 everywhere (SmolLM2 2.2-5.4x its time, Gemma 3.1-4.3x) and behind
-  mlx-lm's at SmolLM2 8K-16K and on Gemma (by 0.05-0.24 s); ahead of mlx-lm at SmolLM2 1K-4K.
+  mlx-lm's at SmolLM2 8K-16K (by 0.41-0.48 s) and on Gemma (by 0.05-0.24 s); ahead of it at
+  SmolLM2 1K-4K.
   What a warm restore spends, below: the working copies' fresh memory and decode, then the forward.
 
 Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per warm request):
