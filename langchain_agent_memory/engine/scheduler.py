@@ -11,7 +11,8 @@ Policies:
 - ``"interleave"`` (default): the prefilling request with the fewest tokens left goes
   first (shortest remaining prefill), so an agent whose cache is warm or hot (a short
   prefill) never waits behind another agent's long cold prefill for more than one chunk
-  (the engine's chunks are small on the CPU: ``device.CPU_CHUNK_TOKENS``), and decoding agents get a token
+  (the engine's chunks are small on the CPU: ``device.CPU_CHUNK_TOKENS``; a prefill with
+  no other request to serve takes ``alone_chunk_tokens``), and decoding agents get a token
   between any two chunks. What a step's chunk leaves goes to other requests whose whole
   prefill fits in it (the short tails of a fan-out finish together).
 - ``"fcfs"``: one request at a time, in arrival order, to its end: what an engine without

@@ -331,9 +331,10 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: in
 
 
 def _run(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
-    """``_attend``, in key tiles where a prefill block meets thousands of keys (a short
-    request or a decode step stays one pass: its scores fit in the cache anyway, and tiles
-    would only add ops)."""
+    """``_attend``, in key tiles where many query rows meet thousands of keys: tiles of 256
+    for a prefill block, of 1024 for a short request (a warm turn) over 8K keys or more. A
+    decode step, or a short request over fewer keys, stays one pass: its scores fit in the
+    cache anyway, and tiles would only add ops."""
     rows, kL = q.shape[2], k.shape[2]
     if rows >= _TILED_ROWS and kL >= _TILED_FROM:
         return _attend_tiled(q, k, v, mask, kv, n_rep, _KEY_TILE)
