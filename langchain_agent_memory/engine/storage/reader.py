@@ -238,22 +238,14 @@ def _read(
     to_gpu: bool,
 ) -> list[BlockGroup]:
     widths = [headers[run[0]].data_len for run in runs]
-    on_cpu = mx.default_device() == mx.cpu
     uploads = [
         cuda_memory.Upload.make(len(run), w) if to_gpu else None for run, w in zip(runs, widths, strict=True)
     ]
-    # Host rows only where a group is not copied to the GPU file by file. On the CPU the rows
-    # are the memory of the group's array itself (mlx shares a CPU array's buffer through the
-    # buffer protocol): no second copy of every byte read, nor the fresh pages it would fault.
-    blobs = [
-        mx.zeros((len(run), w), mx.uint8) if up is None and on_cpu else None
-        for run, w, up in zip(runs, widths, uploads, strict=True)
+    # Host rows only where a group is not copied to the GPU file by file.
+    rows_of = [
+        None if up else _host_rows(len(run), w) for run, w, up in zip(runs, widths, uploads, strict=True)
     ]
-    mx.eval([b for b in blobs if b is not None])
-    hosts = [
-        np.asarray(blob) if blob is not None else None if up else np.empty((len(run), w), np.uint8)
-        for run, w, up, blob in zip(runs, widths, uploads, blobs, strict=True)
-    ]
+    hosts = [r[0] if r else None for r in rows_of]
     jobs = [(g, row, headers[i]) for g, run in enumerate(runs) for row, i in enumerate(run)]
 
     def load(job: tuple[int, int, BlockHeader]) -> None:
@@ -282,9 +274,21 @@ def _read(
         for job in jobs:
             load(job)
     return [
-        BlockGroup(
-            [headers[i] for i in run],
-            up.array if up is not None else blob if blob is not None else mx.array(host),
-        )
-        for run, host, up, blob in zip(runs, hosts, uploads, blobs, strict=True)
+        BlockGroup([headers[i] for i in run], up.array if up is not None else _as_array(*rows))
+        for run, up, rows in zip(runs, uploads, rows_of, strict=True)
     ]
+
+
+def _host_rows(n: int, width: int) -> tuple[np.ndarray, mx.array | None]:
+    """Host memory for a group's ``n`` rows, and the array it already is, if any: on the CPU
+    the rows are the memory of the group's array itself (mlx shares a CPU array's buffer
+    through the buffer protocol), so the bytes read are not copied again into fresh pages."""
+    if mx.default_device() != mx.cpu:
+        return np.empty((n, width), np.uint8), None
+    blob = mx.zeros((n, width), mx.uint8)
+    mx.eval(blob)
+    return np.asarray(blob), blob
+
+
+def _as_array(rows: np.ndarray, blob: mx.array | None) -> mx.array:
+    return blob if blob is not None else mx.array(rows)
