@@ -1,11 +1,30 @@
 """langchain-agent-memory: persistent 4-bit KV caches for LangChain / LangGraph agents on MLX."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 # NOTE: first, before anything can import mlx: loads a fast BLAS into the process (see
 # engine/runtime.py; ``engine/__init__.py`` imports it too, so any import path gets it first).
 from .engine import runtime as _runtime  # noqa: F401  # isort: skip
-from .chat_model import ChatAgentMemory
-from .checkpoint import AgentMemorySaver
-from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from .chat_model import ChatAgentMemory
+    from .checkpoint import AgentMemorySaver
+    from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
+
+# The public names are imported on first use (PEP 562): LangChain / LangGraph take ~1.2 s to
+# import, which a process that only touches the engine or its store (the CLI's cache commands,
+# a cleanup worker, a server child) should not pay.
+_LAZY = {
+    "ChatAgentMemory": ".chat_model",
+    "AgentMemorySaver": ".checkpoint",
+    "DEFAULT_MODEL": ".engine.model.loading",
+    "SHIPPED_MODELS": ".engine.model.loading",
+    "LoadedModel": ".engine.model.loading",
+    "load_model": ".engine.model.loading",
+}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -16,3 +35,16 @@ __all__ = [
     "load_model",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

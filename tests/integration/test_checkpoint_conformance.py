@@ -31,11 +31,17 @@ async def _agent_memory_saver():  # type: ignore[no-untyped-def]
         yield AgentMemorySaver(cache_dir=tmp)
 
 
+#: The server's cache directory, one for the module: it holds the model converted from its GGUF
+#: (once, not per conformance test); each test gets a checkpoint database of its own.
+_SERVER_CACHE = tempfile.TemporaryDirectory(prefix="server-checkpointer-")
+
+
 @checkpointer_test(name="server_checkpointer")
 async def _server_checkpointer():  # type: ignore[no-untyped-def]
     """What ``langgraph dev`` builds from ``langgraph.json`` (examples/langgraph_server)."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as env:
-        env.setenv("AGENT_MEMORY_CACHE_DIR", tmp)
+        env.setenv("AGENT_MEMORY_CACHE_DIR", _SERVER_CACHE.name)
+        env.setenv("AGENT_MEMORY_CHECKPOINTS", str(Path(tmp) / "checkpoints.sqlite"))
         async with server_checkpointer() as saver:
             yield saver
 

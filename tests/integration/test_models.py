@@ -56,13 +56,15 @@ def test_gemma_adds_bos_and_has_two_end_tokens(gemma: LoadedModel) -> None:
 
 def test_gemma_predicts_real_english_text(gemma: LoadedModel) -> None:
     """Perplexity on the Apache License is low, and far lower than on the same words shuffled."""
-    ids = gemma.tokenizer.encode(corpus.apache_license())[:1024]
+    # Every position's logits over Gemma's 262K vocabulary: 768 and 512 tokens (3 windows in
+    # all) keep it short; benchmarks/runtime.py scores more, beside llama.cpp on the same GGUF.
+    ids = gemma.tokenizer.encode(corpus.apache_license())[:768]
     ppl = perplexity(gemma.model, ids, window=512, stride=256)
     words = corpus.apache_license().split()
     random.Random(0).shuffle(words)
-    shuffled = gemma.tokenizer.encode(" ".join(words))[:1024]
+    shuffled = gemma.tokenizer.encode(" ".join(words))[:512]
     ppl_shuffled = perplexity(gemma.model, shuffled, window=512, stride=256)
-    # Measured: 12.9 (shuffled: 558). llama.cpp on the same GGUF: see benchmarks/runtime.py.
+    # Measured: 12.3 (shuffled: 555).
     assert 1.5 < ppl < 20, ppl
     assert ppl_shuffled > 10 * ppl, (ppl, ppl_shuffled)
 
