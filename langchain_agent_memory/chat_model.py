@@ -40,7 +40,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from . import prompt, reasoning
 from .engine.engine import Engine, GenerationParams, GenerationResult
-from .engine.model.constrain import GrammarConstraint, json_schema_grammar
+from .engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
 from .engine.shared import shared_engine
 from .engine.storage.budget import parse_age, parse_size
 from .engine.storage.store import validate_agent_id
@@ -78,10 +78,14 @@ class ChatAgentMemory(BaseChatModel):
             is using, and their next call prefills (shared per engine: the latest given
             wins); default ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``.
         timeout: seconds after which decoding stops (``finish_reason="timeout"``).
+        max_string_chars: in constrained output (structured output, a forced tool call),
+            the most characters of a JSON string whose schema sets no ``maxLength``,
+            ``pattern``, ``format``, ``enum`` or ``const`` (default 200: a small model can
+            loop inside a string until ``max_tokens`` cuts the object short); None: no cap.
 
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
     ``temperature``, ``max_tokens``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``tools``, ``tool_choice``,
-    ``chat_template_kwargs``.
+    ``chat_template_kwargs``, ``max_string_chars``.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -104,6 +108,7 @@ class ChatAgentMemory(BaseChatModel):
     max_disk_bytes: int | str | None = None
     cache_ttl: float | str | timedelta | None = None
     timeout: float | None = Field(default=None, gt=0)
+    max_string_chars: int | None = Field(default=MAX_FREE_STRING_CHARS, ge=1)
     max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
     #: Split a thinking model's reasoning (``<think>``, gpt-oss's analysis channel) out of
     #: ``content`` into ``additional_kwargs["reasoning_content"]`` (False: leave it in).
@@ -232,10 +237,11 @@ class ChatAgentMemory(BaseChatModel):
             stops.append(prompt.TRANSCRIPT_TURN_END)
         constraint = None
         forced = _forced_tools(tools, choice)
+        cap = kwargs.get("max_string_chars", self.max_string_chars)
         if forced:  # one call, in the model's own format, valid under the tool's schema
-            constraint = GrammarConstraint(engine.tokenizer, fmt.grammar(forced))
+            constraint = GrammarConstraint(engine.tokenizer, fmt.grammar(forced, cap))
         elif schema is not None:
-            constraint = GrammarConstraint(engine.tokenizer, json_schema_grammar(schema))
+            constraint = GrammarConstraint(engine.tokenizer, json_schema_grammar(schema, cap))
         params = GenerationParams(
             max_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature),

@@ -33,6 +33,7 @@ from typing import Any
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
 from . import prompt
+from .engine.model.constrain import MAX_FREE_STRING_CHARS
 
 #: A tool no template names by chance: rendered to find out whether a template shows tools.
 _PROBE = {
@@ -59,15 +60,20 @@ class ToolFormat:
         """A reply's text without its calls, the calls, and those that did not parse."""
         return _PARSERS[self.name](self, text)
 
-    def grammar(self, tools: Sequence[dict[str, Any]]) -> str:
-        """A grammar for exactly one call, in this format, to one of ``tools``."""
+    def grammar(
+        self, tools: Sequence[dict[str, Any]], max_string_chars: int | None = MAX_FREE_STRING_CHARS
+    ) -> str:
+        """A grammar for exactly one call, in this format, to one of ``tools`` (free strings
+        of its arguments bounded, see ``constrain.bounded_strings``)."""
         from .engine.model.constrain import tool_call_grammar
 
         if self.name == "harmony":
-            return _harmony_grammar(tools)
+            return _harmony_grammar(tools, max_string_chars)
         if self.name == "mistral":
-            return tool_call_grammar(tools, "[TOOL_CALLS][", "]")
-        return tool_call_grammar(tools, self.open, self.close, args_key=self.args_key)
+            return tool_call_grammar(tools, "[TOOL_CALLS][", "]", max_string_chars=max_string_chars)
+        return tool_call_grammar(
+            tools, self.open, self.close, args_key=self.args_key, max_string_chars=max_string_chars
+        )
 
     def call_id(self, call_id: str | None) -> str:
         """The id a template is shown for a call (Mistral's accept 9 letters or digits only)."""
@@ -217,7 +223,7 @@ _PARSERS: dict[str, Callable[[ToolFormat, str], tuple[str, list[ToolCall], list[
 }
 
 
-def _harmony_grammar(tools: Sequence[dict[str, Any]]) -> str:
+def _harmony_grammar(tools: Sequence[dict[str, Any]], max_string_chars: int | None) -> str:
     """``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>``."""
     import llguidance
 
@@ -230,7 +236,7 @@ def _harmony_grammar(tools: Sequence[dict[str, Any]]) -> str:
             "additionalProperties": False,
             **(fn.get("parameters") or {"type": "object", "properties": {}}),
         }
-        schema = {**bounded_strings(params), "x-guidance": JSON_OPTIONS}
+        schema = {**bounded_strings(params, max_string_chars), "x-guidance": JSON_OPTIONS}
         head = f"<|channel|>commentary to=functions.{fn['name']} <|constrain|>json<|message|>"
         rules.append(f'call{i}: {json.dumps(head)} args{i} "<|call|>"\nargs{i}: %json {json.dumps(schema)}')
         names.append(f"call{i}")

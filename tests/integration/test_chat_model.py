@@ -149,6 +149,30 @@ def test_structured_output_is_validated(smollm: LoadedModel, tmp_path: Path, met
         assert (out.name, out.age) == ("Alice", 31)
 
 
+class _Joke(BaseModel):
+    setup: str
+    punchline: str
+
+
+def test_constrained_strings_keep_to_max_string_chars(smollm: LoadedModel, tmp_path: Path) -> None:
+    """SmolLM2 loops inside a free string ("The cat was a cat and it was a cat and ..."): the
+    cap closes it and the object completes; a forced tool call's arguments keep to it too."""
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_string_chars=24)
+    joke = llm.with_structured_output(_Joke).invoke("Tell me a joke about cats")
+    assert isinstance(joke, _Joke) and joke.setup and joke.punchline
+    assert max(len(joke.setup), len(joke.punchline)) <= 24, joke
+
+    def shout(text: str) -> str:
+        """Repeat the text in capitals."""
+        return text.upper()
+
+    call = llm.bind_tools([shout], tool_choice="shout").invoke("Shout a long sentence about cats.")
+    assert len(call.tool_calls) == 1 and 0 < len(call.tool_calls[0]["args"]["text"]) <= 24, call
+    # A cap of its own per call (an ``invoke`` kwarg):
+    longer = llm.with_structured_output(_Joke).invoke("Tell me a joke about cats", max_string_chars=60)
+    assert isinstance(longer, _Joke) and 24 < max(len(longer.setup), len(longer.punchline)) <= 60, longer
+
+
 def _joined(chunks):  # type: ignore[no-untyped-def]
     chunks = list(chunks)
     full = chunks[0]

@@ -57,19 +57,22 @@ class GrammarConstraint:
             raise RuntimeError(f"constrained decoding rejected token {token}: {self._matcher.get_error()}")
 
 
-#: Strings a schema leaves unbounded are capped at this many characters: greedy decoding
-#: of a small model can loop inside a string ("A cat is a cat, a cat is a cat, ...") until
-#: ``max_tokens`` cuts the object short; capped, the string closes and the object completes.
+#: Strings a schema leaves unbounded are capped at this many characters by default: greedy
+#: decoding of a small model can loop inside a string ("A cat is a cat, a cat is a cat, ...")
+#: until ``max_tokens`` cuts the object short; capped, the string closes and the object
+#: completes. ``ChatAgentMemory(max_string_chars=...)`` sets another cap, or none.
 MAX_FREE_STRING_CHARS = 200
 
 
-def bounded_strings(schema: Any, limit: int = MAX_FREE_STRING_CHARS) -> Any:
+def bounded_strings(schema: Any, limit: int | None = MAX_FREE_STRING_CHARS) -> Any:
     """A copy of ``schema`` where every plain string (no length, pattern, format, enum or
-    const) has ``maxLength: limit``.
+    const) has ``maxLength: limit`` (``None``: ``schema`` as it is).
 
     >>> bounded_strings({"type": "object", "properties": {"a": {"type": "string"}}}, 9)
     {'type': 'object', 'properties': {'a': {'type': 'string', 'maxLength': 9}}}
     """
+    if limit is None:
+        return schema
     if isinstance(schema, list):
         return [bounded_strings(x, limit) for x in schema]
     if not isinstance(schema, dict):
@@ -81,15 +84,20 @@ def bounded_strings(schema: Any, limit: int = MAX_FREE_STRING_CHARS) -> Any:
     return out
 
 
-def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """A grammar for one JSON value valid under ``schema`` (strings bounded, see above)."""
+def json_schema_grammar(schema: dict[str, Any], max_string_chars: int | None = MAX_FREE_STRING_CHARS) -> str:
+    """A grammar for one JSON value valid under ``schema`` (free strings bounded, see above)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(bounded_strings(schema), defaults=JSON_OPTIONS)
+    bounded = bounded_strings(schema, max_string_chars)
+    return llguidance.LLMatcher.grammar_from_json_schema(bounded, defaults=JSON_OPTIONS)
 
 
 def tool_call_grammar(
-    tools: Sequence[dict[str, Any]], open_tag: str, close_tag: str, args_key: str = "arguments"
+    tools: Sequence[dict[str, Any]],
+    open_tag: str,
+    close_tag: str,
+    args_key: str = "arguments",
+    max_string_chars: int | None = MAX_FREE_STRING_CHARS,
 ) -> str:
     """A grammar for exactly one call ``open_tag{"name": ..., "arguments": {...}}close_tag``
     to one of ``tools`` (OpenAI-format tool dicts), arguments valid under its schema
@@ -113,7 +121,7 @@ def tool_call_grammar(
             }
         )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**bounded_strings(schema), "x-guidance": JSON_OPTIONS}
+    schema = {**bounded_strings(schema, max_string_chars), "x-guidance": JSON_OPTIONS}
     head, tail = (
         (json.dumps(open_tag) + " " if open_tag else ""),
         (" " + json.dumps(close_tag) if close_tag else ""),
