@@ -117,13 +117,13 @@ def _masks(h: int, L: int, kL: int) -> dict[str, object]:
         (9, 3, 1, 2000, 64),  # decode: SmolLM2-like GQA
         (4, 1, 1, 4500, 32),  # decode: Gemma-like (one KV head)
         (4, 4, 7, 20, 8),  # no GQA, cache offset
-        (9, 3, 40, 120, 64),  # prefill chunk after a cached prefix (per-shape kernels)
+        (9, 3, 40, 120, 64),  # a short turn after a cached prefix (softmax in NumPy)
         (4, 1, 64, 64, 32),
         (2, 1, 300, 340, 16),  # long enough for the causal query blocks
         (9, 3, 128, 2300, 64),  # a prefill chunk over a long cache: keys in tiles
         (4, 1, 300, 2600, 16),  # a long prefill: query blocks, keys in tiles
         (9, 3, 1, 2100, 64),  # decode over a long cache: one pass, no tiles
-        (3, 1, 15, 8300, 16),  # a warm agent's new turn over a long cache: wide key tiles
+        (3, 1, 15, 8300, 16),  # a warm agent's new turn over a long cache: softmax in NumPy
     ],
 )
 def test_attention_matches_mx_fast(h: int, kv: int, L: int, kL: int, d: int) -> None:
