@@ -120,8 +120,8 @@ def _masks(h: int, L: int, kL: int) -> dict[str, object]:
         (9, 3, 40, 120, 64),  # a short turn after a cached prefix (softmax in NumPy)
         (4, 1, 64, 64, 32),
         (2, 1, 300, 340, 16),  # long enough for the causal query blocks
-        (9, 3, 128, 2300, 64),  # a prefill chunk over a long cache: keys in tiles
-        (4, 1, 300, 2600, 16),  # a long prefill: query blocks, keys in tiles
+        (9, 3, 128, 2300, 64),  # a prefill chunk over a long cache
+        (4, 1, 300, 2600, 16),  # a long prefill: query blocks
         (9, 3, 1, 2100, 64),  # decode over a long cache: one pass, no tiles
         (3, 1, 15, 8300, 16),  # a warm agent's new turn over a long cache: softmax in NumPy
     ],
@@ -134,6 +134,18 @@ def test_attention_matches_mx_fast(h: int, kv: int, L: int, kL: int, d: int) -> 
         out = fast_ops.attention(q, k, v, scale, mask)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert _rel(out, ref) < 1e-5, name
+
+
+@pytest.mark.parametrize(("h", "kv", "L", "kL"), [(9, 3, 128, 2300), (4, 1, 300, 2600), (3, 1, 15, 1100)])
+def test_attention_in_key_tiles_matches_mx_fast(
+    h: int, kv: int, L: int, kL: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where a block's scores would be too large (a large model's long prefill), keys go in tiles.
+    monkeypatch.setattr(fast_ops, "_HOST_MAX_SCORES", 0)
+    q, k, v = _qkv(h, kv, L, kL, 32)
+    for name, mask in _masks(h, L, kL).items():
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+        assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
 
 
 def test_attention_one_dimensional_mask() -> None:

@@ -24,10 +24,14 @@ SmolLM2 / Gemma MLP activations. This module rebuilds those ops from plain arith
   masks, everything outside the window are skipped. Measured (2-core Xeon, MKL): 9 heads x
   512 x 512 causal ~13 ms instead of ~60 ms; 2048 x 2048 ~175 ms instead of ~900 ms; Gemma's
   4 x 2048 x 2048 window-512 layer 68 ms instead of 410 ms.
-* A short request (16-127 query rows per KV head: a warm or hot turn's few new tokens)
-  has its mask and softmax done by NumPy, in place on the scores mlx computed: NumPy's
-  ``exp`` is built for the CPU it runs on (AVX-512 here), mlx's JIT loops are not. SmolLM2,
-  15 new tokens over 8K keys: hot turn 0.40 -> 0.34 s, 16K 0.61 -> 0.49 s (A/B, one process).
+* A block of queries (16 rows per KV head or more: a prefill chunk's, a warm or hot turn's
+  few new tokens) has its mask and softmax done by NumPy, in place on the scores mlx
+  computed (``_attend_host``): NumPy's ``exp`` is built for the CPU it runs on (AVX-512
+  here), mlx's JIT loops are not. A/B in one process, SmolLM2: hot turn (15 new tokens) at
+  8K 0.40 -> 0.34 s, 16K 0.61 -> 0.49 s; cold prefill 2K 12.1 -> 10.0 s, 4K 33.5 -> 27.0 s
+  (mean of 2); Gemma 3 unchanged (its sliding layers see 512 keys; 4K 16.0 vs 15.9 s).
+  Where one block's scores would pass 128 MB, keys go in tiles of 256 with the softmax
+  merged across tiles in mlx (``_attend_tiled``).
 * Small problems (one decoded token) keep mlx's single fused op: fewer than 16K scores go to
   ``mx.fast.scaled_dot_product_attention``, activations under 4096 elements to mlx's own
   ``silu`` / ``gelu_approx``. Building ~15 small ops per layer in Python costs more there
@@ -97,13 +101,15 @@ _SDPA_SMALL = 16384
 # One decoded token's MLP: mlx's single compiled op beats our five (graph-building cost).
 _ACT_SMALL = 4096
 _CAUSAL_BLOCK = 128  # query rows per block of a causal prefill (measured: 64 < 128 > 256)
-_KEY_TILE = 256  # keys per tile of a long prefill block (``_attend_tiled``; measured 256 < 512 < 1024)
-_TILED_FROM = 2048  # keys from which a prefill block goes in tiles (below, one pass is as fast)
-_TILED_ROWS = 128  # query rows (heads per KV head x queries) of a prefill block
-# From this many query rows per KV head up to _TILED_ROWS (a warm or hot turn's few new
-# tokens: 45 rows for SmolLM2's 15), the mask and softmax go to NumPy (``_attend_host``);
-# fewer (a decode step: 1 query per head) stay one mlx pass.
+# From this many query rows per KV head (a prefill chunk, a warm or hot turn's few new tokens:
+# 45 rows for SmolLM2's 15) the mask and softmax go to NumPy (``_attend_host``); fewer (a
+# decode step: 1 query per head) stay one mlx pass.
 _HOST_ROWS = 16
+# Above this many scores per call (a long prefill block of a large model: 8 KV heads x 512
+# rows x 64K keys is 1 GB of float32), keys go in tiles instead (``_attend_tiled``).
+_HOST_MAX_SCORES = 1 << 25
+_KEY_TILE = 256  # keys per tile (measured 256 < 512 < 1024)
+_HOST_CHUNK = 1 << 19  # scores per row group of ``_attend_host``'s softmax (2 MB)
 
 
 class _Kernel:
@@ -333,27 +339,29 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: in
 
 
 def _run(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
-    """``_attend``, in key tiles where many query rows meet thousands of keys (a prefill
-    block); a short request (a warm or hot turn's few new tokens) goes to ``_attend_host``. A
-    decode step stays one mlx pass at any length: its few scores make the sync cost more than
-    NumPy's exp saves (A/B, SmolLM2 decode at 16K: 4.6 tok/s through NumPy, 5.2 without)."""
+    """``_attend_host`` for a block of queries (a prefill chunk's, a warm turn's); one mlx
+    pass for a decode step (its few scores make the sync cost more than NumPy's exp saves:
+    SmolLM2 decode at 16K, A/B, 4.6 tok/s through NumPy, 5.2 without); key tiles where the
+    scores would take too much memory."""
     rows, kL = q.shape[2], k.shape[2]
-    if _HOST_ROWS <= rows < _TILED_ROWS:
-        return _attend_host(q, k, v, mask, kv, n_rep)
-    if rows >= _TILED_ROWS and kL >= _TILED_FROM:
+    if rows < _HOST_ROWS:
+        return _attend(q, k, v, mask, kv, n_rep)
+    if q.shape[0] * kv * rows * kL > _HOST_MAX_SCORES:
         return _attend_tiled(q, k, v, mask, kv, n_rep, _KEY_TILE)
-    return _attend(q, k, v, mask, kv, n_rep)
+    return _attend_host(q, k, v, mask, kv, n_rep)
 
 
 def _attend_host(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int) -> mx.array:
-    """``_attend`` for few query rows: the two matmuls in mlx (its BLAS), the mask and the
-    softmax in NumPy, in place on the scores' own memory.
+    """``_attend`` with the two matmuls in mlx (its BLAS) and the mask and softmax in NumPy,
+    in place on the scores' own memory (an evaluated mlx array's buffer, through the buffer
+    protocol; nothing else holds it).
 
     Why: NumPy's ufuncs are built for the CPU they run on (``exp`` with AVX-512 here: 0.5 ms
-    for 1.1M scores) where mlx's JIT loops are baseline SSE2. The matmuls stay in mlx: NumPy's
-    own BLAS keeps its threads spinning after a call, which slowed the mlx ops around it 2-3x
-    on two cores. The cost is one sync per layer: the scores are evaluated here, so each
-    layer's graph up to them runs before the rest is built.
+    for 1.1M scores) where mlx's JIT loops are baseline SSE2. Per layer, 45 query rows over
+    8K keys: 10.9 -> 5.5 ms; a prefill block (384 rows) over 16K keys: ~150 ms in key tiles
+    -> ~105 ms. The matmuls stay in mlx: NumPy's own BLAS keeps its threads spinning after a
+    call, which slowed the mlx ops around it 2-3x on two cores. The cost is one sync per
+    call: the scores are evaluated here, so the layer's graph up to them runs first.
     """
     B, _, rows, _ = q.shape
     L = rows // n_rep
@@ -376,20 +384,26 @@ def _attend_host(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_re
             np.putmask(s5, ~np.broadcast_to(m5, s5.shape), _MASKED)
         else:  # additive: -inf clamped to _MASKED (a fully masked row then averages, as above)
             s5 += np.maximum(m5.astype(np.float32), _MASKED)
-    np.subtract(s, s.max(-1, keepdims=True), out=s)
-    np.exp(s, out=s)
-    den = mx.array(s.sum(-1, keepdims=True))
-    return (scores @ v) / den
+    # Row by row group, so each group's max, exp and sum passes run in the cache.
+    flat = s.reshape(-1, kL)
+    den = np.empty((flat.shape[0], 1), np.float32)
+    step = max(8, _HOST_CHUNK // kL)
+    for a in range(0, flat.shape[0], step):
+        x = flat[a : a + step]
+        np.subtract(x, x.max(-1, keepdims=True), out=x)
+        np.exp(x, out=x)
+        np.sum(x, axis=-1, keepdims=True, out=den[a : a + step])
+    return (scores @ v) / mx.array(den.reshape(B, kv, rows, 1))
 
 
 def _attend_tiled(
     q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_rep: int, tile: int
 ) -> mx.array:
     """``_attend`` over keys in tiles of ``tile``, the softmax merged across tiles
-    (running max and sum, as flash attention does). Over thousands of keys the scores of a
-    whole block (9 heads x 128 queries x 8K keys: 38 MB) are read and written ~12 times from
-    memory; a tile's fit in the cache. Measured (1 layer, 384 query rows, 8K keys): 140 ms
-    whole, 45 ms in tiles of 256."""
+    (running max and sum, as flash attention does): memory for one tile's scores only, where
+    a whole block's would be too large (``_HOST_MAX_SCORES``). In mlx, the whole block's
+    scores were read and written ~12 times from memory; a tile's stay in the cache (1 layer,
+    384 query rows, 8K keys: 140 ms whole, 45 ms in tiles of 256)."""
     B, _, rows, _ = q.shape
     L = rows // n_rep
     kL = k.shape[2]
