@@ -101,11 +101,13 @@ system's warm time over ours (above 1: slower than ours); "start+warm" (runs sin
 recorded): the warm process's construction (model load; llama.cpp also allocates and clears
 its KV buffer for the whole context there) plus its warm time. `results/ttft.png`.
 
-Measured in one run on the 2-core AMD EPYC VM (December 2026) for `ours-q4`, `mlx-lm-full` and
-`llama.cpp-f16`; `ours-fp16`, `mlx-lm-q4` and `llama.cpp-q4_0` were measured on an earlier Xeon VM
-(in git history) and are not mixed in. On this VM a warm process's times vary with what ran just
-before it (fresh memory is costly here: see the profile below): the same 8K `ours-q4` warm request
-took 2.5-2.9 s inside the run and 1.1-1.5 s when run alone after it.
+Measured on the 2-core AMD EPYC VM (December 2026) for `ours-q4`, `mlx-lm-full` and
+`llama.cpp-f16`, the three side by side in each run: 1K-8K in one run after the NumPy softmax
+(profile, third pass), 16K in the run before it (`ours-q4` 16K is therefore without it);
+`ours-fp16`, `mlx-lm-q4` and `llama.cpp-q4_0` were measured on an earlier Xeon VM (in git history)
+and are not mixed in. On this VM a warm process's times vary with what ran just before it (fresh
+memory is costly here: see the profile below): the same 8K `ours-q4` warm request took 2.5-2.9 s
+inside the earlier run and 1.1-1.5 s when run alone after it.
 
 {_md(header, out)}
 
@@ -548,17 +550,17 @@ Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`result
   bandwidth): 0.71 of the floor; Gemma 9.2 vs 10.3: 0.90. Weights in bf16 or 8-bit do not beat
   float32 here: mlx's CPU GEMV runs at 17 GB/s in float32 (MKL), 2.1 GB/s in bf16, 1.2 in 8-bit.
 
-Against issue 22's goals, from the table above (one run, this VM):
+Against issue 22's goals, from the table above (1K-8K: the run after the NumPy softmax; 16K: the
+run before it):
 
-- Cold prefill within 1.5x of llama.cpp f16 at 8K-16K: SmolLM2 1.33x at 8K, 1.38x at 16K (1.30x at
-  4K); Gemma 3 1.47x at 8K, 1.55x at 16K. Never behind plain mlx-lm: SmolLM2 2.0-2.8x faster, Gemma
-  1.4-2.0x faster at every length (Gemma's was behind mlx-lm's at every length before).
-- Hot never behind mlx-lm on either model; beside llama.cpp f16 SmolLM2 hot is 0.87x its time at 16K
-  but 1.25-2.3x at 1K-8K, Gemma 2.7-4.2x.
-- Warm: still behind llama.cpp f16 everywhere (SmolLM2 2.2-5.4x its time, Gemma 3.1-4.3x) and behind
-  mlx-lm's at SmolLM2 8K-16K (by 0.41-0.48 s) and on Gemma (by 0.05-0.24 s); ahead of it at
-  SmolLM2 1K-4K.
-  What a warm restore spends, below: the working copies' fresh memory and decode, then the forward.
+- Cold prefill: SmolLM2 now beats llama.cpp f16 at 1K-8K (0.80-0.95x its time; 16K before the
+  softmax change: 1.38x); Gemma 3 1.42-1.62x at 1K-8K (1.44x at 8K), 1.55x at 16K. Never behind
+  plain mlx-lm: SmolLM2 2.1-3.5x faster, Gemma 1.3-2.0x.
+- Hot: never behind mlx-lm (SmolLM2 1.9-3.9x faster, Gemma 0.98-1.13x: equal within noise at 4K);
+  beside llama.cpp f16 SmolLM2 hot is now 0.84-0.99x its time at 2K-8K (1.76x at 1K), Gemma 3.3-4.5x.
+- Warm: SmolLM2 ahead of mlx-lm at 1K-8K (0.66-0.82x its time) but 1.6-2.2x llama.cpp f16's; Gemma
+  still behind mlx-lm (0.38-0.87 s vs 0.42-0.47 s) and 3.8-4.8x llama.cpp f16's. What a warm restore
+  spends, below: the working copies' fresh memory and decode, then the forward.
 
 Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per warm request):
 
@@ -587,6 +589,24 @@ Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per wa
   but interleaving them back costs 1.4 ms: a working copy kept in the packed channel order (queries
   and outputs permuted to match, as the rotation already is) is the next step, with bf16 working copies
   (half the fresh memory; bf16 -> float32 is a 16-bit shift, which mlx's JIT vectorises).
+
+Third pass: the softmax. After the tiles, a tile's exp, max and sum cost more than its two matmuls
+(384 rows x 256 keys: 1.36 ms against 1.04 + 0.84), because mlx's JIT loops are SSE2 while NumPy's
+`exp` uses this CPU's AVX-512 (0.5 ms for 1.1M scores). Per layer, SmolLM2 shapes, matmuls in mlx in
+both (`fast_ops._attend_host`: NumPy masks and normalises the scores in place, in row groups that
+stay in the cache):
+
+- 15 new tokens (45 rows per KV head) over 1K / 4K / 8K / 16K keys: 1.7-7.2 / 4.4-9.0 / 10.9 / 21 ms
+  -> 1.5-1.8 / 2.9-3.0 / 5.5 / 11.5 ms; a prefill block (384 rows) over 4K / 16K keys: 34-42 / 135-159
+  ms in key tiles -> 24-29 / 105-122 ms; Gemma's sliding layer (512 rows, 768 keys, head dim 256):
+  6.0 -> 4.3 ms.
+- In the engine (A/B, alternating in one process): SmolLM2 hot turn at 8K 0.40 -> 0.34 s, 16K 0.61
+  -> 0.49 s; cold 2K 12.1 -> 10.0 s, 4K 32.0 / 35.1 -> 24.9 / 29.1 s. Gemma 3 cold 4K 16.0 vs 15.9 s, 8K
+  34.7 vs 35.8 s: unchanged (its sliding layers see ~512 keys; the full ones are 3 of 18).
+- Decode steps stay one mlx pass: with one query per head the per-layer sync costs what the exp
+  saves (SmolLM2 at 16K: 4.6 tok/s through NumPy, 5.2 without; at 1K equal).
+- NumPy's own matmul was tried first: its BLAS (OpenBLAS) keeps its threads spinning after a call,
+  and the mlx ops of the layer around it ran 2-3x slower on two cores (hot turn at 8K 1.2-1.9 s).
 """
 
 
