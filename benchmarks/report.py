@@ -557,9 +557,10 @@ run before it):
   softmax change: 1.38x); Gemma 3 1.42-1.62x at 1K-8K (1.44x at 8K), 1.55x at 16K. Never behind
   plain mlx-lm: SmolLM2 2.1-3.5x faster, Gemma 1.3-2.0x.
 - Hot: never behind mlx-lm (SmolLM2 1.9-3.9x faster, Gemma 0.98-1.13x: equal within noise at 4K);
-  beside llama.cpp f16 SmolLM2 hot is now 0.84-0.99x its time at 2K-8K (1.76x at 1K), Gemma 3.3-4.5x.
+  beside llama.cpp f16 SmolLM2 hot is now 0.84-0.99x its time at 2K-8K (1.76x at 1K), Gemma 3.3-5.0x.
 - Warm: SmolLM2 ahead of mlx-lm at 1K-8K (0.66-0.82x its time) but 1.6-2.2x llama.cpp f16's; Gemma
-  still behind mlx-lm (0.38-0.87 s vs 0.42-0.47 s) and 3.8-4.8x llama.cpp f16's. What a warm restore
+  ahead of mlx-lm at 1K (0.38 vs 0.42 s), behind at 2K-8K (0.51-0.87 s vs 0.42-0.47 s), and 3.8-4.8x
+  llama.cpp f16's. What a warm restore
   spends, below: the working copies' fresh memory and decode, then the forward.
 
 Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per warm request):
