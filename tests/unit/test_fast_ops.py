@@ -148,6 +148,15 @@ def test_attention_in_key_tiles_matches_mx_fast(
         assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_attention_additive_mask_in_16_bits(dtype: mx.Dtype) -> None:
+    q, k, v = _qkv(4, 2, 40, 300, 16)
+    keep = np.arange(260, 300)[:, None] >= np.arange(300)[None]
+    mask = mx.array(np.where(keep, 0.0, -1e4).astype(np.float32)).astype(dtype)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mx.array(keep))
+    assert _rel(fast_ops.attention(q, k, v, 0.25, mask), ref) < 1e-5
+
+
 def test_attention_one_dimensional_mask() -> None:
     # RotatingKVCache.make_mask gives a (kL,) boolean mask for one query past the window.
     q, k, v = _qkv(4, 1, 1, 5000, 32)

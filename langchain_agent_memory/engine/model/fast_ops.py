@@ -367,6 +367,8 @@ def _attend_host(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_re
     L = rows // n_rep
     kL = k.shape[2]
     scores = q @ k.swapaxes(-1, -2)  # (B, KV, rows, kL)
+    if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, mx.float32):
+        mask = mask.astype(mx.float32)  # NumPy has no bfloat16
     held = [mask] if isinstance(mask, mx.array) else []
     mx.eval(scores, *held)
     s = np.asarray(scores)  # a view of the scores' buffer: written in place below
