@@ -76,6 +76,13 @@ class BlockMissingError(CacheFormatError):
     """A block an agent record refers to is not in the store."""
 
 
+def _raise_if_vanished(exc: BlockFileError, where: Path) -> None:
+    """A block file deleted by another process between finding it and reading it (a cleanup
+    racing a load) is missing, not damaged: it must not be reported or treated as corrupt."""
+    if isinstance(exc.__cause__, FileNotFoundError):
+        raise BlockMissingError(f"a block file in {where} was deleted while being read: {exc}") from exc
+
+
 class CacheWriteError(RuntimeError):
     """A cache could not be saved (disk full, permissions...); the previous one is intact."""
 
@@ -474,6 +481,7 @@ class DiskBlockStore:
             try:
                 header = read_header(path, layouts)
             except BlockFileError as exc:
+                _raise_if_vanished(exc, path)
                 raise CacheFormatError(
                     f"block file {path} is unreadable (truncated or corrupt): {exc}"
                 ) from None
@@ -499,6 +507,7 @@ class DiskBlockStore:
         try:
             return read_groups(headers, verify)
         except BlockFileError as exc:
+            _raise_if_vanished(exc, self.blocks_dir)
             raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
 
     def _check_header(self, h: BlockHash, header: BlockHeader) -> None:
