@@ -80,7 +80,7 @@ def _raise_if_vanished(exc: BlockFileError, where: Path) -> None:
     """A block file deleted by another process between finding it and reading it (a cleanup
     racing a load) is missing, not damaged: it must not be reported or treated as corrupt."""
     if isinstance(exc.__cause__, FileNotFoundError):
-        raise BlockMissingError(f"a block file in {where} was deleted while being read: {exc}") from exc
+        raise BlockMissingError(f"a block file in {where} was deleted while read: {exc.__cause__}") from exc
 
 
 class CacheWriteError(RuntimeError):
