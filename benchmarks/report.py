@@ -101,13 +101,13 @@ system's warm time over ours (above 1: slower than ours); "start+warm" (runs sin
 recorded): the warm process's construction (model load; llama.cpp also allocates and clears
 its KV buffer for the whole context there) plus its warm time. `results/ttft.png`.
 
-Measured on the 2-core AMD EPYC VM (December 2026) for `ours-q4`, `mlx-lm-full` and
-`llama.cpp-f16`, the three side by side in each run: 1K-8K in one run after the NumPy softmax
-(profile, third pass), 16K in the run before it (`ours-q4` 16K is therefore without it);
-`ours-fp16`, `mlx-lm-q4` and `llama.cpp-q4_0` were measured on an earlier Xeon VM (in git history)
-and are not mixed in. On this VM a warm process's times vary with what ran just before it (fresh
-memory is costly here: see the profile below): the same 8K `ours-q4` warm request took 2.5-2.9 s
-inside the earlier run and 1.1-1.5 s when run alone after it.
+Measured on the 2-core AMD EPYC VM (December 2, 2026), the systems side by side in each run:
+1K-8K in one run of the five systems below, 16K in one run of `ours-q4`, `mlx-lm-full` and
+`llama.cpp-f16`. `mlx-lm-q4` was measured on an earlier Xeon VM (in git history: its 4-bit
+prefill took 12 min at 8K there) and is not mixed in. On this VM a warm process's times vary
+with what ran just before it (fresh memory is costly here: see the profile below), and runs
+differ: Gemma 3's 8K `ours-q4` warm took 0.83-0.92 s in the run of December 1, 0.45 s in this
+one and 0.45-0.64 s in processes started alone.
 
 {_md(header, out)}
 
@@ -556,18 +556,23 @@ Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`result
   bandwidth): 0.71 of the floor; Gemma 9.2 vs 10.3: 0.90. Weights in bf16 or 8-bit do not beat
   float32 here: mlx's CPU GEMV runs at 17 GB/s in float32 (MKL), 2.1 GB/s in bf16, 1.2 in 8-bit.
 
-Against issue 22's goals, from the table above (1K-8K: the run after the NumPy softmax; 16K: the
-run before it):
+Against issue 22's goals, from the table above (December 2: 1K-8K one run of five systems, 16K
+one run of three; ratios are ours over the peer's time, below 1 faster):
 
-- Cold prefill: SmolLM2 now beats llama.cpp f16 at 1K-8K (0.80-0.95x its time; 16K before the
-  softmax change: 1.38x); Gemma 3 1.42-1.62x at 1K-8K (1.44x at 8K), 1.55x at 16K. Never behind
-  plain mlx-lm: SmolLM2 2.1-3.5x faster, Gemma 1.3-2.0x.
-- Hot: never behind mlx-lm (SmolLM2 1.9-3.9x faster, Gemma 0.98-1.13x: equal within noise at 4K);
-  beside llama.cpp f16 SmolLM2 hot is now 0.84-0.99x its time at 2K-8K (1.76x at 1K), Gemma 3.3-5.0x.
-- Warm: SmolLM2 ahead of mlx-lm at 1K-8K (0.66-0.82x its time) but 1.6-2.2x llama.cpp f16's; Gemma
-  ahead of mlx-lm at 1K (0.38 vs 0.42 s), behind at 2K-8K (0.51-0.87 s vs 0.42-0.47 s), and 3.8-4.8x
-  llama.cpp f16's. What a warm restore
-  spends, below: the working copies' fresh memory and decode, then the forward.
+- Cold prefill within 1.5x llama.cpp f16 at 8K-16K: met. SmolLM2 0.91x at 8K, 0.92x at 16K (faster
+  than llama.cpp at every length, 0.67-0.92x); Gemma 3 1.14x at 8K, 1.19x at 16K (1.34-2.01x at
+  1K-4K). Never behind plain mlx-lm: SmolLM2 2.7-4.0x faster, Gemma 1.2-2.5x.
+- Hot: SmolLM2 never behind mlx-lm (0.19-0.53x its time) and 0.55x llama.cpp f16's at 16K (1.06-2.08x
+  at 1K-8K); Gemma 0.72-0.91x mlx-lm's except 8K (1.15x: 0.383 vs 0.332 s), 2.8-4.7x llama.cpp f16's.
+- Warm: SmolLM2 ahead of mlx-lm at every length (0.53-0.83x its time) and of llama.cpp q4_0 at
+  2K-8K (0.86-0.91x; 1.30x at 1K), but 1.8-2.8x llama.cpp f16's. Gemma ahead of mlx-lm at 1K, 2K
+  and 16K (0.85-0.92x), behind at 4K and 8K (1.39x, 1.15x: 0.478 vs 0.343 s, 0.453 vs 0.395 s);
+  2.2-4.4x llama.cpp f16's. What a warm restore spends, below: reading and checking the blocks, the
+  working copies' fresh memory and decode, then the forward; llama.cpp f16 reads its state into a
+  KV buffer it allocated before the clock, and decodes nothing.
+- Decode against the bandwidth floor (`profile.decode_floor`, run again on December 2): SmolLM2 10.0
+  tok/s vs a floor of 16.5 (0.61 of it; 0.71 on December 1), Gemma 6.9 vs 8.5 (0.81; 0.90): this
+  VM's copy bandwidth measured 10.0 and 9.4 GB/s against 11.2 the day before.
 
 Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per warm request):
 
