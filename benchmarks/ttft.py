@@ -222,6 +222,9 @@ def main() -> None:
     ap.add_argument(
         "--states", type=Path, help="keep built states here; reuse kept ones (warm measured again only)"
     )
+    ap.add_argument(
+        "--out", default="ttft", help="results/OUT.json and OUT.png (another name keeps a run apart)"
+    )
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(*a.worker)))
@@ -247,9 +250,9 @@ def main() -> None:
                             f"warm {r['warm_s']:6.3f} s  hot {r['hot_s']:6.3f} s"
                         )
                 rows += new
-                write(rows)
+                write(rows, a.out)
 
-    rows = write(rows)  # every length measured so far, this run's and earlier runs'
+    rows = write(rows, a.out)  # every length measured so far, this run's and earlier runs'
     measured = [r for r in rows if "skipped" not in r]
     table = Table(title="time to first token, seconds (hot: median of 3, warm: median of 2)")
     for c in ("model", "tokens", "system", "cold", "warm", "hot", "cold/warm", "cold/hot", "disk MB",
@@ -271,15 +274,15 @@ def main() -> None:
     for r in rows:
         if "skipped" in r:
             console.print(f"skipped {r['system']} on {r['model']}: {r['skipped']}")
-    plot(measured, RESULTS / "ttft.png")
-    console.print(f"wrote {RESULTS / 'ttft.json'} and ttft.png")
+    plot(measured, RESULTS / f"{a.out}.png")
+    console.print(f"wrote {RESULTS / a.out}.json and {a.out}.png")
 
 
-def write(rows: list[dict]) -> list[dict]:
-    """Merge ``rows`` into ttft.json (a row per model, length and system: a run of some
-    lengths replaces those and keeps the others). Returns every row, sorted."""
+def write(rows: list[dict], name: str = "ttft") -> list[dict]:
+    """Merge ``rows`` into results/``name``.json (a row per model, length and system: a run of
+    some lengths replaces those and keeps the others). Returns every row, sorted."""
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "ttft.json"
+    path = RESULTS / f"{name}.json"
     old = json.loads(path.read_text()).get("rows", []) if path.exists() else []
     key = lambda r: (r["model"], r.get("n", r.get("tokens")), r["system"])  # noqa: E731
     merged = {key(r): r for r in old if "system" in r} | {key(r): r for r in rows}

@@ -148,6 +148,25 @@ def test_attention_in_key_tiles_matches_mx_fast(
         assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
 
 
+@pytest.mark.parametrize(("h", "kv", "L", "kL"), [(9, 3, 40, 600), (4, 1, 300, 1100), (3, 1, 15, 1000)])
+def test_attention_host_key_tiles_match_mx_fast(
+    h: int, kv: int, L: int, kL: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A block of queries over many keys takes them in tiles, the softmax merged across tiles:
+    # every mask kind, and a row that one tile masks whole (or every tile: uniform, as mx.fast).
+    monkeypatch.setattr(fast_ops, "_HOST_UNTILED_SCORES", 0)
+    monkeypatch.setattr(fast_ops, "_HOST_TILE_SCORES", 1)  # tiles of 256 keys
+    q, k, v = _qkv(h, kv, L, kL, 32)
+    masks = _masks(h, L, kL)
+    keep = np.arange(kL - L, kL)[:, None] >= np.arange(kL)[None]
+    keep[2, :300] = False  # masked whole in the first tile only
+    keep[5] = False  # masked everywhere
+    masks["holes"] = mx.array(keep)
+    for name, mask in masks.items():
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+        assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_attention_additive_mask_in_16_bits(dtype: mx.Dtype) -> None:
     q, k, v = _qkv(4, 2, 40, 300, 16)
