@@ -49,10 +49,8 @@ def _load(name: str) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def ttft() -> str:
-    data = _load("ttft")
-    if not data:
-        return ""
+def _ttft_table(data: dict[str, Any]) -> tuple[str, str]:
+    """A ``ttft.py`` results file as a Markdown table, and its notes (skipped systems)."""
     rows = [r for r in data["rows"] if "skipped" not in r]
     skipped = sorted(
         {f"{r['system']} on {r['model']}: {r['skipped']}" for r in data["rows"] if "skipped" in r}
@@ -85,6 +83,14 @@ def ttft() -> str:
             "and quantized at the end (the same saved state); its warm and hot are measured as for "
             "the others."
         )
+    return _md(header, out), notes
+
+
+def ttft() -> str:
+    data = _load("ttft")
+    if not data:
+        return ""
+    table, notes = _ttft_table(data)
     return f"""## Time to first token, ours and the peers
 
     .venv/bin/python benchmarks/ttft.py [--lengths ...] [--models ...] [--systems ...]
@@ -109,7 +115,34 @@ with what ran just before it (fresh memory is costly here: see the profile below
 differ: Gemma 3's 8K `ours-q4` warm took 0.83-0.92 s in the run of December 1, 0.45 s in this
 one and 0.45-0.64 s in processes started alone.
 
-{_md(header, out)}
+{table}
+
+\\* past SmolLM2's trained context (8,192 tokens).
+{notes}
+"""
+
+
+def ttft_zen5() -> str:
+    data = _load("ttft_zen5")
+    if not data:
+        return ""
+    table, notes = _ttft_table(data)
+    return f"""## Time to first token on a Zen 5 VM (8K and 16K)
+
+    .venv/bin/python benchmarks/ttft.py --lengths 8192 16384 --systems ours-q4 llama.cpp-f16 --out ttft_zen5
+
+The same measurement on the VM of December 2's second session: 2 cores of an AMD EPYC of
+family 26 (Zen 5: full-width AVX-512, VNNI, BF16), `ours-q4` and `llama.cpp-f16` side by
+side, with the key tiles of the CPU attention (see the profile's fourth pass). llama.cpp
+(rebuilt there by `benchmarks/setup_peers.sh` for that CPU's flags) gained most from the
+new CPU: its 8K cold prefill of SmolLM2 took 33.2 s there against 87.0 s on the VM of the
+table above, ours 51.8 s against 79.5 s before the tiles. Warm below is a second pass on
+the same states (`--states`: warm measured again only), 20 minutes after the first, whose warm
+processes found fresh pages several times dearer (SmolLM2 8K: ours 1.68-2.08 s, llama.cpp f16
+0.27-0.28 s; 16K 2.78-3.98 vs 0.56-0.72 s; Gemma 8K 0.56-0.63 vs 0.09 s): see the profile's
+fourth pass. `results/ttft_zen5.png`.
+
+{table}
 
 \\* past SmolLM2's trained context (8,192 tokens).
 {notes}
@@ -619,11 +652,54 @@ stay in the cache):
   saves (SmolLM2 at 16K: 4.6 tok/s through NumPy, 5.2 without; at 1K equal).
 - NumPy's own matmul was tried first: its BLAS (OpenBLAS) keeps its threads spinning after a call,
   and the mlx ops of the layer around it ran 2-3x slower on two cores (hot turn at 8K 1.2-1.9 s).
+
+Fourth pass (December 2, second session; a VM of AMD EPYC family 26, Zen 5, 2 cores): fresh memory.
+
+- mlx's CPU allocator keeps at most 32 MB of freed buffers (its default cache limit) and takes the rest
+  from `malloc`, which maps fresh pages, faulted in one 4 KiB page at a time. A prefill block's scores
+  are 38 MB for SmolLM2 at 8K keys (384 rows x 3 KV heads), 75 MB at 16K: fresh pages every layer.
+  Scores of one block alone, 8K keys: 24.7 ms (49 GFLOP/s) against 10.8-13.7 ms (88-112 GFLOP/s)
+  with mlx's cache raised to 1 GB; the values product, whose output is small, runs at 145-158.
+- Fix landed: past 24 MB of scores `_attend_host` takes the keys in tiles of ~8 MB of scores
+  (~1.8K keys for SmolLM2's blocks), the softmax merged across tiles in NumPy (a running max and sum):
+  one block 8K / 16K keys 43 / 76 -> 35 / 48 ms; a 256-token prefill chunk of SmolLM2 at 8K, A/B in
+  one process (4 runs each, alternated): 2.88, 2.63, 2.86, 3.05 -> 2.22, 2.07, 2.58, 2.35 s. A warm
+  or hot turn's few rows stay one tile (15 tokens at 8K: 0.200-0.300 s either way); Gemma 3's blocks
+  (512 rows, one KV head) stay one tile up to 12K keys: in tiles its 8K chunk ran 6 % slower.
+- Raising mlx's cache limit instead (process-wide state, not the engine's to set): the same blocks
+  ~1.45x faster, but SmolLM2's cold 8K within noise (48.0, 55.0 s at 32 MB; 54.4, 51.5 s at 512 MB)
+  and a 256-token chunk at 8K ~5 %. Not kept.
+- How much a fresh page costs depends on the VM's state, by several times within minutes: a warm
+  restore of SmolLM2 at 8K took 1.9-2.6 s in new processes after the VM had freed much memory, and
+  0.67-0.77 s when pages were recycled (a second `ttft.py` pass on the same states, 20 minutes after
+  the first: 1.88 -> 0.67 s; llama.cpp f16 0.28 -> 0.32 s). Two ways around it, measured and not kept:
+  - glibc's transparent huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which a library cannot
+    set for the process it runs in): 2.2 -> 0.82-1.1 s while free memory was untouched, 0.9 vs 1.1 s
+    with the page cache full, and no better or worse (0.90, 1.14, 2.16 vs 0.77, 1.16, 0.83 s) once
+    freed memory had been recycled: the second pass above confirms the first's "tried and dropped".
+  - Working copies built in buffers faulted in before the clock (exact sizes, handed back through
+    mlx's cache): warm 1.9-2.6 -> 1.17-1.24 s, and the engine's start 1.6 s longer: the same cost
+    moved before the clock, as llama.cpp's KV buffer is (its `start+warm` is ~0.2-0.6 s).
+- BLAS on this CPU: mlx's sgemm through MKL 171-193 GFLOP/s on the model's shapes (MKL's AVX-512
+  paths are Intel-only; `MKL_ENABLE_INSTRUCTIONS=AVX512` changes nothing), NumPy's OpenBLAS 222-226.
+  Gemma 3's backbone on 512 tokens: 0.88 s, of which its matmuls (103 GFLOP) 0.59 s: its cold
+  prefill is matmul-bound, where llama.cpp multiplies its 4-5-bit GGUF weights with VNNI int8 dot
+  products (Gemma 8K cold 13.0 s there against ours 22.9 s).
+
+Against issue 22's goals on this CPU (`results/ttft_zen5.json`, both passes):
+
+- Cold within 1.5x llama.cpp f16 at 8K-16K: SmolLM2 met with the tiles (1.29x at 8K: 43.4 vs 33.6 s,
+  before them 51.8 s = 1.54x; 1.27x at 16K); Gemma 3 not (1.76x, 1.65x).
+- Hot: SmolLM2 level with llama.cpp f16 at 8K (0.190 vs 0.193 s) and faster at 16K (0.249 vs 0.388);
+  Gemma 2.8x its time (0.162 vs 0.057 s: a 15-token forward through 1.07 GB of float32 weights).
+- Warm: 2.1x llama.cpp f16's on SmolLM2 at 8K in the second pass (0.67 vs 0.32 s; 6.8x in the first),
+  1.9x at 16K; Gemma 2.2x and 4.3x.
 """
 
 
 SECTIONS: list[Callable[[], str]] = [
     ttft,
+    ttft_zen5,
     profile,
     capacity,
     fidelity,
