@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,11 +199,26 @@ class AgentCaches:
         does not deliver every block in time: how many is the third value) and whether any
         block came from disk; ``(None, False, 0)`` if the stored cache is unusable (logged)."""
         live = state.layers
-        if live is not None and all(_holds_window(layer, n_tokens) for layer in live):
-            for layer in live:
-                layer.trim_to(n_tokens)
-            state.layers = None  # handed over to this request
-            return live, False, n_tokens
+        if live is not None:
+            lacking = [i for i, layer in enumerate(live) if not _holds_window(layer, n_tokens)]
+            rebuilt: list[LayerCache] | None = None
+            from_disk = False
+            if lacking and len(lacking) < len(live):
+                # A request that goes back before the last turn (a DIVERGE): the sliding layers
+                # kept only their window and need older tokens from the blocks, the full layers
+                # (and their working copies) still hold all they need.
+                try:
+                    rebuilt, from_disk = self.from_blocks(state.blocks, n_tokens, only=lacking)
+                except (BlocksUnavailableError, CacheFormatError):
+                    rebuilt = None  # the whole rebuild below says what went wrong
+            if not lacking or rebuilt is not None:
+                for i, layer in enumerate(live):
+                    if rebuilt is not None and i in lacking:
+                        live[i] = rebuilt[i]
+                    else:
+                        layer.trim_to(n_tokens)
+                state.layers = None  # handed over to this request
+                return live, from_disk, n_tokens
         try:
             try:
                 return (*self.from_blocks(state.blocks, n_tokens), n_tokens)
@@ -260,10 +275,13 @@ class AgentCaches:
                     moved += self.store.quarantine_block(h) is not None
         return moved
 
-    def from_blocks(self, chain: list[BlockHash], n_tokens: int) -> tuple[list[LayerCache], bool]:
+    def from_blocks(
+        self, chain: list[BlockHash], n_tokens: int, only: Collection[int] | None = None
+    ) -> tuple[list[LayerCache], bool]:
         """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
         from disk. A sliding-window layer reads only the blocks of its last window: blocks
-        before every window are read for the full-attention layers' tensors alone."""
+        before every window are read for the full-attention layers' tensors alone. ``only``:
+        build these layers (the others come back empty) and read nothing for the rest."""
         layers = self.new_layers()
         first = [
             0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
@@ -272,17 +290,21 @@ class AgentCaches:
         n_blocks = -(-n_tokens // BLOCK_TOKENS)
         if len(chain) < n_blocks:
             raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
-        base, every = min(first), max(first)
+        built = sorted(only) if only is not None else list(range(len(layers)))
+        base, every = min(first[i] for i in built), max(first[i] for i in built)
 
         def wanted(j: int) -> frozenset[int] | None:
             """The layers that need block ``base + j`` (None: all of them)."""
             b = base + j
-            return None if b >= every else frozenset(i for i, f in enumerate(first) if f <= b)
+            if b >= every and only is None:
+                return None
+            return frozenset(i for i in built if first[i] <= b)
 
         needed = chain[base:n_blocks]
         runs = self._sources(needed, wanted)
         from_disk = any(isinstance(src, BlockGroup) for _, src in runs)
-        for i, layer in enumerate(layers):
+        for i in built:
+            layer = layers[i]
             own = first[i] - base
             parts = [_layer_part(i, src, max(0, own - b0)) for b0, src in runs if b0 + _n_blocks(src) > own]
             try:

@@ -97,3 +97,24 @@ def test_a_warm_restore_past_the_window_equals_the_uninterrupted_run(gemma: Load
     assert resumed.text == uninterrupted.text
     hot.close()
     again.close()
+
+
+def test_a_diverge_before_the_window_equals_a_cold_run(gemma: LoadedModel, tmp_path) -> None:
+    """A turn that goes back ~100 tokens before the end of the last one: the sliding layers
+    kept only their window and read the older tokens from the blocks, the full layers keep
+    what they hold in memory. At 16-bit KV the reply equals a cold run of the same prompt."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    ids = gemma.tokenizer.encode(corpus.python_docs(), add_special_tokens=False)
+    text = gemma.tokenizer.decode(ids[:1500])
+    params = GenerationParams(max_tokens=8)
+    live = Engine("gemma3-270m", cache_dir=tmp_path / "live", kv_bits=None)
+    live.generate("g", text, params)
+    back = gemma.tokenizer.decode(ids[:1400]) + "\n\nTo sum up the section above,"
+    diverged = live.generate("g", back, params)
+    assert str(diverged.outcome) == "hot-diverge"
+    assert 1300 <= diverged.reused_tokens < 1500
+    cold = Engine("gemma3-270m", cache_dir=tmp_path / "cold", kv_bits=None)
+    assert cold.generate("g", back, params).text == diverged.text
+    live.close()
+    cold.close()
