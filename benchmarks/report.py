@@ -140,7 +140,9 @@ table above, ours 51.8 s against 79.5 s before the tiles. Warm below is a second
 the same states (`--states`: warm measured again only), 20 minutes after the first, whose warm
 processes found fresh pages several times dearer (SmolLM2 8K: ours 1.68-2.08 s, llama.cpp f16
 0.27-0.28 s; 16K 2.78-3.98 vs 0.56-0.72 s; Gemma 8K 0.56-0.63 vs 0.09 s): see the profile's
-fourth pass. `results/ttft_zen5.png`.
+fourth pass. Gemma 3's `ours-q4` rows were built again (cold, hot and warm) after a DIVERGE
+stopped rebuilding the full layers, beside a third warm pass of llama.cpp's (its second:
+0.10-0.29 s at 8K, 0.13-0.22 s at 16K). `results/ttft_zen5.png`.
 
 {table}
 
@@ -689,11 +691,16 @@ Fourth pass (December 2, second session; a VM of AMD EPYC family 26, Zen 5, 2 co
 Against issue 22's goals on this CPU (`results/ttft_zen5.json`, both passes):
 
 - Cold within 1.5x llama.cpp f16 at 8K-16K: SmolLM2 met with the tiles (1.29x at 8K: 43.4 vs 33.6 s,
-  before them 51.8 s = 1.54x; 1.27x at 16K); Gemma 3 not (1.76x, 1.65x).
+  before them 51.8 s = 1.54x; 1.27x at 16K); Gemma 3 not (1.72x, 1.75x; 1.76x, 1.65x in the first run).
 - Hot: SmolLM2 level with llama.cpp f16 at 8K (0.190 vs 0.193 s) and faster at 16K (0.249 vs 0.388);
-  Gemma 2.8x its time (0.162 vs 0.057 s: a 15-token forward through 1.07 GB of float32 weights).
+  Gemma 2.7-2.9x its time (0.152 vs 0.057 s: a 15-token forward through 1.07 GB of float32 weights).
 - Warm: 2.1x llama.cpp f16's on SmolLM2 at 8K in the second pass (0.67 vs 0.32 s; 6.8x in the first),
-  1.9x at 16K; Gemma 2.2x and 4.3x.
+  1.9x at 16K; Gemma 1.6x and 1.8x in the third (0.304 vs 0.188 s, 0.486 vs 0.273; the second: 2.2x,
+  4.3x).
+- A DIVERGE on Gemma 3 (a turn that goes back before the end of the last one: the sliding layers
+  dropped the older tokens) rebuilt every layer from the blocks; now only the sliding ones, from their
+  window's blocks, the full layers keeping their working copies. At 8K, turns going back ~12 tokens,
+  6 per process in alternated processes: 0.20-0.29 -> 0.14-0.20 s.
 """
 
 
