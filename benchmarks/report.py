@@ -697,6 +697,13 @@ Against issue 22's goals on this CPU (`results/ttft_zen5.json`, both passes):
 - Warm: 2.1x llama.cpp f16's on SmolLM2 at 8K in the second pass (0.67 vs 0.32 s; 6.8x in the first),
   1.9x at 16K; Gemma 1.6x and 1.8x in the third (0.304 vs 0.188 s, 0.486 vs 0.273; the second: 2.2x,
   4.3x).
+- Decode against the bandwidth floor on this CPU (`profile.decode_floor`, twice per model; copy
+  bandwidth 21.6-22.8 GB/s, twice the earlier VM's): SmolLM2 16.4-20.4 tok/s vs a floor of 35.5 (0.46-
+  0.58 of it), Gemma 12.0-12.9 vs 19.7-20.8 (0.61-0.62): not within the goal's 1.5x. One SmolLM2 step
+  (stock mlx-lm cache, short context) takes 49.3 ms, of which its 211 GEMVs alone 31.9 ms (16.9 GB/s,
+  78 % of the copy bandwidth); the other ~17 ms is ~600 small ops (norms, RoPE, residuals,
+  activations, attention) at ~28 us of dispatch each. Gemma: 74.7 ms, GEMVs 54.1 ms (19.8 GB/s). What
+  is left is fusing a step's small ops (a compiled decode step), not the weights' format.
 - A DIVERGE on Gemma 3 (a turn that goes back before the end of the last one: the sliding layers
   dropped the older tokens) rebuilt every layer from the blocks; now only the sliding ones, from their
   window's blocks, the full layers keeping their working copies. At 8K, turns going back ~12 tokens,
