@@ -49,8 +49,12 @@ def _load(name: str) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _ttft_table(data: dict[str, Any]) -> tuple[str, str]:
-    """A ``ttft.py`` results file as a Markdown table, and its notes (skipped systems)."""
+def _ttft_block(name: str) -> str | None:
+    """A ``ttft.py`` results file (``results/{name}.json``) as a Markdown table with its
+    footnote and notes (skipped systems); None where it has not been run."""
+    data = _load(name)
+    if not data:
+        return None
     rows = [r for r in data["rows"] if "skipped" not in r]
     skipped = sorted(
         {f"{r['system']} on {r['model']}: {r['skipped']}" for r in data["rows"] if "skipped" in r}
@@ -83,14 +87,16 @@ def _ttft_table(data: dict[str, Any]) -> tuple[str, str]:
             "and quantized at the end (the same saved state); its warm and hot are measured as for "
             "the others."
         )
-    return _md(header, out), notes
+    return f"""{_md(header, out)}
+
+\\* past SmolLM2's trained context (8,192 tokens).
+{notes}"""
 
 
 def ttft() -> str:
-    data = _load("ttft")
-    if not data:
+    table = _ttft_block("ttft")
+    if table is None:
         return ""
-    table, notes = _ttft_table(data)
     return f"""## Time to first token, ours and the peers
 
     .venv/bin/python benchmarks/ttft.py [--lengths ...] [--models ...] [--systems ...]
@@ -116,17 +122,13 @@ differ: Gemma 3's 8K `ours-q4` warm took 0.83-0.92 s in the run of December 1, 0
 one and 0.45-0.64 s in processes started alone.
 
 {table}
-
-\\* past SmolLM2's trained context (8,192 tokens).
-{notes}
 """
 
 
 def ttft_zen5() -> str:
-    data = _load("ttft_zen5")
-    if not data:
+    table = _ttft_block("ttft_zen5")
+    if table is None:
         return ""
-    table, notes = _ttft_table(data)
     return f"""## Time to first token on a Zen 5 VM (8K and 16K)
 
     .venv/bin/python benchmarks/ttft.py --lengths 8192 16384 --systems ours-q4 llama.cpp-f16 --out ttft_zen5
@@ -145,9 +147,6 @@ stopped rebuilding the full layers, beside a third warm pass of llama.cpp's (its
 0.10-0.29 s at 8K, 0.13-0.22 s at 16K). `results/ttft_zen5.png`.
 
 {table}
-
-\\* past SmolLM2's trained context (8,192 tokens).
-{notes}
 """
 
 

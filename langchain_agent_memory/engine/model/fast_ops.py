@@ -385,12 +385,8 @@ def _attend_host(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_re
         mask = mask.astype(mx.float32)  # NumPy has no bfloat16
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"unsupported mask {mask!r}")
+    held = [mask] if isinstance(mask, mx.array) else []  # evaluated with the first tile's scores
     m_np = None
-    if isinstance(mask, mx.array):
-        mx.eval(mask)
-        m = np.asarray(mask)
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B or 1, H or 1, L or 1, kL or 1)
-        m_np = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], kv, n_rep, *m.shape[2:])
     per_key = B * kv * rows
     tile = kL if per_key * kL <= _HOST_UNTILED_SCORES else max(256, _HOST_TILE_SCORES // per_key // 256 * 256)
     top = acc = den = None
@@ -398,7 +394,11 @@ def _attend_host(q: mx.array, k: mx.array, v: mx.array, mask: Any, kv: int, n_re
         z = min(a + tile, kL)
         kt, vt = (k, v) if tile == kL else (k[:, :, a:z], v[:, :, a:z])
         scores = q @ kt.swapaxes(-1, -2)  # (B, KV, rows, z - a)
-        mx.eval(scores)
+        mx.eval(scores, *held)
+        if held and m_np is None:
+            m = np.asarray(held[0])
+            m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (B or 1, H or 1, L or 1, kL or 1)
+            m_np = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], kv, n_rep, *m.shape[2:])
         s = np.asarray(scores)  # a view of the scores' buffer: written in place below
         _mask_host(s.reshape(B, kv, n_rep, L, z - a), mask, m_np, a, z, kL, L)
         new, total = _softmax_host(s.reshape(-1, z - a), None if top is None else top.reshape(-1, 1))
@@ -429,7 +429,7 @@ def _mask_host(s5: np.ndarray, mask: Any, m5: np.ndarray | None, a: int, z: int,
     part = m5 if m5.shape[-1] == 1 else m5[..., a:z]
     if part.dtype == np.bool_:
         np.putmask(s5, ~np.broadcast_to(part, s5.shape), _MASKED)
-    else:  # additive: -inf clamped to _MASKED (a fully masked row then averages, as above)
+    else:  # additive: -inf clamped to _MASKED (a fully masked row then averages, as mx.fast does)
         s5 += np.maximum(part.astype(np.float32), _MASKED)
 
 
