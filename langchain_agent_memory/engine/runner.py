@@ -45,23 +45,31 @@ class Sampler:
     def __call__(self, logits: mx.array, step: int) -> int:
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
-        if self.temperature == 0:
-            token = int(mx.argmax(logits).item())
-        else:
-            from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            if 0 < self.top_k < logprobs.shape[-1]:
-                logprobs = apply_top_k(logprobs[None], self.top_k)[0]
-            if self.min_p > 0.0:
-                logprobs = apply_min_p(logprobs[None], self.min_p)[0]
-            if self.top_p < 1.0:
-                logprobs = apply_top_p(logprobs[None], self.top_p)[0]
-            key = mx.random.key(self.seed + step)
-            token = int(mx.random.categorical(logprobs * (1 / self.temperature), key=key).item())
+        token = int(self._draw(logits, step).item())
         if self.constraint is not None:
             self.constraint.advance(token)
         return token
+
+    def lazy(self, logits: mx.array, step: int) -> mx.array | None:
+        """The token of ``step`` as a lazy array (the same choice as calling the sampler), so
+        the next step's graph can be built before it is known; None where the choice needs
+        the host first (a grammar masks by the text so far)."""
+        return None if self.constraint is not None else self._draw(logits, step)
+
+    def _draw(self, logits: mx.array, step: int) -> mx.array:
+        if self.temperature == 0:
+            return mx.argmax(logits)
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs[None], self.top_k)[0]
+        if self.min_p > 0.0:
+            logprobs = apply_min_p(logprobs[None], self.min_p)[0]
+        if self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs[None], self.top_p)[0]
+        key = mx.random.key(self.seed + step)
+        return mx.random.categorical(logprobs * (1 / self.temperature), key=key)
 
 
 class ModelRunner:
@@ -76,10 +84,11 @@ class ModelRunner:
         """One prefill chunk; the last position's logits if it is the ``last`` chunk."""
         return prefill_chunk(self.model, ids, layers, last=last)
 
-    def decode(self, members: list[tuple[Hashable, int, list[LayerCache]]]) -> mx.array:
+    def decode(self, members: list[tuple[Hashable, int | mx.array, list[LayerCache]]]) -> mx.array:
         """One decode step for each (request key, token to feed, its layer caches): the
-        logits rows (float32), in the order given. One member decodes alone; several as one
-        batched forward pass over the batch kept from the previous step."""
+        logits rows (float32), in the order given. One member decodes alone (its token may
+        be a lazy array: the last step's draw, not yet evaluated); several as one batched
+        forward pass over the batch kept from the previous step."""
         if len(members) == 1:
             self.leave_all()
             _, token, layers = members[0]

@@ -49,7 +49,10 @@ class Request:
     sampler: Sampler | None = None
     stream: TextStream | None = None
     generated: list[int] = field(default_factory=list)
-    token: int = 0  # sampled, to be fed next
+    token: int = 0  # sampled, to be fed next (already fed while ``ahead`` is set)
+    #: The draw after ``token``, in flight (``RequestSteps._decode_ahead``): ``token`` went
+    #: through the model before it was accepted, so the caches hold one token more.
+    ahead: mx.array | None = None
     ended_by_eos: bool = False
     decode_t0: float = 0.0
     #: (request, tokens): start from a copy of that in-flight request's first ``tokens``
@@ -204,7 +207,16 @@ class RequestSteps:
             self.fail(req, exc)
 
     def decode(self, reqs: list[Request]) -> None:
-        """One decode step for every decoding request, in one batched forward pass."""
+        """One decode step for every decoding request, in one batched forward pass; a
+        request decoding alone runs one step ahead (``_decode_ahead``)."""
+        if len(reqs) == 1 and reqs[0].sampler is not None and reqs[0].sampler.constraint is None:
+            return self._decode_ahead(reqs[0])
+        for req in reqs:
+            if req.ahead is not None:
+                self._settle(req)
+        reqs = [r for r in reqs if r.phase is Phase.DECODE]
+        if not reqs:
+            return None
         try:
             with self.agents.lock:
                 rows = self.runner.decode([(id(r), r.token, r.start.layers) for r in reqs])  # type: ignore[union-attr]
@@ -226,6 +238,45 @@ class RequestSteps:
         except BaseException as exc:
             for req in reqs:
                 self.fail(req, exc)
+
+    def _decode_ahead(self, req: Request) -> None:
+        """One decode step of a request decoding alone, as mlx-lm's generator runs them: the
+        next step's graph is built from this step's draw (a lazy array) and queued before
+        this draw is read, so building the graph (thousands of ops in Python) and reading
+        the token overlap the model's work instead of following it. A draw that ends the turn
+        was fed already: ``_finish`` takes it out of the caches (``LayerCache.unfeed``)."""
+        try:
+            with self.agents.lock:
+                if req.ahead is None:
+                    req.ahead = self._feed(req, req.token, len(req.generated))
+                drawn = req.ahead
+                # The draw that reaches max_tokens is the last: nothing is fed after it.
+                last = len(req.generated) + 1 >= req.max_new
+                req.ahead = None if last else self._feed(req, drawn, len(req.generated) + 1)
+                token = int(drawn.item())
+                self._accept(req, token)
+        except BaseException as exc:
+            self.fail(req, exc)
+
+    def _feed(self, req: Request, token: int | mx.array, step: int) -> mx.array:
+        """Queue ``token`` through the model; its successor's draw, lazy (being computed)."""
+        assert req.start is not None and req.sampler is not None
+        row = self.runner.decode([(id(req), token, req.start.layers)])[0]
+        drawn = req.sampler.lazy(row, step)
+        assert drawn is not None  # no grammar: see ``decode``
+        mx.async_eval(drawn)
+        return drawn
+
+    def _settle(self, req: Request) -> None:
+        """Leave the one-step-ahead run (another request joins the decode batch): accept the
+        draw in flight, so ``token`` is again the next to feed."""
+        drawn, req.ahead = req.ahead, None
+        assert drawn is not None
+        try:
+            with self.agents.lock:
+                self._accept(req, int(drawn.item()))
+        except BaseException as exc:
+            self.fail(req, exc)
 
     def _accept(self, req: Request, token: int) -> None:
         """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
@@ -267,6 +318,10 @@ class RequestSteps:
         t0 = time.perf_counter()
         self.runner.leave(id(req))  # the others go on without this one
         with self.agents.lock:
+            if req.ahead is not None:  # the last draw went through the model: not kept
+                req.ahead = None
+                for layer in start.layers:
+                    layer.unfeed(1)
             known = start.known
             known.extend(start.tail)
             fed = req.generated if req.ended_by_eos else req.generated[:-1]

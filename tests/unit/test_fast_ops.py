@@ -216,7 +216,8 @@ def test_kernels_are_called_without_touching_mlx_lm() -> None:
     mx.random.seed(3)
     ours, theirs = llama.Model(args), llama.Model(args)
     theirs.update(ours.parameters())
-    assert adapt_model(ours) == 4 and adapt_model(ours) == 0  # 2 attention + 2 MLP modules, once
+    # 2 attention + 2 MLP + 5 RMSNorm + 2 RoPE modules, once
+    assert adapt_model(ours) == 11 and adapt_model(ours) == 0
     assert is_adapted(ours) and not is_adapted(theirs)
     assert type(theirs.layers[0].self_attn) is llama.Attention
     assert isinstance(ours.layers[0].self_attn, llama.Attention)  # a subclass of its own
@@ -224,3 +225,69 @@ def test_kernels_are_called_without_touching_mlx_lm() -> None:
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     tokens = mx.array([list(range(40, 240))])  # 200 positions: past the small-problem fallbacks
     assert _rel(ours(tokens), theirs(tokens)) < 1e-4
+
+
+def _ropes_and_norms() -> list[nn.Module]:
+    from mlx_lm.models import gemma3_text, rope_utils
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3["original_max_position_embeddings"] = 8192
+    return [
+        nn.RoPE(64, traditional=False, base=10000.0),
+        nn.RoPE(64, traditional=False, base=10000.0),  # same configuration: shares tables
+        nn.RoPE(64, traditional=True, base=500000.0),
+        nn.RoPE(32, traditional=False, base=10000.0),  # partial rotary dims (head dim 64)
+        rope_utils.Llama3RoPE(64, 131072, False, 500000.0, llama3),
+        nn.RMSNorm(64, eps=1e-5),
+        gemma3_text.RMSNorm(64, eps=1e-6),
+    ]
+
+
+def test_adapted_norms_and_ropes_give_mlx_bits() -> None:
+    """An adapted model's RMSNorm and RoPE modules (fewer ops per decode step) give exactly
+    the bits of mlx's own ops: one token at positions 0, 37 and 8191, a turn's 15 tokens,
+    in float32 and bfloat16; RoPEs of one configuration share one table per step."""
+    from langchain_agent_memory.engine.model.adapters import adapt_model
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mods = _ropes_and_norms()
+
+    ours, theirs = Holder(), Holder()
+    for a, b in zip(ours.mods, theirs.mods, strict=True):
+        if "weight" in a:
+            a.weight = b.weight = mx.random.normal(a.weight.shape, key=mx.random.key(5))
+    assert adapt_model(ours) == len(ours.mods)
+    for dtype in (mx.float32, mx.bfloat16):
+        for L, offset in ((1, 0), (1, 37), (1, 8191), (15, 300)):
+            x = mx.random.normal((1, 4, L, 64), key=mx.random.key(L + offset)).astype(dtype)
+            for a, b in zip(ours.mods, theirs.mods, strict=True):
+                got, ref = (a(x), b(x)) if "weight" in a else (a(x, offset=offset), b(x, offset=offset))
+                where = (type(b).__name__, L, offset)
+                assert got.dtype == ref.dtype and mx.array_equal(got, ref).item(), where
+    tables = [m.__dict__.get("_agent_memory_rope") for m in ours.mods[:5]]
+    assert tables[0] is tables[1] and len({id(t) for t in tables}) == 4
+
+
+def test_a_rope_of_another_form_keeps_its_own_code() -> None:
+    """A RoPE-named module whose output is not a rotation by position tables (here it also
+    shifts by the offset) is checked when the model is adapted, and left as it is."""
+    from langchain_agent_memory.engine.model.adapters import adapt_model
+
+    class OddRoPE(nn.RoPE):
+        def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+            rotated = mx.fast.rope(x, self.dims, traditional=False, base=10000.0, scale=1.0, offset=offset)
+            return rotated + offset
+
+    OddRoPE.__module__ = "mlx_lm.models.odd"  # as if mlx-lm shipped it
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rope = OddRoPE(64)
+
+    model = Holder()
+    assert adapt_model(model) == 0 and type(model.rope) is OddRoPE
+    x = mx.random.normal((1, 2, 1, 64), key=mx.random.key(1))
+    assert mx.array_equal(model.rope(x, offset=5), OddRoPE(64)(x, offset=5)).item()

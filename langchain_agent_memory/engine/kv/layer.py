@@ -294,6 +294,24 @@ class LayerCache:
         self._n_pending += keys.shape[2]
         self.offset += keys.shape[2]
 
+    def unfeed(self, n: int) -> None:
+        """Forget this request's last ``n`` tokens: a decode step fed a token before it was
+        known that the token ended the turn (``steps``: the next step's graph is built while
+        this one runs). The working copy keeps its rows as spare room."""
+        if n > self._n_pending:
+            raise RuntimeError(f"unfeed {n} of {self._n_pending} pending tokens (this is a bug)")
+        k, v = self._joined_pending()
+        keep = self._n_pending - n
+        if keep and k is not None and v is not None:
+            self.set_pending(k[:, :, :keep], v[:, :, :keep])
+        else:
+            self.set_pending(None, None)
+        self.offset -= n
+        self._fetched = None
+        w = self._work
+        if w is not None and w.end > self.offset:
+            w.end = self.offset
+
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:

@@ -18,6 +18,14 @@ The attention kernel (``_Attention``):
   latent): ``fast_ops.attention`` on the arrays it is given, or mlx-lm's own function for
   quantized caches and attention sinks.
 
+Norms and RoPE (a decode step's small ops): on the CPU ``mx.fast.rms_norm`` and
+``mx.fast.rope`` run as fallback graphs of ~8 and ~20 ops, and a decode step is thousands
+of ops of a few microseconds each (SmolLM2: 4,067 per token, beside 211 weight GEMVs).
+``RMSNorm`` modules run the fallback's formula compiled (``fast_ops.rms_norm``), and RoPE
+modules rotate with tables computed once per step and shared by every layer with the same
+configuration (``_RopeTables``): the same bits, checked against the module's own output when
+a model is adapted (a module that differs keeps its own code).
+
 Only on the CPU: on Metal / CUDA mlx's fused kernels are the fast path, and the engine's
 caches satisfy mlx-lm's cache protocol (real arrays, masks) so the stock code runs there.
 """
@@ -25,7 +33,9 @@ caches satisfy mlx-lm's cache protocol (real arrays, masks) so the stock code ru
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -69,10 +79,114 @@ def _gemma3_mlp_call(self: Any, x: mx.array) -> mx.array:
     return self.down_proj(fast_ops.gelu_approx_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _rms_norm_call(self: Any, x: mx.array) -> mx.array:
+    return fast_ops.rms_norm(x, self["weight"], self.eps)
+
+
+def _rms_norm_1p_call(self: Any, x: mx.array) -> mx.array:
+    return fast_ops.rms_norm_1p(x, self.weight, self.eps)
+
+
 #: ``__call__`` bodies we own, by mlx-lm class (module, qualified name).
 _OWNED_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
     ("mlx_lm.models.gemma3_text", "MLP"): _gemma3_mlp_call,
+    ("mlx.nn.layers.normalization", "RMSNorm"): _rms_norm_call,
+    ("mlx_lm.models.gemma", "RMSNorm"): _rms_norm_1p_call,
+    ("mlx_lm.models.gemma2", "RMSNorm"): _rms_norm_1p_call,
+    ("mlx_lm.models.gemma3_text", "RMSNorm"): _rms_norm_1p_call,
 }
+_NORM_CALLS = (_rms_norm_call, _rms_norm_1p_call)
+
+#: Positions per call up to which RoPE goes through ``fast_ops.rope_rotate`` (a decode step,
+#: a turn's new tokens); a prefill chunk's fallback ops are large enough that their count
+#: does not matter, and its tables would be large.
+_ROPE_ROWS = 64
+
+
+def _is_rope(cls: type) -> bool:
+    """mlx's ``RoPE`` and mlx-lm's variants (Llama 3, YaRN, ...): ``dims`` rotated dims,
+    ``traditional`` pair layout, ``__call__(x, offset)`` through ``mx.fast.rope``."""
+    return cls.__name__.endswith("RoPE") and cls.__module__.startswith(("mlx.nn.", "mlx_lm."))
+
+
+class _RopeTables:
+    """One RoPE configuration's tables (``fast_ops.rope_table``) for the positions of the
+    current call, shared by every layer with that configuration: a decode step computes them
+    once (one run of the module's own op on ``fast_ops.rope_probe``), not once per layer.
+    Per thread: a table is a lazy array of the thread that made it."""
+
+    def __init__(self, rope: Any) -> None:
+        self._rope = rope
+        self._local = threading.local()
+
+    def get(self, offset: int, L: int, dtype: mx.Dtype) -> mx.array:
+        key = (offset, L, dtype)
+        cached = getattr(self._local, "cached", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        table = _rope_table(self._rope, offset, L, dtype)
+        self._local.cached = (key, table)
+        return table
+
+
+def _rope_table(rope: Any, offset: int, L: int, dtype: mx.Dtype) -> mx.array:
+    probe = fast_ops.rope_probe(rope.dims, L, dtype, rope.traditional)
+    return fast_ops.rope_table(_own_call(rope)(probe, offset=offset), rope.traditional)
+
+
+def _own_call(module: Any) -> Callable[..., Any]:
+    """The adapted ``module``'s original ``__call__`` (its class's base), bound."""
+    return super(type(module), module).__call__  # type: ignore[misc]
+
+
+def _rope_call(self: Any, x: mx.array, offset: Any = 0, **kwargs: Any) -> mx.array:
+    tables = self.__dict__.get("_agent_memory_rope")
+    L = x.shape[-2]
+    if tables is None or kwargs or not isinstance(offset, int) or L > _ROPE_ROWS:
+        return _own_call(self)(x, offset=offset, **kwargs)  # batched offsets, a prefill
+    table = tables.get(offset, L, x.dtype)
+    dims = self.dims
+    if dims == x.shape[-1]:
+        return fast_ops.rope_rotate(x, table, self.traditional)
+    rotated = fast_ops.rope_rotate(x[..., :dims], table, self.traditional)
+    return mx.concatenate([rotated, x[..., dims:]], axis=-1)
+
+
+def _probe_input(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    # A fixed key: checks are reproducible, and mlx's global RNG is not touched.
+    return mx.random.normal(shape, key=mx.random.key(20261202)).astype(dtype)
+
+
+_CHECKED_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _rope_signature(rope: Any) -> str | None:
+    """What identifies ``rope``'s behaviour (its outputs on a fixed input at two offsets, in
+    each dtype), or None where ``fast_ops.rope_rotate`` with its tables does not give the
+    same bits (a RoPE of another form: it keeps its own code)."""
+    dims, traditional = getattr(rope, "dims", None), getattr(rope, "traditional", None)
+    if not isinstance(dims, int) or not isinstance(traditional, bool) or dims % 2:
+        return None
+    digest = hashlib.sha256(f"{type(rope).__qualname__}/{dims}/{traditional}".encode())
+    for dtype in _CHECKED_DTYPES:
+        x = _probe_input((1, 2, 3, rope.dims), dtype)
+        for offset in (0, 4093):
+            ref = _own_call(rope)(x, offset=offset)
+            mine = fast_ops.rope_rotate(x, _rope_table(rope, offset, 3, dtype), rope.traditional)
+            if not mx.array_equal(ref, mine).item():
+                return None
+            digest.update(bytes(memoryview(ref.astype(mx.float32))))
+    return digest.hexdigest()
+
+
+def _norm_matches(module: Any) -> bool:
+    """Whether the adapted norm ``module`` gives its original's bits (float32 and 16-bit)."""
+    dims = module.weight.shape[-1]
+    for dtype in _CHECKED_DTYPES:
+        x = _probe_input((2, dims), dtype)
+        if not mx.array_equal(module(x), _own_call(module)(x)).item():
+            return False
+    return True
 
 
 def _rebound(call: types.FunctionType) -> types.FunctionType | None:
@@ -99,7 +213,7 @@ def _adapted_class(cls: type) -> type | None:
     None when there is nothing to change."""
     if getattr(cls, ADAPTED, False):
         return None
-    owned = _OWNED_CALLS.get((cls.__module__, cls.__qualname__))
+    owned = _rope_call if _is_rope(cls) else _OWNED_CALLS.get((cls.__module__, cls.__qualname__))
     call = owned
     if call is None:
         original = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
@@ -121,11 +235,25 @@ def adapt_model(model: Any) -> int:
         logger.warning("no g++ on PATH: mlx cannot JIT-compile CPU kernels; the model runs mlx's own")
         return 0
     n = 0
+    ropes: dict[str, _RopeTables] = {}
     for module in model.modules():
-        sub = _adapted_class(type(module))
-        if sub is not None:
-            module.__class__ = sub  # this instance only
-            n += 1
+        cls = type(module)
+        sub = _adapted_class(cls)
+        if sub is None:
+            continue
+        module.__class__ = sub  # this instance only
+        if sub.__call__ in _NORM_CALLS and not _norm_matches(module):
+            module.__class__ = cls
+            logger.info("%s keeps its own code: the compiled norm differs", cls.__qualname__)
+            continue
+        if _is_rope(cls):
+            signature = _rope_signature(module)
+            if signature is None:
+                module.__class__ = cls
+                logger.info("%s keeps its own code: not the form of a rotation table", cls.__qualname__)
+                continue
+            module._agent_memory_rope = ropes.setdefault(signature, _RopeTables(module))
+        n += 1
     return n
 
 
