@@ -564,7 +564,7 @@ What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
 def profile() -> str:
     return """## Where the CPU time goes (profile, issue 22)
 
-    .venv/bin/python -u benchmarks/profile.py [--models ...] [--prefill-tokens 4096] [--warm-tokens 1024 8192]
+    .venv/bin/python -u benchmarks/cpu_profile.py [--models ...] [--prefill-tokens N] [--warm-tokens N ...]
 
 Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`results/profile.json`):
 
@@ -604,7 +604,7 @@ one run of three; ratios are ours over the peer's time, below 1 faster):
   2.2-4.4x llama.cpp f16's. What a warm restore spends, below: reading and checking the blocks, the
   working copies' fresh memory and decode, then the forward; llama.cpp f16 reads its state into a
   KV buffer it allocated before the clock, and decodes nothing.
-- Decode against the bandwidth floor (`profile.decode_floor`, run again on December 2): SmolLM2 10.0
+- Decode against the bandwidth floor (`cpu_profile.decode_floor`, run again on December 2): SmolLM2 10.0
   tok/s vs a floor of 16.5 (0.61 of it; 0.71 on December 1), Gemma 6.9 vs 8.5 (0.81; 0.90): this
   VM's copy bandwidth measured 10.0 and 9.4 GB/s against 11.2 the day before.
 
@@ -696,7 +696,7 @@ Against issue 22's goals on this CPU (`results/ttft_zen5.json`, both passes):
 - Warm: 2.1x llama.cpp f16's on SmolLM2 at 8K in the second pass (0.67 vs 0.32 s; 6.8x in the first),
   1.9x at 16K; Gemma 1.6x and 1.8x in the third (0.304 vs 0.188 s, 0.486 vs 0.273; the second: 2.2x,
   4.3x).
-- Decode against the bandwidth floor on this CPU (`profile.decode_floor`, twice per model; copy
+- Decode against the bandwidth floor on this CPU (`cpu_profile.decode_floor`, twice per model; copy
   bandwidth 21.6-22.8 GB/s, twice the earlier VM's): SmolLM2 16.4-20.4 tok/s vs a floor of 35.5 (0.46-
   0.58 of it), Gemma 12.0-12.9 vs 19.7-20.8 (0.61-0.62): not within the goal's 1.5x. One SmolLM2 step
   (stock mlx-lm cache, short context) takes 49.3 ms, of which its 211 GEMVs alone 31.9 ms (16.9 GB/s,
