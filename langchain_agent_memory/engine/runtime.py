@@ -17,7 +17,9 @@ import importlib.metadata
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -95,4 +97,21 @@ if sys.platform.startswith("linux") and not mx.metal.is_available():
     if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         mx.set_default_device(mx.cpu)
 
-__all__ = ["BLAS", "mx"]
+_THREAD = threading.local()
+
+
+def side_streams() -> tuple[Any, Any] | tuple[None, None]:
+    """Two CPU streams of this thread beside its default one: mlx runs each stream on a
+    thread of its own, so work put on them runs on the other core, beside the model
+    (a working copy's keys and values decoded at once; a wide GEMV's two halves). On a GPU
+    (its own streams) None, None. Streams belong to the thread that made them: one pair per
+    thread."""
+    if mx.default_device() != mx.cpu:
+        return None, None
+    pair = getattr(_THREAD, "side_streams", None)
+    if pair is None:
+        pair = _THREAD.side_streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
+    return pair
+
+
+__all__ = ["BLAS", "mx", "side_streams"]

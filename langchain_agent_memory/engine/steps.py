@@ -104,6 +104,9 @@ class RequestSteps:
         #: Fork prefixes in-flight requests share (``sharing``); off: each prefills its own.
         self.share_prefixes = share_prefixes
         self.inflight: list[Request] = []  # admitted, not finished: candidate sources
+        #: A request decoding alone runs one step ahead (``_decode_ahead``); off, each step
+        #: reads its token before the next step is built (benchmarks/decode_ahead.py).
+        self.decode_ahead = True
 
     def admit(self, req: Request) -> None:
         """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
@@ -209,7 +212,8 @@ class RequestSteps:
     def decode(self, reqs: list[Request]) -> None:
         """One decode step for every decoding request, in one batched forward pass; a
         request decoding alone runs one step ahead (``_decode_ahead``)."""
-        if len(reqs) == 1 and reqs[0].sampler is not None and reqs[0].sampler.constraint is None:
+        alone = len(reqs) == 1 and reqs[0].sampler is not None and reqs[0].sampler.constraint is None
+        if alone and self.decode_ahead:
             return self._decode_ahead(reqs[0])
         for req in reqs:
             if req.ahead is not None:

@@ -291,3 +291,31 @@ def test_a_rope_of_another_form_keeps_its_own_code() -> None:
     assert adapt_model(model) == 0 and type(model.rope) is OddRoPE
     x = mx.random.normal((1, 2, 1, 64), key=mx.random.key(1))
     assert mx.array_equal(model.rope(x, offset=5), OddRoPE(64)(x, offset=5)).item()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocabulary_projection_split_across_streams_gives_the_same_logits(
+    monkeypatch: pytest.MonkeyPatch, tied: bool
+) -> None:
+    """A decode step's vocabulary projection runs as two halves on two CPU streams (both
+    cores) where the weight is large: the same bits as the model's own projection."""
+    from mlx_lm.models import llama
+
+    from langchain_agent_memory.engine.model import forward
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=5001,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    hidden = mx.random.normal((1, 1, 64), key=mx.random.key(9))
+    calls = []
+    split = forward._split_projection
+    monkeypatch.setattr(forward, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(forward, "_split_projection", lambda *a: calls.append(1) or split(*a))
+    ours = forward.logits_from_hidden(model, hidden)
+    theirs = model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden)
+    assert calls and ours.shape == theirs.shape == (1, 1, 5001)
+    assert mx.array_equal(ours, theirs).item()

@@ -21,11 +21,10 @@ a prefill in the codec's rotated space.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime import mx
+from ..runtime import mx, side_streams
 from .codecs import FULL, HALF_DTYPE, KVQuant, TensorCodec, rotation
 from .spec import LayerSpec, ModelCacheSpec
 
@@ -62,21 +61,6 @@ def _spare(like: mx.array, rows: int) -> mx.array:
 def _with_room(x: mx.array, used: int, rows: int) -> mx.array:
     """``x``'s first ``used`` positions (axis 2) in a new buffer of ``rows`` positions."""
     return mx.concatenate([x[:, :, :used], _spare(x, rows - used)], axis=2)
-
-
-_THREAD = threading.local()
-
-
-def _decode_streams() -> tuple[Any, Any] | tuple[None, None]:
-    """Two CPU streams of this thread for decoding a working copy's keys and values: mlx
-    runs each stream on a thread of its own, so the two decodes and the model's own work
-    proceed at once (streams belong to the thread that made them: one pair per thread)."""
-    if mx.default_device() != mx.cpu:  # a GPU decodes on its own stream
-        return None, None
-    pair = getattr(_THREAD, "decode_streams", None)
-    if pair is None:
-        pair = _THREAD.decode_streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
-    return pair
 
 
 def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
@@ -407,7 +391,7 @@ class LayerCache:
         n = self.offset - lo
         rows = grown_rows(n) if room and len(segments) > 1 else n
         big = max(range(len(segments)), key=lambda i: segments[i][0][0].shape[2])
-        streams = _decode_streams() if room else (None, None)
+        streams = side_streams() if room else (None, None)
         out = []
         for side, rotated, stream in ((0, krot, streams[0]), (1, vrot, streams[1])):
             pieces = [(seg[side], seg[2 + side]) for seg in segments]
