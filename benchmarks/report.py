@@ -133,18 +133,19 @@ def ttft_zen5() -> str:
 
     .venv/bin/python benchmarks/ttft.py --lengths 8192 16384 --systems ours-q4 llama.cpp-f16 --out ttft_zen5
 
-The same measurement on the VM of December 2's second session: 2 cores of an AMD EPYC of
-family 26 (Zen 5: full-width AVX-512, VNNI, BF16), `ours-q4` and `llama.cpp-f16` side by
-side, with the key tiles of the CPU attention (see the profile's fourth pass). llama.cpp
-(rebuilt there by `benchmarks/setup_peers.sh` for that CPU's flags) gained most from the
-new CPU: its 8K cold prefill of SmolLM2 took 33.2 s there against 87.0 s on the VM of the
-table above, ours 51.8 s against 79.5 s before the tiles. Warm below is a second pass on
-the same states (`--states`: warm measured again only), 20 minutes after the first, whose warm
-processes found fresh pages several times dearer (SmolLM2 8K: ours 1.68-2.08 s, llama.cpp f16
-0.27-0.28 s; 16K 2.78-3.98 vs 0.56-0.72 s; Gemma 8K 0.56-0.63 vs 0.09 s): see the profile's
-fourth pass. Gemma 3's `ours-q4` rows were built again (cold, hot and warm) after a DIVERGE
-stopped rebuilding the full layers, beside a third warm pass of llama.cpp's (its second:
-0.10-0.29 s at 8K, 0.13-0.22 s at 16K). `results/ttft_zen5.png`.
+The same measurement on the VM of December 2's second and third sessions: 2 cores of an AMD
+EPYC of family 26 (Zen 5: full-width AVX-512, VNNI, BF16), `ours-q4` and `llama.cpp-f16` side
+by side (llama.cpp rebuilt there by `benchmarks/setup_peers.sh` for that CPU's flags). The rows
+are the third session's, after the profile's fifth pass (a decode step's ops; Gemma 3's
+vocabulary projection on both cores, which its first token reads too): one run per model.
+llama.cpp gained most from this CPU: its 8K cold prefill of SmolLM2 took 33.6-34.9 s here
+against 87.0 s on the VM of the table above. Run to run on this VM: Gemma 3's 8K cold was 22.4
+vs 13.0 s (1.72x) in the second session, 25.0 vs 12.4 (2.0x) in the third session's first run
+(the compiled norm then ran on prefill chunks too: 1.5x slower there, now only for a decode
+step's rows) and 22.4 vs 15.3 (1.46x) below; 16K 57.4 vs 32.9, 58.6 vs 34.6 and 55.3 vs 37.4.
+Warm is where fresh memory shows most: a new process's first touch of its working copies
+(SmolLM2 16K: 754 MB of float32) cost 1.2-4.0 s across runs at 16K, 0.67-2.1 s at 8K (see the
+profile's fourth pass). `results/ttft_zen5.png`.
 
 {table}
 """

@@ -161,22 +161,33 @@ _CHECKED_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def _rope_signature(rope: Any) -> str | None:
-    """What identifies ``rope``'s behaviour (its outputs on a fixed input at two offsets, in
-    each dtype), or None where ``fast_ops.rope_rotate`` with its tables does not give the
-    same bits (a RoPE of another form: it keeps its own code)."""
+    """What identifies ``rope``'s behaviour: its float32 outputs on a fixed input at two
+    offsets (modules alike share tables); None where it lacks RoPE's ``dims`` and
+    ``traditional``."""
     dims, traditional = getattr(rope, "dims", None), getattr(rope, "traditional", None)
     if not isinstance(dims, int) or not isinstance(traditional, bool) or dims % 2:
         return None
     digest = hashlib.sha256(f"{type(rope).__qualname__}/{dims}/{traditional}".encode())
+    x = _probe_input((1, 2, 3, dims), mx.float32)
+    for offset in _PROBE_OFFSETS:
+        digest.update(bytes(memoryview(_own_call(rope)(x, offset=offset))))
+    return digest.hexdigest()
+
+
+_PROBE_OFFSETS = (0, 4093)
+
+
+def _rope_matches(rope: Any) -> bool:
+    """Whether ``fast_ops.rope_rotate`` with ``rope``'s tables gives its own bits (each
+    dtype, two offsets); not where it is a RoPE of another form."""
     for dtype in _CHECKED_DTYPES:
         x = _probe_input((1, 2, 3, rope.dims), dtype)
-        for offset in (0, 4093):
+        for offset in _PROBE_OFFSETS:
             ref = _own_call(rope)(x, offset=offset)
             mine = fast_ops.rope_rotate(x, _rope_table(rope, offset, 3, dtype), rope.traditional)
             if not mx.array_equal(ref, mine).item():
-                return None
-            digest.update(bytes(memoryview(ref.astype(mx.float32))))
-    return digest.hexdigest()
+                return False
+    return True
 
 
 def _norm_matches(module: Any) -> bool:
@@ -236,19 +247,26 @@ def adapt_model(model: Any) -> int:
         return 0
     n = 0
     ropes: dict[str, _RopeTables] = {}
+    matches: dict[Any, bool] = {}  # per norm class and weight dtype, per RoPE signature: checked once
     for module in model.modules():
         cls = type(module)
         sub = _adapted_class(cls)
         if sub is None:
             continue
         module.__class__ = sub  # this instance only
-        if sub.__call__ in _NORM_CALLS and not _norm_matches(module):
-            module.__class__ = cls
-            logger.info("%s keeps its own code: the compiled norm differs", cls.__qualname__)
-            continue
+        if sub.__call__ in _NORM_CALLS:
+            key = (cls, module.weight.dtype)
+            if key not in matches:
+                matches[key] = _norm_matches(module)
+            if not matches[key]:
+                module.__class__ = cls
+                logger.info("%s keeps its own code: the compiled norm differs", cls.__qualname__)
+                continue
         if _is_rope(cls):
             signature = _rope_signature(module)
-            if signature is None:
+            if signature is not None and signature not in matches:
+                matches[signature] = _rope_matches(module)
+            if signature is None or not matches[signature]:
                 module.__class__ = cls
                 logger.info("%s keeps its own code: not the form of a rotation table", cls.__qualname__)
                 continue
