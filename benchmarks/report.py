@@ -139,13 +139,19 @@ by side (llama.cpp rebuilt there by `benchmarks/setup_peers.sh` for that CPU's f
 are the third session's, after the profile's fifth pass (a decode step's ops; Gemma 3's
 vocabulary projection on both cores, which its first token reads too): one run per model.
 llama.cpp gained most from this CPU: its 8K cold prefill of SmolLM2 took 33.6-34.9 s here
-against 87.0 s on the VM of the table above. Run to run on this VM: Gemma 3's 8K cold was 22.4
-vs 13.0 s (1.72x) in the second session, 25.0 vs 12.4 (2.0x) in the third session's first run
-(the compiled norm then ran on prefill chunks too: 1.5x slower there, now only for a decode
-step's rows) and 22.4 vs 15.3 (1.46x) below; 16K 57.4 vs 32.9, 58.6 vs 34.6 and 55.3 vs 37.4.
+against 87.0 s on the VM of the table above. Run to run on this VM, Gemma 3's cold against
+llama.cpp f16: at 8K 22.4 vs 13.0 s (1.72x) in the second session; in the third 25.0 vs 12.4
+(2.0x; the compiled norm then ran on prefill chunks too, 1.5x slower there, now only on a
+decode step's rows), 22.4 vs 15.3 (1.46x) and 24.3 vs 13.6 (1.79x, below); at 16K 57.4 vs 32.9
+(1.75x), 58.6 vs 34.6 (1.69x) and 55.3 vs 37.4 (1.48x, below).
 Warm is where fresh memory shows most: a new process's first touch of its working copies
 (SmolLM2 16K: 754 MB of float32) cost 1.2-4.0 s across runs at 16K, 0.67-2.1 s at 8K (see the
-profile's fourth pass). `results/ttft_zen5.png`.
+profile's fourth pass). Gemma 3's 4K and 8K rows come from a last run beside plain mlx-lm
+(`--systems ours-q4 mlx-lm-full llama.cpp-f16`): ours is faster cold (0.48-0.53x its time) and
+hot (0.50-0.59x), behind warm (1.11x at 4K; 1.84x at 8K, where the run before measured ours 0.279
+s): in one process, warm restores one after another take 0.22-0.28 s at 8K (blocks 0.03 s,
+working copies ~0.08 s, the 15-token forward ~0.12 s, of which its 126 GEMMs of 15 rows 47 ms:
+MKL runs them at ~70 GFLOP/s on this AMD CPU). `results/ttft_zen5.png`.
 
 {table}
 """
