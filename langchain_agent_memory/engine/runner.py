@@ -15,7 +15,7 @@ from typing import Any
 
 from .kv import BatchLayerCache, LayerCache, batch_layer_caches
 from .model.constrain import TokenConstraint
-from .model.forward import decode_step, prefill_chunk
+from .model.forward import decode_step, logits_from_hidden, prefill_chunk
 from .runtime import mx
 
 
@@ -100,7 +100,8 @@ class ModelRunner:
         for (_, token, _), row in zip(members, rows, strict=True):
             by_row[row] = token
         tokens = mx.array(by_row)[:, None]
-        out = self.model(tokens, cache=caches)[:, -1].astype(mx.float32)
+        hidden = self.model.model(tokens, cache=caches)
+        out = logits_from_hidden(self.model, hidden)[:, -1].astype(mx.float32)
         return out if rows == list(range(len(rows))) else out[mx.array(rows)]
 
     def _batch_for(self, members: list[tuple[Hashable, int, list[LayerCache]]]) -> list[BatchLayerCache]:
