@@ -151,7 +151,12 @@ profile's fourth pass). Gemma 3's 4K and 8K rows come from a last run beside pla
 hot (0.50-0.59x), behind warm (1.11x at 4K; 1.84x at 8K, where the run before measured ours 0.279
 s): in one process, warm restores one after another take 0.22-0.28 s at 8K (blocks 0.03 s,
 working copies ~0.08 s, the 15-token forward ~0.12 s, of which its 126 GEMMs of 15 rows 47 ms:
-MKL runs them at ~70 GFLOP/s on this AMD CPU). `results/ttft_zen5.png`.
+MKL runs them at ~70 GFLOP/s on this AMD CPU). SmolLM2's 4K and 8K rows come from a last run of
+four systems (`--systems ours-q4 mlx-lm-full llama.cpp-q4_0 llama.cpp-f16`): cold, ours 1.01-1.08x
+llama.cpp f16's time and 3.5-4.3x faster than mlx-lm and llama.cpp q4_0; hot, faster than all
+three (0.193 vs 0.251 / 0.681 / 0.754 s at 8K); warm, faster than llama.cpp q4_0 (0.433 vs 0.474,
+0.925 vs 1.013 s) and mlx-lm at 4K (0.433 vs 0.565), level with mlx-lm at 8K (0.925 vs 0.906),
+2.7-1.8x llama.cpp f16's. `results/ttft_zen5.png`.
 
 {table}
 """
