@@ -156,7 +156,7 @@ four systems (`--systems ours-q4 mlx-lm-full llama.cpp-q4_0 llama.cpp-f16`): col
 llama.cpp f16's time and 3.5-4.3x faster than mlx-lm and llama.cpp q4_0; hot, faster than all
 three (0.193 vs 0.251 / 0.681 / 0.754 s at 8K); warm, faster than llama.cpp q4_0 (0.433 vs 0.474,
 0.925 vs 1.013 s) and mlx-lm at 4K (0.433 vs 0.565), level with mlx-lm at 8K (0.925 vs 0.906),
-2.7-1.8x llama.cpp f16's. `results/ttft_zen5.png`.
+1.8-2.7x llama.cpp f16's. `results/ttft_zen5.png`.
 
 {table}
 """
