@@ -158,6 +158,7 @@ def _probe_input(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 
 
 _CHECKED_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+_PROBE_OFFSETS = (0, 4093)
 
 
 def _rope_signature(rope: Any) -> str | None:
@@ -172,9 +173,6 @@ def _rope_signature(rope: Any) -> str | None:
     for offset in _PROBE_OFFSETS:
         digest.update(bytes(memoryview(_own_call(rope)(x, offset=offset))))
     return digest.hexdigest()
-
-
-_PROBE_OFFSETS = (0, 4093)
 
 
 def _rope_matches(rope: Any) -> bool:

@@ -302,13 +302,18 @@ def gelu_approx_mul(gate: mx.array, x: mx.array) -> mx.array:
     return out.astype(_result_dtype(gate, x))
 
 
-@partial(mx.compile, shapeless=True)
-def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    # The formula of mx.fast.rms_norm's CPU fallback, op for op: the same bits, in 3 kernels
-    # (2 fused loops and the sum) where the fallback runs 8 ops.
+def _normalized(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    # The formula of mx.fast.rms_norm's CPU fallback before its weight, op for op: the same
+    # bits; compiled with the weight's product, 3 kernels (2 fused loops and the sum) where
+    # the fallback runs 8 ops.
     x32 = x.astype(mx.float32)
     normed = x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)
-    return normed.astype(_result_dtype(x, weight)) * weight
+    return normed.astype(_result_dtype(x, weight))
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return _normalized(x, weight, eps) * weight
 
 
 #: Rows up to which the compiled norm runs; more (a turn's tokens, a prefill chunk) go to
@@ -327,9 +332,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 @partial(mx.compile, shapeless=True)
 def _rms_norm_1p(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    x32 = x.astype(mx.float32)
-    normed = x32 * mx.rsqrt(mx.mean(mx.square(x32), -1, keepdims=True) + eps)
-    return normed.astype(_result_dtype(x, weight)) * (1.0 + weight)
+    return _normalized(x, weight, eps) * (1.0 + weight)
 
 
 def rms_norm_1p(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -367,7 +370,7 @@ def rope_probe(dims: int, L: int, dtype: mx.Dtype, traditional: bool) -> mx.arra
     """Two inputs (2, 1, L, dims) whose rotations give a RoPE's tables: ones on the first
     member of each pair (the first half, or even dims where ``traditional``), zeros on the
     second, and the converse. Rotated: (c | s) and (-s | c), exactly (1 x c - 0 x s = c)."""
-    first = (np.arange(dims) % 2 == 0) if traditional else (np.arange(dims) < dims // 2)
+    first = _first_members(dims, traditional)
     probe = np.stack([first, ~first]).astype(np.float32).reshape(2, 1, 1, dims)
     return mx.array(np.broadcast_to(probe, (2, 1, L, dims))).astype(dtype)
 
@@ -376,9 +379,14 @@ def rope_table(rotated_probe: mx.array, traditional: bool) -> mx.array:
     """(C, S) for ``rope_rotate`` from a RoPE's output on ``rope_probe``: C = (c | c) takes
     the first members from the first output and the second from the other; S = (-s | s) the
     converse."""
-    dims = rotated_probe.shape[-1]
-    first = (np.arange(dims) % 2 == 0) if traditional else (np.arange(dims) < dims // 2)
+    first = _first_members(rotated_probe.shape[-1], traditional)
     return mx.where(mx.array(first), rotated_probe, rotated_probe[::-1])
+
+
+def _first_members(dims: int, traditional: bool) -> np.ndarray:
+    """Which of ``dims`` are the first of their rotated pair: the first half, or the even
+    dims where ``traditional``."""
+    return (np.arange(dims) % 2 == 0) if traditional else (np.arange(dims) < dims // 2)
 
 
 def _f32(x: mx.array) -> mx.array:

@@ -28,15 +28,15 @@ def logits_from_hidden(model: Any, hidden: mx.array) -> mx.array:
     """The vocabulary projection mlx-lm's decoders apply after their final norm."""
     if "lm_head" in model:
         head = model.lm_head
-        plain = type(head) is nn.Linear and "bias" not in head
+        project, plain = head, type(head) is nn.Linear and "bias" not in head
     else:
         head = model.model.embed_tokens
-        plain = type(head) is nn.Embedding
+        project, plain = head.as_linear, type(head) is nn.Embedding
     if plain and hidden.size // hidden.shape[-1] <= _SPLIT_ROWS and head.weight.nbytes >= _SPLIT_BYTES:
         stream = side_streams()[0]
         if stream is not None:
             return _split_projection(hidden, head.weight, stream)
-    return head(hidden) if "lm_head" in model else head.as_linear(hidden)
+    return project(hidden)
 
 
 def _split_projection(hidden: mx.array, weight: mx.array, stream: Any) -> mx.array:
