@@ -124,6 +124,8 @@ class AgentCaches:
         self.tokenizer = tokenizer
         self.policy = policy
         self.prefill_rotated = prefill_rotated
+        #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
+        self.reserved_rows: tuple[int, ...] | None = None
         self.hot: OrderedDict[str, AgentState] = OrderedDict()  # LRU order
         self.lock = threading.RLock()
 
@@ -132,7 +134,7 @@ class AgentCaches:
         return self.store.fingerprint
 
     def new_layers(self) -> list[LayerCache]:
-        return make_layer_caches(self.spec, self.quant, self.prefill_rotated)
+        return make_layer_caches(self.spec, self.quant, self.prefill_rotated, self.reserved_rows)
 
     # ------------------------------------------------------------------ a request's start
 

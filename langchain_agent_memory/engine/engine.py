@@ -32,6 +32,7 @@ from . import device
 from .agents import AgentCaches, HotPolicy
 from .kv import KVQuant, ModelCacheSpec
 from .kv import kv_format as kv_format_of
+from .kv.reserve import WorkReserve, reserve_rows
 from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
 from .model.loading import LoadedModel, load_model, trained_context
@@ -93,7 +94,10 @@ class Engine:
     recently used (and unused for longer than the TTL) are evicted, never one a request is
     using (``storage.budget``; default: settings ``AGENT_MEMORY_MAX_DISK_BYTES`` /
     ``AGENT_MEMORY_CACHE_TTL``, else unbounded). With a shared store it bounds this worker's
-    local tier; the store keeps everything.
+    local tier; the store keeps everything. ``reserve_work`` (CPU): touch, at start, the
+    working-copy memory of one agent at ``context_length`` (within ``work_budget_bytes``), as
+    llama.cpp's context clears its KV buffer, so that a warm restore does not pay for fresh
+    pages (``kv.reserve``); MLX's buffer cache holds it while the engine lives.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class Engine:
         blocks: str | None = None,
         max_disk_bytes: int | str | None = None,
         cache_ttl: float | str | timedelta | None = None,
+        reserve_work: bool = True,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -148,6 +153,11 @@ class Engine:
         self.agents = AgentCaches(
             self.spec, self.quant, self.store, self.pool, self.tokenizer, policy, is_adapted(self.lm.model)
         )
+        self._reserve: WorkReserve | None = None
+        if reserve_work and not device.on_gpu():
+            rows = reserve_rows(self.spec, context_length, alone_chunk, work_budget_bytes)
+            self._reserve = WorkReserve(self.spec, rows)
+            self.agents.reserved_rows = rows
         #: Called with each new agent record after a request commits it, in commit order, on
         #: a thread of their own (a checkpointer's fsync'ing writes never hold up the MLX
         #: worker); ``settle_commits`` waits until every commit so far has been delivered.
@@ -432,6 +442,8 @@ class Engine:
             self._closed = True
         self._notify.shutdown(wait=True)  # the listeners see every commit before the index closes
         self.store.close()
+        if self._reserve is not None:
+            self._reserve.release()
         # MLX keeps freed buffers for reuse; give them back to the system (on the worker,
         # which made them).
         self._worker.submit(mx.clear_cache).result()

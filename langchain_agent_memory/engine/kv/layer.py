@@ -21,6 +21,7 @@ a prefill in the codec's rotated space.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +149,12 @@ class LayerCache:
     """
 
     def __init__(
-        self, spec: LayerSpec, quant: KVQuant, dtype: mx.Dtype, prefill_rotated: bool = False
+        self,
+        spec: LayerSpec,
+        quant: KVQuant,
+        dtype: mx.Dtype,
+        prefill_rotated: bool = False,
+        reserved_rows: int = 0,
     ) -> None:
         self.spec = spec
         self.quant = quant
@@ -171,6 +177,8 @@ class LayerCache:
         #: Prefill in the codec's rotated space (``attend``): on where an adapted model
         #: calls ``attend``; off, the working copy is kept in the model's own space.
         self.prefill_rotated = prefill_rotated
+        #: Rows of the working-copy buffers the engine reserved for this layer (``reserve``).
+        self.reserved_rows = reserved_rows
 
     # ---------------------------------------------------------------- sizes
 
@@ -389,7 +397,7 @@ class LayerCache:
         for it) keys and values are decoded on two streams of their own, beside the model."""
         segments = self._segments(lo)
         n = self.offset - lo
-        rows = grown_rows(n) if room and len(segments) > 1 else n
+        rows = self._work_rows(n) if room and len(segments) > 1 else n
         big = max(range(len(segments)), key=lambda i: segments[i][0][0].shape[2])
         streams = side_streams() if room else (None, None)
         out = []
@@ -411,6 +419,13 @@ class LayerCache:
             out.append(buf)
         return out[0], out[1]
 
+    def _work_rows(self, needed: int) -> int:
+        """Rows of a working-copy buffer for ``needed`` positions: ``grown_rows``, or the
+        reserved size where that holds them with at most half of it spare (its buffer then
+        comes from the engine's touched reserve; ``reserve``)."""
+        rows, reserved = grown_rows(needed), self.reserved_rows
+        return reserved if rows <= reserved <= 2 * rows else rows
+
     @property
     def work_nbytes(self) -> int:
         """Bytes of the full-precision working copy (0 when none is kept)."""
@@ -426,7 +441,7 @@ class LayerCache:
         assert w is not None
         n, used = keys.shape[2], w.end - w.start
         if used + n > w.k.shape[2]:  # grow with room: appends are then in place
-            rows = grown_rows(used + n)
+            rows = self._work_rows(used + n)
             w.k, w.v = _with_room(w.k, used, rows), _with_room(w.v, used, rows)
         w.k[:, :, used : used + n] = _in_space(keys.astype(w.k.dtype), False, w.krot)
         w.v[:, :, used : used + n] = _in_space(values.astype(w.v.dtype), False, w.vrot)
@@ -592,8 +607,15 @@ class LayerCache:
 
 
 def make_layer_caches(
-    spec: ModelCacheSpec, quant: KVQuant, prefill_rotated: bool = False
+    spec: ModelCacheSpec,
+    quant: KVQuant,
+    prefill_rotated: bool = False,
+    reserved_rows: Sequence[int] | None = None,
 ) -> list[LayerCache]:
-    """One agent's empty layer caches (``prefill_rotated``: see ``LayerCache``)."""
+    """One agent's empty layer caches (``prefill_rotated``, ``reserved_rows``: per layer, see
+    ``LayerCache``)."""
     dtype = getattr(mx, spec.dtype)
-    return [LayerCache(s, quant, dtype, prefill_rotated) for s in spec.layers]
+    reserved = reserved_rows or [0] * spec.num_layers
+    return [
+        LayerCache(s, quant, dtype, prefill_rotated, r) for s, r in zip(spec.layers, reserved, strict=True)
+    ]

@@ -98,7 +98,7 @@ _C = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3, 1.3981
 _MASKED = -1e9
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
-_SMALL = 1 << 15  # below this many elements a kernel runs shapeless (see _Kernel)
+_SMALL = 1 << 15  # below this many elements a kernel runs shapeless (see Kernel)
 _MAX_SHAPES = 64  # per-shape compilations kept per kernel before the cache is dropped
 # Fewer scores than this (H * L * kL): mx.fast's single op. Alone, ours wins from H * kL ~ 4600
 # (L = 1); inside a decode step the cost of building ~15 small ops moves that to ~16K.
@@ -124,7 +124,7 @@ _HOST_UNTILED_SCORES = 6 << 20
 _HOST_TILE_SCORES = 1 << 21
 
 
-class _Kernel:
+class Kernel:
     """``fn`` compiled twice: for each input shape (large inputs) and shapeless (small ones).
 
     Shape-specialised tracing fuses about twice as many ops per loop as shapeless tracing,
@@ -157,30 +157,30 @@ class _Kernel:
         return fn(*args)
 
 
-@_Kernel
+@Kernel
 def _clamp(x: mx.array) -> mx.array:
     # float maximum/minimum check for NaN, which stops the loop from vectorising: alone here.
     return mx.minimum(mx.maximum(x, _EXP_LO), _EXP_HI)
 
 
-@_Kernel
+@Kernel
 def _sub_clamp(x: mx.array, m: mx.array) -> mx.array:
     return mx.maximum(x - m, _EXP_LO)
 
 
-@_Kernel
+@Kernel
 def _exp_n(x: mx.array) -> mx.array:
     return (x * _LOG2E + _MAGIC) - _MAGIC
 
 
-@_Kernel
+@Kernel
 def _exp_bits(n: mx.array) -> mx.array:
     # int32 min/max do not branch. Out-of-range n (|x| beyond ~2.9e6) converts to INT_MIN or
     # saturates here, giving 0 or 2**127.
     return (mx.minimum(mx.maximum(n.astype(mx.int32), -127), 127) + 127) << 23
 
 
-@_Kernel
+@Kernel
 def _exp_bits_neg(n: mx.array) -> mx.array:
     # For x <= 0 (softmax after subtracting the row max) only the lower clamp is needed.
     return (mx.maximum(n.astype(mx.int32), -127) + 127) << 23
@@ -196,17 +196,17 @@ def _poly(r: mx.array) -> mx.array:
     return ((r + z * a) + (z * z) * (b + z * d)) + 1.0
 
 
-@_Kernel
+@Kernel
 def _exp_poly(x: mx.array, n: mx.array) -> mx.array:
     return _poly((x - n * _LN2_HI) - n * _LN2_LO)
 
 
-@_Kernel
+@Kernel
 def _mul(a: mx.array, b: mx.array) -> mx.array:
     return a * b
 
 
-def _exp_parts(x: mx.array, bits: _Kernel, fixed: bool | None) -> tuple[mx.array, mx.array]:
+def _exp_parts(x: mx.array, bits: Kernel, fixed: bool | None) -> tuple[mx.array, mx.array]:
     """exp(x) as (mantissa polynomial, 2**n as float32); x must be finite and |x| < ~1e12."""
     n = _exp_n(x, fixed=fixed)
     return _exp_poly(x, n, fixed=fixed), bits(n, fixed=fixed).view(mx.float32)
@@ -226,22 +226,22 @@ def fast_softmax(x: mx.array, axis: int = -1) -> mx.array:
     return (y / y.sum(axis, keepdims=True)).astype(x.dtype)
 
 
-@_Kernel
+@Kernel
 def _neg_n(x: mx.array) -> mx.array:
     return (x * -_LOG2E + _MAGIC) - _MAGIC
 
 
-@_Kernel
+@Kernel
 def _neg_poly(x: mx.array, n: mx.array) -> mx.array:
     return _poly((-x - n * _LN2_HI) - n * _LN2_LO)
 
 
-@_Kernel
+@Kernel
 def _silu_out(x: mx.array, p: mx.array, e: mx.array) -> mx.array:
     return x / (1.0 + p * e)
 
 
-@_Kernel
+@Kernel
 def _swiglu_out(g: mx.array, x: mx.array, p: mx.array, e: mx.array) -> mx.array:
     return (g * x) / (1.0 + p * e)
 
@@ -279,7 +279,7 @@ def fast_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return out.astype(_result_dtype(gate, x))
 
 
-@_Kernel
+@Kernel
 def _gelu_arg(x: mx.array) -> mx.array:
     # 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3)
     return (2.0 * _SQRT_2_OVER_PI) * (x + 0.044715 * (x * x * x))
@@ -356,7 +356,7 @@ def _rope_rotate(x: mx.array, table: mx.array, traditional: bool) -> mx.array:
     return x * table[0] + swapped * table[1]
 
 
-_rope_kernels = {t: _Kernel(partial(_rope_rotate, traditional=t)) for t in (False, True)}
+_rope_kernels = {t: Kernel(partial(_rope_rotate, traditional=t)) for t in (False, True)}
 
 
 def rope_rotate(x: mx.array, table: mx.array, traditional: bool) -> mx.array:
