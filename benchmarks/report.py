@@ -162,6 +162,34 @@ three (0.193 vs 0.251 / 0.681 / 0.754 s at 8K); warm, faster than llama.cpp q4_0
 """
 
 
+def ttft_zen5_warm() -> str:
+    table = _ttft_block("ttft_zen5_warm")
+    if table is None:
+        return ""
+    return f"""## Warm restores on the Zen 5 VM, measured again (December 2, fourth session)
+
+    .venv/bin/python benchmarks/ttft.py --models smollm2-135m --lengths 4096 8192 \\
+        --systems ours-q4 mlx-lm-full llama.cpp-q4_0 llama.cpp-f16 --states DIR --out ttft_zen5_warm
+    # then Gemma 3 at 4K / 8K (ours-q4 mlx-lm-full llama.cpp-f16), both at 16K (ours-q4 llama.cpp-f16)
+
+After the profile's sixth pass (the stored body dequantized in one fused loop; the working-copy
+memory of one agent at the engine's context length touched at start, `kv.reserve`), on the states
+the table above was built from (`--states`: cold and hot are that run's, warm is measured again;
+the model version and the KV format are the same). Warm against the table above: SmolLM2 0.433 ->
+0.339 s at 4K, 0.925 -> 0.544 at 8K, 3.26 -> 1.33 at 16K; Gemma 3 0.280 -> 0.217, 0.549 -> 0.283,
+0.995 -> 0.471. `start+warm` (construction + warm) went down too, though the start now touches the
+reserve (~0.2 s at 8K): SmolLM2 2.64 -> 1.98 s at 8K, 4.93 -> 3.28 at 16K. Now ahead of plain
+mlx-lm and llama.cpp q4_0 on SmolLM2 (0.339 vs 0.491 / 0.429 s at 4K, 0.544 vs 0.920 / 0.927 at 8K)
+and level with mlx-lm on Gemma 3 at 4K (0.217 vs 0.225), behind it at 8K (0.283 vs 0.228); behind
+llama.cpp f16 by 1.8-2.0x on SmolLM2, 2.5-2.7x on Gemma 3. Our starts are long beside llama.cpp's
+(SmolLM2 1.4-1.9 s, Gemma 3 5.4-7.0 s): importing mlx-lm imports transformers (1.6 s), and loading
+Gemma 3's 262K-entry tokenizer through transformers and mlx-lm parses its `tokenizer.json` several
+times (5.7 s; llama.cpp reads its vocabulary from the GGUF). `results/ttft_zen5_warm.png`.
+
+{table}
+"""
+
+
 def decode_ahead() -> str:
     runs = [(d, _load(f"decode_ahead_{d}")) for d in ("cpu", "gpu")]
     runs = [(d, data) for d, data in runs if data]
@@ -786,12 +814,47 @@ Fifth pass (December 2, third session; the same Zen 5 VM): decode.
   17-21 GB/s (~30 ms of SmolLM2's ~41), and ~2,200 small ops at ~3 us. Closing that needs a decode
   step as a few fused multi-threaded kernels, which mlx's CPU backend does not offer (its compiled
   kernels are elementwise loops; no custom CPU kernels).
+
+Sixth pass (December 2, fourth session; the same Zen 5 VM): the warm restore again. A SmolLM2 8K
+warm in a new process took 0.65-0.80 s: loading the blocks 0.08 s, then the first chunk, in which
+building the working copies (30 layers, 6-bit keys and 4-bit values, 377 MB of float32) cost
+0.35-0.41 s and the 15-token forward ~0.15 s.
+
+- mlx's CPU allocator keeps at most 32 MB of freed buffers; every larger op of a new process
+  writes fresh pages, at ~1.6 us per 4 KiB page on this VM: an elementwise op over 32 MB ran at
+  2.5 ns per float32 and at 0.25 with the cache limit raised (the same op, pages recycled).
+- The dequantize (`codecs.unpack_affine`) was 5-7 separate mlx ops (shifts, masks, casts, the
+  scale and bias), each writing its intermediate: now one fused loop per call (`fast_ops.Kernel`,
+  the same bits; checked against `mx.dequantize` for 2-8 bits, float32 and float16). In the loop a
+  float16 -> float32 cast costs 3x (no F16C in the JIT's SSE2 code) and an `expand_dims` 1.7x: the
+  scales are cast and every input broadcast before it. 30 layers of SmolLM2 at 8K: 0.26 -> 0.11 s
+  with fresh outputs, 0.13 -> 0.11 into recycled ones. mlx's JIT still compiles a broadcast loop as
+  scalar strided code (~1.5-2 ns a value; a contiguous loop runs at ~0.2): 6-bit keys cost twice
+  4-bit values.
+- The working copies' fresh pages (0.15-0.2 s of it): the engine now touches, when it starts, one K
+  and one V buffer per layer of the size a working copy of an agent at its context length has, and
+  leaves them in mlx's cache (its limit raised by as much; `kv.reserve`, CPU only); a working copy
+  that fits that size with at most half of it spare takes it and gets its buffer back already
+  touched, and one dropped later goes back for the next agent. As llama.cpp's context allocates and
+  clears its KV buffer before its warm clock starts. Within the work budget (1 GB on the CPU: a
+  longer context reserves the longest agent that fits). New processes alternated, SmolLM2 8K: 0.73,
+  0.73, 0.80 -> 0.52, 0.55, 0.62 s; the start 0.06 -> 0.23 s. Within one process, successive warm
+  restores at 8K now take 0.39-0.57 s. (The fourth pass measured this idea with buffers of exact
+  sizes built before the clock and found the start 1.6 s longer: the VM's fresh pages cost several
+  times more that day.)
+- Measured and not kept: transparent huge pages through glibc's tunable, again (0.29 -> 0.68-0.89 s:
+  compaction on every fault); a warm-up turn or a warm-up decode at start (no change); OpenMP threads
+  not spinning after a GEMM (`KMP_BLOCKTIME=0`: 5-10 %, within the noise).
+- What is left in a SmolLM2 8K warm (~0.5 s): reading and checking 65 MB of blocks 0.05-0.1 s,
+  joining the block tensors 0.05 s, the dequantize ~0.1-0.15 s (scalar code, see above), the forward
+  ~0.15 s. Gemma 3 at 8K: ~0.17-0.21 s in one process, 0.28-0.34 s in a new one.
 """
 
 
 SECTIONS: list[Callable[[], str]] = [
     ttft,
     ttft_zen5,
+    ttft_zen5_warm,
     profile,
     decode_ahead,
     capacity,
