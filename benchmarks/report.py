@@ -327,10 +327,13 @@ developer, counsel and negotiator, each with the whole Apache License 2.0 in its
 prompt; in each phase all four speak at once (their requests batched), told what the
 others said in the previous one. Every phase runs in a new process (phases hours apart),
 resuming from `AgentMemorySaver`. Persistent: caches carry over (read from disk);
-cleared: deleted before each phase. `results/workflow.png`. Measured on the 2-core AMD EPYC VM
-(December 2026), with the kept working copies and the CPU attention of issue 22; the run before
-them (November, on an earlier Xeon VM, where cold requests took 0.55-0.9x the time they take
-here) took 87.6 s persistent vs 263.6 s cleared (3.0x).
+cleared: deleted before each phase. `results/workflow.png`. Measured on the Zen 5 VM (December 2,
+fourth session: after the profile's sixth pass, with the kept working copies). In a persistent
+phase the saver has each agent's cache loaded when the phase's process starts (`hot-extend`):
+what its TTFT is, is the ~170 new tokens of each of the four agents (what the others said),
+prefilled together over ~2.5K tokens of context. Earlier runs: 125.2 s persistent vs 359.8 s
+cleared (2.9x) on the AMD EPYC VM of December's first sessions, 87.6 vs 263.6 (3.0x) in November
+on a Xeon VM where cold requests took 0.55-0.9x the time.
 
 {_md(header, out)}
 """
@@ -357,9 +360,11 @@ def routing() -> str:
 each query goes to the 2-3 experts whose parts share the most words with it, all at once.
 Cold: every call from an empty cache; warm: each query in a new process (every expert read
 from disk); hot: one process with every expert in memory. `results/routing.png`. Measured on
-the 2-core AMD EPYC VM (December 2026), with the kept working copies; the run before them (November,
-an earlier Xeon VM): TTFT medians 45.7 s cold, 0.82 s warm, 0.46 s hot; query wall 67.8 / 4.18 /
-4.77 s.
+the Zen 5 VM (December 2, fourth session: after the profile's sixth pass, with the kept working
+copies). A query's 2-3 experts are served together, so an expert's TTFT is its share of their
+batched turn (each expert's cache goes back to its document: `-diverge`). Earlier runs: on the AMD
+EPYC VM of December's first sessions, TTFT medians 52.2 s cold, 1.29 s warm, 0.66 s hot, query wall
+80.9 / 7.20 / 5.71 s; in November on a Xeon VM, 45.7 / 0.82 / 0.46 s, 67.8 / 4.18 / 4.77 s.
 
 {_md(header, out)}
 """
