@@ -850,6 +850,11 @@ building the working copies (30 layers, 6-bit keys and 4-bit values, 377 MB of f
 - Measured and not kept: transparent huge pages through glibc's tunable, again (0.29 -> 0.68-0.89 s:
   compaction on every fault); a warm-up turn or a warm-up decode at start (no change); OpenMP threads
   not spinning after a GEMM (`KMP_BLOCKTIME=0`: 5-10 %, within the noise).
+- Weights in another format, asked again on this CPU (mlx 0.32.4; ms per product, cache warm):
+  `mx.quantized_matmul` and bf16 stay far behind float32 through MKL. One row (a decode step):
+  1536x576 0.215 ms in float32 against 0.79 (4-bit), 0.77 (8-bit), 0.90 (bf16); Gemma 3's
+  262144x640 vocabulary 36.6 ms against 118-122 and 167. 15 rows: 0.38 against 9.8-11.2 and 4.9;
+  256 rows: 3.7 against 162-176 and 79. mlx's CPU quantized kernels are scalar: float32 stays.
 - What is left in a SmolLM2 8K warm (~0.5 s): reading and checking 65 MB of blocks 0.05-0.1 s,
   joining the block tensors 0.05 s, the dequantize ~0.1-0.15 s (scalar code, see above), the forward
   ~0.15 s. Gemma 3 at 8K: ~0.17-0.21 s in one process, 0.28-0.34 s in a new one.
