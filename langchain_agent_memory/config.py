@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     blocks: str | None = None  # s3:// URL of a shared store's blocks
     max_disk_bytes: str | None = None  # a disk budget for each model's caches: "5GB", "500MiB", bytes
     cache_ttl: str | None = None  # evict caches unused for this long: "7d", "12h", seconds
+    reserve_work: bool = True  # CPU: touch one agent's working-copy memory at engine start (kv.reserve)
 
 
 def get_settings() -> Settings:

@@ -97,7 +97,8 @@ class Engine:
     local tier; the store keeps everything. ``reserve_work`` (CPU): touch, at start, the
     working-copy memory of one agent at ``context_length`` (within ``work_budget_bytes``), as
     llama.cpp's context clears its KV buffer, so that a warm restore does not pay for fresh
-    pages (``kv.reserve``); MLX's buffer cache holds it while the engine lives.
+    pages (``kv.reserve``); MLX's buffer cache holds it while the engine lives (None: settings
+    ``AGENT_MEMORY_RESERVE_WORK``, default on).
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class Engine:
         blocks: str | None = None,
         max_disk_bytes: int | str | None = None,
         cache_ttl: float | str | timedelta | None = None,
-        reserve_work: bool = True,
+        reserve_work: bool | None = None,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -154,7 +155,7 @@ class Engine:
             self.spec, self.quant, self.store, self.pool, self.tokenizer, policy, is_adapted(self.lm.model)
         )
         self._reserve: WorkReserve | None = None
-        if reserve_work and not device.on_gpu():
+        if (settings.reserve_work if reserve_work is None else reserve_work) and not device.on_gpu():
             rows = reserve_rows(self.spec, context_length, alone_chunk, work_budget_bytes)
             self._reserve = WorkReserve(self.spec, rows)
             self.agents.reserved_rows = rows

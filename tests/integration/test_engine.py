@@ -22,6 +22,7 @@ from langchain_agent_memory.engine.engine import (
 )
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
+from langchain_agent_memory.engine.runtime import mx
 from langchain_agent_memory.engine.storage.store import (
     BLOCK_TOKENS,
     FORMAT_VERSION,
@@ -324,3 +325,33 @@ def test_context_length_refuses_long_prompts_and_ends_replies(smollm: LoadedMode
     with pytest.raises(ContextLengthError, match="reads at most 64"):
         engine.generate("other", prompt + "1, 2, 3, " * 20, GREEDY)
     assert engine.store.get_agent("other") is None  # nothing was stored for the refused prompt
+
+
+def test_the_working_copy_reserve_changes_no_output(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU engine reserves one agent's working-copy memory at its context length
+    (``kv.reserve``); a warm restore that takes the reserved buffers answers token for token
+    as one without them, and ``AGENT_MEMORY_RESERVE_WORK=0`` turns the reserve off."""
+    from langchain_agent_memory.engine.kv.layer import grown_rows
+
+    outputs = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("AGENT_MEMORY_RESERVE_WORK", setting)
+        eng = Engine("smollm2-135m", cache_dir=tmp_path / setting, kv_bits=4, context_length=1024)
+        reserved = eng.agents.reserved_rows
+        question = "What is this license called?"
+        answer = eng.generate("a", _chat(eng, SYSTEM, [(question, None)]), GREEDY).text
+        eng.agents.clear_memory()  # the next turn restores from the blocks
+        prompt = _chat(eng, SYSTEM, [(question, answer), ("Who may use the work?", None)])
+        second = eng.generate("a", prompt, GREEDY)
+        assert str(second.outcome).startswith("warm") and second.completion_tokens > 3
+        rows = {layer._work.k.shape[2] for layer in eng.agents.hot["a"].layers if layer._work is not None}
+        if setting == "1" and mx.default_device() == mx.cpu:
+            assert reserved == (grown_rows(1024),) * eng.spec.num_layers
+            assert rows == {grown_rows(1024)}  # the agent (~500 tokens) took the reserved size
+        else:
+            assert reserved is None and rows and grown_rows(1024) not in rows
+        outputs.append((second.text, second.completion_tokens))
+        eng.close()
+    assert outputs[0] == outputs[1]
