@@ -110,16 +110,18 @@ def _affine_values(
     return ((words >> shifts) & ((1 << bits) - 1)).astype(scales.dtype) * scales + biases
 
 
-def _run_values(
-    b0: mx.array, b1: mx.array, b2: mx.array, shifts: mx.array, scales: mx.array, biases: mx.array, bits: int
-) -> mx.array:
-    """3-byte runs (3 and 6 bits) -> values, the run's word assembled in the same loop."""
-    words = b0.astype(shifts.dtype) | (b1.astype(shifts.dtype) << 8) | (b2.astype(shifts.dtype) << 16)
+def _run_values(*parts: mx.array, bits: int) -> mx.array:
+    """Byte runs (3 bytes for 3 and 6 bits, 5 for 5 bits) -> values, the run's word
+    assembled in the same loop: ``parts`` are the run's bytes, then shifts, scales, biases."""
+    *run, shifts, scales, biases = parts
+    words = run[0].astype(shifts.dtype)
+    for j, byte in enumerate(run[1:], start=1):
+        words = words | (byte.astype(shifts.dtype) << (8 * j))
     return _affine_values(words, shifts, scales, biases, bits)
 
 
 _word_kernels = {bits: Kernel(partial(_affine_values, bits=bits)) for bits in (2, 4, 8)}
-_run_kernels = {bits: Kernel(partial(_run_values, bits=bits)) for bits in (3, 6)}
+_run_kernels = {bits: Kernel(partial(_run_values, bits=bits)) for bits in (3, 5, 6)}
 
 
 def unpack_affine(q: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
@@ -142,13 +144,7 @@ def unpack_affine(q: mx.array, scales: mx.array, biases: mx.array, bits: int, gr
         out = _word_kernels[bits](q.reshape(*lead, groups, -1)[..., None], shifts, s, b)
     else:
         by = mx.view(q, mx.uint8).reshape(*lead, groups, -1, run_bytes)
-        if run_bytes == 3:
-            out = _run_kernels[bits](*(by[..., j, None] for j in range(3)), shifts, s, b)
-        else:  # 5 bits: 5-byte runs in 64-bit words (no preset uses it)
-            words = by[..., 0].astype(word_type)
-            for j in range(1, run_bytes):
-                words = words | (by[..., j].astype(word_type) << (8 * j))
-            out = _affine_values(words[..., None], shifts, s, b, bits)
+        out = _run_kernels[bits](*(by[..., j, None] for j in range(run_bytes)), shifts, s, b)
     return out.reshape(*lead, -1)
 
 

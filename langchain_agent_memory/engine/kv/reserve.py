@@ -20,14 +20,11 @@ longest agent that fits.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from ..runtime import mx
 from .layer import grown_rows
 from .spec import ModelCacheSpec
-
-logger = logging.getLogger(__name__)
 
 #: Far above any memory: raising the cache limit to it never frees a cached buffer, and the
 #: previous limit comes back with it (mlx has no getter).
@@ -42,20 +39,12 @@ def reserve_rows(
     """Per layer, the working-copy rows to reserve (0: none): an agent of ``context_length``
     tokens for full-attention layers, a window and a prefill chunk for sliding ones; full
     layers cut to what ``budget_bytes`` holds."""
-    itemsize = getattr(mx, spec.dtype).size
-
-    def row_bytes(rows: Sequence[int]) -> int:
-        return sum(
-            r * s.kv_heads * (s.k_head_dim + s.v_head_dim) * itemsize
-            for r, s in zip(rows, spec.layers, strict=True)
-        )
-
     cap = grown_rows(context_length)
     sliding = [
         0 if s.window is None else min(cap, grown_rows(s.window - 1 + chunk_tokens)) for s in spec.layers
     ]
-    full_row = row_bytes([1 if s.window is None else 0 for s in spec.layers])
-    room = budget_bytes - row_bytes(sliding)
+    full_row = reserve_bytes(spec, [1 if s.window is None else 0 for s in spec.layers])
+    room = budget_bytes - reserve_bytes(spec, sliding)
     if room <= 0:
         return tuple(0 for _ in spec.layers)
     full = min(cap, room // full_row // 256 * 256) if full_row else 0
@@ -64,27 +53,32 @@ def reserve_rows(
     return tuple(full if s.window is None else r for s, r in zip(spec.layers, sliding, strict=True))
 
 
+def reserve_bytes(spec: ModelCacheSpec, rows: Sequence[int]) -> int:
+    """Bytes of one K and one V working-copy buffer of ``rows[i]`` rows for each layer i."""
+    itemsize = getattr(mx, spec.dtype).size
+    per_row = [s.kv_heads * (s.k_head_dim + s.v_head_dim) * itemsize for s in spec.layers]
+    return sum(r * b for r, b in zip(rows, per_row, strict=True))
+
+
 class WorkReserve:
     """The touched buffers of ``reserve_rows`` waiting in MLX's CPU buffer cache (see the
     module's docstring); ``release`` gives the cache limit back."""
 
     def __init__(self, spec: ModelCacheSpec, rows: tuple[int, ...]) -> None:
-        self.rows = rows
-        dtype = getattr(mx, spec.dtype)
-        shapes = [
-            (1, s.kv_heads, r, d)
-            for s, r in zip(spec.layers, rows, strict=True)
-            if r
-            for d in (s.k_head_dim, s.v_head_dim)
-        ]
-        self.nbytes = sum(a * b * c * d for a, b, c, d in shapes) * dtype.size
+        self.nbytes = reserve_bytes(spec, rows)
         self._raised = False
         if not self.nbytes:
             return
         previous = mx.set_cache_limit(_UNLIMITED)
         mx.set_cache_limit(min(previous, _UNLIMITED - self.nbytes) + self.nbytes)
         self._raised = True
-        buffers = [mx.zeros(shape, dtype) for shape in shapes]
+        dtype = getattr(mx, spec.dtype)
+        buffers = [
+            mx.zeros((1, s.kv_heads, r, d), dtype)
+            for s, r in zip(spec.layers, rows, strict=True)
+            if r
+            for d in (s.k_head_dim, s.v_head_dim)
+        ]
         mx.eval(buffers)  # every page written once
         del buffers  # into the cache, where working copies of these sizes take them from
 
