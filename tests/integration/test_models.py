@@ -6,6 +6,7 @@ import platform
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,6 +14,9 @@ from langchain_agent_memory import corpus
 from langchain_agent_memory.engine import runtime
 from langchain_agent_memory.engine.model.loading import LoadedModel, load_model, resolve_model_dir
 from langchain_agent_memory.engine.model.quality import perplexity
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def _greedy(lm: LoadedModel, prompt: str, max_tokens: int) -> str:
@@ -81,6 +85,64 @@ def test_conversion_is_done_once(smollm: LoadedModel) -> None:
     assert resolve_model_dir("smollm2-135m")[0] == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert load_model("smollm2-135m") is smollm  # one load per process
+
+
+def _tokenizer(model_dir: Path) -> TokenizerWrapper:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.mark.parametrize("fixture", ["smollm", "gemma"])
+def test_converted_tokenizer_lists_its_added_tokens(fixture: str, request: pytest.FixtureRequest) -> None:
+    """transformers finds the added tokens in tokenizer_config.json, as in a checkpoint it
+    saved itself, instead of parsing all of tokenizer.json for them at every load."""
+    import json
+
+    lm: LoadedModel = request.getfixturevalue(fixture)
+    config = json.loads((lm.path / "tokenizer_config.json").read_text())
+    added = json.loads((lm.path / "tokenizer.json").read_text())["added_tokens"]
+    assert {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()} == {
+        t["id"]: t["content"] for t in added
+    }
+    assert lm.tokenizer.convert_ids_to_tokens(lm.tokenizer.eos_token_id) in {t["content"] for t in added}
+
+
+def test_an_older_conversion_gets_the_new_tokenizer_files_and_tokenizes_alike(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """A directory converted by an earlier release (indented tokenizer.json, no
+    added_tokens_decoder) is brought up to date once, and its tokenizer encodes, decodes and
+    templates exactly as before: the caches made under it stay valid."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from langchain_agent_memory.engine.model.gguf_convert import upgrade_tokenizer_files
+
+    old = tmp_path / "old"
+    old.mkdir()
+    Tokenizer.from_file(str(smollm.path / "tokenizer.json")).save(str(old / "tokenizer.json"), pretty=True)
+    config = json.loads((smollm.path / "tokenizer_config.json").read_text())
+    del config["added_tokens_decoder"]
+    (old / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (old / "config.json").write_bytes((smollm.path / "config.json").read_bytes())
+    before = _tokenizer(old)
+
+    assert upgrade_tokenizer_files(old)
+    assert not upgrade_tokenizer_files(old)  # once
+    assert "added_tokens_decoder" in json.loads((old / "tokenizer_config.json").read_text())
+    assert b"\n" not in (old / "tokenizer.json").read_bytes()[:4096]  # compact
+    after = _tokenizer(old)
+
+    text = corpus.apache_license()[:3000] + " <|im_start|>user\nHi <|im_end|> naïve café 東京 🙂"
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert after.encode(text) == before.encode(text)
+    assert after.decode(before.encode(text)) == before.decode(before.encode(text))
+    assert after.apply_chat_template(messages, add_generation_prompt=True) == before.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
+    assert after.eos_token_ids == before.eos_token_ids
 
 
 X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"

@@ -26,7 +26,7 @@ from ..runtime import mx
 from .adapters import adapt_model
 from .families import check_family
 from .fingerprint import sha256_file
-from .gguf_convert import CONVERTER_VERSION, convert_gguf
+from .gguf_convert import CONVERTER_VERSION, convert_gguf, upgrade_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,12 @@ def resolve_model_dir(
         logger.info("converting %s into %s (once)", gguf_path, target)
         convert_gguf(gguf_path, target, dtype=dtype, progress=conversion_progress)
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - t0)
+    else:
+        try:
+            if upgrade_tokenizer_files(target):
+                logger.info("updated the tokenizer files of %s (faster loads; its caches stay valid)", target)
+        except OSError as exc:  # a read-only cache: it still loads, only slower
+            logger.warning("could not update the tokenizer files of %s: %s", target, exc)
     return target, name
 
 
