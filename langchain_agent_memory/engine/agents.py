@@ -387,7 +387,7 @@ class AgentCaches:
         layers, old = start.layers, start.state
         n = len(known)
         for layer in layers:
-            layer.commit(keep_work=self.policy.work_budget_bytes > 0)
+            layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=_kept_from(layer, n))
             if layer.offset > n:
                 layer.trim_to(n)
         chain = self._chain_of(known, start.kept_blocks())
@@ -402,10 +402,9 @@ class AgentCaches:
             logger.warning("agent %r: not saved, another worker saved it first (%s)", agent_id, exc)
             self.hot.pop(agent_id, None)
             return None, 0
-        # Sliding layers keep their window and the last (partial) block, for the next save.
         for layer in layers:
             if layer.spec.window is not None:
-                layer.drop_before(min(max(0, n - layer.spec.window), (n // BLOCK_TOKENS) * BLOCK_TOKENS))
+                layer.drop_before(_kept_from(layer, n))
         self.keep_hot(agent_id, AgentState(known, chain, layers, self.store.seen_version(agent_id)))
         return record, written
 
@@ -536,6 +535,14 @@ def _layer_part(index: int, source: BlockGroup | Block, skip: int) -> tuple[dict
     names = [k for k in source.names() if k.startswith(prefix)]
     tokens = sum(hd.n_tokens for hd in source.headers[skip:])
     return {k: source.tensor(k, skip) for k in names}, tokens
+
+
+def _kept_from(layer: LayerCache, n_tokens: int) -> int:
+    """The first position a layer keeps once an agent stands for ``n_tokens``: a sliding
+    layer its window and the last (partial) block, for the next save; a full layer all."""
+    if layer.spec.window is None:
+        return 0
+    return min(max(0, n_tokens - layer.spec.window), (n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS)
 
 
 def _holds_window(layer: LayerCache, n_tokens: int) -> bool:

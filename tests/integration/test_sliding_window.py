@@ -73,6 +73,25 @@ def test_ignoring_the_window_is_caught(gemma: LoadedModel, reference) -> None:
     assert _rel(step, ref_step) > 0.3
 
 
+def test_a_sliding_layers_working_copy_stays_about_a_window_long(gemma: LoadedModel) -> None:
+    """Through a 2K-token prefill in 256-token chunks, a sliding layer's full-precision
+    copy holds its window and about a chunk (its memory does not grow with the context);
+    a full layer's holds every token."""
+    from langchain_agent_memory.engine.kv.layer import WORK_STEP
+
+    spec = ModelCacheSpec.from_model(gemma.model)
+    layers = make_layer_caches(spec, KVQuant.uniform(4))
+    ids = gemma.tokenizer.encode(corpus.python_docs())[:N_TOKENS]
+    prefill(gemma.model, ids, layers, chunk_tokens=256)
+    for layer in layers:
+        row = layer.spec.kv_heads * (layer.spec.k_head_dim + layer.spec.v_head_dim) * 4  # K and V, float32
+        window = layer.spec.window
+        if window is None:
+            assert layer.work_nbytes >= N_TOKENS * row
+        else:
+            assert layer.work_nbytes <= (window + 256 + 2 * WORK_STEP) * row, layer.work_nbytes // row
+
+
 def test_a_warm_restore_past_the_window_equals_the_uninterrupted_run(gemma: LoadedModel, tmp_path) -> None:
     """At 16-bit KV the oracle holds exactly: a new engine restoring a 1.5K-token context
     (its sliding layers read only their last window's blocks, the full layers every block)
