@@ -33,6 +33,8 @@ CPU_HOT_BUDGET_BYTES = 512 << 20
 #: memory tier of stored blocks. The rest is the model's weights and activations.
 GPU_WORK_SHARE = 0.25
 GPU_HOT_SHARE = 0.0625
+#: Share of a GPU's memory mlx's cache of freed buffers may hold between prefill chunks.
+GPU_CACHE_SHARE = 0.125
 
 
 def on_gpu() -> bool:
@@ -60,6 +62,18 @@ def alone_chunk_tokens() -> int:
 def work_budget_bytes() -> int:
     mem = memory_bytes()
     return CPU_WORK_BUDGET_BYTES if mem is None else int(mem * GPU_WORK_SHARE)
+
+
+def prefill_cache_bound() -> int | None:
+    """Bytes of freed buffers mlx may keep between two prefill chunks (None: no bound).
+
+    On a GPU mlx keeps what a chunk frees for reuse, up to its memory limit. A long
+    prefill's chunks free buffers of new sizes every chunk (attention over a longer
+    context) that no later chunk reuses: at 64K tokens of a Gemma 3 4B shape they held 122
+    GB of an H200's 150 when the next allocation failed. On the CPU mlx keeps 32 MB, and
+    the engine's own reserve (``kv.reserve``) lives in that cache: no bound there."""
+    mem = memory_bytes()
+    return None if mem is None else int(mem * GPU_CACHE_SHARE)
 
 
 def hot_budget_bytes() -> int:

@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Hashable
 from typing import Any
 
+from . import device
 from .kv import BatchLayerCache, LayerCache, batch_layer_caches
 from .model.constrain import TokenConstraint
 from .model.forward import decode_step, logits_from_hidden, prefill_chunk
@@ -79,10 +80,14 @@ class ModelRunner:
         self.model = model
         self._members: list[Hashable] = []  # the decode batch, in row order
         self._caches: list[BatchLayerCache] | None = None
+        self._cache_bound = device.prefill_cache_bound()
 
     def prefill(self, ids: list[int], layers: list[LayerCache], last: bool) -> mx.array | None:
         """One prefill chunk; the last position's logits if it is the ``last`` chunk."""
-        return prefill_chunk(self.model, ids, layers, last=last)
+        logits = prefill_chunk(self.model, ids, layers, last=last)
+        if self._cache_bound is not None and mx.get_cache_memory() > self._cache_bound:
+            mx.clear_cache()  # buffers of sizes the next chunks will not ask for (``device``)
+        return logits
 
     def decode(self, members: list[tuple[Hashable, int | mx.array, list[LayerCache]]]) -> mx.array:
         """One decode step for each (request key, token to feed, its layer caches): the
