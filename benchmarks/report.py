@@ -858,6 +858,94 @@ building the working copies (30 layers, 6-bit keys and 4-bit values, 377 MB of f
 - What is left in a SmolLM2 8K warm (~0.5 s): reading and checking 65 MB of blocks 0.05-0.1 s,
   joining the block tensors 0.05 s, the dequantize ~0.1-0.15 s (scalar code, see above), the forward
   ~0.15 s. Gemma 3 at 8K: ~0.17-0.21 s in one process, 0.28-0.34 s in a new one.
+
+Seventh pass (December 2, fifth session; the same Zen 5 VM): the start, the first restore of a
+process, decode once more, and where Gemma 3's cold prefill goes.
+
+- Starting Gemma 3 (an engine on the converted model): 5.0-5.5 s, of which loading its tokenizer
+  4.4 s: transformers parsed all of the 33 MB `tokenizer.json` in Python to find its 6,384 added
+  tokens (our converter did not list them in `tokenizer_config.json`, as transformers'
+  `save_pretrained` does), the Rust tokenizer parsed it again (1.1-1.4 s: 514,906 merges), mlx-lm a
+  third time for its detokenizer (0.8 s), and mlx-lm's `TokenizerWrapper` reads the 262K vocabulary
+  three times (0.9 s). Fix landed: the converter writes `added_tokens_decoder` and a compact
+  `tokenizer.json` (13 MB; Python parses it in 0.57 s instead of 0.80), and brings directories
+  converted before up to date once (the tokenizer files are not in the model's fingerprint: their
+  caches stay valid; tokenization checked equal on 50K tokens of text and special tokens). The
+  tokenizer load 4.4 -> 3.0 s, the engine's start (A/B, two directories) 5.0-5.5 -> 4.45 s.
+  Measured and not kept: loading the tokenizer on a thread beside the weights (3.4-3.7 -> 3.9-4.1
+  s: both are mostly Python under one lock).
+- `runtime.py` re-run on this VM (README table): SmolLM2 prefill 476 tok/s and decode 20.4 with
+  the fused CPU kernels (271 and 20.7 without), Gemma 3 533 and 16.5; bf16, fp16 and mlx's 8- and
+  4-bit weights 12-27 tok/s prefill, 1.5-8.5 decode: float32 through MKL stays; conversion 5.8 and
+  18.3 s; perplexity unchanged (15.583, 12.270).
+- A new process's first warm restore of Gemma 3 at 8K (0.28-0.41 s against 0.19-0.24 for the next
+  ones in the same process): 11.8K page faults against 2.3-2.7K, and 80-190K involuntary context
+  switches per restore from Intel OpenMP's threads spinning between GEMMs (`KMP_BLOCKTIME=0`,
+  `OMP_WAIT_POLICY=PASSIVE` or sequential MKL bring them to 100-900, and the restore is no faster
+  in alternated runs: the spinning fills idle time). Running the model over 64 or 512 tokens into
+  throwaway caches at start changed nothing measurable; a warm restore of another stored agent at
+  start did (0.37-0.41 -> 0.28-0.33 s), but that needs an agent to restore: not kept.
+- Decode once more: Python builds a step's graph in 4.3-4.7 ms, mlx runs it in 41 (SmolLM2) and
+  72 ms (Gemma 3): the step is mlx's execution. A two-thread float32 GEMV as an mlx C++ extension
+  (a custom primitive built against mlx 0.32.4's headers, with nanobind 3.x, whose ABI matches
+  mlx's; a prototype, not shipped) reads 20.7-34.5 GB/s where MKL's one-row product reads
+  15.9-19.4 (1.3-1.8x per product), but in the decode step (every Linear of a few rows through it)
+  SmolLM2 went 18.2-19.2 -> 21.2-22.6 tok/s and Gemma 3 10.3-12.5 -> 13.2-13.3: the other ~2,400
+  ops of a step are half of it. Reaching 1.5x of the floor needs each family's decoder layer fused
+  into native multi-threaded kernels (a native decode path, built with a compiler at install),
+  beyond what this issue takes on.
+- Gemma 3's cold prefill by module (4K tokens in 256-token chunks, every module timed on its own):
+  attention 3.0 s of 10.3-12.5 (the sliding layers 2.2: each chunk's 256 queries go over 768 keys
+  of which 512 are visible to each), MLP matmuls 3.4-3.7, projections 1.4-1.6, norms 0.3, and two
+  costs of the sliding layers' working copies. A sliding layer's copy grew with the whole context
+  (each growth copying every row) although its queries see only the last window, and the commit
+  decoded every row of the request again (the rows a reload would see) where the layer then kept
+  only its window. Fix landed: when a sliding layer's copy must grow it lets go of the rows no
+  query from there on sees (it stays about a window and a chunk long), and the commit re-decodes
+  only the rows the layer keeps (`LayerCache.commit(keep_from=...)`). Gemma 3 270M cold at 4K: the
+  save 0.58-0.60 -> 0.48-0.50 s (the prefill within this VM's noise). On a GPU it is memory: see
+  `gpu_sliding` below.
+"""
+
+
+def gpu_sliding() -> str | None:
+    data = _load("gpu_sliding")
+    if data is None:
+        return None
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in data["rows"]:
+        cells.setdefault((r["tree"], r["context"]), []).append(r)
+    rows = []
+    for (tree, ctx), rs in sorted(cells.items(), key=lambda kv: (kv[0][1], data["trees"].index(kv[0][0]))):
+
+        def med(key: str, rs: list[dict[str, Any]] = rs) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        rows.append([
+            tree, f"{ctx:,}", str(len(rs)), f"{med('prefill_s'):.2f}", f"{med('save_s'):.2f}",
+            f"{med('peak_gb'):.1f}", f"{med('hot_ttft_s'):.3f}",
+        ])  # fmt: skip
+    header = ["tree", "tokens", "runs", "prefill s", "save s", "peak GB", "hot TTFT s"]
+    return f"""## Sliding-window layers at scale on the H200 (Gemma 3 4B shape, RANDOM WEIGHTS)
+
+    python3 benchmarks/gpu_sliding.py run --trees BASE . --contexts 32768,65536 --out $OUT   # on the H200
+    .venv/bin/python benchmarks/gpu_sliding.py plot
+
+{data["model"]}: 34 layers, 29 of them sliding (window 1,024). A cold turn through the engine
+(4-bit KV), each tree in a process of its own, alternated; "peak GB" is mlx's peak memory during
+the cold turn over what the engine held before it (the weights, 9.6 GB). The base is the tree
+before the seventh pass's sliding-layer change. At 32K the sliding layers' copies no longer grow
+with the context: the peak 18.4 -> 14.5 GB, the save 5.4 -> 4.3 s (it re-decodes only the kept
+rows), prefill and the next hot turn unchanged. At 64K both trees ran out of the H200's memory in
+a fresh process: mlx kept the buffers each 2,048-token chunk freed (attention over a longer
+context each chunk: new sizes every chunk, none reused) until its cache held 122 GB and the
+commit's next allocation failed. Fix landed: between prefill chunks on a GPU the engine gives that
+cache back once it holds more than an eighth of the GPU's memory (`device.prefill_cache_bound`;
+on the CPU the cache stays mlx's 32 MB and the engine's reserve). The 64K row is after it.
+Saving is most of a long cold turn here (13.8 s at 64K): every layer's blocks are written, the
+sliding layers' too (a later turn may go back to any point). `results/gpu_sliding.png`.
+
+{_md(header, rows)}
 """
 
 
@@ -876,6 +964,7 @@ SECTIONS: list[Callable[[], str]] = [
     fanout,
     distributed,
     gpu,
+    gpu_sliding,
 ]
 
 
