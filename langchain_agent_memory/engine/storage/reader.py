@@ -148,12 +148,32 @@ def layer_of(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def part_checksums(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
-    """``checksum`` of each layer's tensors, by layer (what a partial read verifies)."""
+def _by_layer(named: Sequence[tuple[str, Any]]) -> dict[str, list[tuple[str, Any]]]:
     by_layer: dict[str, list[tuple[str, Any]]] = {}
     for name, data in named:
         by_layer.setdefault(layer_of(name), []).append((name, data))
-    return {layer: checksum(group) for layer, group in sorted(by_layer.items())}
+    return dict(sorted(by_layer.items()))
+
+
+def part_checksums(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
+    """``checksum`` of each layer's tensors, by layer (what a partial read verifies)."""
+    return {layer: checksum(group) for layer, group in _by_layer(named).items()}
+
+
+_hash_pool: ThreadPoolExecutor | None = None
+
+
+def block_checksums(named: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, str]]:
+    """``checksum`` and ``part_checksums`` of a block being written, hashed side by side on
+    threads (hashlib lets go of the GIL over a large buffer): a save of a Gemma 3 4B-shaped
+    agent of 32K tokens on the H200 spent 3.1 of its 7.1 s in SHA-256, on one thread."""
+    global _hash_pool
+    if _hash_pool is None:
+        _hash_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="agent-memory-hash")
+    by_layer = _by_layer(named)
+    whole = _hash_pool.submit(checksum, named)
+    parts = dict(zip(by_layer, _hash_pool.map(checksum, by_layer.values()), strict=True))
+    return whole.result(), parts
 
 
 def select(header: BlockHeader, layers: Collection[str]) -> BlockHeader:

@@ -47,8 +47,8 @@ from .reader import (
     BlockGroup,
     BlockHeader,
     Layouts,
+    block_checksums,
     checksum,
-    part_checksums,
     read_groups,
     read_header,
     select,
@@ -433,17 +433,17 @@ class DiskBlockStore:
             return 0
         tensors = {k: mx.contiguous(v) for k, v in block.tensors.items()}
         mx.eval(tensors)
-        named = _named_bytes(tensors)
+        whole, parts = block_checksums(_named_bytes(tensors))
         meta = {
             "format_version": str(FORMAT_VERSION),
             "fingerprint": self.fingerprint,
             "hash": block.hash,
             "parent": block.parent or "",
             "token_ids": json.dumps(block.token_ids),
-            "checksum": checksum(named),
+            "checksum": whole,
             # Each layer's own, for reads of some layers only (``reader.select``); an older
             # reader ignores it and checks the whole.
-            "part_checksums": json.dumps(part_checksums(named), separators=(",", ":")),
+            "part_checksums": json.dumps(parts, separators=(",", ":")),
         }
         # mx.save_safetensors appends ".safetensors" to a name that lacks it.
         return atomic_write(
