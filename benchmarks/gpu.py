@@ -161,12 +161,14 @@ def mlx_batch_decode(model: Any, tokenizer: Any, prompts: list[str], n: int) -> 
     return round_(n)
 
 
-def ours_batch_decode(model_dir: Path, root: Path, prompts: list[str], n: int) -> float:
+def ours_batch_decode(
+    model_dir: Path, root: Path, prompts: list[str], n: int, attention: str | None = None
+) -> float:
     """Our engine: ``len(prompts)`` agents (each cached, hot) decoding ``n`` tokens together:
     tokens/s over the steps in which all of them decoded (the scheduler's own clock)."""
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
 
-    engine = Engine(model_dir, cache_dir=root / f"batch-{len(prompts)}", kv_bits=4)
+    engine = Engine(model_dir, cache_dir=root / f"batch-{len(prompts)}", kv_bits=4, attention=attention)
     for i, p in enumerate(prompts):  # build each agent's cache first: only decode is timed
         engine.generate(f"a{i}", p, GenerationParams(max_tokens=1))
     b = len(prompts)

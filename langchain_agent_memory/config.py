@@ -19,6 +19,10 @@ Environment variables (prefix ``AGENT_MEMORY_``):
 - ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``: bound what each model's
   caches keep on disk (``5GB``; ``7d``): least recently used agents are evicted (default:
   unbounded; ``storage.budget``).
+- ``AGENT_MEMORY_ATTENTION``: what a served agent attends over: ``stored`` (its stored
+  4-bit form, no full-precision copy: the default on a GPU) or ``copy`` (a full-precision
+  working copy, kept for the most recent agents within a byte budget: the default on the
+  CPU, where mlx's quantized kernels are scalar; ``engine.kv.stored``).
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """
@@ -33,6 +37,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WeightDType = Literal["float32", "bfloat16", "float16"]
+Attention = Literal["stored", "copy"]
 
 
 def _default_cache_dir() -> Path:
@@ -52,6 +57,7 @@ class Settings(BaseSettings):
     max_disk_bytes: str | None = None  # a disk budget for each model's caches: "5GB", "500MiB", bytes
     cache_ttl: str | None = None  # evict caches unused for this long: "7d", "12h", seconds
     reserve_work: bool = True  # CPU: touch one agent's working-copy memory at engine start (kv.reserve)
+    attention: Attention | None = None  # None: by device (engine.device.attention)
 
 
 def get_settings() -> Settings:

@@ -119,11 +119,14 @@ class AgentCaches:
         tokenizer: Any,
         policy: HotPolicy,
         prefill_rotated: bool,
+        serve_stored: bool = False,
     ) -> None:
         self.spec, self.quant, self.store, self.pool = spec, quant, store, pool
         self.tokenizer = tokenizer
         self.policy = policy
         self.prefill_rotated = prefill_rotated
+        #: Requests attend on the stored form (``kv.stored``): no working copies are made.
+        self.serve_stored = serve_stored
         #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
         self.reserved_rows: tuple[int, ...] | None = None
         self.hot: OrderedDict[str, AgentState] = OrderedDict()  # LRU order
@@ -134,7 +137,9 @@ class AgentCaches:
         return self.store.fingerprint
 
     def new_layers(self) -> list[LayerCache]:
-        return make_layer_caches(self.spec, self.quant, self.prefill_rotated, self.reserved_rows)
+        return make_layer_caches(
+            self.spec, self.quant, self.prefill_rotated, self.reserved_rows, self.serve_stored
+        )
 
     # ------------------------------------------------------------------ a request's start
 

@@ -81,6 +81,14 @@ def hot_budget_bytes() -> int:
     return CPU_HOT_BUDGET_BYTES if mem is None else int(mem * GPU_HOT_SHARE)
 
 
+def attention() -> str:
+    """What a served agent attends over by default (``kv.stored``): its stored form on a GPU
+    (memory is what limits how many agents are served at once there); a full-precision
+    working copy on the CPU, where mlx's quantized matmuls are scalar loops (FACTS: a 4-bit
+    product 1.4-20x a float32 one through MKL)."""
+    return "stored" if on_gpu() else "copy"
+
+
 def weight_dtype() -> str:
     """What GGUF weights are converted to: float32 on the CPU (only fp32 matmuls go through
     BLAS there), bfloat16 on a GPU (half the memory traffic, native kernels)."""

@@ -82,22 +82,27 @@ class Engine:
     the pool's memory tier (``hot_budget_bytes``), live agents (``hot_agents``) and their
     full-precision working copies (``work_budget_bytes``) and the prefill chunk
     (``chunk_tokens``): None picks the device's (``device``: fixed on the CPU, from its
-    memory on a GPU); ``cpu_kernels=False`` runs
-    mlx-lm's own attention on the engine's caches (the path a GPU takes), for tests and
-    benchmarks on a CPU; ``share_prefixes``: requests in flight together whose prompts
-    start alike (a fan-out) prefill the common part once (``sharing``); ``store`` (a
-    ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
-    several hosts, this ``cache_dir`` the local tier in front (``storage.shared``; default:
-    settings ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``, else this directory only).
-    ``max_disk_bytes`` (``5GB``, ``500MiB`` or bytes) and ``cache_ttl`` (``7d``, ``12h``,
-    seconds or a ``timedelta``) bound what this engine's store keeps on disk: agents least
-    recently used (and unused for longer than the TTL) are evicted, never one a request is
-    using (``storage.budget``; default: settings ``AGENT_MEMORY_MAX_DISK_BYTES`` /
-    ``AGENT_MEMORY_CACHE_TTL``, else unbounded). With a shared store it bounds this worker's
-    local tier; the store keeps everything. ``reserve_work`` (CPU): touch, at start, the
-    working-copy memory of one agent at ``context_length`` (within ``work_budget_bytes``), as
-    llama.cpp's context clears its KV buffer, so that a warm restore does not pay for fresh
-    pages (``kv.reserve``); MLX's buffer cache holds it while the engine lives (None: settings
+    memory on a GPU); ``attention``: what a request attends over, ``"stored"`` (the agent's
+    stored form, 4-bit by default, and this request's own tokens: no full-precision copy of
+    the context, ``kv.stored``) or ``"copy"`` (a full-precision working copy, kept for the
+    most recent agents within ``work_budget_bytes``); None: settings
+    ``AGENT_MEMORY_ATTENTION``, else the device's (stored on a GPU, copy on the CPU, where
+    mlx's quantized kernels are scalar); ``cpu_kernels=False`` runs mlx-lm's own attention
+    on arrays the engine's caches return, for tests and benchmarks; ``share_prefixes``:
+    requests in flight together whose prompts start alike (a fan-out) prefill the common
+    part once (``sharing``); ``store`` (a ``postgresql://`` URL) and ``blocks`` (an
+    ``s3://`` URL): caches shared by workers on several hosts, this ``cache_dir`` the local
+    tier in front (``storage.shared``; default: settings ``AGENT_MEMORY_STORE`` /
+    ``AGENT_MEMORY_BLOCKS``, else this directory only). ``max_disk_bytes`` (``5GB``,
+    ``500MiB`` or bytes) and ``cache_ttl`` (``7d``, ``12h``, seconds or a ``timedelta``)
+    bound what this engine's store keeps on disk: agents least recently used (and unused for
+    longer than the TTL) are evicted, never one a request is using (``storage.budget``;
+    default: settings ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``, else
+    unbounded). With a shared store it bounds this worker's local tier; the store keeps
+    everything. ``reserve_work`` (CPU): touch, at start, the working-copy memory of one
+    agent at ``context_length`` (within ``work_budget_bytes``), as llama.cpp's context
+    clears its KV buffer, so that a warm restore does not pay for fresh pages
+    (``kv.reserve``); MLX's buffer cache holds it while the engine lives (None: settings
     ``AGENT_MEMORY_RESERVE_WORK``, default on).
     """
 
@@ -121,6 +126,7 @@ class Engine:
         max_disk_bytes: int | str | None = None,
         cache_ttl: float | str | timedelta | None = None,
         reserve_work: bool | None = None,
+        attention: str | None = None,
     ) -> None:
         settings = get_settings()
         self.cache_dir = Path(cache_dir or settings.cache_dir)
@@ -148,14 +154,19 @@ class Engine:
         self.chunk_tokens = chunk_tokens = chunk_tokens or device.chunk_tokens()
         if work_budget_bytes is None:
             work_budget_bytes = device.work_budget_bytes()
-        # On the CPU an adapted model attends through ``LayerCache.attend``, which prefills
-        # in the codec's rotated space; elsewhere the caches stay in the model's space.
+        self.attention = attention or settings.attention or device.attention()
+        if self.attention not in ("stored", "copy"):
+            raise ValueError(f"attention must be 'stored' or 'copy', not {self.attention!r}")
+        # On the CPU kernels' model a prefill runs in the codec's rotated space
+        # (``LayerCache.attend``); elsewhere the caches stay in the model's space.
         policy = HotPolicy(hot_agents, work_budget_bytes)
         self.agents = AgentCaches(
-            self.spec, self.quant, self.store, self.pool, self.tokenizer, policy, is_adapted(self.lm.model)
-        )
+            self.spec, self.quant, self.store, self.pool, self.tokenizer, policy,
+            prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
+        )  # fmt: skip
         self._reserve: WorkReserve | None = None
-        if (settings.reserve_work if reserve_work is None else reserve_work) and not device.on_gpu():
+        reserve = settings.reserve_work if reserve_work is None else reserve_work
+        if reserve and not device.on_gpu() and self.attention == "copy":
             rows = reserve_rows(self.spec, context_length, alone_chunk, work_budget_bytes)
             self._reserve = WorkReserve(self.spec, rows)
             self.agents.reserved_rows = rows

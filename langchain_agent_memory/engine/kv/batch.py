@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime import mx
-from .layer import LayerCache, _Working, cpu_attention, grown_rows, positional_mask
+from .layer import LayerCache, _Working, grown_rows
+from .stored import attention, positional_mask
 
 
 class BatchLayerCache:
@@ -36,6 +37,8 @@ class BatchLayerCache:
         self._merged: _Merged | None = None
         self._fetched: tuple[mx.array, mx.array] | None = None
         self._sliding = any(c.spec.window is not None for c in caches)
+        # Served from the stored form: each agent attends over its own (``LayerCache.attend``).
+        self._stored = any(c.serve_stored for c in caches)
 
     def step(self, offsets: mx.array) -> BatchLayerCache:
         """The same batch, one step later (its merged buffer kept)."""
@@ -88,7 +91,7 @@ class BatchLayerCache:
 
     def _merge(self) -> _Merged | None:
         """The merged buffer of a full-attention layer (built at the batch's first step)."""
-        if self._merged is None and not self._sliding and len(self.caches) > 1:
+        if self._merged is None and not self._sliding and len(self.caches) > 1 and not self._stored:
             self._merged = _Merged.of(self.caches, self.caches[0].dtype)
         return self._merged
 
@@ -96,7 +99,7 @@ class BatchLayerCache:
         m = self._merged
         if m is not None:
             mask = m.valid[:, None, None, : m.end]
-            return cpu_attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
+            return attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
         parts = mx.split(queries, len(self.caches))
         return mx.concatenate(
             [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
@@ -125,6 +128,7 @@ class BatchLayerCache:
             self._merged.extend(caches)
         self.caches += caches
         self._sliding = any(c.spec.window is not None for c in self.caches)
+        self._stored = any(c.serve_stored for c in self.caches)
         self._fetched = None
 
     def dissolve(self) -> None:

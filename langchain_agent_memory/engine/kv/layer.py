@@ -26,18 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime import mx, side_streams
-from .codecs import FULL, HALF_DTYPE, KVQuant, TensorCodec, rotation
+from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
 from .spec import LayerSpec, ModelCacheSpec
+from .stored import Parts, Segment, attention, positional_mask, stored_attention
 
 #: Tensor-name part of a block's 16-bit first tokens (``KVQuant.head_tokens``, block 0 only).
 HEAD_PART = "head"
 #: The working copy of a running request's visible K/V grows by this many positions.
 WORK_STEP = 256
-
-
-Parts = tuple[mx.array, ...]
-#: A run of consecutive visible tokens: K parts, V parts and the codecs they are stored in.
-Segment = tuple[Parts, Parts, TensorCodec, TensorCodec]
 
 
 def _slice(parts: Parts, start: int, stop: int) -> Parts:
@@ -107,37 +103,6 @@ def tensor_name(layer: int, kv: str, part: str) -> str:
     return f"L{layer}.{kv}.{part}" if part else f"L{layer}.{kv}"
 
 
-def positional_mask(
-    first_q: int, L: int, first_k: int, window: int | None, return_array: bool
-) -> mx.array | str | None:
-    """Queries at ``[first_q, first_q + L)`` over keys ``[first_k, first_q + L)``: causal and,
-    with a ``window``, ``query - key < window``. None where every query sees every key;
-    ``"causal"`` (bottom-right aligned, mlx's fused form) where that is all, unless an array
-    is asked for."""
-    end = first_q + L
-    if L == 1 and (window is None or end - first_k <= window):
-        return mx.ones((1, end - first_k), dtype=mx.bool_) if return_array else None
-    if window is None and first_k == 0 and not return_array:
-        return "causal"
-    q_pos = mx.arange(first_q, end)[:, None]
-    k_pos = mx.arange(first_k, end)[None]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask = mask & (q_pos - k_pos < window)
-    return mask
-
-
-def cpu_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, sinks: mx.array | None = None
-) -> mx.array:
-    """Attention on the CPU: BLAS (``fast_ops.attention``); with attention sinks, mlx's op."""
-    if sinks is not None:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    from ..model import fast_ops
-
-    return fast_ops.attention(q, k, v, scale=scale, mask=mask)
-
-
 class LayerCache:
     """One layer of one agent's cache (mlx-lm cache protocol: ``offset``,
     ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory:
@@ -155,6 +120,7 @@ class LayerCache:
         dtype: mx.Dtype,
         prefill_rotated: bool = False,
         reserved_rows: int = 0,
+        serve_stored: bool = False,
     ) -> None:
         self.spec = spec
         self.quant = quant
@@ -168,9 +134,11 @@ class LayerCache:
         self._kbuf: Parts | None = None
         self._vbuf: Parts | None = None
         self._n_body = 0
-        # This request's tokens at full precision, as appended (joined when read: a decode
-        # step then costs no copy of them).
+        # This request's tokens at full precision, as appended; joined when read into the
+        # first entry, a buffer with room (its first ``_pending_rows`` valid): a decode step
+        # that reads them (``serve_stored``) then writes one row, not a copy of all of them.
         self._pending: list[tuple[mx.array, mx.array]] = []
+        self._pending_rows = 0
         self._n_pending = 0
         self._work: _Working | None = None  # see ``_visible``; dropped when the request ends
         self._fetched: _Fetched | None = None  # what the last ``update_and_fetch`` returned
@@ -179,6 +147,11 @@ class LayerCache:
         self.prefill_rotated = prefill_rotated
         #: Rows of the working-copy buffers the engine reserved for this layer (``reserve``).
         self.reserved_rows = reserved_rows
+        #: Attend on the stored form (``stored``): no full-precision working copy is built.
+        self.serve_stored = serve_stored
+        # ``attend`` ran on what ``update_and_fetch`` returned: later fetches return the new
+        # keys as placeholders instead of building a full-precision graph nobody evaluates.
+        self._direct = False
 
     # ---------------------------------------------------------------- sizes
 
@@ -230,15 +203,26 @@ class LayerCache:
     def set_pending(self, keys: mx.array | None, values: mx.array | None) -> None:
         """Replace this request's tokens (``offset`` is the caller's to keep right)."""
         self._pending = [] if keys is None or values is None else [(keys, values)]
-        self._n_pending = 0 if keys is None else keys.shape[2]
+        self._n_pending = self._pending_rows = 0 if keys is None else keys.shape[2]
 
     def _joined_pending(self) -> tuple[mx.array | None, mx.array | None]:
         if not self._pending:
             return None, None
+        n = self._n_pending
         if len(self._pending) > 1:
-            ks, vs = zip(*self._pending, strict=True)
-            self._pending = [(mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))]
-        return self._pending[0]
+            (k, v), extra = self._pending[0], self._pending[1:]
+            used = self._pending_rows
+            if n > k.shape[2]:  # grow with room: the next appends are written in place
+                rows = grown_rows(n)
+                k, v = _with_room(k, used, rows), _with_room(v, used, rows)
+            for nk, nv in extra:
+                m = nk.shape[2]
+                k[:, :, used : used + m] = nk.astype(k.dtype)
+                v[:, :, used : used + m] = nv.astype(v.dtype)
+                used += m
+            self._pending, self._pending_rows = [(k, v)], n
+        k, v = self._pending[0]
+        return (k, v) if k.shape[2] == n else (k[:, :, :n], v[:, :, :n])
 
     @property
     def n_head(self) -> int:
@@ -264,6 +248,15 @@ class LayerCache:
         # The last step's views of the working copy go first: while they live, the append
         # below cannot update the copy in place (mlx would copy all of it, every step).
         self._fetched = None
+        if self.serve_stored:
+            self.push_pending(keys, values)
+            if self._direct:  # ``attend`` reads the stored form: nothing to build here
+                out_k, out_v = keys, values
+            else:  # for attention code of the model's own (a MLA layer's derived keys)
+                lo = self._first_visible(self.offset - L)
+                out_k, out_v = self._decoded(lo, keys.dtype, False, False)
+            self._fetched = _Fetched(out_k, out_v, out_k, out_v, False, False)
+            return out_k, out_v
         if self._work is not None and self._work.end == self.offset:
             self._append_work(keys, values)
         self.push_pending(keys, values)
@@ -282,6 +275,8 @@ class LayerCache:
 
     def push_pending(self, keys: mx.array, values: mx.array) -> None:
         """Add this request's new tokens (without touching the working copy)."""
+        if not self._pending:
+            self._pending_rows = keys.shape[2]
         self._pending.append((keys, values))
         self._n_pending += keys.shape[2]
         self.offset += keys.shape[2]
@@ -292,10 +287,10 @@ class LayerCache:
         this one runs). The working copy keeps its rows as spare room."""
         if n > self._n_pending:
             raise RuntimeError(f"unfeed {n} of {self._n_pending} pending tokens (this is a bug)")
-        k, v = self._joined_pending()
+        self._joined_pending()
         keep = self._n_pending - n
-        if keep and k is not None and v is not None:
-            self.set_pending(k[:, :, :keep], v[:, :, :keep])
+        if keep:  # the buffer stays: its rows past ``keep`` are room for the next appends
+            self._n_pending = self._pending_rows = keep
         else:
             self.set_pending(None, None)
         self.offset -= n
@@ -359,10 +354,16 @@ class LayerCache:
         if f is None:
             raise RuntimeError("attend before update_and_fetch (this is a bug)")
         L = queries.shape[2]
+        if self.serve_stored:
+            self._direct = True
+            lo = self._first_visible(self.offset - L)
+            return stored_attention(
+                queries, self._segments(lo), scale, self.offset - L, lo, self.spec.window, sinks
+            )
         q = queries @ rotation(queries.shape[-1]) if f.krot else queries
         n_keys = f.k.shape[2]
         mask = positional_mask(self.offset - L, L, self.offset - n_keys, self.spec.window, False)
-        out = cpu_attention(q, f.k, f.v, scale, mask, sinks)
+        out = attention(q, f.k, f.v, scale, mask, sinks)
         return out @ rotation(out.shape[-1]).T if f.vrot else out
 
     def _visible(self, lo: int, dtype: mx.Dtype, rotated: bool) -> tuple[mx.array, mx.array, bool, bool]:
@@ -626,11 +627,13 @@ def make_layer_caches(
     quant: KVQuant,
     prefill_rotated: bool = False,
     reserved_rows: Sequence[int] | None = None,
+    serve_stored: bool = False,
 ) -> list[LayerCache]:
-    """One agent's empty layer caches (``prefill_rotated``, ``reserved_rows``: per layer, see
-    ``LayerCache``)."""
+    """One agent's empty layer caches (``prefill_rotated``, ``reserved_rows`` (per layer),
+    ``serve_stored``: see ``LayerCache``)."""
     dtype = getattr(mx, spec.dtype)
     reserved = reserved_rows or [0] * spec.num_layers
     return [
-        LayerCache(s, quant, dtype, prefill_rotated, r) for s, r in zip(spec.layers, reserved, strict=True)
+        LayerCache(s, quant, dtype, prefill_rotated, r, serve_stored)
+        for s, r in zip(spec.layers, reserved, strict=True)
     ]

@@ -46,15 +46,20 @@ from . import fast_ops
 
 logger = logging.getLogger(__name__)
 
-#: Marks an adapted class (and so an adapted module instance).
+#: Marks an adapted class (and so an adapted module instance): with which of these.
 ADAPTED = "_agent_memory_adapted"
+KERNELS = "kernels"  # attention through the caches, CPU kernels everywhere
+ATTENTION_ONLY = "attention"  # attention through the caches, mlx's own ops elsewhere
 
 
 class _Attention:
-    """``scaled_dot_product_attention`` for one adapted class; ``original`` is mlx-lm's."""
+    """``scaled_dot_product_attention`` for one adapted class; ``original`` is mlx-lm's.
+    ``kernels``: arrays of other caches go to ``fast_ops.attention`` (the CPU); otherwise to
+    mlx-lm's own function."""
 
-    def __init__(self, original: Callable[..., mx.array]) -> None:
+    def __init__(self, original: Callable[..., mx.array], kernels: bool) -> None:
         self.original = original
+        self.kernels = kernels
 
     def __call__(
         self,
@@ -68,7 +73,7 @@ class _Attention:
     ) -> mx.array:
         if isinstance(cache, (LayerCache, BatchLayerCache)) and cache.fetched(keys, values):
             return cache.attend(queries, scale, sinks)
-        if hasattr(cache, "bits") or sinks is not None:
+        if not self.kernels or hasattr(cache, "bits") or sinks is not None:
             # mlx-lm's quantized caches hand over (packed, scales, biases); sinks: mx.fast.
             return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         return fast_ops.attention(queries, keys, values, scale, mask)
@@ -198,14 +203,15 @@ def _norm_matches(module: Any) -> bool:
     return True
 
 
-def _rebound(call: types.FunctionType) -> types.FunctionType | None:
-    """``call`` with its global names of attention / swiglu pointing at our kernels; None if
-    it uses neither."""
+def _rebound(call: types.FunctionType, kernels: bool) -> types.FunctionType | None:
+    """``call`` with its global name of attention (and with ``kernels``, of swiglu) pointing
+    at ours; None if it uses neither."""
     names = set(call.__code__.co_names)
     replace: dict[str, Any] = {}
     if "scaled_dot_product_attention" in names:
-        replace["scaled_dot_product_attention"] = _Attention(call.__globals__["scaled_dot_product_attention"])
-    if "swiglu" in names:
+        original = call.__globals__["scaled_dot_product_attention"]
+        replace["scaled_dot_product_attention"] = _Attention(original, kernels)
+    if "swiglu" in names and kernels:
         replace["swiglu"] = fast_ops.fast_swiglu
     if not replace:
         return None
@@ -217,38 +223,43 @@ def _rebound(call: types.FunctionType) -> types.FunctionType | None:
 
 
 @functools.cache
-def _adapted_class(cls: type) -> type | None:
-    """A subclass of ``cls`` whose ``__call__`` uses our kernels (made once per class), or
-    None when there is nothing to change."""
+def _adapted_class(cls: type, kernels: bool) -> type | None:
+    """A subclass of ``cls`` whose ``__call__`` attends through the engine's caches and, with
+    ``kernels``, uses the CPU kernels (made once per class), or None when there is nothing
+    to change."""
     if getattr(cls, ADAPTED, False):
         return None
-    owned = _rope_call if _is_rope(cls) else _OWNED_CALLS.get((cls.__module__, cls.__qualname__))
+    owned = None
+    if kernels:
+        owned = _rope_call if _is_rope(cls) else _OWNED_CALLS.get((cls.__module__, cls.__qualname__))
     call = owned
     if call is None:
         original = next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
         if not isinstance(original, types.FunctionType) or not original.__module__.startswith("mlx_lm."):
             return None
-        call = _rebound(original)
+        call = _rebound(original, kernels)
         if call is None:
             return None
-    return type(cls.__name__, (cls,), {"__call__": call, "__module__": __name__, ADAPTED: True})
+    mark = KERNELS if kernels else ATTENTION_ONLY
+    return type(cls.__name__, (cls,), {"__call__": call, "__module__": __name__, ADAPTED: mark})
 
 
 def adapt_model(model: Any) -> int:
-    """Run this model instance's attention and MLP modules on the CPU kernels of
-    ``fast_ops``; return how many modules were adapted (0 off the CPU, or where mlx cannot
-    JIT-compile; calling it again adapts nothing more)."""
-    if mx.default_device() != mx.cpu:
-        return 0  # Metal / CUDA: mlx's fused kernels are the fast path there
-    if not fast_ops.jit_available():
+    """Run this model instance's attention through the engine's caches (``LayerCache.attend``:
+    the stored form or a working copy) and, on the CPU, its attention, MLP, norms and RoPE on
+    the kernels of ``fast_ops``; return how many modules were adapted (calling it again
+    adapts nothing more). Off the CPU, or where mlx cannot JIT-compile, only the attention
+    call is rebound: mlx's fused kernels do the rest."""
+    kernels = mx.default_device() == mx.cpu
+    if kernels and not fast_ops.jit_available():
         logger.warning("no g++ on PATH: mlx cannot JIT-compile CPU kernels; the model runs mlx's own")
-        return 0
+        kernels = False
     n = 0
     ropes: dict[str, _RopeTables] = {}
     matches: dict[Any, bool] = {}  # per norm class and weight dtype, per RoPE signature: checked once
     for module in model.modules():
         cls = type(module)
-        sub = _adapted_class(cls)
+        sub = _adapted_class(cls, kernels)
         if sub is None:
             continue
         module.__class__ = sub  # this instance only
@@ -274,5 +285,10 @@ def adapt_model(model: Any) -> int:
 
 
 def is_adapted(model: Any) -> bool:
-    """Whether ``adapt_model`` switched any module of this instance to our kernels."""
-    return any(getattr(type(m), ADAPTED, False) for m in model.modules())
+    """Whether ``adapt_model`` switched any module of this instance to the CPU kernels."""
+    return any(getattr(type(m), ADAPTED, None) == KERNELS for m in model.modules())
+
+
+def attends_through_caches(model: Any) -> bool:
+    """Whether this instance's attention calls ``LayerCache.attend`` (``adapt_model``)."""
+    return any(getattr(type(m), ADAPTED, None) for m in model.modules())

@@ -1,0 +1,197 @@
+"""Serving agents from their stored form on a GPU, beside a working copy and mlx-lm, in one
+run on the lent NVIDIA H200 (mlx's CUDA build).
+
+RANDOM WEIGHTS: a Llama-3.1-8B shape with random bf16 weights (SmolLM2's tokenizer): every
+number here is a time or a size, never a quality figure (``pytest -m gpu`` checks quality).
+
+    python3 benchmarks/gpu_served.py run --out DIR [--contexts 32768] [--batches 1,4,16]
+    .venv/bin/python benchmarks/gpu_served.py plot [DIR/gpu_served.json]
+
+Per engine setting (``attention="stored"``: the agent's 4-bit form, no full-precision copy;
+``"copy"``: a bf16 working copy beside it) and for mlx-lm (its bf16 ``KVCache``):
+
+- served memory of one agent at each context: mlx's active memory after its warm turn
+  (blocks read from disk into a new engine, 15 new tokens, 32 decoded) minus before it,
+  and the peak during the turn; mlx-lm: ``load_prompt_cache`` then the same turn;
+- warm and hot time to first token, decode tokens/s of that agent alone;
+- batched decode at 4K per agent: tokens/s over the steps all members decoded, for each
+  batch size (ours: agents cached and hot, one thread each; mlx-lm: ``BatchGenerator``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import log, mlx_batch_decode, ours_batch_decode, prompt_text
+from peers import MlxLm, extension
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DECODE = 32
+SETTINGS = ("stored", "copy")
+
+
+def _gb(n: float) -> float:
+    return round(n / 1e9, 3)
+
+
+def ours_served(model_dir: Path, root: Path, attention: str, prompt: str) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    where = root / f"{attention}-{len(prompt)}"
+    engine = Engine(model_dir, cache_dir=where, kv_bits=4, attention=attention, context_length=1 << 17)
+    t0 = time.perf_counter()
+    cold = engine.generate("a", prompt, GenerationParams(max_tokens=1))
+    cold_wall = time.perf_counter() - t0
+    engine.close()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    engine = Engine(model_dir, cache_dir=where, kv_bits=4, attention=attention, context_length=1 << 17)
+    warm = engine.generate("a", prompt + extension(1), GenerationParams(max_tokens=DECODE))
+    after = mx.get_active_memory()
+    peak = mx.get_peak_memory()
+    hot = engine.generate(
+        "a", prompt + extension(1) + warm.text + extension(2), GenerationParams(max_tokens=DECODE)
+    )
+    row = {
+        "cold_ttft_s": cold.timings.ttft_s,
+        "cold_wall_s": cold_wall,
+        "cold_save_s": cold.timings.save_s,
+        "warm": str(warm.outcome),
+        "warm_ttft_s": warm.timings.ttft_s,
+        "hot": str(hot.outcome),
+        "hot_ttft_s": hot.timings.ttft_s,
+        "decode_tok_s": (hot.completion_tokens - 1) / hot.timings.decode_s,
+        "served_bytes": after - before,
+        "peak_over_before_bytes": peak - before,
+        "working_copy_bytes": engine.stats()["working_copy_bytes"],
+    }
+    engine.close()
+    mx.clear_cache()
+    return row
+
+
+def mlx_served(model_dir: Path, loaded: Any, root: Path, prompt: str) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache
+
+    peer = MlxLm(model_dir, None, root / f"mlx-{len(prompt)}", loaded=(loaded.model, loaded.tokenizer))
+    (root / f"mlx-{len(prompt)}").mkdir(parents=True, exist_ok=True)
+    cold = peer.cold(prompt)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    cache = load_prompt_cache(str(peer.path))
+    ids = peer._ids(prompt, 1)[len(peer._ids(prompt)) :]
+    count, t1, ttft = 0, 0.0, 0.0
+    for _tok, _ in generate_step(mx.array(ids), peer.model, prompt_cache=cache, max_tokens=DECODE):
+        count += 1
+        if count == 1:
+            t1 = time.perf_counter()
+            ttft = t1 - t0
+    decode = (count - 1) / (time.perf_counter() - t1)
+    after = mx.get_active_memory()
+    row = {
+        "cold_ttft_s": cold["ttft_s"],
+        "warm_ttft_s": ttft,
+        "decode_tok_s": decode,
+        "served_bytes": after - before,
+        "peak_over_before_bytes": mx.get_peak_memory() - before,
+    }
+    del cache
+    mx.clear_cache()
+    return row
+
+
+def run(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine.model.random_model import (
+        SCALE_CONFIGS,
+        SMALL_CONFIGS,
+        write_random_model,
+    )
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "device": mx.device_info().get("device_name", str(mx.default_device())),
+        "model": f"{args.model} shape, RANDOM weights, SmolLM2's tokenizer",
+        "served": [],
+        "batch": [],
+    }
+
+    def save() -> None:
+        (out_dir / "gpu_served.json").write_text(json.dumps(result, indent=1))
+
+    root = Path(tempfile.mkdtemp(prefix="served-"))
+    tok_dir = load_model("smollm2-135m").path
+    model_dir = write_random_model(
+        SCALE_CONFIGS["llama-3.1-8b"], root / "model", tok_dir, seed=0, dtype="bfloat16"
+    )
+    loaded = load_model(model_dir)
+    warm_prompt = prompt_text(loaded.tokenizer, args.short)
+    for attention in SETTINGS:  # kernels compiled before the clock
+        ours_served(model_dir, root / "warmup", attention, warm_prompt)
+    mlx_served(model_dir, loaded, root / "warmup", warm_prompt)
+    log("warmed up")
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        prompt = prompt_text(loaded.tokenizer, ctx)
+        for system in (*SETTINGS, "mlx-lm"):
+            row: dict[str, Any] = {"context": ctx, "system": system}
+            try:
+                if system == "mlx-lm":
+                    row |= mlx_served(model_dir, loaded, root, prompt)
+                else:
+                    row |= ours_served(model_dir, root, system, prompt)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            log(json.dumps(row))
+            result["served"].append(row)
+            save()
+    short = prompt_text(loaded.tokenizer, args.short)
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = [short + f"\nAgent {i}." for i in range(b)]
+        row = {"batch": b}
+        try:
+            for attention in SETTINGS:
+                row[f"ours_{attention}_tok_s"] = ours_batch_decode(
+                    model_dir, root / f"b-{attention}", prompts, 64, attention=attention
+                )
+            row["mlx_lm_tok_s"] = mlx_batch_decode(loaded.model, loaded.tokenizer, prompts, 64)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        log(json.dumps(row))
+        result["batch"].append(row)
+        save()
+        mx.clear_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--contexts", default="32768")
+    r.add_argument("--batches", default="1,4,16")
+    r.add_argument("--model", default="llama-3.1-8b", help="a random_model config (SCALE_ or SMALL_CONFIGS)")
+    r.add_argument("--short", type=int, default=4096, help="tokens per agent of the batches and warm-up")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Attention on the stored form: queries against an agent's keys and values as they are
+held (16-bit head tokens, the quantized body, this request's full-precision tokens), with
+no full-precision working copy of the body.
+
+Why: a working copy of a 32K-token agent of an 8B model is 4.3 GB of bf16 beside its
+1.5 GB stored form; served from the stored form an agent costs what it costs parked, so
+about 2.9x as many agents fit in one device's memory (the default format's bytes are
+0.346x bf16's).
+
+How (``stored_attention``): the query heads that share a KV head are folded into the
+query rows, ``(B, kv_heads, n_rep * L, D)``, so every product has equal batch dimensions
+on both sides. mlx-lm's own quantized attention broadcasts the keys over a query-repeat
+dimension instead, which mlx's CUDA ``quantized_matmul`` refuses for multi-row queries
+(../shared/FACTS.md). Scores of each segment (``mx.quantized_matmul`` on the body, a plain
+matmul elsewhere), one softmax over all of them, then each segment's values. Keys stored
+after the codec's rotation meet the query rotated alike (``q R . k R = q . k``); values
+stored rotated are rotated back after their product. Only mlx ops that Metal has natively
+(``quantized_matmul`` is Metal's own kernel), so an Apple machine takes this path unchanged.
+
+Where the scores of one call would be large (a prefill chunk of thousands of queries over
+a long context), the segments are decoded to full precision for that call only and one
+fused attention runs over them (``attention``): a transient copy of one layer, freed
+after the step, instead of a copy of every layer kept for the request.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from ..runtime import mx
+from .codecs import TensorCodec, rotation
+
+Parts = tuple[mx.array, ...]
+#: A run of consecutive visible tokens: K parts, V parts and the codecs they are stored in.
+Segment = tuple[Parts, Parts, TensorCodec, TensorCodec]
+
+#: Above this many scores in one call (batch x kv heads x query rows x keys), the segments
+#: are decoded for the call and one fused attention runs (see the module's docstring): a
+#: 2,048-token prefill chunk of an 8B model over 32K keys would need 8.6 GB of scores.
+SCORES_MAX = 1 << 25
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, sinks: mx.array | None = None
+) -> mx.array:
+    """Full-precision attention, the device's fastest: the CPU kernels of ``fast_ops`` on the
+    CPU (with attention sinks, mlx's op), mlx's fused kernel on a GPU."""
+    if sinks is None and mx.default_device() == mx.cpu:
+        from ..model import fast_ops
+
+        return fast_ops.attention(q, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+@functools.cache
+def _rotation_as(dim: int, dtype: mx.Dtype) -> mx.array:
+    r = rotation(dim)
+    return r if r.dtype == dtype else r.astype(dtype)
+
+
+def decode_segment(parts: Parts, codec: TensorCodec, dtype: mx.Dtype) -> mx.array:
+    """A segment's keys or values at full precision, in the model's space."""
+    x = codec.decode(parts, dtype)
+    if codec.rotate:
+        x = x @ _rotation_as(x.shape[-1], x.dtype).T
+    return x
+
+
+def positional_mask(
+    first_q: int, L: int, first_k: int, window: int | None, return_array: bool
+) -> mx.array | str | None:
+    """Queries at ``[first_q, first_q + L)`` over keys ``[first_k, first_q + L)``: causal and,
+    with a ``window``, ``query - key < window``. None where every query sees every key;
+    ``"causal"`` (bottom-right aligned, mlx's fused form) where that is all, unless an array
+    is asked for."""
+    end = first_q + L
+    if L == 1 and (window is None or end - first_k <= window):
+        return mx.ones((1, end - first_k), dtype=mx.bool_) if return_array else None
+    if window is None and first_k == 0 and not return_array:
+        return "causal"
+    q_pos = mx.arange(first_q, end)[:, None]
+    k_pos = mx.arange(first_k, end)[None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    return mask
+
+
+def stored_attention(
+    queries: mx.array,
+    segments: Sequence[Segment],
+    scale: float,
+    first_q: int,
+    first_k: int,
+    window: int | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of ``queries`` (B, H, L, D), at positions ``[first_q, first_q + L)``, over
+    ``segments`` (oldest first, consecutive from position ``first_k``): causal, and within
+    ``window`` on a sliding layer. Returns (B, H, L, value width) in the queries' dtype."""
+    B, H, L, D = queries.shape
+    kv_heads = segments[0][0][0].shape[1]
+    n_keys = sum(seg[0][0].shape[2] for seg in segments)
+    rep = H // kv_heads
+    if B * kv_heads * rep * L * n_keys > SCORES_MAX:
+        return _decoded_attention(queries, segments, scale, first_q, first_k, window, sinks)
+    dtype = queries.dtype
+    q = (queries * scale).reshape(B, kv_heads, rep * L, D)
+    rotated_q = None
+    scores = []
+    for kparts, _, kcodec, _ in segments:
+        if kcodec.rotate and rotated_q is None:
+            rotated_q = (q.astype(mx.float32) @ rotation(D)).astype(dtype)
+        x = rotated_q if kcodec.rotate else q
+        scores.append(_product(x, kparts, kcodec, transpose=True))
+    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    if positional_mask(first_q, L, first_k, window, False) is not None:
+        mask = positional_mask(first_q, L, first_k, window, True)
+        assert isinstance(mask, mx.array)
+        if rep > 1:
+            mask = mx.broadcast_to(mask[None], (rep, L, n_keys)).reshape(rep * L, n_keys)
+        s = mx.where(mask, s, mx.finfo(s.dtype).min)
+    if sinks is not None:  # one more logit per query head, in the softmax only
+        sink = mx.broadcast_to(sinks.astype(s.dtype).reshape(1, kv_heads, rep, 1), (B, kv_heads, rep, L))
+        s = mx.concatenate([sink.reshape(B, kv_heads, rep * L, 1), s], axis=-1)
+    p = mx.softmax(s, axis=-1, precise=True).astype(dtype)
+    if sinks is not None:
+        p = p[..., 1:]
+    out = None
+    at = 0
+    for _, vparts, _, vcodec in segments:
+        n = vparts[0].shape[2]
+        o = _product(p[..., at : at + n], vparts, vcodec, transpose=False)
+        if vcodec.rotate:
+            o = o @ _rotation_as(o.shape[-1], o.dtype).T
+        out = o if out is None else out + o
+        at += n
+    assert out is not None
+    return out.reshape(B, H, L, -1)
+
+
+#: mlx 0.32.4's CUDA ``quantized_matmul`` (measured on the H200): 4- and 8-bit groups only
+#: (6 bits: "No implementation for problem shape"); the values product verified from 1,024
+#: keys on (../shared/FACTS.md). Elsewhere a segment is decoded for the call (a layer's
+#: transient copy: 0.12 ms for 32K keys there). Metal and the CPU have every width natively.
+CUDA_BITS = (4, 8)
+CUDA_MIN_VALUE_KEYS = 1024
+
+
+def native(codec: TensorCodec, n_keys: int, transpose: bool) -> bool:
+    """Whether this device multiplies ``codec``'s stored form directly (``quantized_matmul``)."""
+    if codec.bits is None:
+        return False
+    if mx.cuda.is_available() and mx.default_device() != mx.cpu:
+        return codec.bits in CUDA_BITS and (transpose or n_keys >= CUDA_MIN_VALUE_KEYS)
+    return True
+
+
+def _product(x: mx.array, parts: Parts, codec: TensorCodec, transpose: bool) -> mx.array:
+    """``x @ stored.T`` (scores) or ``x @ stored`` (values) on the stored form, still in the
+    codec's rotated space where it rotates."""
+    if not native(codec, parts[0].shape[2], transpose):
+        w = codec.decode(parts, x.dtype)
+        return x @ (w.swapaxes(-1, -2) if transpose else w)
+    q, scales, biases = parts
+    if scales.dtype != x.dtype:
+        scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
+    return mx.quantized_matmul(
+        x, q, scales, biases, transpose=transpose, group_size=codec.group_size, bits=codec.bits
+    )
+
+
+def _decoded_attention(
+    queries: mx.array,
+    segments: Sequence[Segment],
+    scale: float,
+    first_q: int,
+    first_k: int,
+    window: int | None,
+    sinks: mx.array | None,
+) -> mx.array:
+    """One fused attention over the segments decoded for this call (a long prefill chunk)."""
+    dtype = queries.dtype
+    ks = [decode_segment(kp, kc, dtype) for kp, _, kc, _ in segments]
+    vs = [decode_segment(vp, vc, dtype) for _, vp, _, vc in segments]
+    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+    mask = positional_mask(first_q, queries.shape[2], first_k, window, False)
+    return attention(queries, k, v, scale, mask, sinks)
