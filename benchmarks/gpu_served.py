@@ -138,9 +138,9 @@ def run(args: argparse.Namespace) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="served-"))
     tok_dir = load_model("smollm2-135m").path
-    model_dir = write_random_model(
-        SCALE_CONFIGS["llama-3.1-8b"], root / "model", tok_dir, seed=0, dtype="bfloat16"
-    )
+    config = {**SMALL_CONFIGS, **SCALE_CONFIGS}[args.model]
+    dtype = "bfloat16" if mx.default_device() != mx.cpu else "float32"
+    model_dir = write_random_model(config, root / "model", tok_dir, seed=0, dtype=dtype)
     loaded = load_model(model_dir)
     warm_prompt = prompt_text(loaded.tokenizer, args.short)
     for attention in SETTINGS:  # kernels compiled before the clock

@@ -398,8 +398,13 @@ class AgentCaches:
         chain = self._chain_of(known, start.kept_blocks())
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
         try:
+            # Served from the stored form, the agent's live caches hold what the blocks hold:
+            # a copy in the pool's memory tier would double what a hot agent costs.
             written = self.pool.save_agent(
-                record, lambda b: self._block_of(b, chain, known, layers), old.blocks if old else []
+                record,
+                lambda b: self._block_of(b, chain, known, layers),
+                old.blocks if old else [],
+                admit=not self.serve_stored,
             )
         except CommitConflictError as exc:
             # Another worker saved this agent while the request ran: its save stands (no torn

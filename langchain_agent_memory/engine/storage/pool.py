@@ -68,17 +68,23 @@ class BlockPool:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, block: Block) -> int:
-        """Persist ``block`` (no-op if stored) and keep it hot; return bytes written."""
+    def put(self, block: Block, admit: bool = True) -> int:
+        """Persist ``block`` (no-op if stored) and, with ``admit``, keep it hot; return bytes
+        written."""
         written = self.store.put_block(block)
         if written:
             self.stats.bytes_written += written
             self.stats.blocks_written += 1
-        self._admit(block)
+        if admit:
+            self._admit(block)
         return written
 
     def save_agent(
-        self, record: AgentRecord, block_of: Callable[[int], Block], old: Iterable[BlockHash] = ()
+        self,
+        record: AgentRecord,
+        block_of: Callable[[int], Block],
+        old: Iterable[BlockHash] = (),
+        admit: bool = True,
     ) -> int:
         """Persist ``record``: first each of its blocks not yet stored (``block_of(i)`` builds
         block ``i``), then the record, then delete the blocks it replaced (``old``, and those
@@ -86,14 +92,15 @@ class BlockPool:
         record or the new one, each with all of its blocks. Under the directory lock, so that
         another process's delete cannot remove a block between the check that it exists and
         the record naming it. Returns the bytes written; raises ``CacheWriteError`` (the old
-        record and its blocks untouched) if the disk refuses a write."""
+        record and its blocks untouched) if the disk refuses a write. ``admit``: keep the
+        blocks written in the memory tier (not where live caches hold the same data)."""
         written, new_blocks = 0, []
         with self.store.locked():
             replaced = set(old) | set(self.store.agent_chain(record.agent_id))
             try:
                 for i, h in enumerate(record.blocks):
                     if not self.store.has_block(h):
-                        written += self.put(block_of(i))
+                        written += self.put(block_of(i), admit)
                         new_blocks.append(h)
                 written += self.store.put_agent(record)
             except (OSError, sqlite3.Error, CacheWriteError) as exc:
