@@ -80,6 +80,56 @@ def ours_served(model_dir: Path, root: Path, attention: str, prompt: str) -> dic
     return row
 
 
+def save_overlap(model_dir: Path, root: Path, long_prompt: str, short_prompt: str) -> dict[str, Any]:
+    """Agent A's cold turn over ``long_prompt`` returns, and its save runs on the save thread
+    while agent B (hot, ``short_prompt``) decodes: B's tokens/s during A's save against B's
+    alone, and A's reply time against its generation time (time to first token)."""
+    import threading
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    engine = Engine(model_dir, cache_dir=root / "overlap", kv_bits=4, context_length=1 << 17)
+    engine.generate("b", short_prompt, GenerationParams(max_tokens=1))
+
+    def b_rate(turn: int, n: int) -> list[float]:
+        stamps = []
+        for _chunk in engine.stream("b", short_prompt + extension(turn), GenerationParams(max_tokens=n)):
+            stamps.append(time.perf_counter())
+        return stamps
+
+    alone = b_rate(1, 128)
+    alone_rate = (len(alone) - 1) / (alone[-1] - alone[0])
+    out: dict[str, Any] = {}
+
+    def run_a() -> None:
+        t0 = time.perf_counter()
+        r = engine.generate("a", long_prompt, GenerationParams(max_tokens=1))
+        out["a_returned"] = time.perf_counter()
+        out["a_wall_s"] = out["a_returned"] - t0
+        out["a_ttft_s"] = r.timings.ttft_s
+        engine.flush()
+        out["a_saved"] = time.perf_counter()
+
+    thread = threading.Thread(target=run_a)
+    thread.start()
+    while "a_returned" not in out and thread.is_alive():
+        time.sleep(0.005)
+    during = b_rate(2, 1024) if "a_returned" in out else []
+    thread.join()
+    inside = [t for t in during if t <= out.get("a_saved", 0)]
+    engine.close()
+    row = {
+        "a_wall_s": out.get("a_wall_s"),
+        "a_ttft_s": out.get("a_ttft_s"),
+        "a_save_after_reply_s": out.get("a_saved", 0) - out.get("a_returned", 0),
+        "b_alone_tok_s": alone_rate,
+        "b_tokens_during_save": len(inside),
+    }
+    if len(inside) > 2:
+        row["b_during_save_tok_s"] = (len(inside) - 1) / (inside[-1] - inside[0])
+    return row
+
+
 def mlx_served(model_dir: Path, loaded: Any, root: Path, prompt: str) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -162,6 +212,14 @@ def run(args: argparse.Namespace) -> None:
             result["served"].append(row)
             save()
     short = prompt_text(loaded.tokenizer, args.short)
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        try:
+            row = {"context": ctx} | save_overlap(model_dir, root, prompt_text(loaded.tokenizer, ctx), short)
+        except Exception as exc:
+            row = {"context": ctx, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        log(json.dumps(row))
+        result.setdefault("save_overlap", []).append(row)
+        save()
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [short + f"\nAgent {i}." for i in range(b)]
         row = {"batch": b}

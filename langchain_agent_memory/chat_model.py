@@ -200,6 +200,13 @@ class ChatAgentMemory(BaseChatModel):
         """The shared engine (created on first use: construction stays cheap)."""
         return self._engine_for(self.model)
 
+    def flush(self) -> None:
+        """Wait until every reply so far is saved (caches are written on the engine's save
+        thread after a reply leaves: ``response_metadata["cache_saved"] == "pending"``);
+        raises the first save that failed since the last ``flush`` (``CacheWriteError``:
+        the agent's previous cache is intact)."""
+        self.engine.flush()
+
     def _engine_for(self, model: str | None) -> Engine:
         return shared_engine(
             model,
@@ -526,7 +533,8 @@ def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any
         "agent_id": req.agent,
         "cache": str(result.outcome),
         "cached_tokens": result.reused_tokens,
-        # False: a worker sharing the store saved this agent while the call ran (that save stands)
+        # "pending": written after the reply left (``flush`` waits); False: a worker sharing the
+        # store saved this agent while the call ran (that save stands)
         "cache_saved": result.saved,
         "time_to_first_token_s": round(result.timings.ttft_s, 4),
         "prefill_s": round(result.timings.prefill_s, 4),

@@ -87,6 +87,17 @@ class Admission:
 
 
 @dataclass(slots=True)
+class PendingSave:
+    """What a finished request leaves for the save thread (``AgentCaches.write``)."""
+
+    record: AgentRecord
+    blocks: dict[BlockHash, Block]  # the blocks the store lacked, frozen for the write
+    old: list[BlockHash]  # the chain it replaces
+    state: AgentState  # the agent's live state it stands for
+    nbytes: int  # tensor bytes of ``blocks``
+
+
+@dataclass(slots=True)
 class HotPolicy:
     """How many agents keep live caches (LRU), and how many bytes of full-precision
     working copies the most recent of them keep (a copy is ~3x the stored form; with it
@@ -95,9 +106,13 @@ class HotPolicy:
     max_agents: int
     work_budget_bytes: int
 
-    def enforce(self, hot: OrderedDict[str, AgentState]) -> None:
-        while len(hot) > self.max_agents:
-            hot.popitem(last=False)
+    def enforce(self, hot: OrderedDict[str, AgentState], pinned: Collection[str] = ()) -> None:
+        """Drop the least recently used agents over ``max_agents`` (never ``pinned`` ones: a
+        save of theirs is not written yet, and their next request must not read an older
+        record), then the working copies over the budget."""
+        excess = len(hot) - self.max_agents
+        for agent in [a for a in hot if a not in pinned][: max(0, excess)]:
+            del hot[agent]
         used = 0
         for state in reversed(hot.values()):  # most recent first
             for layer in state.layers or ():
@@ -131,6 +146,12 @@ class AgentCaches:
         self.reserved_rows: tuple[int, ...] | None = None
         self.hot: OrderedDict[str, AgentState] = OrderedDict()  # LRU order
         self.lock = threading.RLock()
+        #: Blocks built by a commit and not written yet (by hash: the block, and how many
+        #: saves hold it; a request reads them from here meanwhile), and the agents of
+        #: those saves (how many each).
+        self._queued: dict[BlockHash, tuple[Block, int]] = {}
+        self.saving: dict[str, int] = {}
+        self._queued_lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
@@ -260,7 +281,7 @@ class AgentCaches:
         worker's disk), ending at a token boundary."""
         k = 0
         while k < len(state.blocks) and (
-            self.pool.is_hot(state.blocks[k]) or self.store.block_path(state.blocks[k]).exists()
+            self._held(state.blocks[k]) or self.store.block_path(state.blocks[k]).exists()
         ):
             k += 1
         n = min(n_tokens, k * BLOCK_TOKENS)
@@ -335,13 +356,13 @@ class AgentCaches:
         runs: list[tuple[int, BlockGroup | Block]] = []
         b = 0
         while b < len(needed):
-            if self.pool.is_hot(needed[b]):
-                block, _ = self.pool.get(needed[b])  # a hit, touched in LRU order
-                runs.append((b, block))
+            held = self.queued_block(needed[b])  # written by a save not done yet
+            if held is not None or self.pool.is_hot(needed[b]):
+                runs.append((b, held or self.pool.get(needed[b])[0]))  # a pool hit is touched
                 b += 1
                 continue
             end, layers = b, wanted(b)
-            while end < len(needed) and not self.pool.is_hot(needed[end]) and wanted(end) == layers:
+            while end < len(needed) and not self._held(needed[end]) and wanted(end) == layers:
                 end += 1
             b0 = b
             for group in self.store.read_blocks(needed[b:end], layers):
@@ -360,7 +381,7 @@ class AgentCaches:
         # Whole blocks only, and never the last token (its logits must be computed).
         for b in range((len(full) - 1) // BLOCK_TOKENS):
             h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
-            if not (self.pool.is_hot(h) or self.store.has_block(h)):
+            if not (self._held(h) or self.store.has_block(h)):
                 break
             chain.append(h)
             parent = h
@@ -384,11 +405,11 @@ class AgentCaches:
 
     # ------------------------------------------------------------------ a request's end
 
-    def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> tuple[AgentRecord | None, int]:
-        """Store the cache of a request that began at ``start`` and now stands for ``known``:
-        new blocks written, then the record (the blocks it replaced and nothing else names
-        are deleted); the agent stays hot. Returns the record (None: a shared store refused
-        it, another worker saved the agent first) and the bytes written."""
+    def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> PendingSave:
+        """The end of a request that began at ``start`` and now stands for ``known``, on the
+        worker thread: its tokens moved into the stored form, the tensors of the blocks the
+        store lacks made ready for a write on another thread (``Block.freeze``), the agent
+        kept hot. ``write`` (on the save thread) then stores them."""
         layers, old = start.layers, start.state
         n = len(known)
         for layer in layers:
@@ -397,26 +418,77 @@ class AgentCaches:
                 layer.trim_to(n)
         chain = self._chain_of(known, start.kept_blocks())
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
-        try:
-            # Served from the stored form, the agent's live caches hold what the blocks hold:
-            # a copy in the pool's memory tier would double what a hot agent costs.
-            written = self.pool.save_agent(
-                record,
-                lambda b: self._block_of(b, chain, known, layers),
-                old.blocks if old else [],
-                admit=not self.serve_stored,
-            )
-        except CommitConflictError as exc:
-            # Another worker saved this agent while the request ran: its save stands (no torn
-            # record), this reply's cache is not kept; the next request reads the winner's.
-            logger.warning("agent %r: not saved, another worker saved it first (%s)", agent_id, exc)
-            self.hot.pop(agent_id, None)
-            return None, 0
+        # Local knowledge only (no store round trip on this thread): a block the store has
+        # elsewhere is built for nothing, never written twice.
+        wanted = [
+            (b, h) for b, h in enumerate(chain) if not (self._held(h) or self.store.block_path(h).exists())
+        ]
+        blocks = {h: self._block_of(b, chain, known, layers).freeze() for b, h in wanted}
+        with self._queued_lock:
+            for h, block in blocks.items():
+                self._queued[h] = (block, self._queued[h][1] + 1 if h in self._queued else 1)
+            self.saving[agent_id] = self.saving.get(agent_id, 0) + 1
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(_kept_from(layer, n))
-        self.keep_hot(agent_id, AgentState(known, chain, layers, self.store.seen_version(agent_id)))
-        return record, written
+        state = AgentState(known, chain, layers, self.store.seen_version(agent_id))
+        self.keep_hot(agent_id, state)
+        nbytes = sum(block.nbytes for block in blocks.values())
+        return PendingSave(record, blocks, old.blocks if old else [], state, nbytes)
+
+    def write(self, save: PendingSave) -> AgentRecord | None:
+        """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then
+        the record (the blocks it replaced that nothing else names are deleted). Returns the
+        record, or None where a shared store refused it (another worker saved the agent
+        first: its save stands). A save that fails leaves the previous record; the agent's
+        live state is forgotten too, so that its next request starts from what is stored."""
+        record = save.record
+
+        def block_of(i: int) -> Block:
+            h = record.blocks[i]
+            block = save.blocks.get(h) or self.pool.hot_block(h) or self.queued_block(h)
+            if block is None:
+                raise CacheWriteError(
+                    f"block {i} of agent {record.agent_id!r}'s cache was deleted by another process "
+                    "before it could be saved; the cache was not saved (the next request prefills)"
+                )
+            return block
+
+        try:
+            # Served from the stored form, the agent's live caches hold what the blocks hold:
+            # a copy in the pool's memory tier would double what a hot agent costs.
+            self.pool.save_agent(record, block_of, save.old, admit=not self.serve_stored)
+        except CommitConflictError as exc:
+            # Another worker saved this agent while the request ran: its save stands (no torn
+            # record), this reply's cache is not kept; the next request reads the winner's.
+            logger.warning("agent %r: not saved, another worker saved it first (%s)", record.agent_id, exc)
+            self._forget(save)
+            return None
+        except BaseException:
+            self._forget(save)
+            raise
+        finally:
+            with self._queued_lock:
+                for h in save.blocks:
+                    block, n = self._queued.get(h, (None, 0))
+                    if n > 1 and block is not None:
+                        self._queued[h] = (block, n - 1)
+                    else:
+                        self._queued.pop(h, None)
+                agent_id = record.agent_id
+                if self.saving.get(agent_id, 0) > 1:
+                    self.saving[agent_id] -= 1
+                else:
+                    self.saving.pop(agent_id, None)
+        with self.lock:
+            save.state.version = self.store.seen_version(record.agent_id)
+        return record
+
+    def _forget(self, save: PendingSave) -> None:
+        """Drop the live state ``save`` stood for, unless a later request replaced it."""
+        with self.lock:
+            if self.hot.get(save.record.agent_id) is save.state:
+                self.hot.pop(save.record.agent_id, None)
 
     def _chain_of(self, known: TokenizedText, kept: list[BlockHash]) -> list[BlockHash]:
         """The block chain of ``known``; ``kept``: the hashes of its first whole blocks,
@@ -449,7 +521,22 @@ class AgentCaches:
     def keep_hot(self, agent_id: str, state: AgentState) -> None:
         self.hot[agent_id] = state
         self.hot.move_to_end(agent_id)
-        self.policy.enforce(self.hot)
+        self.policy.enforce(self.hot, self.saving_agents())
+
+    def queued_block(self, h: BlockHash) -> Block | None:
+        """A block a save has not written yet (held in memory until it is)."""
+        with self._queued_lock:
+            entry = self._queued.get(h)
+        return entry[0] if entry is not None else None
+
+    def _held(self, h: BlockHash) -> bool:
+        """Whether block ``h`` is in memory (the pool's tier or a save's queue)."""
+        return self.pool.is_hot(h) or self.queued_block(h) is not None
+
+    def saving_agents(self) -> set[str]:
+        """Agents with a save not written yet (``write``)."""
+        with self._queued_lock:
+            return set(self.saving)
 
     def load_hot(self, agent_id: str) -> bool:
         """Build an agent's live caches from its blocks (a prefetch); False if it has no
@@ -472,24 +559,28 @@ class AgentCaches:
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does (blocks shared)."""
         validate_agent_id(agent_id)
-        with self.lock:
-            record = AgentRecord(
-                agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
-            )
-            if not self.store.begin(agent_id, self.store.seen_version(agent_id)):
-                self.read_record(agent_id)  # a shared store's newer version: this replaces that one
-            try:
-                self.pool.set_agent(record)
-            except BaseException:
-                self.store.end(agent_id)
-                raise
-            self.hot.pop(agent_id, None)  # a live copy would stand for the old text
+        record = AgentRecord(
+            agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
+        )
+        # Not under ``lock`` (the model steps'): the store's lock and a shared store's
+        # lease are waited for here.
+        if not self.store.begin(agent_id, self.store.seen_version(agent_id)):
+            self.read_record(agent_id)  # a shared store's newer version: this replaces that one
+        try:
+            self.pool.set_agent(record)
+        except BaseException:
+            self.store.end(agent_id)
+            raise
+        finally:
+            with self.lock:
+                self.hot.pop(agent_id, None)  # a live copy would stand for the old text
 
     def evict(self, budget: StorageBudget, in_use: set[str], low_water: float) -> EvictionReport:
         """Bring the store within ``budget`` (``budget.enforce``), never evicting ``in_use``;
         evicted agents are forgotten in memory too (their next request prefills)."""
-        with self.lock, self.store.locked():
+        with self.store.locked():  # not the model steps' lock: deletes take disk time
             report = enforce([self.store], budget, in_use=lambda _, a: a in in_use, low_water=low_water)
+        with self.lock:
             for _, agent in report.evicted:
                 self.hot.pop(agent, None)
             for h in report.deleted_blocks.get(self.fingerprint, ()):
@@ -499,7 +590,7 @@ class AgentCaches:
     def delete(self, agent_id: str) -> bool:
         with self.lock:
             self.hot.pop(agent_id, None)
-            return self.pool.delete_agent(agent_id)
+        return self.pool.delete_agent(agent_id)
 
     def cached_tokens(self, agent_id: str) -> int:
         with self.lock:

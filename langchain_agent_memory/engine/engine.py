@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import get_settings
 from . import device
-from .agents import AgentCaches, HotPolicy
+from .agents import AgentCaches, HotPolicy, PendingSave
 from .kv import KVQuant, ModelCacheSpec
 from .kv import kv_format as kv_format_of
 from .kv.reserve import WorkReserve, reserve_rows
@@ -48,6 +48,8 @@ from .results import (
 )
 from .runner import ModelRunner
 from .runtime import mx
+from .saves import SaveQueue
+from .saves import wait_for as wait_for_saves
 from .scheduler import Phase, Scheduler
 from .steps import Request, RequestSteps
 from .storage.budget import DiskWatch, EvictionReport, StorageBudget
@@ -143,11 +145,17 @@ class Engine:
         )
         # Shared by workers (Postgres + S3, this directory in front) or this directory only.
         store, blocks = store or settings.store, blocks or settings.blocks
-        self.store = open_store(self.cache_dir / "kv", self.fingerprint, store, blocks)
+        # Saves this process queued into that directory (another engine's) are in it first.
+        store_dir = (self.cache_dir / "kv").expanduser().resolve() / self.fingerprint
+        wait_for_saves(store_dir)
+        self._store = open_store(self.cache_dir / "kv", self.fingerprint, store, blocks)
+        #: Block writes, checksums, fsync and index transactions of finished requests.
+        self._save_queue = SaveQueue(store_dir)
+
         #: (model directory, cache directory, KV format, store, blocks): ``shared.engine_key``.
         self.key = (self.lm.path, self.cache_dir.expanduser().resolve(), self.quant.label, store, blocks)
         self.pool = BlockPool(
-            self.store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
+            self._store, device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes
         )
         # A chunk given is used alone or not; the device's default is larger when alone.
         alone_chunk = chunk_tokens or device.alone_chunk_tokens()
@@ -161,7 +169,7 @@ class Engine:
         # (``LayerCache.attend``); elsewhere the caches stay in the model's space.
         policy = HotPolicy(hot_agents, work_budget_bytes)
         self.agents = AgentCaches(
-            self.spec, self.quant, self.store, self.pool, self.tokenizer, policy,
+            self.spec, self.quant, self._store, self.pool, self.tokenizer, policy,
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
         )  # fmt: skip
         self._reserve: WorkReserve | None = None
@@ -180,7 +188,7 @@ class Engine:
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
         steps = RequestSteps(
             self.agents, ModelRunner(self.lm.model), self.tokenizer, context_length, self.lm.name,
-            self._committed, share_prefixes,
+            self._queue_save, share_prefixes,
         )  # fmt: skip
         self._steps = steps
         self._scheduler = Scheduler(
@@ -293,8 +301,33 @@ class Engine:
 
         return start
 
+    @property
+    def store(self) -> Any:
+        """The engine's block store, once every save queued so far is in it: what a caller
+        reads there includes what every reply so far said it saved."""
+        self._save_queue.wait()
+        return self._store
+
+    def _queue_save(self, save: PendingSave) -> Future[bool]:
+        """A request ended (on the worker): its write goes to the save thread. The future
+        says whether the record was stored (False: another worker's save won)."""
+
+        def write() -> bool:
+            record = self.agents.write(save)
+            if record is not None:
+                self._committed(record)
+            return record is not None
+
+        return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
+
+    def flush(self) -> None:
+        """Wait until every reply so far is saved (its blocks and record durable); raise the
+        first save that failed since the last ``flush`` (``CacheWriteError``: the agent's
+        previous cache is intact). ``close`` flushes too."""
+        self._save_queue.flush()
+
     def _committed(self, record: AgentRecord) -> None:
-        """A request saved ``record`` (on the worker, before it returns)."""
+        """A request's save stored ``record`` (on the save thread)."""
         for listener in self.commit_listeners:
             self._notify.submit(_deliver, listener, record)
         self._saves += 1
@@ -305,21 +338,21 @@ class Engine:
                 logger.exception("keeping the cache within its disk budget failed")
 
     def _keep_budget(self, force: bool = False) -> EvictionReport | None:
-        """Evict what the budget says must go (on the worker: the scheduler's requests are
-        the agents in use, the one just saved among them). Looks at the disk only when
+        """Evict what the budget says must go (on the save thread: the scheduler's requests
+        and the agents with saves queued are in use). Looks at the disk only when
         ``DiskWatch`` says a save may have crossed the budget, or now and then."""
         watch, written, now = self._disk, self.pool.stats.bytes_written, time.time()
         saves = self._saves
         if watch is None or not (force or watch.due(written, saves, now)):
             return None
         budget = watch.budget
-        total, oldest = self.store.disk_bytes(), self.store.oldest_use()
+        total, oldest = self._store.disk_bytes(), self._store.oldest_use()
         expired = budget.ttl_s is not None and oldest is not None and oldest < now - budget.ttl_s
         report = None
         if expired or (budget.max_bytes is not None and total > budget.max_bytes):
-            in_use = {
+            in_use = self.agents.saving_agents() | {
                 r.agent_id
-                for r in (*self._scheduler.waiting, *self._scheduler.active)
+                for r in (*list(self._scheduler.waiting), *list(self._scheduler.active))
                 if isinstance(r, Request) and r.phase is not Phase.DONE
             }
             report = self.agents.evict(budget, in_use, low_water=1.0 if force else LOW_WATER)
@@ -350,14 +383,15 @@ class Engine:
         """Bring the store within ``storage_budget`` now (it is also kept after every save);
         None without a budget, or when nothing had to go."""
         self._check_open()
-        return self._worker.submit(self._keep_budget, True).result()
+        return self._save_queue.submit(lambda: self._keep_budget(True), "the disk budget").result()
 
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
         return self.store.disk_bytes()
 
     def settle_commits(self) -> None:
-        """Wait until ``commit_listeners`` have seen every commit made so far."""
+        """Wait until every reply so far is saved and ``commit_listeners`` have seen it."""
+        self._save_queue.wait()
         self._notify.submit(lambda: None).result()
 
     def count_tokens(self, prompt: str) -> int:
@@ -392,17 +426,20 @@ class Engine:
 
     def agent_records(self, prefix: str = "") -> list[AgentRecord]:
         """The stored records of every agent whose id starts with ``prefix``."""
-        with self.agents.lock:
-            return list(self.store.agents(prefix))
+        return list(self.store.agents(prefix))  # the store's reads: not the model steps' lock
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
-        restore. Blocks are shared (reference counts move), no tensor is copied."""
-        self.agents.set_agent(agent_id, source)
+        restore. Blocks are shared (reference counts move), no tensor is copied. Runs after
+        the saves queued before it (on the save thread)."""
+        self._save_queue.submit(
+            lambda: self.agents.set_agent(agent_id, source), f"agent {agent_id!r}"
+        ).result()
 
     def delete(self, agent_id: str) -> bool:
-        """Forget an agent's cache (memory and disk); shared blocks stay for other agents."""
-        return self.agents.delete(agent_id)
+        """Forget an agent's cache (memory and disk); shared blocks stay for other agents.
+        Runs after the saves queued before it (on the save thread)."""
+        return self._save_queue.submit(lambda: self.agents.delete(agent_id), f"agent {agent_id!r}").result()
 
     def cached_tokens(self, agent_id: str) -> int:
         return self.agents.cached_tokens(agent_id)
@@ -412,7 +449,9 @@ class Engine:
         return self.agents.cached_text(agent_id)
 
     def drop_hot(self, agent_id: str | None = None) -> None:
-        """Forget live caches (one agent, or all): the next request reloads from blocks."""
+        """Forget live caches (one agent, or all): the next request reloads from blocks
+        (once the saves queued so far are written: it reads what they wrote)."""
+        self._save_queue.wait()
         self.agents.drop_hot(agent_id)
 
     def stats(self) -> dict[str, Any]:
@@ -423,7 +462,7 @@ class Engine:
             "working_copy_bytes": self.agents.working_copy_bytes(),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             # a shared store's traffic: blocks fetched / uploaded, commits, conflicts, pending saves
-            **({"shared_store": dataclasses.asdict(s)} if (s := getattr(self.store, "stats", None)) else {}),
+            **({"shared_store": dataclasses.asdict(s)} if (s := getattr(self._store, "stats", None)) else {}),
             **({"disk": self._disk_stats()} if self._disk is not None else {}),
             "scheduling": self._scheduler.policy,
             "max_decode_batch": self._scheduler.max_batch,
@@ -448,12 +487,13 @@ class Engine:
         long as the process: its worker thread holds it (see ``Worker``)."""
         if self._worker.has_waiting:
             raise RuntimeError("close() while requests are in progress: let them finish first")
+        self._save_queue.close()  # every reply's save written (a failure was logged)
         with self.agents.lock:
             self.agents.clear_memory()
             self._worker.stepper = None  # the parked thread no longer reaches this engine
             self._closed = True
         self._notify.shutdown(wait=True)  # the listeners see every commit before the index closes
-        self.store.close()
+        self._store.close()
         if self._reserve is not None:
             self._reserve.release()
         # MLX keeps freed buffers for reuse; give them back to the system (on the worker,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 from langchain_core.exceptions import ContextOverflowError
 
@@ -63,7 +65,7 @@ class Timings:
     prefill_s: float = 0.0
     ttft_s: float = 0.0  # request start -> first token sampled
     decode_s: float = 0.0
-    save_s: float = 0.0
+    save_s: float = 0.0  # on the worker: the turn quantized into the stored form, blocks made ready
 
 
 @dataclass(slots=True)
@@ -75,10 +77,22 @@ class GenerationResult:
     outcome: CacheOutcome
     finish_reason: str  # "stop" (end of turn or stop sequence), "length", "cancelled", "timeout"
     timings: Timings
+    #: Tensor bytes of the new blocks this turn's save writes (file headers aside).
     bytes_written: int = 0
-    #: False when the cache was not kept: on a shared store another worker saved the agent
-    #: while this request ran (its save stands; the next request reads it).
-    saved: bool = True
+    #: "pending": the reply left before its save (blocks, record) was durable; it is written
+    #: on the engine's save thread (``Engine.flush`` waits for it). False: not kept (on a
+    #: shared store another worker saved the agent while this request ran).
+    saved: bool | Literal["pending"] = "pending"
+    #: The save's outcome once written (``wait_saved``).
+    save_done: Future[bool] | None = field(default=None, repr=False, compare=False)
+
+    def wait_saved(self, timeout: float | None = None) -> bool:
+        """Wait for this turn's save: True once its blocks and record are durable, False if
+        it was not kept (a worker sharing the store saved the agent first); raises what made
+        it fail (``CacheWriteError``: the agent's previous cache is intact)."""
+        if self.save_done is None:
+            return self.saved is True
+        return self.save_done.result(timeout)
 
 
 @dataclass(slots=True)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .agents import Admission, AgentCaches
+from .agents import Admission, AgentCaches, PendingSave
 from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import (
     CacheOutcome,
@@ -25,7 +26,6 @@ from .runner import ModelRunner, Sampler
 from .runtime import mx
 from .scheduler import Phase
 from .sharing import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
-from .storage.store import AgentRecord
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
 
@@ -94,7 +94,7 @@ class RequestSteps:
         tokenizer: Any,
         context_length: int,
         model_name: str,
-        on_commit: Callable[[AgentRecord], None],
+        on_commit: Callable[[PendingSave], Future[bool]],
         share_prefixes: bool = True,
     ) -> None:
         self.agents, self.runner, self.tokenizer = agents, runner, tokenizer
@@ -335,9 +335,8 @@ class RequestSteps:
             if stream.stopped:  # a stop sequence: keep nothing past it
                 gen.truncate(last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(stream.text))))
             known.extend(gen)
-            record, written = self.agents.commit(req.agent_id, start, known)
-        if record is not None:
-            self.on_commit(record)
+            save = self.agents.commit(req.agent_id, start, known)
+        written = self.on_commit(save)  # on the save thread (``saves``) while the reply leaves
         req.timings.save_s = time.perf_counter() - t0
         result = GenerationResult(
             text=stream.text,
@@ -347,8 +346,9 @@ class RequestSteps:
             outcome=CacheOutcome(start.source, start.outcome_match),
             finish_reason=finish,
             timings=req.timings,
-            bytes_written=written,
-            saved=record is not None,
+            bytes_written=save.nbytes,
+            saved="pending",
+            save_done=written,
         )
         req.phase = Phase.DONE
         self._forget(req)

@@ -50,7 +50,7 @@ def run(engine: Engine, cmd: dict) -> dict:
             "outcome": str(result.outcome),
             "reused": result.reused_tokens,
             "prompt_tokens": result.prompt_tokens,
-            "saved": result.saved,
+            "saved": result.wait_saved(),  # as an orchestrator handing the agent on would
             "ttft_s": result.timings.ttft_s,
         }
     if op == "record":  # the store's record of an agent (read through this worker)

@@ -88,3 +88,68 @@ def test_random_sigkills_during_saves_lose_nothing(tmp_path: Path, figures: dict
         store.close()
     assert counts["killed mid-operation"] >= kills // 2  # the kills did land during saves
     figures["crash safety"] = ", ".join(f"{v} {k}" for k, v in counts.items()) + ", 0 violations"
+
+
+BACKGROUND_CHILD = Path(__file__).parent / "background_save_child.py"
+
+
+def test_sigkills_during_background_saves_leave_each_agent_old_or_new(
+    smollm: object, tmp_path: Path, figures: dict[str, str]
+) -> None:
+    """An engine whose saves run after the replies left (``engine.saves``), SIGKILLed at
+    random moments (8 times by default; ``CRASH_SAVE_KILLS`` sets it): every agent's record
+    is the state of one of its turns, never older than the last ``flush`` said was durable,
+    every block it names verifies, and the index and the files agree."""
+    from langchain_agent_memory.engine.engine import Engine
+
+    kills = int(os.environ.get("CRASH_SAVE_KILLS", "8"))
+    rng = random.Random(4321)
+    cache = tmp_path / "cache"
+    prompts: dict[str, dict[int, str]] = {}
+    flushed: dict[str, int] = {}
+    counts: Counter[str] = Counter()
+    fingerprint = Engine("smollm2-135m", cache_dir=cache).fingerprint
+    for i in range(kills):
+        journal = tmp_path / f"journal-{i}.jsonl"
+        child = subprocess.Popen(
+            [sys.executable, str(BACKGROUND_CHILD), str(cache), str(journal), str(i)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        try:
+            child.wait(timeout=rng.uniform(0.5, 4.0))
+        except subprocess.TimeoutExpired:
+            child.kill()  # SIGKILL
+            child.wait()
+        counts["kills"] += 1
+        base = {a: max(p, default=0) for a, p in prompts.items()}  # turns of earlier runs
+        for line in journal.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "flushed" in entry:
+                for agent, turn in entry["flushed"].items():
+                    if turn:  # a turn of this run (an earlier run's last one may be lost)
+                        flushed[agent] = base.get(agent, 0) + turn
+            else:
+                agent = entry["agent"]
+                prompts.setdefault(agent, {})[base.get(agent, 0) + entry["turn"]] = entry["prompt"]
+        store = DiskBlockStore(cache / "kv", fingerprint)  # recovery runs on open
+        for agent, turns in prompts.items():
+            record = store.get_agent(agent)
+            at = [t for t, p in turns.items() if record is not None and record.text.startswith(p)]
+            newest = max(at) if at else 0
+            assert record is None or at, f"kill {i}: {agent!r} stands for none of its turns"
+            assert newest >= flushed.get(agent, 0), (
+                f"kill {i}: {agent!r} lost a flushed save ({newest} < {flushed.get(agent)}; "
+                f"record: {None if record is None else record.text[-80:]!r})"
+            )
+            if record is not None:
+                counts["records checked"] += 1
+                for h in record.blocks:
+                    store.get_block(h)  # present, checksum and hash verified
+        assert set(store.block_hashes()) == store.referenced_blocks(), f"kill {i}: index and files disagree"
+        store.close()
+    figures["background saves killed"] = ", ".join(f"{v} {k}" for k, v in counts.items()) + ", 0 violations"

@@ -29,7 +29,7 @@ from langchain_agent_memory.corpus import apache_license
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.shared import shared_engine
 from langchain_agent_memory.engine.storage.budget import StorageBudget
-from langchain_agent_memory.engine.storage.store import DiskBlockStore
+from langchain_agent_memory.engine.storage.store import CacheWriteError, DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.server.process import free_port, start_server
 
@@ -213,22 +213,27 @@ def test_closing_a_stream_stops_decoding(client: openai.OpenAI, server: tuple[st
     assert generated < 100, f"decoding went on after the client left: {generated} tokens kept"
 
 
-def test_a_failed_save_is_a_500_or_an_error_in_the_stream(
-    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+def test_a_failed_save_leaves_the_reply_and_the_previous_cache(
+    client: openai.OpenAI, server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The reply leaves before its save (written on the engine's save thread): a save that
+    fails (the index write: disk full) is logged, raised by ``flush``, and leaves the
+    agent's previous cache; once writable again the same agent is served and saved."""
+    engine = shared_engine(MODEL, cache_dir=server[1])
+
     def disk_full(self: DiskBlockStore, record: object) -> int:  # the index write fails
         raise sqlite3.OperationalError("database or disk is full")
 
     with monkeypatch.context() as mp:
         mp.setattr(DiskBlockStore, "put_agent", disk_full)
-        with pytest.raises(openai.InternalServerError, match="disk is full"):
-            _complete(client, "oa-full", COLORS, max_tokens=4)
-        # before the first chunk (one token: its text comes with the end) and mid-stream
-        for tokens in (1, 12):
-            with pytest.raises(openai.APIError, match="disk is full"):
-                _stream_text(client, f"oa-full-stream-{tokens}", COLORS, max_tokens=tokens)
-    # writable again: the same agent is served and saved
+        assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
+        assert _stream_text(client, "oa-full-stream", COLORS, max_tokens=12)
+        with pytest.raises(CacheWriteError, match="disk is full"):
+            engine.flush()
+    assert engine.store.get_agent("oa-full") is None and engine.store.get_agent("oa-full-stream") is None
     assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
+    engine.flush()
+    assert engine.store.get_agent("oa-full") is not None
 
 
 # ------------------------------------------------------------------ langchain-openai

@@ -1,5 +1,6 @@
 """A full disk or a permission error during a save (injected at the file layer: the disk
-of a test machine cannot be filled safely): the error reaches the caller with a message
+of a test machine cannot be filled safely): the reply leaves before its save (written on
+the engine's save thread), and the error reaches the caller at ``flush`` with a message
 that says what happened and what to do, the previous cache stays loadable (a new engine
 resumes it, same output), no temporary or half-written file is left, and a retry once the
 disk is writable again saves normally."""
@@ -79,8 +80,11 @@ def test_a_failed_save_keeps_the_previous_cache(
     inject, says = FAULTS[fault]
     with monkeypatch.context() as mp:
         inject(mp)
+        reply = engine.generate("lawyer", SECOND, GREEDY)  # the reply leaves before its save
+        assert reply.saved == "pending" and reply.text
         with pytest.raises(CacheWriteError, match=says) as failure:
-            engine.generate("lawyer", SECOND, GREEDY)
+            engine.flush()  # the save's failure: raised once
+    engine.flush()
     assert "previous cache is intact" in str(failure.value) and "'lawyer'" in str(failure.value)
     assert engine.store.get_agent("lawyer") == before
     _clean(engine.store)
@@ -89,6 +93,7 @@ def test_a_failed_save_keeps_the_previous_cache(
     again = restarted.generate("lawyer", FIRST, GREEDY)
     assert str(again.outcome).startswith("warm") and again.text == first.text
     retry = engine.generate("lawyer", SECOND, GREEDY)  # writable again: saves normally
+    engine.flush()
     assert retry.bytes_written > 0 and engine.store.get_agent("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
     _clean(engine.store)
     figures["write errors"] = (
@@ -103,5 +108,7 @@ def test_the_error_reaches_a_langchain_caller(
     messages = [SystemMessage(CONTEXT[:1500]), HumanMessage("Its name?")]
     llm.invoke(messages)
     _failing_file_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    reply = llm.invoke([SystemMessage(CONTEXT[:3000]), HumanMessage("Who wrote it?")])
+    assert reply.response_metadata["cache_saved"] == "pending"  # written after the reply left
     with pytest.raises(CacheWriteError, match="No space left"):
-        llm.invoke([SystemMessage(CONTEXT[:3000]), HumanMessage("Who wrote it?")])
+        llm.flush()

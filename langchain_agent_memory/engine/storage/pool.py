@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,26 +46,31 @@ class BlockPool:
         self._hot: OrderedDict[BlockHash, Block] = OrderedDict()
         self._hot_bytes = 0
         self.stats = PoolStats()
+        # The memory tier is read on the worker thread and filled by saves on their own.
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ reads
 
     def get(self, h: BlockHash) -> tuple[Block, bool]:
         """The block and whether it came from memory (True) or from the store (False)."""
-        block = self._hot.get(h)
-        if block is not None:
-            self._hot.move_to_end(h)  # touch: most recently used last
-            self.stats.hits += 1
-            return block, True
+        with self._lock:
+            block = self._hot.get(h)
+            if block is not None:
+                self._hot.move_to_end(h)  # touch: most recently used last
+                self.stats.hits += 1
+                return block, True
         block = self.store.get_block(h)
         self.stats.misses += 1
         self._admit(block)
         return block, False
 
     def is_hot(self, h: BlockHash) -> bool:
-        return h in self._hot
+        with self._lock:
+            return h in self._hot
 
     def hot_block(self, h: BlockHash) -> Block | None:
-        return self._hot.get(h)
+        with self._lock:
+            return self._hot.get(h)
 
     # ------------------------------------------------------------------ writes
 
@@ -145,9 +151,10 @@ class BlockPool:
 
     def forget(self, h: BlockHash) -> None:
         """Drop the memory copy only (the file stays)."""
-        block = self._hot.pop(h, None)
-        if block is not None:
-            self._hot_bytes -= block.nbytes
+        with self._lock:
+            block = self._hot.pop(h, None)
+            if block is not None:
+                self._hot_bytes -= block.nbytes
 
     def _drop(self, h: BlockHash) -> None:
         self.forget(h)
@@ -157,6 +164,10 @@ class BlockPool:
     # ------------------------------------------------------------------ hot tier
 
     def _admit(self, block: Block) -> None:
+        with self._lock:
+            self._admit_locked(block)
+
+    def _admit_locked(self, block: Block) -> None:
         if block.hash in self._hot:
             self._hot.move_to_end(block.hash)
             return
@@ -169,7 +180,8 @@ class BlockPool:
 
     def hot_hashes(self) -> list[BlockHash]:
         """Hot blocks, least recently used first (the eviction order)."""
-        return list(self._hot)
+        with self._lock:
+            return list(self._hot)
 
     def snapshot_stats(self) -> PoolStats:
         self.stats.hot_blocks = len(self._hot)

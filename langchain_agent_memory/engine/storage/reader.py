@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -161,6 +162,7 @@ def part_checksums(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
 
 
 _hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
 
 
 def block_checksums(named: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, str]]:
@@ -168,11 +170,15 @@ def block_checksums(named: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, st
     threads (hashlib lets go of the GIL over a large buffer): a save of a Gemma 3 4B-shaped
     agent of 32K tokens on the H200 spent 3.1 of its 7.1 s in SHA-256, on one thread."""
     global _hash_pool
-    if _hash_pool is None:
-        _hash_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="agent-memory-hash")
     by_layer = _by_layer(named)
-    whole = _hash_pool.submit(checksum, named)
-    parts = dict(zip(by_layer, _hash_pool.map(checksum, by_layer.values()), strict=True))
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="agent-memory-hash")
+    try:
+        whole = _hash_pool.submit(checksum, named)
+        parts = dict(zip(by_layer, _hash_pool.map(checksum, by_layer.values()), strict=True))
+    except RuntimeError:  # the interpreter is exiting (a save still being written): one thread
+        return checksum(named), {layer: checksum(group) for layer, group in by_layer.items()}
     return whole.result(), parts
 
 

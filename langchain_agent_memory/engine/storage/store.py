@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, NewType, Protocol
 
 import numpy as np
+from safetensors import TensorSpec, serialize_file
 
 from ..runtime import mx
 from .budget import StoreUsage
@@ -112,9 +113,40 @@ def validate_agent_id(agent_id: str) -> str:
     return agent_id
 
 
-def _named_bytes(tensors: dict[str, mx.array]) -> list[tuple[str, Any]]:
+def _named_bytes(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
     views = ((name, memoryview(a)) for name, a in tensors.items())
     return [(name, v if v.c_contiguous else v.tobytes()) for name, v in views]
+
+
+@dataclass(frozen=True, slots=True)
+class HostTensor:
+    """An evaluated array's bytes as seen from the host: what a block write reads."""
+
+    dtype: str  # mlx's name: "float16", "bfloat16", "uint32", ...
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8, a view of the array's memory (it keeps the array alive)
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(
+            dtype=self.dtype, shape=self.shape, data_ptr=self.data.ctypes.data, data_len=self.data.nbytes
+        )
+
+
+def host_views(tensors: dict[str, mx.array]) -> dict[str, HostTensor]:
+    """``tensors`` made contiguous and evaluated, as byte views of their memory (no copy
+    where the memory is the host's: the CPU, a GPU's unified memory). Call it on the thread
+    that runs the arrays' MLX work: what it returns is then read on another (an engine's
+    saves run on a thread of their own, ``engine.saves``) without any MLX op."""
+    ready = {k: mx.contiguous(v) for k, v in tensors.items()}
+    mx.eval(ready)
+    return {
+        k: HostTensor(
+            str(v.dtype).removeprefix("mlx.core."),
+            tuple(v.shape),
+            np.frombuffer(memoryview(v).cast("B"), dtype=np.uint8),
+        )
+        for k, v in ready.items()
+    }
 
 
 def tensor_checksum(tensors: dict[str, mx.array]) -> str:
@@ -138,10 +170,19 @@ class Block:
     parent: BlockHash | None
     token_ids: list[int]
     tensors: dict[str, mx.array]
+    #: The tensors as host views (``host_views``), made on the MLX thread for a write on
+    #: another; None: ``put_block`` makes them (on the calling thread).
+    host: dict[str, HostTensor] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(int(t.nbytes) for t in self.tensors.values())
+
+    def freeze(self) -> Block:
+        """Make ``host`` now (on the thread of the tensors' MLX work); returns self."""
+        if self.host is None:
+            self.host = host_views(self.tensors)
+        return self
 
 
 @dataclass(slots=True)
@@ -431,9 +472,8 @@ class DiskBlockStore:
         path = self.block_path(block.hash)
         if path.exists():
             return 0
-        tensors = {k: mx.contiguous(v) for k, v in block.tensors.items()}
-        mx.eval(tensors)
-        whole, parts = block_checksums(_named_bytes(tensors))
+        tensors = block.host if block.host is not None else host_views(block.tensors)
+        whole, parts = block_checksums([(k, t.data) for k, t in tensors.items()])
         meta = {
             "format_version": str(FORMAT_VERSION),
             "fingerprint": self.fingerprint,
@@ -445,10 +485,9 @@ class DiskBlockStore:
             # reader ignores it and checks the whole.
             "part_checksums": json.dumps(parts, separators=(",", ":")),
         }
-        # mx.save_safetensors appends ".safetensors" to a name that lacks it.
-        return atomic_write(
-            path, lambda tmp: mx.save_safetensors(tmp, tensors, metadata=meta), ".safetensors"
-        )
+        # safetensors' own writer over host arrays: no MLX op, so any thread may write.
+        specs = {k: t.spec() for k, t in tensors.items()}
+        return atomic_write(path, lambda tmp: serialize_file(specs, tmp, metadata=meta))
 
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         """Read a block (all tensors, or only ``names``), verified against its header.

@@ -1,0 +1,81 @@
+"""Attention on the stored form (``kv.stored``) equals attention over the same keys and
+values decoded to full precision: GQA folded into query rows, several segments (16-bit
+head, quantized and rotated body, full-precision tail), causal and sliding-window masks,
+attention sinks, and the decoded path a long prefill chunk takes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from langchain_agent_memory.engine.kv import FULL, KV_PRESETS, positional_mask
+from langchain_agent_memory.engine.kv import stored as stored_module
+from langchain_agent_memory.engine.kv.stored import decode_segment, stored_attention
+
+
+def _segments(kv_heads: int, d: int, n_head: int, n_body: int, n_tail: int, fmt: str) -> list:
+    quant = KV_PRESETS[fmt]
+    key = mx.random.key(7)
+    k1, k2 = mx.random.split(key)
+    n = n_head + n_body + n_tail
+    k = mx.random.normal((1, kv_heads, n, d), key=k1)
+    v = mx.random.normal((1, kv_heads, n, d), key=k2)
+    segments = []
+    if n_head:
+        segments.append(
+            ((k[:, :, :n_head].astype(mx.float16),), (v[:, :, :n_head].astype(mx.float16),), FULL, FULL)
+        )
+    body = slice(n_head, n_head + n_body)
+    segments.append(
+        (quant.keys.encode(k[:, :, body]), quant.values.encode(v[:, :, body]), quant.keys, quant.values)
+    )
+    if n_tail:
+        segments.append(((k[:, :, n_head + n_body :],), (v[:, :, n_head + n_body :],), FULL, FULL))
+    return segments
+
+
+def _reference(queries: mx.array, segments: list, scale: float, first_q: int, first_k: int, window, sinks):
+    k = mx.concatenate([decode_segment(kp, kc, mx.float32) for kp, _, kc, _ in segments], axis=2)
+    v = mx.concatenate([decode_segment(vp, vc, mx.float32) for _, vp, _, vc in segments], axis=2)
+    mask = positional_mask(first_q, queries.shape[2], first_k, window, True)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+@pytest.mark.parametrize("fmt", ["k6v4-rot-h4", "q4", "q8", "fp16"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "L", "window"), [(8, 2, 1, None), (8, 2, 5, None), (4, 4, 3, 40), (6, 2, 1, 40)]
+)
+def test_stored_attention_equals_attention_over_the_decoded_keys(
+    fmt: str, heads: int, kv_heads: int, L: int, window: int | None
+) -> None:
+    d = 64
+    segments = _segments(kv_heads, d, 4, 150, 10, fmt)
+    n = 164
+    first_q = n - L
+    lo = 0 if window is None else max(0, first_q - window + 1)
+    if lo:  # a sliding layer sees its window only: the held keys start there
+        segments = [
+            (
+                tuple(x[:, :, lo - 4 :] for x in segments[1][0]),
+                tuple(x[:, :, lo - 4 :] for x in segments[1][1]),
+                *segments[1][2:],
+            ),
+            segments[2],
+        ]
+    queries = mx.random.normal((1, heads, L, d), key=mx.random.key(3))
+    got = stored_attention(queries, segments, 0.125, first_q, lo, window)
+    want = _reference(queries, segments, 0.125, first_q, lo, window, None)
+    assert got.shape == want.shape == (1, heads, L, d)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_attention_sinks_and_the_decoded_path_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    segments = _segments(2, 64, 4, 100, 6, "k6v4-rot-h4")
+    queries = mx.random.normal((1, 8, 3, 64), key=mx.random.key(5))
+    sinks = mx.random.normal((8,), key=mx.random.key(6))
+    want = _reference(queries, segments, 0.125, 107, 0, None, sinks)
+    scores = stored_attention(queries, segments, 0.125, 107, 0, None, sinks)
+    monkeypatch.setattr(stored_module, "SCORES_MAX", 0)  # every call takes the decoded path
+    decoded = stored_attention(queries, segments, 0.125, 107, 0, None, sinks)
+    assert mx.allclose(scores, want, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(decoded, want, atol=1e-4, rtol=1e-4).item()
