@@ -16,6 +16,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 
 from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
+from langchain_agent_memory.engine.kv.stored_batch import StoredBatch
 from langchain_agent_memory.engine.runtime import mx
 
 PROMPTS = {
@@ -30,16 +31,32 @@ PROMPTS = {
 GREEDY = GenerationParams(max_tokens=12)
 
 
+@pytest.mark.parametrize("attention", ["copy", "stored"])
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_batched_decode_equals_decode_alone(
-    model: str, tmp_path: Path, request: pytest.FixtureRequest, figures: dict[str, str], together: Any
+    model: str,
+    attention: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    figures: dict[str, str],
+    together: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Served from the stored form, the full-attention layers of the batch attend in one
+    call over the agents' stored forms (``StoredBatch``); over working copies, in one call
+    over their merged copies."""
     request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")
-    alone = Engine(model, cache_dir=tmp_path / "alone")
+    built = []
+    of = StoredBatch.of.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        StoredBatch, "of", classmethod(lambda cls, caches: built.append(len(caches)) or of(cls, caches))
+    )
+    alone = Engine(model, cache_dir=tmp_path / "alone", attention=attention)
     expected = {agent: alone.generate(agent, prompt, GREEDY) for agent, prompt in PROMPTS.items()}
-    batched = Engine(model, cache_dir=tmp_path / "batched")
+    batched = Engine(model, cache_dir=tmp_path / "batched", attention=attention)
     got = together(batched, PROMPTS, GREEDY)
     assert batched.stats()["max_decode_batch"] >= 2  # the decodes did run together
+    assert (max(built, default=0) >= 2) is (attention == "stored")  # one stored batch of them
     worst = 0.0
     for agent in PROMPTS:
         assert got[agent].text == expected[agent].text, agent
@@ -54,7 +71,7 @@ def test_batched_decode_equals_decode_alone(
     # Float sums in another order (a batch of 3 rows, prefill chunks of another size) may move
     # a value across a rounding boundary: one 16-bit ulp, or one 4/6-bit quantization step.
     assert worst <= 0.002, worst
-    figures[f"batched vs alone ({model})"] = (
+    figures[f"batched vs alone ({model}, {attention})"] = (
         f"{len(PROMPTS)} agents, greedy text identical, {worst:.3%} of stored K/V values differ (rounding)"
     )
 

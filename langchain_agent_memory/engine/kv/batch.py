@@ -12,6 +12,7 @@ from typing import Any
 from ..runtime import mx
 from .layer import LayerCache, _Working, grown_rows
 from .stored import attention, positional_mask
+from .stored_batch import StoredBatch
 
 
 class BatchLayerCache:
@@ -35,6 +36,7 @@ class BatchLayerCache:
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets
         self._merged: _Merged | None = None
+        self._stored_batch: StoredBatch | None = None  # agents served from the stored form
         self._fetched: tuple[mx.array, mx.array] | None = None
         self._sliding = any(c.spec.window is not None for c in caches)
         # Served from the stored form: each agent attends over its own (``LayerCache.attend``).
@@ -49,6 +51,13 @@ class BatchLayerCache:
         """Append each agent's new keys and values; return every agent's visible ones,
         left-padded to one length (``make_mask`` marks the padding)."""
         self._fetched = None  # as in ``LayerCache``: its views would stop an in-place append
+        sb = self._batch_stored()
+        if sb is not None:  # one write for all agents; ``attend`` reads the stored batch
+            sb.append(keys, values)
+            for cache in self.caches:
+                cache.offset += keys.shape[2]
+            self._fetched = (keys, values)
+            return self._fetched
         m = self._merge()
         if m is not None:
             # One write for all agents; each one's new tokens are split off its rows of the
@@ -79,6 +88,8 @@ class BatchLayerCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """(B, 1, N, keys) mask over what ``update_and_fetch`` will return: each agent's own
         positions (causal, its window), never another agent's padding."""
+        if self._batch_stored() is not None:
+            return None  # ``attend`` masks by what each agent holds (``StoredBatch.valid``)
         m = self._merge()
         if m is not None:
             return m.valid[:, None, None, : m.end + N]
@@ -95,7 +106,22 @@ class BatchLayerCache:
             self._merged = _Merged.of(self.caches, self.caches[0].dtype)
         return self._merged
 
+    def _batch_stored(self) -> StoredBatch | None:
+        """The stored batch of a full-attention layer whose agents attend on their stored
+        form through ``LayerCache.attend`` (built at the batch's first step)."""
+        if (
+            self._stored_batch is None
+            and self._stored
+            and not self._sliding
+            and len(self.caches) > 1
+            and all(c._direct for c in self.caches)
+        ):
+            self._stored_batch = StoredBatch.of(self.caches)
+        return self._stored_batch
+
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        if self._stored_batch is not None:
+            return self._stored_batch.attend(queries, scale, sinks)
         m = self._merged
         if m is not None:
             mask = m.valid[:, None, None, : m.end]
@@ -110,6 +136,9 @@ class BatchLayerCache:
     def filter(self, keep: list[int]) -> None:
         """Keep members ``keep`` (indices, in their new order); every other member gets its
         rows of the merged buffer back (its own working copy), to commit or go on alone."""
+        if self._stored_batch is not None:  # every member gets its rows; the rest batch again
+            self._stored_batch.hand_back(self.caches)
+            self._stored_batch = None
         m = self._merged
         if m is not None:
             for i in range(len(self.caches)):
@@ -124,6 +153,9 @@ class BatchLayerCache:
 
     def extend(self, caches: list[LayerCache]) -> None:
         """New members join after the current ones (their working copies merged in)."""
+        if self._stored_batch is not None:  # built again with them at the next step
+            self._stored_batch.hand_back(self.caches)
+            self._stored_batch = None
         if self._merged is not None:
             self._merged.extend(caches)
         self.caches += caches

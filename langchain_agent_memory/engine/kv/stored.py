@@ -96,16 +96,19 @@ def stored_attention(
     first_k: int,
     window: int | None,
     sinks: mx.array | None = None,
+    valid: mx.array | None = None,
 ) -> mx.array:
     """Attention of ``queries`` (B, H, L, D), at positions ``[first_q, first_q + L)``, over
     ``segments`` (oldest first, consecutive from position ``first_k``): causal, and within
-    ``window`` on a sliding layer. Returns (B, H, L, value width) in the queries' dtype."""
+    ``window`` on a sliding layer. ``valid`` (B, keys), for one decoded token per row of a
+    batch (``StoredBatch``): the keys each row may see, instead of positions. Returns
+    (B, H, L, value width) in the queries' dtype."""
     B, H, L, D = queries.shape
     kv_heads = segments[0][0][0].shape[1]
     n_keys = sum(seg[0][0].shape[2] for seg in segments)
     rep = H // kv_heads
     if B * kv_heads * rep * L * n_keys > SCORES_MAX:
-        return _decoded_attention(queries, segments, scale, first_q, first_k, window, sinks)
+        return _decoded_attention(queries, segments, scale, first_q, first_k, window, sinks, valid)
     dtype = queries.dtype
     q = (queries * scale).reshape(B, kv_heads, rep * L, D)
     rotated_q = None
@@ -116,7 +119,9 @@ def stored_attention(
         x = rotated_q if kcodec.rotate else q
         scores.append(_product(x, kparts, kcodec, transpose=True))
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    if positional_mask(first_q, L, first_k, window, False) is not None:
+    if valid is not None:
+        s = mx.where(valid[:, None, None, :], s, mx.finfo(s.dtype).min)
+    elif positional_mask(first_q, L, first_k, window, False) is not None:
         mask = positional_mask(first_q, L, first_k, window, True)
         assert isinstance(mask, mx.array)
         if rep > 1:
@@ -180,6 +185,7 @@ def _decoded_attention(
     first_k: int,
     window: int | None,
     sinks: mx.array | None,
+    valid: mx.array | None = None,
 ) -> mx.array:
     """One fused attention over the segments decoded for this call (a long prefill chunk)."""
     dtype = queries.dtype
@@ -187,5 +193,8 @@ def _decoded_attention(
     vs = [decode_segment(vp, vc, dtype) for _, vp, _, vc in segments]
     k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
     v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-    mask = positional_mask(first_q, queries.shape[2], first_k, window, False)
+    if valid is not None:
+        mask: Any = valid[:, None, None, :]
+    else:
+        mask = positional_mask(first_q, queries.shape[2], first_k, window, False)
     return attention(queries, k, v, scale, mask, sinks)
