@@ -5,7 +5,7 @@ RANDOM WEIGHTS: a Llama-3.1-8B shape with random bf16 weights (SmolLM2's tokeniz
 number here is a time or a size, never a quality figure (``pytest -m gpu`` checks quality).
 
     python3 benchmarks/gpu_served.py run --out DIR [--contexts 32768] [--batches 1,4,16]
-    .venv/bin/python benchmarks/gpu_served.py plot [DIR/gpu_served.json]
+    .venv/bin/python benchmarks/gpu_served.py plot [benchmarks/results/gpu_served.json]
 
 Per engine setting (``attention="stored"``: the agent's 4-bit form, no full-precision copy;
 ``"copy"``: a bf16 working copy beside it) and for mlx-lm (its bf16 ``KVCache``):
@@ -237,6 +237,53 @@ def run(args: argparse.Namespace) -> None:
         mx.clear_cache()
 
 
+def plot(path: Path) -> None:
+    """A table of ``path`` (gpu_served.json) and benchmarks/results/gpu_served.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+    from rich.table import Table
+
+    data = json.loads(path.read_text())
+    table = Table(title=f"{data['device']}: one served agent ({data['model']})")
+    for col in ("context", "system", "served GB", "peak GB", "warm TTFT s", "hot TTFT s", "decode tok/s"):
+        table.add_column(col, justify="right")
+    rows = [r for r in data["served"] if "error" not in r]
+    for r in rows:
+        table.add_row(
+            str(r["context"]), r["system"],
+            str(_gb(r["served_bytes"])), str(_gb(r["peak_over_before_bytes"])),
+            f"{r['warm_ttft_s']:.3f}", f"{r.get('hot_ttft_s', float('nan')):.3f}", f"{r['decode_tok_s']:.1f}",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    for b in data["batch"]:
+        console.print(
+            f"batch {b['batch']}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items() if k != "batch")
+        )
+    for o in data.get("save_overlap", []):
+        console.print(
+            f"save overlap at {o['context']}: " + json.dumps({k: round(v, 3) for k, v in o.items()})
+        )
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = [f"{r['system']}\n{r['context'] // 1024}K" for r in rows]
+    for ax, key, label in (
+        (axes[0], "served_bytes", "served memory, GB"),
+        (axes[1], "warm_ttft_s", "warm time to first token, s"),
+        (axes[2], "decode_tok_s", "decode tokens/s (alone)"),
+    ):
+        vals = [_gb(r[key]) if key.endswith("bytes") else r[key] for r in rows]
+        ax.bar(names, vals, color=["tab:green", "tab:blue", "tab:gray"][: len(vals)])
+        ax.set_title(label)
+    fig.suptitle(f"{data['device']}, {data['model']}: stored form vs working copy vs mlx-lm")
+    fig.tight_layout()
+    out = RESULTS / "gpu_served.png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -246,9 +293,13 @@ def main() -> None:
     r.add_argument("--batches", default="1,4,16")
     r.add_argument("--model", default="llama-3.1-8b", help="a random_model config (SCALE_ or SMALL_CONFIGS)")
     r.add_argument("--short", type=int, default=4096, help="tokens per agent of the batches and warm-up")
+    p = sub.add_parser("plot")
+    p.add_argument("path", nargs="?", default=str(RESULTS / "gpu_served.json"))
     args = ap.parse_args()
     if args.cmd == "run":
         run(args)
+    else:
+        plot(Path(args.path))
 
 
 if __name__ == "__main__":

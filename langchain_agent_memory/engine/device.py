@@ -82,11 +82,13 @@ def hot_budget_bytes() -> int:
 
 
 def attention() -> str:
-    """What a served agent attends over by default (``kv.stored``): its stored form on a GPU
-    (memory is what limits how many agents are served at once there); a full-precision
-    working copy on the CPU, where mlx's quantized matmuls are scalar loops (FACTS: a 4-bit
-    product 1.4-20x a float32 one through MKL)."""
-    return "stored" if on_gpu() else "copy"
+    """What a served agent attends over by default: a full-precision working copy, on every
+    device for now. The stored form (``kv.stored``, ``Engine(attention="stored")``) serves an
+    agent in 0.40x mlx-lm's memory on the H200 but decodes 5x slower there (mlx 0.32.4's CUDA
+    ``quantized_matmul`` lacks 6-bit keys and some value shapes, so each step decodes the
+    context; benchmarks/gpu_served.py, random-weight Llama-3.1-8B shape at 16K: 21.8 vs
+    113 tok/s); on the CPU mlx's quantized matmuls are scalar loops. Metal is not measured."""
+    return "copy"
 
 
 def weight_dtype() -> str:

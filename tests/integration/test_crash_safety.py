@@ -41,6 +41,18 @@ def _replay(journal: Path, states: dict[str, str | None]) -> tuple[str, str | No
     return next(iter(pending.values()), None)
 
 
+def _kill_after(args: list[object], seconds: float) -> int:
+    """Start ``python *args``, wait for its ``ready`` line, SIGKILL it ``seconds`` later (if
+    it is still running); its exit code."""
+    child = subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    try:
+        child.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        child.kill()  # SIGKILL
+    return child.wait()
+
+
 def test_random_sigkills_during_saves_lose_nothing(tmp_path: Path, figures: dict[str, str]) -> None:
     kills = int(os.environ.get("CRASH_KILLS", "100"))
     rng = random.Random(1234)
@@ -48,17 +60,8 @@ def test_random_sigkills_during_saves_lose_nothing(tmp_path: Path, figures: dict
     counts: Counter[str] = Counter()
     for i in range(kills):
         journal = tmp_path / f"journal-{i}.jsonl"
-        child = subprocess.Popen(
-            [sys.executable, str(CHILD), str(tmp_path / "cache"), str(journal), str(i)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        try:
-            child.wait(timeout=rng.uniform(0.0, 0.25))
-        except subprocess.TimeoutExpired:
-            child.kill()  # SIGKILL
-        assert child.wait() == -9, "the saver process died on its own"
+        code = _kill_after([CHILD, tmp_path / "cache", journal, i], rng.uniform(0.0, 0.25))
+        assert code == -9, "the saver process died on its own"
         counts["kills"] += 1
 
         store = DiskBlockStore(tmp_path / "cache", FINGERPRINT)  # what the next process does first
@@ -111,17 +114,8 @@ def test_sigkills_during_background_saves_leave_each_agent_old_or_new(
     fingerprint = Engine("smollm2-135m", cache_dir=cache).fingerprint
     for i in range(kills):
         journal = tmp_path / f"journal-{i}.jsonl"
-        child = subprocess.Popen(
-            [sys.executable, str(BACKGROUND_CHILD), str(cache), str(journal), str(i)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        try:
-            child.wait(timeout=rng.uniform(0.5, 4.0))
-        except subprocess.TimeoutExpired:
-            child.kill()  # SIGKILL
-            child.wait()
+        code = _kill_after([BACKGROUND_CHILD, cache, journal, i], rng.uniform(0.5, 4.0))
+        assert code == -9, "the engine's process died on its own"
         counts["kills"] += 1
         base = {a: max(p, default=0) for a, p in prompts.items()}  # turns of earlier runs
         for line in journal.read_text().splitlines():

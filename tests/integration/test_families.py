@@ -66,10 +66,9 @@ def test_every_supported_family_has_a_small_config() -> None:
     assert set(SMALL_CONFIGS) == set(SUPPORTED_FAMILIES)
 
 
-#: How requests attend: on the stored form (``kv.stored``: the GPU's default), over a
-#: full-precision working copy through the engine's attention (the CPU's default: its
-#: kernels there, mlx's fused one on a GPU), or mlx-lm's own attention code on the arrays
-#: the caches return.
+#: How requests attend: on the stored form (``kv.stored``), over a full-precision working
+#: copy through the engine's attention (the default: the CPU kernels there, mlx's fused one
+#: on a GPU), or mlx-lm's own attention code on the arrays the caches return.
 PATHS = ["stored", "copy", "mlx-attention"]
 
 

@@ -146,12 +146,12 @@ def stored_attention(
     return out.reshape(B, H, L, -1)
 
 
-#: mlx 0.32.4's CUDA ``quantized_matmul`` (measured on the H200): 4- and 8-bit groups only
-#: (6 bits: "No implementation for problem shape"); the values product verified from 1,024
-#: keys on (../shared/FACTS.md). Elsewhere a segment is decoded for the call (a layer's
-#: transient copy: 0.12 ms for 32K keys there). Metal and the CPU have every width natively.
+#: mlx 0.32.4's CUDA ``quantized_matmul`` (measured on the H200): the scores product with
+#: 4- and 8-bit groups only (6 bits: "No implementation for problem shape"), and not the
+#: values product of every shape ("196x128x4106x8, transpose: false, bits: 4" has none).
+#: There a segment is decoded for the call instead (a layer's transient copy: 0.12 ms for
+#: 32K keys). Metal and the CPU have every width and both products natively.
 CUDA_BITS = (4, 8)
-CUDA_MIN_VALUE_KEYS = 1024
 
 
 def native(codec: TensorCodec, n_keys: int, transpose: bool) -> bool:
@@ -159,7 +159,7 @@ def native(codec: TensorCodec, n_keys: int, transpose: bool) -> bool:
     if codec.bits is None:
         return False
     if mx.cuda.is_available() and mx.default_device() != mx.cpu:
-        return codec.bits in CUDA_BITS and (transpose or n_keys >= CUDA_MIN_VALUE_KEYS)
+        return transpose and codec.bits in CUDA_BITS
     return True
 
 
