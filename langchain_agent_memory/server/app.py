@@ -177,6 +177,13 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             logger.info("serving %s (KV cache %s)", name, engine.fingerprint)
             models[name] = llm
         yield
+        # Saves run after the replies left: all of them written before the process ends
+        # (SIGTERM re-raised by uvicorn ends it without the interpreter's exit hooks).
+        for llm in models.values():
+            try:
+                await asyncio.to_thread(llm.engine.flush)
+            except Exception:  # logged when it failed; the previous cache is intact
+                logger.warning("a save of model %s failed before shutdown", llm.model)
 
     app = FastAPI(title="langchain-agent-memory", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
