@@ -75,7 +75,8 @@ def run(engine: Engine, cmd: dict) -> dict:
         n = 0
         while True:
             agent = f"crash:{n % cmd['agents']}"
-            engine.generate(agent, (engine.cached_text(agent) or cmd["prompt"]) + f" Q{n}?", params)
+            reply = engine.generate(agent, (engine.cached_text(agent) or cmd["prompt"]) + f" Q{n}?", params)
+            reply.wait_saved()  # a turn is reported once its save is durable (kills land mid-save)
             n += 1
             print(json.dumps({"turn": n}), flush=True)
     if op == "churn":  # fork an agent, extend the forks, delete older ones

@@ -172,7 +172,7 @@ def test_sigkill_mid_save_loses_nothing(workers: Any, tmp_path: Path, shared_sto
         w.send({"op": "turns", "agents": 3, "prompt": SYSTEM})
         deadline = time.monotonic() + rng.uniform(0.3, 1.5)
         while time.monotonic() < deadline:
-            w.receive()  # a turn done (its save committed or pending)
+            w.receive()  # a turn done (its save durable: committed, or pending upload)
         w.kill()
     survivor = workers("crashing")
     assert survivor("flush")["pending"] == 0
