@@ -1,14 +1,19 @@
 """Attention on the stored form (``kv.stored``) equals attention over the same keys and
 values decoded to full precision: GQA folded into query rows, several segments (16-bit
 head, quantized and rotated body, full-precision tail), causal and sliding-window masks,
-attention sinks, and the decoded path a long prefill chunk takes."""
+attention sinks, and the decoded path a long prefill chunk takes.
+
+The CUDA path (``kv.stored_cuda``) is checked in two halves here: its kernels' source, run
+by C++ threads on this CPU (``test_stored_cuda_kernel.py``), and the merge of the kernel's
+partial result with the full-precision segments, with the kernel's oracle standing in for
+it (``kernel_merge``). On the H200 ``pytest -m gpu`` runs the kernel itself."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from langchain_agent_memory.engine.kv import FULL, KV_PRESETS, positional_mask
+from langchain_agent_memory.engine.kv import FULL, KV_PRESETS, positional_mask, stored_cuda
 from langchain_agent_memory.engine.kv import stored as stored_module
 from langchain_agent_memory.engine.kv.stored import decode_segment, stored_attention
 
@@ -41,12 +46,30 @@ def _reference(queries: mx.array, segments: list, scale: float, first_q: int, fi
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
+@pytest.fixture(params=["ops", "kernel-merge"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int] | None:
+    """``ops``: this device's path (None); ``kernel-merge``: the CUDA path's merge, with the
+    kernel's oracle computing the quantized segment's partial result (the list counts its
+    calls)."""
+    if request.param == "ops" or stored_cuda.available():
+        return None
+    calls: list[int] = []
+
+    def oracle(*args: object, **kwargs: object) -> tuple[mx.array, mx.array, mx.array]:
+        calls.append(1)
+        return stored_cuda.reference_body_attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stored_cuda, "available", lambda: True)
+    monkeypatch.setattr(stored_cuda, "body_attention", oracle)
+    return calls
+
+
 @pytest.mark.parametrize("fmt", ["k6v4-rot-h4", "q4", "q8", "fp16"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "L", "window"), [(8, 2, 1, None), (8, 2, 5, None), (4, 4, 3, 40), (6, 2, 1, 40)]
 )
 def test_stored_attention_equals_attention_over_the_decoded_keys(
-    fmt: str, heads: int, kv_heads: int, L: int, window: int | None
+    fmt: str, heads: int, kv_heads: int, L: int, window: int | None, path: list[int] | None
 ) -> None:
     d = 64
     segments = _segments(kv_heads, d, 4, 150, 10, fmt)
@@ -67,9 +90,13 @@ def test_stored_attention_equals_attention_over_the_decoded_keys(
     want = _reference(queries, segments, 0.125, first_q, lo, window, None)
     assert got.shape == want.shape == (1, heads, L, d)
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    if path is not None and fmt != "fp16" and L == 1:  # decode steps take the kernel
+        assert path
 
 
-def test_attention_sinks_and_the_decoded_path_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attention_sinks_and_the_decoded_path_agree(
+    monkeypatch: pytest.MonkeyPatch, path: list[int] | None
+) -> None:
     segments = _segments(2, 64, 4, 100, 6, "k6v4-rot-h4")
     queries = mx.random.normal((1, 8, 3, 64), key=mx.random.key(5))
     sinks = mx.random.normal((8,), key=mx.random.key(6))
@@ -79,3 +106,37 @@ def test_attention_sinks_and_the_decoded_path_agree(monkeypatch: pytest.MonkeyPa
     decoded = stored_attention(queries, segments, 0.125, 107, 0, None, sinks)
     assert mx.allclose(scores, want, atol=1e-4, rtol=1e-4).item()
     assert mx.allclose(decoded, want, atol=1e-4, rtol=1e-4).item()
+    assert path is None or path
+
+
+def test_a_left_padded_batch_equals_each_member_alone(path: list[int] | None) -> None:
+    """``StoredBatch``'s call: members' regions right-aligned, ``valid`` and ``body_first``
+    say what each row holds; every row equals its member attended alone."""
+    d, kv_heads, heads = 64, 2, 8
+    members = [_segments(kv_heads, d, 4, n, 1, "k6v4-rot-h4") for n in (150, 70)]
+    n_body = 150
+
+    def left(x: mx.array, width: int) -> mx.array:
+        return mx.pad(x, [(0, 0), (0, 0), (width - x.shape[2], 0), (0, 0)])
+
+    batch = [
+        tuple(
+            tuple(
+                mx.concatenate([left(m[i][side][j], width) for m in members])
+                for j in range(len(members[0][i][side]))
+            )
+            for side in (0, 1)
+        )
+        for i, width in ((0, 4), (1, n_body), (2, 1))
+    ]
+    segments = [(*pair, *members[0][i][2:]) for i, pair in enumerate(batch)]
+    cols = mx.arange(4 + n_body + 1)[None]
+    first_body = mx.array([0, n_body - 70], dtype=mx.int32)
+    valid = (cols < 4) | (cols >= 4 + first_body[:, None])
+    queries = mx.random.normal((2, heads, 1, d), key=mx.random.key(9))
+    got = stored_attention(queries, segments, 0.125, 0, 0, None, valid=valid, body_first=first_body)
+    for i, m in enumerate(members):
+        n = 4 + m[1][0][0].shape[2] + 1
+        alone = stored_attention(queries[i : i + 1], m, 0.125, n - 1, 0, None)
+        assert mx.allclose(got[i : i + 1], alone, atol=1e-4, rtol=1e-4).item()
+    assert path is None or path

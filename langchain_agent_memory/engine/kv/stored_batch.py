@@ -41,6 +41,7 @@ class StoredBatch:
     n_body: int
     end: int
     valid: mx.array
+    body_first: mx.array  # (B,) int32: each member's first body column
     held: list[tuple[int, int, int]]
     built_end: int  # ``end`` when the batch was built (member i's pending began at built_end - its count)
 
@@ -113,7 +114,8 @@ class StoredBatch:
             c.head_k = c.head_v = None
             c._set_body(None, None)
             c.set_pending(None, None)
-        return cls(quant, head, body, pending, n_head, n_body, n_pend, valid, held, n_pend)  # type: ignore[arg-type]
+        body_first = mx.array([n_body - b for _, b, _ in held], dtype=mx.int32)
+        return cls(quant, head, body, pending, n_head, n_body, n_pend, valid, body_first, held, n_pend)  # type: ignore[arg-type]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """One step's keys and values, one column for every member."""
@@ -140,7 +142,9 @@ class StoredBatch:
         pk, pv = self.pending
         segments.append(((pk[:, :, : self.end],), (pv[:, :, : self.end],), FULL, FULL))
         n = self.n_head + self.n_body + self.end
-        return stored_attention(queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n])
+        return stored_attention(
+            queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n], body_first=self.body_first
+        )
 
     def hand_back(self, caches: list[LayerCache]) -> None:
         """Every member gets views of its rows back (head, body, its pending tokens)."""
