@@ -3,10 +3,10 @@ values decoded to full precision: GQA folded into query rows, several segments (
 head, quantized and rotated body, full-precision tail), causal and sliding-window masks,
 attention sinks, and the decoded path a long prefill chunk takes.
 
-The CUDA path (``kv.stored_cuda``) is checked in two halves here: its kernels' source, run
-by C++ threads on this CPU (``test_stored_cuda_kernel.py``), and the merge of the kernel's
-partial result with the full-precision segments, with the kernel's oracle standing in for
-it (``kernel_merge``). On the H200 ``pytest -m gpu`` runs the kernel itself."""
+The CUDA path (``kv.stored_cuda``) is checked in two halves: its kernels' source, run by
+C++ threads on this CPU against their oracle (``test_stored_cuda_kernel.py``), and here the
+call that hands a layer's segments to them (``kernel-merge``: the oracle stands in for the
+kernels). On the H200 ``pytest -m gpu`` runs the kernels themselves."""
 
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> lis
         return None
     calls: list[int] = []
 
-    def oracle(*args: object, **kwargs: object) -> tuple[mx.array, mx.array, mx.array]:
+    def oracle(*args: object, **kwargs: object) -> mx.array:
         calls.append(1)
-        return stored_cuda.reference_body_attention(*args, **kwargs)  # type: ignore[arg-type]
+        return stored_cuda.reference_attention(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(stored_cuda, "available", lambda: True)
-    monkeypatch.setattr(stored_cuda, "body_attention", oracle)
+    monkeypatch.setattr(stored_cuda, "attention", oracle)
     return calls
 
 
@@ -110,7 +110,7 @@ def test_attention_sinks_and_the_decoded_path_agree(
 
 
 def test_a_left_padded_batch_equals_each_member_alone(path: list[int] | None) -> None:
-    """``StoredBatch``'s call: members' regions right-aligned, ``valid`` and ``body_first``
+    """``StoredBatch``'s call: members' regions right-aligned, ``valid`` and ``row_starts``
     say what each row holds; every row equals its member attended alone."""
     d, kv_heads, heads = 64, 2, 8
     members = [_segments(kv_heads, d, 4, n, 1, "k6v4-rot-h4") for n in (150, 70)]
@@ -134,7 +134,10 @@ def test_a_left_padded_batch_equals_each_member_alone(path: list[int] | None) ->
     first_body = mx.array([0, n_body - 70], dtype=mx.int32)
     valid = (cols < 4) | (cols >= 4 + first_body[:, None])
     queries = mx.random.normal((2, heads, 1, d), key=mx.random.key(9))
-    got = stored_attention(queries, segments, 0.125, 0, 0, None, valid=valid, body_first=first_body)
+    row_starts = mx.array([[0, 0, 0, stored_cuda.ALL_VISIBLE], [n_body - 70, 0, 0, stored_cuda.ALL_VISIBLE]])
+    got = stored_attention(
+        queries, segments, 0.125, 0, 0, None, valid=valid, row_starts=row_starts.astype(mx.int32)
+    )
     for i, m in enumerate(members):
         n = 4 + m[1][0][0].shape[2] + 1
         alone = stored_attention(queries[i : i + 1], m, 0.125, n - 1, 0, None)

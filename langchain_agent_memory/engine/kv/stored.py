@@ -98,26 +98,26 @@ def stored_attention(
     window: int | None,
     sinks: mx.array | None = None,
     valid: mx.array | None = None,
-    body_first: mx.array | None = None,
+    row_starts: mx.array | None = None,
 ) -> mx.array:
     """Attention of ``queries`` (B, H, L, D), at positions ``[first_q, first_q + L)``, over
     ``segments`` (oldest first, consecutive from position ``first_k``): causal, and within
     ``window`` on a sliding layer. ``valid`` (B, keys), for one decoded token per row of a
     batch (``StoredBatch``): the keys each row may see, instead of positions; with it,
-    ``body_first`` (B,) int32: each row's first valid column of the quantized segment (its
-    rows are right-aligned there). Returns (B, H, L, value width) in the queries' dtype."""
+    ``row_starts`` (B, 4) int32 for the CUDA kernels: each row's first valid column of
+    body, head and pending tokens (``stored_cuda.attention``). Returns (B, H, L, value
+    width) in the queries' dtype."""
     B, H, L, D = queries.shape
     kv_heads = segments[0][0][0].shape[1]
     n_keys = sum(seg[0][0].shape[2] for seg in segments)
     rep = H // kv_heads
+    fused = _kernels(queries, segments, scale, first_q, first_k, window, sinks, valid, row_starts)
+    if fused is not None:
+        return fused
     if B * kv_heads * rep * L * n_keys > SCORES_MAX:
         return _decoded_attention(queries, segments, scale, first_q, first_k, window, sinks, valid)
     dtype = queries.dtype
     q = (queries * scale).reshape(B, kv_heads, rep * L, D)
-    body = _kernel_body(segments, rep * L, first_q, L, first_k, window, valid, body_first)
-    if body is not None:
-        out = _with_body_kernel(q, segments, body, L, first_q, first_k, window, sinks, valid, body_first)
-        return out.astype(dtype).reshape(B, H, L, -1)
     rotated_q = None
     scores = []
     for kparts, _, kcodec, _ in segments:
@@ -184,96 +184,44 @@ def _product(x: mx.array, parts: Parts, codec: TensorCodec, transpose: bool) -> 
     )
 
 
-def _kernel_body(
+def _kernels(
+    queries: mx.array,
     segments: Sequence[Segment],
-    rows: int,
-    first_q: int,
-    L: int,
-    first_k: int,
-    window: int | None,
-    valid: mx.array | None,
-    body_first: mx.array | None,
-) -> int | None:
-    """The index of the quantized segment where ``stored_cuda``'s kernel attends over it
-    in this call (CUDA, a decode-sized call, every query sees all of the segment's keys)."""
-    at = first_k
-    for i, (kparts, vparts, kcodec, vcodec) in enumerate(segments):
-        if kcodec.bits is None:
-            at += kparts[0].shape[2]
-            continue
-        d, dv = kparts[1].shape[-1] * kcodec.group_size, vparts[1].shape[-1] * vcodec.group_size
-        if not stored_cuda.fits(rows, d, dv, kcodec, vcodec):
-            return None
-        if valid is not None:
-            return i if body_first is not None else None
-        # The body precedes the queries (causal holds); on a sliding layer the last query
-        # must still see its first key.
-        return i if window is None or first_q + L - 1 - at < window else None
-    return None
-
-
-def _with_body_kernel(
-    q: mx.array,
-    segments: Sequence[Segment],
-    body: int,
-    L: int,
+    scale: float,
     first_q: int,
     first_k: int,
     window: int | None,
     sinks: mx.array | None,
     valid: mx.array | None,
-    body_first: mx.array | None,
-) -> mx.array:
-    """``stored_attention`` with the quantized segment through ``stored_cuda``'s kernel:
-    its partial result (maximum, sum, weighted values) merged by log-sum-exp with the
-    scores of the segments held at full precision (head tokens, this request's tokens).
-    ``q``: (B, kv_heads, rep * L, D), scaled. Returns (B, kv_heads, rep * L, value width),
-    float32."""
-    B, kv_heads, rows, D = q.shape
-    rep = rows // L
-    qf = q.astype(mx.float32)
-    kparts, vparts, kcodec, vcodec = segments[body]
-    o, top_body, total_body = stored_cuda.body_attention(
-        qf @ rotation(D) if kcodec.rotate else qf, kparts, vparts, kcodec, vcodec, body_first
-    )
-    if vcodec.rotate:
-        o = o @ rotation(o.shape[-1]).T
-    mask: Any = None
+    row_starts: mx.array | None,
+) -> mx.array | None:
+    """The call through ``stored_cuda``'s kernels where they take it (CUDA, a decode-sized
+    call over [16-bit head,] quantized body and the request's own tokens, every key in
+    the window), else None."""
+    quantized = [seg[2].bits is not None for seg in segments]
+    if quantized.count(True) != 1 or quantized.index(True) > 1 or quantized.index(True) + 2 != len(segments):
+        return None
+    i = quantized.index(True)
+    (hk, *_), (hv, *_) = segments[0][:2] if i else ((None,), (None,))
+    kparts, vparts, kcodec, vcodec = segments[i]
+    (pk, *_), (pv, *_) = segments[i + 1][:2]
+    B, H, L, D = queries.shape
+    rows = H // kparts[0].shape[1] * L
+    if not stored_cuda.fits(rows, D, vparts[1].shape[-1] * vcodec.group_size, kcodec, vcodec):
+        return None
+    if window is not None and first_q + L - 1 - first_k >= window:
+        return None
     if valid is not None:
-        mask = valid[:, None, None, :]
-    elif positional_mask(first_q, L, first_k, window, False) is not None:
-        mask = positional_mask(first_q, L, first_k, window, True)
-        assert isinstance(mask, mx.array)
-        if rep > 1:
-            mask = mx.broadcast_to(mask[None], (rep, *mask.shape)).reshape(rows, mask.shape[-1])
-    others = []
-    at = 0
-    for i, (kp, vp, _, _) in enumerate(segments):
-        n = kp[0].shape[2]
-        if i != body:
-            s = qf @ kp[0].astype(mx.float32).swapaxes(-1, -2)
-            if mask is not None:
-                s = mx.where(mask[..., at : at + n], s, -mx.inf)
-            others.append((s, vp[0]))
-        at += n
-    top = top_body
-    for s, _ in others:
-        top = mx.maximum(top, s.max(axis=-1))
-    sink = None
-    if sinks is not None:  # one more logit per query head, in the softmax only
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, rep, 1), (B, kv_heads, rep, L))
-        sink = sink.reshape(B, kv_heads, rows)
-        top = mx.maximum(top, sink)
-    w = mx.exp(top_body - top)
-    total = total_body * w
-    out = o * w[..., None]
-    for s, v in others:
-        e = mx.exp(s - top[..., None])
-        total = total + e.sum(axis=-1)
-        out = out + e @ v.astype(mx.float32)
-    if sink is not None:
-        total = total + mx.exp(sink - top)
-    return out / total[..., None]
+        if row_starts is None:
+            return None
+        starts = row_starts
+    else:
+        pending_at = first_q + L - pk.shape[2]  # the request's own tokens end with the queries
+        starts = stored_cuda.plain_starts(B, first_q - pending_at if L > 1 else stored_cuda.ALL_VISIBLE)
+    head = None if hk is None else (hk, hv)
+    return stored_cuda.attention(
+        queries, scale, head, (kparts, vparts), (pk, pv), kcodec, vcodec, starts, sinks
+    )
 
 
 def _decoded_attention(

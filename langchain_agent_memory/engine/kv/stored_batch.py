@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime import mx
+from . import stored_cuda
 from .codecs import FULL, HALF_DTYPE, KVQuant
 from .layer import LayerCache, grown_rows
 from .stored import Parts, Segment, stored_attention
@@ -41,7 +42,7 @@ class StoredBatch:
     n_body: int
     end: int
     valid: mx.array
-    body_first: mx.array  # (B,) int32: each member's first body column
+    row_starts: mx.array  # (B, 4) int32: each member's first body, head, pending column
     held: list[tuple[int, int, int]]
     built_end: int  # ``end`` when the batch was built (member i's pending began at built_end - its count)
 
@@ -114,8 +115,11 @@ class StoredBatch:
             c.head_k = c.head_v = None
             c._set_body(None, None)
             c.set_pending(None, None)
-        body_first = mx.array([n_body - b for _, b, _ in held], dtype=mx.int32)
-        return cls(quant, head, body, pending, n_head, n_body, n_pend, valid, body_first, held, n_pend)  # type: ignore[arg-type]
+        row_starts = mx.array(
+            [[n_body - b, n_head - h, n_pend - p, stored_cuda.ALL_VISIBLE] for h, b, p in held],
+            dtype=mx.int32,
+        )
+        return cls(quant, head, body, pending, n_head, n_body, n_pend, valid, row_starts, held, n_pend)  # type: ignore[arg-type]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """One step's keys and values, one column for every member."""
@@ -143,7 +147,7 @@ class StoredBatch:
         segments.append(((pk[:, :, : self.end],), (pv[:, :, : self.end],), FULL, FULL))
         n = self.n_head + self.n_body + self.end
         return stored_attention(
-            queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n], body_first=self.body_first
+            queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n], row_starts=self.row_starts
         )
 
     def hand_back(self, caches: list[LayerCache]) -> None:

@@ -1,30 +1,38 @@
-"""Attention of a few query rows over an agent's quantized body in one CUDA kernel: the
-packed keys and values are read once and decoded in registers, never written out.
+"""Decode attention over an agent's stored form in two CUDA kernels: the quantized body's
+packed keys and values are read once and decoded in registers, the 16-bit head tokens and
+the request's own full-precision tokens are attended in the same launch, and the output
+leaves in the model's layout.
 
 Why: mlx 0.32.4's CUDA ``quantized_matmul`` has no 6-bit keys (the default format's) and
 no values product for some shapes, so ``stored_attention`` decoded the whole body to bf16
-at every decode step: at 16K tokens of an 8B model that made a decode step 5x slower than
-over a working copy. This kernel is what the CUDA path takes instead, for decode-sized
-calls (one or a few tokens per agent, any batch).
+at every decode step (a step 5x slower than over a working copy at 16K tokens of an 8B
+model); and a step built from mlx ops over three segments costs ~30 launches per layer
+where mlx's fused attention over a copy costs one. Here a layer's decode attention is two.
 
-How (split-K "flash decoding"): one thread block per (batch row, KV head, chunk of
-``chunk`` keys) holds the chunk's query rows (the GQA heads of one KV head folded in, as
-``stored_attention`` folds them) in shared memory. Each thread scores whole keys: a key's
-packed words are loaded per quantization group and ``score = scale * (q . codes) + bias *
-sum(q)`` per group, so the inner loop is a shift, a mask and one FMA per query row. The
-chunk's softmax numerator and maximum stay in the block; each thread then owns a value
-channel and accumulates ``p * (code * scale + bias)`` over the chunk's keys. A second
-kernel merges the chunks' partial results in order (deterministic: the same keys give the
-same sums whatever the batch). The caller merges the result with the small segments held
-at full precision (head tokens, the request's own tokens) by their log-sum-exp.
+How (split-K "flash decoding"): one thread block per (batch row, KV head, chunk of keys).
+A chunk is ``chunk`` keys of the body, the head tokens, or ``chunk`` of the request's own
+tokens. The block holds its query rows (the GQA heads of one KV head and the call's tokens,
+``rep * L`` rows) in shared memory, scaled, and for body chunks rotated by the codec's
+rotation (a fast Walsh-Hadamard transform: ``q R = FWHT(q * signs)``). Each thread scores
+whole keys: a body key's packed words are loaded per quantization group and ``score =
+scale_g * (q . codes) + bias_g * sum(q)``, so the inner loop is a shift, a mask and one
+FMA per query row. The chunk's maximum and softmax numerators stay in the block; each
+thread then owns a value channel and sums ``p * value`` over the chunk's keys; a body
+chunk's sums are rotated back (``o R^T = FWHT(o) * signs``). The merge kernel combines the
+chunks in order (deterministic: the same keys give the same sums whatever the batch), adds
+the attention sink where the model has one, normalises and writes (B, heads, L, width).
 
-Chunks start at each batch row's first valid key (``starts``), so an agent's keys fall
-into the same chunks alone and inside a left-padded batch: batched decode equals decode
-alone on this path as on the others.
+Chunks start at each batch row's first valid column of each region (``starts``), so an
+agent's keys fall into the same chunks alone and inside a left-padded batch: batched
+decode equals decode alone on this path as on the others. The request's own tokens are
+causal where a call has several (``starts``' last column: the first query's column there).
 
 mlx packs ``bits``-bit codes as one little-endian bit stream per row (``codecs.unpack_affine``);
 a group of 32, 64 or 128 codes of 2-8 bits always ends on a 32-bit word, so a group's words
 are loaded once and a code straddles at most two of them.
+
+Every shape is read at run time (``_shape``), every changing count from ``starts``: the
+kernels compile once per model shape and format, not per context length.
 
 CUDA only (``mx.fast.cuda_kernel``). Metal keeps ``stored_attention``'s ``quantized_matmul``
 path, Metal's own kernel for every width.
@@ -33,11 +41,12 @@ path, Metal's own kernel for every width.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 from ..runtime import mx
-from .codecs import SCALE_DTYPE, TensorCodec
+from .codecs import SCALE_DTYPE, TensorCodec, rotation, rotation_signs
+
+Parts = tuple[mx.array, ...]
 
 #: Threads per block: each scores ``chunk / THREADS`` keys, then owns a value channel
 #: (``THREADS // value width`` threads share one and split the chunk's keys).
@@ -45,12 +54,16 @@ THREADS = 256
 #: Query rows one block holds (an agent's GQA heads times its new tokens): decode steps.
 #: Longer calls (a prefill chunk) take ``stored_attention``'s other paths.
 MAX_ROWS = 16
-#: Floats of query rows in shared memory (rows x key width), and of scores (rows x chunk).
-MAX_QUERY_FLOATS = 2048
+#: Floats of query rows in shared memory (rows x key width), and of scores (rows x chunk):
+#: with the values' reduction buffer they stay under the 48 KB of static shared memory.
+MAX_QUERY_FLOATS = 1024
 SCORE_FLOATS = 4096
 MAX_CHUNK = 1024
+#: ``starts``' causal column where every key is visible (one new token per row).
+ALL_VISIBLE = 1 << 30
 
 _PARTIAL_SOURCE = """
+    const float neg_inf = __int_as_float(0xff800000u);
     constexpr int NW = THREADS / 32;
     constexpr int KGROUPS = D / KG;
     constexpr int KWORDS = KG * KBITS / 32;
@@ -58,6 +71,8 @@ _PARTIAL_SOURCE = """
     constexpr uint32_t VMASK = (1u << VBITS) - 1u;
     constexpr int PV = THREADS / DV;
     constexpr int RED = (PV * R * DV > R * NW) ? PV * R * DV : R * NW;
+    constexpr int KBLK = D & -D;
+    constexpr int VBLK = DV & -DV;
 
     __shared__ float qs[R * D];
     __shared__ float qg[R * KGROUPS];
@@ -74,46 +89,87 @@ _PARTIAL_SOURCE = """
     const int t = threadIdx.x;
     const int lane = t & 31;
     const int warp = t >> 5;
-    const int n_keys = kq_shape[2];
-    const int first = starts[b] + split * CHUNK;
-    const int last = min(n_keys, first + CHUNK);
+
+    // Which region this block reads: 0 the quantized body, 1 the head tokens, 2 the
+    // request's own tokens (block-uniform, so the barriers below are safe).
+    const int n_body = kq_shape[2];
+    const int body_splits = (n_body + CHUNK - 1) / CHUNK;
+    int kind, first, last;
+    if (split < body_splits) {
+        kind = 0;
+        first = starts[b * 4] + split * CHUNK;
+        last = n_body;
+    } else if (HAS_HEAD && split == body_splits) {
+        kind = 1;
+        first = starts[b * 4 + 1];
+        last = hk_shape[2];
+    } else {
+        kind = 2;
+        first = starts[b * 4 + 2] + (split - body_splits - (HAS_HEAD ? 1 : 0)) * CHUNK;
+        last = pk_shape[2];
+    }
+    last = min(last, first + CHUNK);
     const int count = last - first;  // may be <= 0: an empty chunk
+    const int causal = starts[b * 4 + 3];
+    const bool rotate_q = KROT && kind == 0;
 
-    const float* qrow = q + (size_t)(b * heads + h) * R * D;
+    // Query rows: row r is query head h * REP + r / L at token r % L.
     for (int i = t; i < R * D; i += THREADS) {
-        qs[i] = qrow[i];
-    }
-    __syncthreads();
-    for (int i = t; i < R * KGROUPS; i += THREADS) {
-        const int r = i / KGROUPS;
-        const int g = i % KGROUPS;
-        float acc = 0.f;
-        for (int d = 0; d < KG; ++d) {
-            acc += qs[r * D + g * KG + d];
+        const int r = i / D;
+        const int d = i % D;
+        const int64_t at = b * q_strides[0] + (h * REP + r / L) * q_strides[1] + (r % L) * q_strides[2]
+            + d * q_strides[3];
+        float x = static_cast<float>(q[at]) * params[0];
+        if (rotate_q) {
+            x *= ksigns[d];
         }
-        qg[i] = acc;
+        qs[i] = x;
     }
     __syncthreads();
+    if (rotate_q) {
+        for (int hh = 1; hh < KBLK; hh <<= 1) {
+            for (int i = t; i < R * D / 2; i += THREADS) {
+                const int r = i / (D / 2);
+                const int p = i % (D / 2);
+                const int j = r * D + (p / hh) * 2 * hh + p % hh;
+                const float x = qs[j];
+                const float y = qs[j + hh];
+                qs[j] = x + y;
+                qs[j + hh] = x - y;
+            }
+            __syncthreads();
+        }
+        const float norm = rsqrtf((float)KBLK);
+        for (int i = t; i < R * D; i += THREADS) {
+            qs[i] *= norm;
+        }
+        __syncthreads();
+    }
+    if (kind == 0) {
+        for (int i = t; i < R * KGROUPS; i += THREADS) {
+            const int r = i / KGROUPS;
+            const int g = i % KGROUPS;
+            float acc = 0.f;
+            for (int d = 0; d < KG; ++d) {
+                acc += qs[r * D + g * KG + d];
+            }
+            qg[i] = acc;
+        }
+        __syncthreads();
+    }
 
-    // Scores: one key per thread at a time, straight from its packed words.
-    const uint32_t* kq_bh = kq + b * kq_strides[0] + h * kq_strides[1];
-    const __half* ks_bh = ks + b * ks_strides[0] + h * ks_strides[1];
-    const __half* kb_bh = kb + b * kb_strides[0] + h * kb_strides[1];
+    // Scores: one key per thread at a time.
     for (int j = t; j < CHUNK; j += THREADS) {
         float sc[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            sc[r] = -inf;
+            sc[r] = j < count ? 0.f : neg_inf;
         }
-        if (j < count) {
-            const int k = first + j;
-            const uint32_t* row = kq_bh + (int64_t)k * kq_strides[2];
-            const __half* srow = ks_bh + (int64_t)k * ks_strides[2];
-            const __half* brow = kb_bh + (int64_t)k * kb_strides[2];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                sc[r] = 0.f;
-            }
+        if (j < count && kind == 0) {
+            const int64_t k = first + j;
+            const uint32_t* row = kq + b * kq_strides[0] + h * kq_strides[1] + k * kq_strides[2];
+            const __half* srow = ks + b * ks_strides[0] + h * ks_strides[1] + k * ks_strides[2];
+            const __half* brow = kb + b * kb_strides[0] + h * kb_strides[1] + k * kb_strides[2];
             for (int g = 0; g < KGROUPS; ++g) {
                 uint32_t w[KWORDS + 1];
 #pragma unroll
@@ -148,6 +204,26 @@ _PARTIAL_SOURCE = """
                     sc[r] += scale * acc[r] + bias * qg[r * KGROUPS + g];
                 }
             }
+        } else if (j < count) {
+            const int64_t k = first + j;
+            const auto* hrow = hk + b * hk_strides[0] + h * hk_strides[1] + k * hk_strides[2];
+            const auto* prow = pk + b * pk_strides[0] + h * pk_strides[1] + k * pk_strides[2];
+            for (int d = 0; d < D; ++d) {
+                const float x = kind == 1 ? static_cast<float>(hrow[d * hk_strides[3]])
+                                          : static_cast<float>(prow[d * pk_strides[3]]);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    sc[r] += qs[r * D + d] * x;
+                }
+            }
+            if (kind == 2 && L > 1) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (k > causal + r % L) {
+                        sc[r] = neg_inf;
+                    }
+                }
+            }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -158,7 +234,7 @@ _PARTIAL_SOURCE = """
 
     // The chunk's maximum and softmax numerators, per query row.
     for (int r = 0; r < R; ++r) {
-        float m = -inf;
+        float m = neg_inf;
         for (int j = t; j < CHUNK; j += THREADS) {
             m = fmaxf(m, ps[r * CHUNK + j]);
         }
@@ -171,7 +247,7 @@ _PARTIAL_SOURCE = """
     }
     __syncthreads();
     if (t < R) {
-        float m = -inf;
+        float m = neg_inf;
         for (int i = 0; i < NW; ++i) {
             m = fmaxf(m, red[t * NW + i]);
         }
@@ -182,7 +258,7 @@ _PARTIAL_SOURCE = """
         const float m = mrow[r];
         float sum = 0.f;
         for (int j = t; j < CHUNK; j += THREADS) {
-            const float p = (m == -inf) ? 0.f : expf(ps[r * CHUNK + j] - m);
+            const float p = (m == neg_inf) ? 0.f : expf(ps[r * CHUNK + j] - m);
             ps[r * CHUNK + j] = p;
             sum += p;
         }
@@ -211,7 +287,7 @@ _PARTIAL_SOURCE = """
     for (int r = 0; r < R; ++r) {
         acc[r] = 0.f;
     }
-    if (part < PV) {
+    if (part < PV && kind == 0) {
         const uint32_t* vq_bh = vq + b * vq_strides[0] + h * vq_strides[1];
         const __half* vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
         const __half* vb_bh = vb + b * vb_strides[0] + h * vb_strides[1];
@@ -228,6 +304,18 @@ _PARTIAL_SOURCE = """
             }
             const float x = (float)(code & VMASK) * __half2float(vs_bh[k * vs_strides[2] + g])
                 + __half2float(vb_bh[k * vb_strides[2] + g]);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[r] += ps[r * CHUNK + j] * x;
+            }
+        }
+    } else if (part < PV) {
+        const auto* hv_bh = hv + b * hv_strides[0] + h * hv_strides[1] + c * hv_strides[3];
+        const auto* pv_bh = pv + b * pv_strides[0] + h * pv_strides[1] + c * pv_strides[3];
+        for (int j = part; j < count; j += PV) {
+            const int64_t k = first + j;
+            const float x = kind == 1 ? static_cast<float>(hv_bh[k * hv_strides[2]])
+                                      : static_cast<float>(pv_bh[k * pv_strides[2]]);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 acc[r] += ps[r * CHUNK + j] * x;
@@ -252,6 +340,35 @@ _PARTIAL_SOURCE = """
             }
         }
     }
+    if (VROT && kind == 0) {  // the body's values were stored rotated: rotate the sums back
+        __syncthreads();
+        if (part == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                red[r * DV + c] = acc[r];
+            }
+        }
+        __syncthreads();
+        for (int hh = 1; hh < VBLK; hh <<= 1) {
+            for (int i = t; i < R * DV / 2; i += THREADS) {
+                const int r = i / (DV / 2);
+                const int p = i % (DV / 2);
+                const int j = r * DV + (p / hh) * 2 * hh + p % hh;
+                const float x = red[j];
+                const float y = red[j + hh];
+                red[j] = x + y;
+                red[j + hh] = x - y;
+            }
+            __syncthreads();
+        }
+        if (part == 0) {
+            const float norm = rsqrtf((float)VBLK) * vsigns[c];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[r] = red[r * DV + c] * norm;
+            }
+        }
+    }
     const size_t at = (size_t)(b * heads + h) * splits + split;
     if (part == 0) {
 #pragma unroll
@@ -266,65 +383,82 @@ _PARTIAL_SOURCE = """
 """
 
 _MERGE_SOURCE = """
+    const float neg_inf = __int_as_float(0xff800000u);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= ROWS * DV) {
+    const int heads = m_part_shape[1];
+    const int splits = m_part_shape[2];
+    if (i >= m_part_shape[0] * heads * R * DV) {
         return;
     }
     const int c = i % DV;
-    const int row = i / DV;  // (batch row, head, query row)
+    const int row = i / DV;  // (batch row, KV head, query row)
     const int r = row % R;
     const int bh = row / R;
-    float m = -inf;
-    for (int s = 0; s < SPLITS; ++s) {
-        m = fmaxf(m, m_part[(bh * SPLITS + s) * R + r]);
+    const int h = bh % heads;
+    const int b = bh / heads;
+    const int query_head = h * REP + r / L;
+    float m = neg_inf;
+    for (int s = 0; s < splits; ++s) {
+        m = fmaxf(m, m_part[(bh * splits + s) * R + r]);
+    }
+    float sink = neg_inf;
+    if (HAS_SINKS) {
+        sink = sinks[query_head];
+        m = fmaxf(m, sink);
     }
     float l = 0.f;
     float acc = 0.f;
-    if (m != -inf) {
-        for (int s = 0; s < SPLITS; ++s) {
-            const float ms = m_part[(bh * SPLITS + s) * R + r];
-            if (ms == -inf) {
+    if (m != neg_inf) {
+        for (int s = 0; s < splits; ++s) {
+            const float ms = m_part[(bh * splits + s) * R + r];
+            if (ms == neg_inf) {
                 continue;
             }
             const float w = expf(ms - m);
-            l += l_part[(bh * SPLITS + s) * R + r] * w;
-            acc += o_part[((size_t)(bh * SPLITS + s) * R + r) * DV + c] * w;
+            l += l_part[(bh * splits + s) * R + r] * w;
+            acc += o_part[((size_t)(bh * splits + s) * R + r) * DV + c] * w;
+        }
+        if (HAS_SINKS) {
+            l += expf(sink - m);
         }
     }
-    o[i] = acc;
-    if (c == 0) {
-        m_out[row] = m;
-        l_out[row] = l;
-    }
+    out[((size_t)(b * heads * REP + query_head) * L + r % L) * DV + c] = l > 0.f ? acc / l : 0.f;
 """
+
+PARTIAL_INPUTS = [
+    *("q", "kq", "ks", "kb", "vq", "vs", "vb", "hk", "hv", "pk", "pv"),
+    *("starts", "params", "ksigns", "vsigns"),
+]
+
+MERGE_INPUTS = ["o_part", "m_part", "l_part", "sinks"]
 
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     partial = mx.fast.cuda_kernel(
         name="agent_memory_stored_partial",
-        input_names=["q", "kq", "ks", "kb", "vq", "vs", "vb", "starts"],
+        input_names=PARTIAL_INPUTS,
         output_names=["o_part", "m_part", "l_part"],
         source=_PARTIAL_SOURCE,
-        ensure_row_contiguous=False,  # the body is a view of a buffer with room: strides
+        ensure_row_contiguous=False,  # views of buffers with room: every input by its strides
     )
     merge = mx.fast.cuda_kernel(
         name="agent_memory_stored_merge",
-        input_names=["o_part", "m_part", "l_part"],
-        output_names=["o", "m_out", "l_out"],
+        input_names=MERGE_INPUTS,
+        output_names=["out"],
         source=_MERGE_SOURCE,
     )
     return partial, merge
 
 
 def available() -> bool:
-    """Whether this device runs the kernel (mlx's CUDA backend, the GPU the default)."""
+    """Whether this device runs the kernels (mlx's CUDA backend, the GPU the default)."""
     return bool(mx.cuda.is_available()) and mx.default_device() != mx.cpu
 
 
 def fits(rows: int, key_dim: int, value_dim: int, keys: TensorCodec, values: TensorCodec) -> bool:
     """Whether one call of ``rows`` query rows (per KV head) over a body stored as
-    ``keys`` / ``values`` takes the kernel."""
+    ``keys`` / ``values`` takes the kernels."""
     return (
         keys.bits is not None
         and values.bits is not None
@@ -338,81 +472,171 @@ def fits(rows: int, key_dim: int, value_dim: int, keys: TensorCodec, values: Ten
 
 
 def chunk_for(rows: int) -> int:
-    """Keys per block: as many as ``SCORE_FLOATS`` of shared scores hold, whole warps' worth."""
+    """Keys per block: as many as ``SCORE_FLOATS`` of shared scores hold, whole blocks' worth."""
     return max(THREADS, min(MAX_CHUNK, (SCORE_FLOATS // rows) // THREADS * THREADS))
 
 
-def body_attention(
-    q: mx.array,
-    kparts: tuple[mx.array, ...],
-    vparts: tuple[mx.array, ...],
+@functools.cache
+def _constant(values: tuple[float, ...]) -> mx.array:
+    return mx.array(values, dtype=mx.float32)
+
+
+@functools.cache
+def _signs(dim: int) -> mx.array:
+    return mx.array(rotation_signs(dim).astype("float32"))
+
+
+def plain_starts(batch: int, causal: int = ALL_VISIBLE) -> mx.array:
+    """``starts`` of rows that hold every column of every region (one request, or a batch
+    of equal members); ``causal``: the first query's column among the request's tokens."""
+    if causal == ALL_VISIBLE:
+        return _plain_starts(batch)
+    return mx.array([[0, 0, 0, causal]] * batch, dtype=mx.int32)
+
+
+@functools.cache
+def _plain_starts(batch: int) -> mx.array:
+    return mx.array([[0, 0, 0, ALL_VISIBLE]] * batch, dtype=mx.int32)
+
+
+def splits(n_body: int, n_head: int, n_pending: int, rows: int) -> int:
+    chunk = chunk_for(rows)
+    return -(-n_body // chunk) + (1 if n_head else 0) + -(-n_pending // chunk)
+
+
+def attention(
+    queries: mx.array,
+    scale: float,
+    head: tuple[mx.array, mx.array] | None,
+    body: tuple[Parts, Parts],
+    pending: tuple[mx.array, mx.array],
     keys: TensorCodec,
     values: TensorCodec,
-    starts: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """Unnormalised attention of ``q`` (B, kv_heads, R, D; scaled, in the keys' stored
-    space) over a quantized body: ``(o, m, l)`` with ``o`` (B, kv_heads, R, value width)
-    in the values' stored space, ``m`` the rows' maximum score and ``l`` the sum of
-    ``exp(score - m)``; all float32. ``starts`` (B,) int32: each row's first valid key
-    (keys before it are left padding of a batch); None: every key."""
-    B, heads, R, D = q.shape
-    n_keys = kparts[0].shape[2]
+    starts: mx.array,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of ``queries`` (B, heads, L, D) over 16-bit ``head`` tokens, a quantized
+    ``body`` (keys, values parts) and the request's own ``pending`` tokens (B, kv_heads, n,
+    width) at full precision; the body precedes the queries, the pending tokens are causal
+    from ``starts``' last column. ``starts`` (B, 4) int32: each row's first valid column of
+    body, head and pending (regions right-aligned per row), then the causal column
+    (``plain_starts``). Returns (B, heads, L, value width) in the queries' dtype."""
+    partial, merge = _kernels()
+    parts = partial(**partial_call(queries, scale, head, body, pending, keys, values, starts))
+    (out,) = merge(**merge_call(queries, *parts, sinks))
+    return out.astype(queries.dtype)
+
+
+def partial_call(
+    queries: mx.array,
+    scale: float,
+    head: tuple[mx.array, mx.array] | None,
+    body: tuple[Parts, Parts],
+    pending: tuple[mx.array, mx.array],
+    keys: TensorCodec,
+    values: TensorCodec,
+    starts: mx.array,
+) -> dict[str, Any]:
+    """The first kernel's arguments (inputs in ``PARTIAL_INPUTS`` order): per chunk, its
+    maximum score, sum of ``exp(score - max)`` and weighted values of every query row."""
+    B, n_heads, L, D = queries.shape
+    kv_heads = body[0][0].shape[1]
+    rep = n_heads // kv_heads
+    R = rep * L
+    kparts, vparts = body
     dv = vparts[1].shape[-1] * values.group_size
     chunk = chunk_for(R)
-    splits = max(1, math.ceil(n_keys / chunk))
-    if starts is None:
-        starts = mx.zeros((B,), dtype=mx.int32)
-    kq, ks, kb = kparts
-    vq, vs, vb = vparts
-    scales = [x if x.dtype == SCALE_DTYPE else x.astype(SCALE_DTYPE) for x in (ks, kb, vs, vb)]
-    partial, merge = _kernels()
-    o_part, m_part, l_part = partial(
-        inputs=[q.astype(mx.float32), kq, scales[0], scales[1], vq, scales[2], scales[3], starts],
-        template=[
-            ("R", R),
-            ("D", D),
-            ("DV", dv),
-            ("KBITS", keys.bits),
-            ("VBITS", values.bits),
-            ("KG", keys.group_size),
-            ("VG", values.group_size),
-            ("CHUNK", chunk),
-            ("THREADS", THREADS),
-        ],
-        grid=(splits * THREADS, heads, B),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, heads, splits, R, dv), (B, heads, splits, R), (B, heads, splits, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    if head is not None and head[0].shape[2] > chunk:
+        raise RuntimeError(f"{head[0].shape[2]} head tokens exceed one chunk of {chunk} (this is a bug)")
+    n_split = splits(kparts[0].shape[2], 0 if head is None else head[0].shape[2], pending[0].shape[2], R)
+    k_scales, k_biases, v_scales, v_biases = (
+        x if x.dtype == SCALE_DTYPE else x.astype(SCALE_DTYPE)
+        for x in (kparts[1], kparts[2], vparts[1], vparts[2])
     )
-    rows = B * heads * R
-    return tuple(
-        merge(
-            inputs=[o_part, m_part, l_part],
-            template=[("R", R), ("DV", dv), ("SPLITS", splits), ("ROWS", rows)],
-            grid=(math.ceil(rows * dv / THREADS) * THREADS, 1, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(B, heads, R, dv), (B, heads, R), (B, heads, R)],
-            output_dtypes=[mx.float32, mx.float32, mx.float32],
-        )
-    )  # type: ignore[return-value]
+    hk, hv = head if head is not None else (pending[0][:, :, :0], pending[1][:, :, :0])
+    ones = _constant((1.0,))
+    per_split = (B, kv_heads, n_split, R)
+    return {
+        "inputs": [
+            queries, kparts[0], k_scales, k_biases, vparts[0], v_scales, v_biases,
+            hk, hv, pending[0], pending[1], starts, _constant((scale,)),
+            _signs(D) if keys.rotate else ones, _signs(dv) if values.rotate else ones,
+        ],
+        "template": [
+            ("R", R), ("L", L), ("REP", rep), ("D", D), ("DV", dv),
+            ("KBITS", keys.bits), ("VBITS", values.bits), ("KG", keys.group_size), ("VG", values.group_size),
+            ("CHUNK", chunk), ("THREADS", THREADS),
+            ("KROT", keys.rotate), ("VROT", values.rotate), ("HAS_HEAD", head is not None),
+        ],
+        "grid": (n_split * THREADS, kv_heads, B),
+        "threadgroup": (THREADS, 1, 1),
+        "output_shapes": [(*per_split, dv), per_split, per_split],
+        "output_dtypes": [mx.float32, mx.float32, mx.float32],
+    }  # fmt: skip
 
 
-def reference_body_attention(
-    q: mx.array,
-    kparts: tuple[mx.array, ...],
-    vparts: tuple[mx.array, ...],
+def merge_call(
+    queries: mx.array, o_part: mx.array, m_part: mx.array, l_part: mx.array, sinks: mx.array | None
+) -> dict[str, Any]:
+    """The second kernel's arguments: the chunks merged in order, the sink added,
+    normalised, written as (B, heads, L, value width) float32."""
+    B, n_heads, L, _ = queries.shape
+    kv_heads, R, dv = o_part.shape[1], o_part.shape[3], o_part.shape[4]
+    return {
+        "inputs": [o_part, m_part, l_part, _constant((0.0,)) if sinks is None else sinks.astype(mx.float32)],
+        "template": [
+            ("R", R),
+            ("L", L),
+            ("REP", n_heads // kv_heads),
+            ("DV", dv),
+            ("HAS_SINKS", sinks is not None),
+        ],
+        "grid": (-(-B * kv_heads * R * dv // THREADS) * THREADS, 1, 1),
+        "threadgroup": (THREADS, 1, 1),
+        "output_shapes": [(B, n_heads, L, dv)],
+        "output_dtypes": [mx.float32],
+    }
+
+
+def reference_attention(
+    queries: mx.array,
+    scale: float,
+    head: tuple[mx.array, mx.array] | None,
+    body: tuple[Parts, Parts],
+    pending: tuple[mx.array, mx.array],
     keys: TensorCodec,
     values: TensorCodec,
-    starts: mx.array | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:
-    """What ``body_attention`` computes, in plain mlx ops (every device): the oracle its
-    kernel is checked against."""
-    k = keys.decode(kparts, mx.float32)
-    v = values.decode(vparts, mx.float32)
-    s = q.astype(mx.float32) @ k.swapaxes(-1, -2)
-    if starts is not None:
-        seen = mx.arange(k.shape[2])[None] >= starts[:, None]
-        s = mx.where(seen[:, None, None, :], s, -mx.inf)
-    top = s.max(axis=-1)
-    e = mx.where(top[..., None] == -mx.inf, 0.0, mx.exp(s - top[..., None]))
-    return e @ v, top, e.sum(axis=-1)
+    starts: mx.array,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """What ``attention`` computes, in plain mlx ops at float32 (every device): the oracle
+    its kernels are checked against."""
+    B, n_heads, L, D = queries.shape
+    regions = [
+        (keys.decode(body[0], mx.float32), values.decode(body[1], mx.float32), keys.rotate, values.rotate, 0)
+    ]
+    if head is not None:
+        regions.append((head[0].astype(mx.float32), head[1].astype(mx.float32), False, False, 1))
+    regions.append((pending[0].astype(mx.float32), pending[1].astype(mx.float32), False, False, 2))
+    ks, vs, masks = [], [], []
+    for k, v, krot, vrot, col in regions:
+        ks.append(k @ rotation(D).T if krot else k)
+        vs.append(v @ rotation(v.shape[-1]).T if vrot else v)
+        n = k.shape[2]
+        seen = mx.arange(n)[None, None] >= starts[:, col, None, None]  # (B, 1, n)
+        if col == 2:
+            seen = seen & (mx.arange(n)[None, None] <= starts[:, 3, None, None] + mx.arange(L)[None, :, None])
+        masks.append(mx.broadcast_to(seen, (B, L, n)))
+    k, v, mask = (mx.concatenate(x, axis=-2 if x is not masks else -1) for x in (ks, vs, masks))
+    rep = n_heads // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (queries.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
+    s = mx.where(mask[:, None], s, -mx.inf)
+    if sinks is not None:
+        s = mx.concatenate(
+            [mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (B, n_heads, L, 1)), s], -1
+        )
+    p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    return (p @ v).astype(queries.dtype)
