@@ -19,10 +19,10 @@ Environment variables (prefix ``AGENT_MEMORY_``):
 - ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``: bound what each model's
   caches keep on disk (``5GB``; ``7d``): least recently used agents are evicted (default:
   unbounded; ``storage.budget``).
-- ``AGENT_MEMORY_ATTENTION``: what a served agent attends over: ``copy`` (a full-precision
-  working copy, kept for the most recent agents within a byte budget: the default) or
-  ``stored`` (its stored 4-bit form, no full-precision copy: 0.4x mlx-lm's memory per served
-  agent on the H200, slower decode there for now; ``engine.device.attention``).
+- ``AGENT_MEMORY_ATTENTION``: what a served agent attends over: ``stored`` (its stored 4-bit
+  form, no full-precision copy: the default on a GPU) or ``copy`` (a full-precision working
+  copy, kept for the most recent agents within a byte budget: the default on the CPU);
+  ``engine.device.attention``.
 - ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
   before pydantic is imported).
 """

@@ -88,7 +88,7 @@ class Engine:
     stored form, 4-bit by default, and this request's own tokens: no full-precision copy of
     the context, ``kv.stored``) or ``"copy"`` (a full-precision working copy, kept for the
     most recent agents within ``work_budget_bytes``); None: settings
-    ``AGENT_MEMORY_ATTENTION``, else ``device.attention`` (copy, for now: see there);
+    ``AGENT_MEMORY_ATTENTION``, else ``device.attention`` (stored on a GPU, copy on the CPU);
     ``cpu_kernels=False`` runs mlx-lm's own attention
     on arrays the engine's caches return, for tests and benchmarks; ``share_prefixes``:
     requests in flight together whose prompts start alike (a fan-out) prefill the common
