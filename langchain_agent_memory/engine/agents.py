@@ -40,6 +40,7 @@ from .storage.store import (
     CacheWriteError,
     NewerFormatError,
     block_hash,
+    freeze_blocks,
     validate_agent_id,
 )
 
@@ -408,7 +409,7 @@ class AgentCaches:
     def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> PendingSave:
         """The end of a request that began at ``start`` and now stands for ``known``, on the
         worker thread: its tokens moved into the stored form, the tensors of the blocks the
-        store lacks made ready for a write on another thread (``Block.freeze``), the agent
+        store lacks made ready for a write on another thread (``freeze_blocks``), the agent
         kept hot. ``write`` (on the save thread) then stores them."""
         layers, old = start.layers, start.state
         n = len(known)
@@ -423,7 +424,8 @@ class AgentCaches:
         wanted = [
             (b, h) for b, h in enumerate(chain) if not (self._held(h) or self.store.block_path(h).exists())
         ]
-        blocks = {h: self._block_of(b, chain, known, layers).freeze() for b, h in wanted}
+        blocks = {h: self._block_of(b, chain, known, layers) for b, h in wanted}
+        freeze_blocks(list(blocks.values()))
         with self._queued_lock:
             for h, block in blocks.items():
                 self._queued[h] = (block, self._queued[h][1] + 1 if h in self._queued else 1)

@@ -6,7 +6,7 @@ Why: on the H200 a cold 32K-token turn of an 8B model spent 5.8-7.5 s saving at 
 after its last token, on the worker, under the lock the model steps take: its reply
 waited for it, and so did every other agent's decode. Now a request ends with what only
 the worker can do (the new tokens quantized into the agent's stored form, the new blocks'
-tensors evaluated and viewed from the host, ``Block.freeze``); the reply leaves, and the
+tensors evaluated and viewed from the host, ``freeze_blocks``); the reply leaves, and the
 write follows here.
 
 Semantics: the agent's next request in this process starts from its live caches at once;
