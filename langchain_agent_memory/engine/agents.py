@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,11 +147,11 @@ class AgentCaches:
         self.reserved_rows: tuple[int, ...] | None = None
         self.hot: OrderedDict[str, AgentState] = OrderedDict()  # LRU order
         self.lock = threading.RLock()
-        #: Blocks built by a commit and not written yet (by hash: the block, and how many
-        #: saves hold it; a request reads them from here meanwhile), and the agents of
-        #: those saves (how many each).
-        self._queued: dict[BlockHash, tuple[Block, int]] = {}
-        self.saving: dict[str, int] = {}
+        #: Blocks built by a commit and not written yet (a request reads them from here
+        #: meanwhile), how many queued saves hold each, and the agents of those saves.
+        self._queued: dict[BlockHash, Block] = {}
+        self._queued_saves: Counter[BlockHash] = Counter()
+        self.saving: Counter[str] = Counter()
         self._queued_lock = threading.Lock()
 
     @property
@@ -427,9 +427,9 @@ class AgentCaches:
         blocks = {h: self._block_of(b, chain, known, layers) for b, h in wanted}
         freeze_blocks(list(blocks.values()))
         with self._queued_lock:
-            for h, block in blocks.items():
-                self._queued[h] = (block, self._queued[h][1] + 1 if h in self._queued else 1)
-            self.saving[agent_id] = self.saving.get(agent_id, 0) + 1
+            self._queued.update(blocks)
+            self._queued_saves.update(blocks.keys())
+            self.saving[agent_id] += 1
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(_kept_from(layer, n))
@@ -471,17 +471,12 @@ class AgentCaches:
             raise
         finally:
             with self._queued_lock:
+                # Counter subtraction drops what reaches zero: a block no save holds leaves.
+                self._queued_saves -= Counter(save.blocks.keys())
+                self.saving -= Counter([record.agent_id])
                 for h in save.blocks:
-                    block, n = self._queued.get(h, (None, 0))
-                    if n > 1 and block is not None:
-                        self._queued[h] = (block, n - 1)
-                    else:
+                    if h not in self._queued_saves:
                         self._queued.pop(h, None)
-                agent_id = record.agent_id
-                if self.saving.get(agent_id, 0) > 1:
-                    self.saving[agent_id] -= 1
-                else:
-                    self.saving.pop(agent_id, None)
         with self.lock:
             save.state.version = self.store.seen_version(record.agent_id)
         return record
@@ -528,8 +523,7 @@ class AgentCaches:
     def queued_block(self, h: BlockHash) -> Block | None:
         """A block a save has not written yet (held in memory until it is)."""
         with self._queued_lock:
-            entry = self._queued.get(h)
-        return entry[0] if entry is not None else None
+            return self._queued.get(h)
 
     def _held(self, h: BlockHash) -> bool:
         """Whether block ``h`` is in memory (the pool's tier or a save's queue)."""
