@@ -61,6 +61,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 }
 inline float __int_as_float(uint32_t x) { float f; std::memcpy(&f, &x, 4); return f; }
 #define __shared__ static
+#define __device__
 using Shape = std::array<int32_t, 8>;
 using Strides = std::array<int64_t, 8>;
 using std::min;
@@ -115,6 +116,7 @@ def _run(
     threads = stored_cuda.THREADS
     saves = "".join(f'  spill("{where}/out{j}.bin", o{j});\n' for j in range(len(outputs)))
     program = f"""{EMULATION}
+{stored_cuda.HEADER}
 void {name}({", ".join(params)}) {{
 {constants}{source}
 }}

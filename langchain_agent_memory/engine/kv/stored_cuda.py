@@ -65,6 +65,32 @@ CHUNK = 256
 #: ``starts``' causal column where every key is visible (one new token per row).
 ALL_VISIBLE = 1 << 30
 
+#: Device code both kernels' callers share (mlx puts ``header`` before the kernel).
+HEADER = """
+// The normalised Walsh-Hadamard transform of every `block`-wide run of each of `rows`
+// rows of `width` floats, in place (shared memory). Every thread of the block calls it:
+// it synchronises them.
+__device__ void walsh_hadamard_rows(float* x, int rows, int width, int block) {
+    for (int h = 1; h < block; h <<= 1) {
+        for (int i = threadIdx.x; i < rows * width / 2; i += blockDim.x) {
+            const int r = i / (width / 2);
+            const int p = i % (width / 2);
+            const int j = r * width + (p / h) * 2 * h + p % h;
+            const float a = x[j];
+            const float b = x[j + h];
+            x[j] = a + b;
+            x[j + h] = a - b;
+        }
+        __syncthreads();
+    }
+    const float norm = rsqrtf((float)block);
+    for (int i = threadIdx.x; i < rows * width; i += blockDim.x) {
+        x[i] *= norm;
+    }
+    __syncthreads();
+}
+"""
+
 _PARTIAL_SOURCE = """
     const float neg_inf = __int_as_float(0xff800000u);
     constexpr int NW = THREADS / 32;
@@ -130,23 +156,7 @@ _PARTIAL_SOURCE = """
     }
     __syncthreads();
     if (rotate_q) {
-        for (int hh = 1; hh < KBLK; hh <<= 1) {
-            for (int i = t; i < R * D / 2; i += THREADS) {
-                const int r = i / (D / 2);
-                const int p = i % (D / 2);
-                const int j = r * D + (p / hh) * 2 * hh + p % hh;
-                const float x = qs[j];
-                const float y = qs[j + hh];
-                qs[j] = x + y;
-                qs[j + hh] = x - y;
-            }
-            __syncthreads();
-        }
-        const float norm = rsqrtf((float)KBLK);
-        for (int i = t; i < R * D; i += THREADS) {
-            qs[i] *= norm;
-        }
-        __syncthreads();
+        walsh_hadamard_rows(qs, R, D, KBLK);
     }
     if (kind == 0) {
         for (int i = t; i < R * KGROUPS; i += THREADS) {
@@ -352,23 +362,11 @@ _PARTIAL_SOURCE = """
             }
         }
         __syncthreads();
-        for (int hh = 1; hh < VBLK; hh <<= 1) {
-            for (int i = t; i < R * DV / 2; i += THREADS) {
-                const int r = i / (DV / 2);
-                const int p = i % (DV / 2);
-                const int j = r * DV + (p / hh) * 2 * hh + p % hh;
-                const float x = red[j];
-                const float y = red[j + hh];
-                red[j] = x + y;
-                red[j + hh] = x - y;
-            }
-            __syncthreads();
-        }
+        walsh_hadamard_rows(red, R, DV, VBLK);
         if (part == 0) {
-            const float norm = rsqrtf((float)VBLK) * vsigns[c];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                acc[r] = red[r * DV + c] * norm;
+                acc[r] = red[r * DV + c] * vsigns[c];
             }
         }
     }
@@ -443,6 +441,7 @@ def _kernels() -> tuple[Any, Any]:
         input_names=PARTIAL_INPUTS,
         output_names=["o_part", "m_part", "l_part"],
         source=_PARTIAL_SOURCE,
+        header=HEADER,
         ensure_row_contiguous=False,  # views of buffers with room: every input by its strides
     )
     merge = mx.fast.cuda_kernel(
