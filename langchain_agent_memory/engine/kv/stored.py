@@ -161,7 +161,7 @@ def stored_attention(
 CUDA_BITS = (4, 8)
 
 
-def native(codec: TensorCodec, n_keys: int, transpose: bool) -> bool:
+def native(codec: TensorCodec, transpose: bool) -> bool:
     """Whether this device multiplies ``codec``'s stored form directly (``quantized_matmul``)."""
     if codec.bits is None:
         return False
@@ -173,7 +173,7 @@ def native(codec: TensorCodec, n_keys: int, transpose: bool) -> bool:
 def _product(x: mx.array, parts: Parts, codec: TensorCodec, transpose: bool) -> mx.array:
     """``x @ stored.T`` (scores) or ``x @ stored`` (values) on the stored form, still in the
     codec's rotated space where it rotates."""
-    if not native(codec, parts[0].shape[2], transpose):
+    if not native(codec, transpose):
         w = codec.decode(parts, x.dtype)
         return x @ (w.swapaxes(-1, -2) if transpose else w)
     q, scales, biases = parts
