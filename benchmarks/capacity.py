@@ -1,7 +1,17 @@
-"""Agent capacity: how many agents' caches fit in a memory budget at 4K, 8K and 16K
-tokens, 4-bit vs 16-bit KV, ours and the peers, from measured bytes.
+"""Agent capacity: how many agents' caches fit in a memory budget.
 
-    .venv/bin/python benchmarks/capacity.py [--budgets-gib 1 4 16]
+Two modes:
+
+    .venv/bin/python benchmarks/capacity.py [--budgets-gib 1 4 16]      # parked, from ttft.json
+    python3 benchmarks/capacity.py served --out DIR [--budget-gb 24]     # on a GPU (the H200)
+    .venv/bin/python benchmarks/capacity.py served-plot [capacity_served.json]
+
+``served`` (``capacity_served.py``): the most agents of 8K tokens that decode together, all
+resident, within a GPU memory budget beside the weights, ours (default format and plain q4)
+against mlx-lm's bf16 ``BatchGenerator``, measured: active memory, not computed.
+
+Parked mode: 4K, 8K and 16K tokens, 4-bit vs 16-bit KV, ours and the peers, from measured
+bytes.
 
 Reads benchmarks/results/ttft.json (run ``benchmarks/ttft.py`` first): each of its rows
 saved one agent's state of N tokens and restored it in fresh processes. Measured per
@@ -42,6 +52,14 @@ def fp16_formula_bytes(model: str, n: int) -> int:
 
 
 def main() -> None:
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] in ("served", "served-plot"):
+        sys.path.insert(0, str(HERE))
+        from capacity_served import main as served_main
+
+        served_main()
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets-gib", nargs="+", type=float, default=[1, 4, 16])
     a = ap.parse_args()

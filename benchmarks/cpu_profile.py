@@ -105,7 +105,10 @@ def prefill_mlx(model: str, n: int, chunk: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def warm_breakdown(model: str, n: int, tmp: Path) -> dict[str, Any]:
+def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None) -> dict[str, Any]:
+    """A warm restore of an ``n``-token agent step by step (``text``: its context, else the
+    first ``n`` tokens of the Python docs), in this process (benchmarks/gpu_served.py runs
+    it on a GPU, after the process has served other agents)."""
     from peers import extension
 
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
@@ -113,7 +116,7 @@ def warm_breakdown(model: str, n: int, tmp: Path) -> dict[str, Any]:
     from langchain_agent_memory.engine.storage.store import BLOCK_TOKENS
 
     engine = Engine(model, cache_dir=tmp / f"w{n}", context_length=4 * n)
-    text = _text(model, n)
+    text = text if text is not None else _text(str(model), n)
     engine.generate("w", text, GenerationParams(max_tokens=1))
     record = engine.store.get_agent("w")
     assert record is not None

@@ -197,7 +197,16 @@ def run(args: argparse.Namespace) -> None:
         ours_served(model_dir, root / "warmup", attention, warm_prompt)
     mlx_served(model_dir, loaded, root / "warmup", warm_prompt)
     log("warmed up")
-    for ctx in (int(c) for c in args.contexts.split(",")):
+    sections = set(args.sections.split(","))
+    if "restore" in sections:  # in this process, which has served 4K agents (as a server has)
+        from cpu_profile import warm_breakdown
+
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            row = warm_breakdown(model_dir, ctx, root / "restore", text=prompt_text(loaded.tokenizer, ctx))
+            log(json.dumps(row))
+            result.setdefault("restore", []).append(row)
+            save()
+    for ctx in (int(c) for c in args.contexts.split(",")) if "served" in sections else ():
         prompt = prompt_text(loaded.tokenizer, ctx)
         for system in (*SETTINGS, "mlx-lm"):
             row: dict[str, Any] = {"context": ctx, "system": system}
@@ -212,7 +221,7 @@ def run(args: argparse.Namespace) -> None:
             result["served"].append(row)
             save()
     short = prompt_text(loaded.tokenizer, args.short)
-    for ctx in (int(c) for c in args.contexts.split(",")):
+    for ctx in (int(c) for c in args.contexts.split(",")) if "overlap" in sections else ():
         try:
             row = {"context": ctx} | save_overlap(model_dir, root, prompt_text(loaded.tokenizer, ctx), short)
         except Exception as exc:
@@ -220,7 +229,7 @@ def run(args: argparse.Namespace) -> None:
         log(json.dumps(row))
         result.setdefault("save_overlap", []).append(row)
         save()
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",")) if "batch" in sections else ():
         prompts = [short + f"\nAgent {i}." for i in range(b)]
         row = {"batch": b}
         try:
@@ -263,6 +272,9 @@ def plot(path: Path) -> None:
         console.print(
             f"batch {b['batch']}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items() if k != "batch")
         )
+    for w in data.get("restore", []):
+        console.print(f"warm restore of {w['tokens']} tokens, step by step: " + json.dumps(
+            {k: round(v, 3) for k, v in w.items() if k.endswith("_s")}))
     for o in data.get("save_overlap", []):
         console.print(
             f"save overlap at {o['context']}: " + json.dumps({k: round(v, 3) for k, v in o.items()})
@@ -292,6 +304,7 @@ def main() -> None:
     r.add_argument("--contexts", default="32768")
     r.add_argument("--batches", default="1,4,16")
     r.add_argument("--model", default="llama-3.1-8b", help="a random_model config (SCALE_ or SMALL_CONFIGS)")
+    r.add_argument("--sections", default="restore,served,overlap,batch")
     r.add_argument("--short", type=int, default=4096, help="tokens per agent of the batches and warm-up")
     p = sub.add_parser("plot")
     p.add_argument("path", nargs="?", default=str(RESULTS / "gpu_served.json"))

@@ -136,9 +136,12 @@ class BatchLayerCache:
     def filter(self, keep: list[int]) -> None:
         """Keep members ``keep`` (indices, in their new order); every other member gets its
         rows of the merged buffer back (its own working copy), to commit or go on alone."""
-        if self._stored_batch is not None:  # every member gets its rows; the rest batch again
-            self._stored_batch.hand_back(self.caches)
-            self._stored_batch = None
+        if self._stored_batch is not None:  # leavers get their rows; the rest stay batched
+            if len(keep) > 1:
+                self._stored_batch.filter(keep, self.caches)
+            else:
+                self._stored_batch.hand_back(self.caches)
+                self._stored_batch = None
         m = self._merged
         if m is not None:
             for i in range(len(self.caches)):
@@ -153,9 +156,12 @@ class BatchLayerCache:
 
     def extend(self, caches: list[LayerCache]) -> None:
         """New members join after the current ones (their working copies merged in)."""
-        if self._stored_batch is not None:  # built again with them at the next step
-            self._stored_batch.hand_back(self.caches)
-            self._stored_batch = None
+        if self._stored_batch is not None:
+            if all(c._direct and c.serve_stored for c in caches):
+                self._stored_batch.extend(caches)
+            else:  # built again with them at the next step
+                self._stored_batch.hand_back(self.caches)
+                self._stored_batch = None
         if self._merged is not None:
             self._merged.extend(caches)
         self.caches += caches

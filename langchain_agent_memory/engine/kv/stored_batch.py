@@ -13,6 +13,7 @@ K/V once, in the stored form, and each gets views of its rows back when it leave
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..runtime import mx
 from . import stored_cuda
@@ -26,6 +27,61 @@ def _left(x: mx.array, width: int, room: int = 0) -> mx.array:
     ``room`` more columns on the right)."""
     n = x.shape[2]
     return mx.pad(x, [(0, 0), (0, 0), (width - n, room), (0, 0)]) if width - n or room else x
+
+
+Pair = tuple[mx.array, mx.array]
+Held = list[tuple[int, int, int]]
+#: Rows right-aligned per region: (head, body, pending tokens, each row's token counts).
+Group = tuple[Pair | None, tuple[Parts, Parts] | None, Pair, Held]
+
+
+def _member(c: LayerCache) -> Group:
+    """One agent's held K/V as a group of one row (its arrays, not copies)."""
+    head = (c.head_k, c.head_v) if c.head_k is not None and c.head_v is not None else None
+    body = (c.keys, c.values) if c.keys is not None and c.values is not None else None
+    pk, pv = c._joined_pending()
+    if pk is None or pv is None:
+        raise ValueError("a member of a decode batch holds its request's tokens")
+    held = (0 if head is None else head[0].shape[2], 0 if body is None else body[0][0].shape[2], pk.shape[2])
+    return head, body, (pk, pv), [held]
+
+
+def _join(groups: list[Group], room: int) -> Group:
+    """The groups' rows in one batch: each region left-padded to its widest row, ``room``
+    more pending columns on the right. Regions no row holds are None."""
+    held = [h for g in groups for h in g[3]]
+    n_head, n_body, n_pend = (max(x[j] for x in held) for j in range(3))
+
+    def cat(arrays: list[mx.array | None], like: mx.array, width: int, extra: int = 0) -> mx.array:
+        empty = like[:1, :, :0]
+        return mx.concatenate([_left(a if a is not None else empty, width, extra) for a in arrays])
+
+    head = None
+    if n_head:
+        ref = next(g[0] for g in groups if g[0] is not None)
+        head = tuple(
+            cat([None if g[0] is None else g[0][side] for g in groups], ref[side], n_head).astype(HALF_DTYPE)
+            for side in (0, 1)
+        )
+    body = None
+    if n_body:
+        ref_body = next(g[1] for g in groups if g[1] is not None)
+        body = tuple(
+            tuple(
+                cat([None if g[1] is None else g[1][side][j] for g in groups], ref_body[side][j], n_body)
+                for j in range(len(ref_body[side]))
+            )
+            for side in (0, 1)
+        )
+    pending = tuple(cat([g[2][side] for g in groups], groups[0][2][side], n_pend, room) for side in (0, 1))
+    return head, body, pending, held
+
+
+def _evaluated(*trees: Any) -> None:
+    """Build now what a batch change made (one layer at a time): what it was made from is
+    then free at once, rather than held beside it until the whole step's graph runs (a
+    batch of agents whose K/V fill most of the device's memory has no room for two)."""
+    mx.eval([t for t in trees if t is not None])
 
 
 @dataclass(slots=True)
@@ -44,82 +100,79 @@ class StoredBatch:
     valid: mx.array
     row_starts: mx.array  # (B, 4) int32: each member's first body, head, pending column
     held: list[tuple[int, int, int]]
-    built_end: int  # ``end`` when the batch was built (member i's pending began at built_end - its count)
 
     @classmethod
     def of(cls, caches: list[LayerCache]) -> StoredBatch:
         """The batch of ``caches`` (their held K/V handed over to it)."""
-        quant = caches[0].quant
-        heads = [
-            (c.head_k, c.head_v) if c.head_k is not None and c.head_v is not None else None for c in caches
-        ]
-        bodies = [(c.keys, c.values) if c.keys is not None and c.values is not None else None for c in caches]
-        pendings = [c._joined_pending() for c in caches]
-        held = [
-            (
-                0 if h is None else h[0].shape[2],
-                0 if b is None else b[0][0].shape[2],
-                0 if p[0] is None else p[0].shape[2],
-            )
-            for h, b, p in zip(heads, bodies, pendings, strict=True)
-        ]
-        n_head, n_body, n_pend = (max(x[j] for x in held) for j in range(3))
-        cap = grown_rows(n_pend + 1)
-        head = None
-        if n_head:
-            ref_head = next(h for h in heads if h is not None)
-            head = tuple(
-                mx.concatenate(
-                    [_left(h[side] if h is not None else ref_head[side][:, :, :0], n_head) for h in heads]
-                ).astype(HALF_DTYPE)
-                for side in (0, 1)
-            )
-        body = None
-        if n_body:
-            ref = next(b for b in bodies if b is not None)
-            body = tuple(
-                tuple(
-                    mx.concatenate(
-                        [
-                            _left(b[side][j] if b is not None else ref[side][j][:, :, :0], n_body)
-                            for b in bodies
-                        ]
-                    )
-                    for j in range(len(ref[side]))
-                )
-                for side in (0, 1)
-            )
-        empty = [next(p[side] for p in pendings if p[side] is not None)[:, :, :0] for side in (0, 1)]
-        pending = tuple(
-            mx.concatenate(
-                [
-                    _left(p[side] if p[side] is not None else empty[side], n_pend, cap - n_pend)
-                    for p in pendings
-                ]
-            )
-            for side in (0, 1)
-        )
-        cols = mx.arange(n_head + n_body + cap)[None]
+        head, body, pending, held = _join([_member(c) for c in caches], 0)
+        none = mx.zeros((0, 0), mx.bool_)
+        batch = cls(caches[0].quant, head, body, pending, 0, 0, 0, none, none, held)
+        batch._reset(held)
+        for c in caches:  # handed over: the batch holds them now
+            _release(c)
+        _evaluated(batch.head, batch.body, batch.pending)
+        return batch
+
+    def _reset(self, held: list[tuple[int, int, int]]) -> None:
+        """Widths, ``valid`` and ``row_starts`` of the rows ``held``; the pending buffer
+        gets room for the next steps."""
+        self.held = held
+        self.n_head, self.n_body, self.end = (max(x[j] for x in held) for j in range(3))
+        pk, pv = self.pending
+        cap = grown_rows(self.end + 1)
+        if pk.shape[2] < cap:
+            grow = [(0, 0), (0, 0), (0, cap - pk.shape[2]), (0, 0)]
+            self.pending = (mx.pad(pk, grow), mx.pad(pv, grow))
+        cols = mx.arange(self.n_head + self.n_body + self.pending[0].shape[2])[None]
         counts = mx.array(held)
 
         def region(first: int, width: int, count: mx.array) -> mx.array:
             """Each member's last ``count`` columns of the region ``[first, first + width)``."""
             return (cols >= first + width - count) & (cols < first + width)
 
-        valid = (
-            region(0, n_head, counts[:, :1])
-            | region(n_head, n_body, counts[:, 1:2])
-            | region(n_head + n_body, n_pend, counts[:, 2:3])
+        self.valid = (
+            region(0, self.n_head, counts[:, :1])
+            | region(self.n_head, self.n_body, counts[:, 1:2])
+            | region(self.n_head + self.n_body, self.end, counts[:, 2:3])
         )
-        for c in caches:  # handed over: the batch holds them now
-            c.head_k = c.head_v = None
-            c._set_body(None, None)
-            c.set_pending(None, None)
-        row_starts = mx.array(
-            [[n_body - b, n_head - h, n_pend - p, stored_cuda.ALL_VISIBLE] for h, b, p in held],
+        self.row_starts = mx.array(
+            [[self.n_body - b, self.n_head - h, self.end - p, stored_cuda.ALL_VISIBLE] for h, b, p in held],
             dtype=mx.int32,
         )
-        return cls(quant, head, body, pending, n_head, n_body, n_pend, valid, row_starts, held, n_pend)  # type: ignore[arg-type]
+
+    def _group(self) -> Group:
+        """The current members as one group (their pending tokens are ``[.., end)``)."""
+        pk, pv = self.pending
+        return self.head, self.body, (pk[:, :, : self.end], pv[:, :, : self.end]), list(self.held)
+
+    def extend(self, caches: list[LayerCache]) -> None:
+        """New members join after the current ones (one copy of the batch, not two)."""
+        head, body, pending, held = _join([self._group(), *(_member(c) for c in caches)], 0)
+        self.head, self.body, self.pending = head, body, pending
+        self._reset(held)
+        for c in caches:
+            _release(c)
+        _evaluated(self.head, self.body, self.pending)
+
+    def filter(self, keep: list[int], caches: list[LayerCache]) -> None:
+        """Members ``keep`` (indices into ``caches``, the current members in order) stay;
+        every other one gets its rows back (``hand_back``)."""
+        leaving = [i for i in range(len(caches)) if i not in set(keep)]
+        self._give(leaving, caches)
+        idx = mx.array(keep)
+        held = [self.held[i] for i in keep]
+        h, b, p = (max(x[j] for x in held) for j in range(3))
+        # The kept rows, columns no kept member uses dropped.
+        if self.head is not None:
+            hk, hv = (x[idx, :, self.n_head - h :] for x in self.head)
+            self.head = (hk, hv) if h else None
+        if self.body is not None:
+            bk, bv = (tuple(x[idx, :, self.n_body - b :] for x in side) for side in self.body)
+            self.body = (bk, bv) if b else None
+        pk, pv = (x[idx, :, self.end - p : self.end] for x in self.pending)
+        self.pending = (pk, pv)
+        self._reset(held)
+        _evaluated(self.head, self.body, self.pending)
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """One step's keys and values, one column for every member."""
@@ -136,6 +189,7 @@ class StoredBatch:
         self.valid[:, at : at + n] = True
         self.pending = (pk, pv)
         self.end += n
+        self.held = [(h, b, q + n) for h, b, q in self.held]
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         segments: list[Segment] = []
@@ -151,15 +205,35 @@ class StoredBatch:
         )
 
     def hand_back(self, caches: list[LayerCache]) -> None:
-        """Every member gets views of its rows back (head, body, its pending tokens)."""
+        """Every member gets its rows back (the batch is done)."""
+        self._give(list(range(len(caches))), caches)
+
+    def _give(self, rows: list[int], caches: list[LayerCache]) -> None:
+        """Members ``rows`` get copies of their rows (head, body, pending tokens), not views:
+        a view would keep the whole batch's buffers alive while any member holds one."""
         pk, pv = self.pending
-        for i, (c, (h, b, p)) in enumerate(zip(caches, self.held, strict=True)):
+        made: list[mx.array] = []
+        for i in rows:
+            c, (h, b, p) = caches[i], self.held[i]
             if self.head is not None and h:
-                c.head_k, c.head_v = (x[i : i + 1, :, self.n_head - h :] for x in self.head)
+                c.head_k, c.head_v = (_own(x[i : i + 1, :, self.n_head - h :]) for x in self.head)
+                made += [c.head_k, c.head_v]
             if self.body is not None and b:
-                c._set_body(
-                    tuple(x[i : i + 1, :, self.n_body - b :] for x in self.body[0]),
-                    tuple(x[i : i + 1, :, self.n_body - b :] for x in self.body[1]),
-                )
-            first = self.built_end - p
-            c.set_pending(pk[i : i + 1, :, first : self.end], pv[i : i + 1, :, first : self.end])
+                bk, bv = (tuple(_own(x[i : i + 1, :, self.n_body - b :]) for x in side) for side in self.body)
+                c._set_body(bk, bv)
+                made += [*bk, *bv]
+            k, v = (_own(x[i : i + 1, :, self.end - p : self.end]) for x in (pk, pv))
+            c.set_pending(k, v)
+            made += [k, v]
+        _evaluated(made)
+
+
+def _own(x: mx.array) -> mx.array:
+    """A copy of ``x`` (a view of a batch's rows) in a buffer of its own."""
+    return mx.contiguous(x)
+
+
+def _release(c: LayerCache) -> None:
+    c.head_k = c.head_v = None
+    c._set_body(None, None)
+    c.set_pending(None, None)
