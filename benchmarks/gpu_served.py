@@ -273,8 +273,10 @@ def plot(path: Path) -> None:
             f"batch {b['batch']}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items() if k != "batch")
         )
     for w in data.get("restore", []):
-        console.print(f"warm restore of {w['tokens']} tokens, step by step: " + json.dumps(
-            {k: round(v, 3) for k, v in w.items() if k.endswith("_s")}))
+        console.print(
+            f"warm restore of {w['tokens']} tokens, step by step: "
+            + json.dumps({k: round(v, 3) for k, v in w.items() if k.endswith("_s")})
+        )
     for o in data.get("save_overlap", []):
         console.print(
             f"save overlap at {o['context']}: " + json.dumps({k: round(v, 3) for k, v in o.items()})
