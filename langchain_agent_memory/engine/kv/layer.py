@@ -40,13 +40,13 @@ def _slice(parts: Parts, start: int, stop: int) -> Parts:
     return tuple(p[:, :, start:stop] for p in parts)
 
 
-def grown_rows(needed: int) -> int:
-    """Rows to allocate when a buffer must hold ``needed``: an eighth more, in whole
-    ``WORK_STEP``s. Appends then update in place and what is held is copied once per eighth
-    of growth; with a fixed step a 64K-token agent of an 8B model copied its 8.6 GB working
-    copy on the first append of every turn (0.36 s of a hot turn's 0.55 on the H200), and
-    a chunked prefill copied it once per chunk."""
-    want = needed + max(WORK_STEP, needed // 8)
+def grown_rows(needed: int, share: int = 8) -> int:
+    """Rows to allocate when a buffer must hold ``needed``: a ``share``-th more (an eighth),
+    in whole ``WORK_STEP``s. Appends then update in place and what is held is copied once per
+    eighth of growth; with a fixed step a 64K-token agent of an 8B model copied its 8.6 GB
+    working copy on the first append of every turn (0.36 s of a hot turn's 0.55 on the
+    H200), and a chunked prefill copied it once per chunk."""
+    want = needed + max(WORK_STEP, needed // share)
     return -(-want // WORK_STEP) * WORK_STEP
 
 
@@ -180,7 +180,10 @@ class LayerCache:
             return
         n, m = self._n_body, keys[0].shape[2]
         if n + m > self._kbuf[0].shape[2]:
-            rows = grown_rows(n + m)
+            # A thirty-second more: the body is what a parked agent holds (an eighth of room
+            # was an eighth fewer agents in a memory budget), and it grows by whole blocks,
+            # once a turn at most; a copy of the stored form costs little on a GPU.
+            rows = grown_rows(n + m, share=32)
             self._kbuf = tuple(_with_room(x, n, rows) for x in self._kbuf)
             self._vbuf = tuple(_with_room(x, n, rows) for x in self._vbuf)
         for buf, new in ((self._kbuf, keys), (self._vbuf, values)):
