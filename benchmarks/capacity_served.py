@@ -120,13 +120,19 @@ class OursAgents:
         self.engine.flush()
         resident = _settled() - self.base
         mx.reset_peak_memory()
-        before = self.engine.stats()["decode_steps"].get(n, [0, 0.0])
+        before = self.engine.stats()["decode_steps"]
+        t0 = time.perf_counter()
         self._together(DECODE)
+        wall = time.perf_counter() - t0
         peak = mx.get_peak_memory() - self.base
-        after = self.engine.stats()["decode_steps"].get(n, [0, 0.0])
-        steps, seconds = after[0] - before[0], after[1] - before[1]
+        after = self.engine.stats()["decode_steps"]
+        steps, seconds = (after.get(n, [0, 0.0])[j] - before.get(n, [0, 0.0])[j] for j in (0, 1))
+        # every batch size the turn went through: [steps, seconds] (joins, leaves, the full batch)
+        sizes = {b: [s[0] - before.get(b, [0, 0.0])[0], round(s[1] - before.get(b, [0, 0.0])[1], 3)]
+                 for b, s in after.items() if s[0] != before.get(b, [0, 0.0])[0]}  # fmt: skip
         return {"n": n, "resident_bytes": resident, "peak_bytes": peak, "full_steps": steps,
-                "tok_s": n * steps / seconds if seconds else 0.0}  # fmt: skip
+                "tok_s": n * steps / seconds if seconds else 0.0, "turn_wall_s": wall,
+                "steps_by_batch": sizes}  # fmt: skip
 
     def close(self) -> None:
         self.engine.close()
@@ -169,12 +175,24 @@ class MlxLmAgents:
 
 
 def most_within(
-    round_: Callable[[int], dict[str, Any]], budget: int, probes: tuple[int, int]
+    round_: Callable[[int], dict[str, Any]],
+    budget: int,
+    probes: tuple[int, int],
+    fixed_ns: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The largest batch whose measured peak stays within ``budget``: ``probes`` give the
     bytes per agent (a line through two batches), the first guess follows, then single
     steps up (while it fits) or jumps down (by what it was over) decide."""
     rows = [round_(p) for p in probes]
+    if fixed_ns:  # the batches asked for, no search
+        rows += [round_(n) for n in fixed_ns]
+        for r in rows:
+            log(f"  {json.dumps(r)}")
+        fits = [r for r in rows if r["peak_bytes"] <= budget]
+        first, last = rows[0], rows[-1]
+        slope = (last["peak_bytes"] - first["peak_bytes"]) / (last["n"] - first["n"])
+        best = max(fits, key=lambda r: r["n"]) if fits else None
+        return {"best": best, "rounds": rows, "per_agent_bytes": slope}
     for r in rows:
         log(f"  probe {json.dumps(r)}")
     (n1, p1), (n2, p2) = ((r["n"], r["peak_bytes"]) for r in rows)
@@ -237,11 +255,15 @@ def run(args: argparse.Namespace) -> None:
         log(f"{system} ...")
         try:
             if system == "mlx-lm":
-                found = most_within(MlxLmAgents(loaded.model, loaded.tokenizer, texts).round, budget, (2, 4))
+                ns = tuple(int(x) for x in args.mlx_ns.split(",") if x)
+                found = most_within(
+                    MlxLmAgents(loaded.model, loaded.tokenizer, texts).round, budget, (2, 4), ns
+                )
             else:
                 agents = OursAgents(model_dir, root / system, FORMATS[system], texts, args.context)
                 try:
-                    found = most_within(agents.round, budget, (4, 8))
+                    ns = tuple(int(x) for x in args.ns.split(",") if x)
+                    found = most_within(agents.round, budget, (4, 8), ns)
                 finally:
                     agents.close()
                     shutil.rmtree(root / system, ignore_errors=True)  # ~0.4 GB on disk per agent
@@ -299,6 +321,8 @@ def main() -> None:
     r.add_argument("--budget-gb", type=float, default=24.0)
     r.add_argument("--context", type=int, default=8192)
     r.add_argument("--systems", default="default,q4,mlx-lm")
+    r.add_argument("--ns", default="", help="ours: these batch sizes after the probes, no search")
+    r.add_argument("--mlx-ns", default="", help="mlx-lm: these batch sizes after the probes, no search")
     r.add_argument("--model", default="llama-3.1-8b", help="a random_model config (SCALE_ or SMALL_CONFIGS)")
     p = sub.add_parser("served-plot")
     p.add_argument("path", nargs="?", default=str(RESULTS / "capacity_served.json"))

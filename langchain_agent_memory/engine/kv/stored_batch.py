@@ -18,8 +18,18 @@ from typing import Any
 from ..runtime import mx
 from . import stored_cuda
 from .codecs import FULL, HALF_DTYPE, KVQuant
-from .layer import LayerCache, grown_rows
+from .layer import LayerCache
 from .stored import Parts, Segment, stored_attention
+
+#: Columns of room for the steps' new tokens: a step writes one column for every member, and
+#: growing copies only the members' own 16-bit tokens. The layer caches' step (256, with an
+#: eighth more) was 1.6 GB of empty 16-bit columns for 48 agents of an 8B model on the H200.
+PENDING_STEP = 32
+
+
+def _pending_cols(needed: int) -> int:
+    want = needed + max(PENDING_STEP, needed // 8)
+    return -(-want // PENDING_STEP) * PENDING_STEP
 
 
 def _left(x: mx.array, width: int, room: int = 0) -> mx.array:
@@ -119,7 +129,7 @@ class StoredBatch:
         self.held = held
         self.n_head, self.n_body, self.end = (max(x[j] for x in held) for j in range(3))
         pk, pv = self.pending
-        cap = grown_rows(self.end + 1)
+        cap = _pending_cols(self.end + 1)
         if pk.shape[2] < cap:
             grow = [(0, 0), (0, 0), (0, cap - pk.shape[2]), (0, 0)]
             self.pending = (mx.pad(pk, grow), mx.pad(pv, grow))
@@ -179,7 +189,7 @@ class StoredBatch:
         n = keys.shape[2]
         pk, pv = self.pending
         if self.end + n > pk.shape[2]:
-            extra = grown_rows(self.end + n) - pk.shape[2]
+            extra = _pending_cols(self.end + n) - pk.shape[2]
             grow = [(0, 0), (0, 0), (0, extra), (0, 0)]
             pk, pv = mx.pad(pk, grow), mx.pad(pv, grow)
             self.valid = mx.pad(self.valid, [(0, 0), (0, extra)], constant_values=False)
