@@ -46,10 +46,15 @@ def test_batched_decode_equals_decode_alone(
     call over the agents' stored forms (``StoredBatch``); over working copies, in one call
     over their merged copies."""
     request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")
-    built = []
+    built: list[int] = []
     of = StoredBatch.of.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(
         StoredBatch, "of", classmethod(lambda cls, caches: built.append(len(caches)) or of(cls, caches))
+    )
+    joined: list[int] = []  # members joining a stored batch in place (not a rebuild)
+    extend = StoredBatch.extend
+    monkeypatch.setattr(
+        StoredBatch, "extend", lambda self, caches: joined.append(len(caches)) or extend(self, caches)
     )
     alone = Engine(model, cache_dir=tmp_path / "alone", attention=attention)
     expected = {agent: alone.generate(agent, prompt, GREEDY) for agent, prompt in PROMPTS.items()}
@@ -57,6 +62,9 @@ def test_batched_decode_equals_decode_alone(
     got = together(batched, PROMPTS, GREEDY)
     assert batched.stats()["max_decode_batch"] >= 2  # the decodes did run together
     assert (max(built, default=0) >= 2) is (attention == "stored")  # one stored batch of them
+    # The agents' prompts differ in length: they start decoding at different steps, so the
+    # stored batch forms with two and the third joins it (and they leave one by one).
+    assert bool(joined) is (attention == "stored")
     worst = 0.0
     for agent in PROMPTS:
         assert got[agent].text == expected[agent].text, agent
