@@ -155,8 +155,8 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
             first = max(0, len(record.token_ids) - layer.window) // BLOCK_TOKENS
             needed += per_layer * (len(chain) - first) / len(chain)
     engine.close()
-    return {"model": str(model), "tokens": len(record.token_ids), "blocks": len(chain), "bytes_read": file_bytes,
-            "bytes_needed": int(needed), **rows}  # fmt: skip
+    return {"model": str(model), "tokens": len(record.token_ids), "blocks": len(chain),
+            "bytes_read": file_bytes, "bytes_needed": int(needed), **rows}  # fmt: skip
 
 
 def decode_floor(model: str, tmp: Path) -> dict[str, Any]:
