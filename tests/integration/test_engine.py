@@ -28,6 +28,7 @@ from langchain_agent_memory.engine.storage.store import (
     FORMAT_VERSION,
     AgentRecord,
     CacheFormatError,
+    freeze_blocks,
 )
 
 GREEDY = GenerationParams(max_tokens=10)
@@ -356,3 +357,42 @@ def test_the_working_copy_reserve_changes_no_output(
         outputs.append((second.text, second.completion_tokens))
         eng.close()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_blocks_cut_from_a_commits_run_hold_the_bytes_of_blocks_built_one_by_one(
+    model: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A commit builds its new blocks from one array per layer and part over the run of
+    them (not an array per block): what a block file gets is the same bytes either way,
+    sliding-window layers (Gemma 3) and the last, partial block included."""
+    request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")
+    engine = Engine(model, cache_dir=tmp_path)
+    engine.generate("a", corpus.python_docs()[:6000], GenerationParams(max_tokens=4))
+    engine.flush()
+    agents = engine.agents
+    state = agents.hot["a"]
+    assert state.layers is not None
+    chain, known = state.blocks, state.tokens
+    run = [b for b in range(1, len(chain)) if all(layer.start <= b * BLOCK_TOKENS for layer in state.layers)]
+    assert len(run) >= 2  # whole blocks and the partial last one (Gemma: past its windows)
+
+    def both() -> tuple[dict, list]:  # on the engine's worker: its arrays live on its stream
+        ones = [agents._block_of(b, chain, known, state.layers) for b in run]
+        freeze_blocks(ones)
+        return agents._run_of(run, chain, known, state.layers), ones
+
+    cut, ones = engine._worker.submit(both).result()
+    for b, one in zip(run, ones, strict=True):
+        got = cut[chain[b]]
+        assert got.host is not None and one.host is not None
+        assert got.host.keys() == one.host.keys() and got.token_ids == one.token_ids
+        for name, tensor in one.host.items():
+            mine = got.host[name].packed()
+            assert (mine.dtype, mine.shape) == (tensor.dtype, tensor.shape), name
+            assert mine.data.tobytes() == tensor.packed().data.tobytes(), name
+        assert got.tensors.keys() == one.tensors.keys()
+        # (the arrays themselves live on the engine's worker stream: compared through the
+        # host bytes above, which is what is written)
+        assert all(got.tensors[k].shape == one.tensors[k].shape for k in one.tensors)
+    engine.close()

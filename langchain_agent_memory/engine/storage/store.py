@@ -124,12 +124,27 @@ class HostTensor:
 
     dtype: str  # mlx's name: "float16", "bfloat16", "uint32", ...
     shape: tuple[int, ...]
-    data: np.ndarray  # uint8, a view of the array's memory (it keeps the array alive)
+    #: uint8, a view of the array's memory shaped as the array (the last axis in bytes); it
+    #: keeps the array alive
+    data: np.ndarray
 
     def spec(self) -> TensorSpec:
         return TensorSpec(
             dtype=self.dtype, shape=self.shape, data_ptr=self.data.ctypes.data, data_len=self.data.nbytes
         )
+
+    def rows(self, a: int, b: int) -> HostTensor:
+        """Tokens ``[a, b)`` of a (batch, heads, tokens, ·) tensor (a view)."""
+        shape = (*self.shape[:2], b - a, *self.shape[3:])
+        return HostTensor(self.dtype, shape, self.data[:, :, a:b])
+
+    def packed(self) -> HostTensor:
+        """Its bytes as one contiguous run: a block cut from a commit's longer arrays
+        (``rows``) is a strided view of them, made contiguous here, on the writer's thread
+        (a host copy of one block), not on the model's."""
+        if self.data.ndim == 1:
+            return self
+        return HostTensor(self.dtype, self.shape, np.ascontiguousarray(self.data).reshape(-1))
 
 
 def host_views(tensors: dict[str, mx.array]) -> dict[str, HostTensor]:
@@ -144,17 +159,13 @@ def _frozen(groups: list[dict[str, mx.array]]) -> list[dict[str, HostTensor]]:
     """``host_views`` of several groups, evaluated together (one wait for the device)."""
     ready = [{k: mx.contiguous(v) for k, v in g.items()} for g in groups]
     mx.eval(ready)
-    return [
-        {
-            k: HostTensor(
-                str(v.dtype).removeprefix("mlx.core."),
-                tuple(v.shape),
-                np.frombuffer(memoryview(v).cast("B"), dtype=np.uint8),
-            )
-            for k, v in g.items()
-        }
-        for g in ready
-    ]
+    return [{k: _host(v) for k, v in g.items()} for g in ready]
+
+
+def _host(x: mx.array) -> HostTensor:
+    """An evaluated, contiguous array's bytes, shaped as it is (the last axis in bytes)."""
+    data = np.frombuffer(memoryview(x).cast("B"), dtype=np.uint8).reshape(*x.shape[:-1], -1)
+    return HostTensor(str(x.dtype).removeprefix("mlx.core."), tuple(x.shape), data)
 
 
 def freeze_blocks(blocks: list[Block]) -> None:
@@ -483,7 +494,7 @@ class DiskBlockStore:
         path = self.block_path(block.hash)
         if path.exists():
             return 0
-        tensors = block.host if block.host is not None else host_views(block.tensors)
+        tensors = {k: t.packed() for k, t in (block.host or host_views(block.tensors)).items()}
         whole, parts = block_checksums([(k, t.data) for k, t in tensors.items()])
         meta = {
             "format_version": str(FORMAT_VERSION),
