@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import log, prompt_text
+from gpu import device_name, log, prompt_text, random_model_dir
 from peers import extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -219,20 +219,14 @@ def most_within(
 
 
 def run(args: argparse.Namespace) -> None:
-    import mlx.core as mx
 
     from langchain_agent_memory.engine.model.loading import load_model
-    from langchain_agent_memory.engine.model.random_model import (
-        SCALE_CONFIGS,
-        SMALL_CONFIGS,
-        write_random_model,
-    )
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_gb * 1e9)
     result: dict[str, Any] = {
-        "device": mx.device_info().get("device_name", str(mx.default_device())),
+        "device": device_name(),
         "model": f"{args.model} shape, RANDOM weights, SmolLM2's tokenizer",
         "context": args.context, "budget_bytes": budget, "decode_tokens": DECODE, "systems": {},
     }  # fmt: skip
@@ -241,10 +235,7 @@ def run(args: argparse.Namespace) -> None:
         (out_dir / "capacity_served.json").write_text(json.dumps(result, indent=1))
 
     root = Path(tempfile.mkdtemp(prefix="capacity-"))
-    tok_dir = load_model("smollm2-135m").path
-    config = {**SMALL_CONFIGS, **SCALE_CONFIGS}[args.model]
-    dtype = "bfloat16" if mx.default_device() != mx.cpu else "float32"
-    model_dir = write_random_model(config, root / "model", tok_dir, seed=0, dtype=dtype)
+    model_dir = random_model_dir(args.model, root / "model")
     loaded = load_model(model_dir)
     body = prompt_text(loaded.tokenizer, args.context - 8)
 

@@ -74,6 +74,29 @@ def prompt_text(tokenizer: Any, n_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
+def device_name() -> str:
+    import mlx.core as mx
+
+    return str(mx.device_info().get("device_name", str(mx.default_device())))
+
+
+def random_model_dir(name: str, root: Path) -> Path:
+    """A model of ``name``'s shape (``random_model``'s SMALL_ or SCALE_CONFIGS) with random
+    weights (bf16 on a GPU, float32 on the CPU) and SmolLM2's tokenizer, written to ``root``."""
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine.model.random_model import (
+        SCALE_CONFIGS,
+        SMALL_CONFIGS,
+        write_random_model,
+    )
+
+    tok_dir = load_model("smollm2-135m").path
+    dtype = "bfloat16" if mx.default_device() != mx.cpu else "float32"
+    return write_random_model({**SMALL_CONFIGS, **SCALE_CONFIGS}[name], root, tok_dir, seed=0, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------- systems
 
 

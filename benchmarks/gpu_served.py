@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import log, mlx_batch_decode, ours_batch_decode, prompt_text
+from gpu import device_name, log, mlx_batch_decode, ours_batch_decode, prompt_text, random_model_dir
 from peers import MlxLm, extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -168,16 +168,11 @@ def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from langchain_agent_memory.engine.model.loading import load_model
-    from langchain_agent_memory.engine.model.random_model import (
-        SCALE_CONFIGS,
-        SMALL_CONFIGS,
-        write_random_model,
-    )
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "device": mx.device_info().get("device_name", str(mx.default_device())),
+        "device": device_name(),
         "model": f"{args.model} shape, RANDOM weights, SmolLM2's tokenizer",
         "served": [],
         "batch": [],
@@ -187,10 +182,7 @@ def run(args: argparse.Namespace) -> None:
         (out_dir / "gpu_served.json").write_text(json.dumps(result, indent=1))
 
     root = Path(tempfile.mkdtemp(prefix="served-"))
-    tok_dir = load_model("smollm2-135m").path
-    config = {**SMALL_CONFIGS, **SCALE_CONFIGS}[args.model]
-    dtype = "bfloat16" if mx.default_device() != mx.cpu else "float32"
-    model_dir = write_random_model(config, root / "model", tok_dir, seed=0, dtype=dtype)
+    model_dir = random_model_dir(args.model, root / "model")
     loaded = load_model(model_dir)
     warm_prompt = prompt_text(loaded.tokenizer, args.short)
     for attention in SETTINGS:  # kernels compiled before the clock
