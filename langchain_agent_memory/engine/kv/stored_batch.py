@@ -42,7 +42,7 @@ def _left(x: mx.array, width: int, room: int = 0) -> mx.array:
 Pair = tuple[mx.array, mx.array]
 Held = list[tuple[int, int, int]]
 #: Rows right-aligned per region: (head, body, pending tokens, each row's token counts).
-Group = tuple[Pair | None, tuple[Parts, Parts] | None, Pair, Held]
+Group = tuple[Pair | None, tuple[Parts, Parts] | None, Pair | None, Held]
 
 
 def _member(c: LayerCache) -> Group:
@@ -50,15 +50,18 @@ def _member(c: LayerCache) -> Group:
     head = (c.head_k, c.head_v) if c.head_k is not None and c.head_v is not None else None
     body = (c.keys, c.values) if c.keys is not None and c.values is not None else None
     pk, pv = c._joined_pending()
-    if pk is None or pv is None:
-        raise ValueError("a member of a decode batch holds its request's tokens")
-    held = (0 if head is None else head[0].shape[2], 0 if body is None else body[0][0].shape[2], pk.shape[2])
-    return head, body, (pk, pv), [held]
+    pending = (pk, pv) if pk is not None and pv is not None else None
+    held = (
+        0 if head is None else head[0].shape[2],
+        0 if body is None else body[0][0].shape[2],
+        0 if pending is None else pending[0].shape[2],
+    )
+    return head, body, pending, [held]
 
 
-def _join(groups: list[Group], room: int) -> Group:
-    """The groups' rows in one batch: each region left-padded to its widest row, ``room``
-    more pending columns on the right. Regions no row holds are None."""
+def _join(groups: list[Group]) -> Group:
+    """The groups' rows in one batch: each region left-padded to its widest row, the
+    pending tokens with room for the next steps (``_pending_cols``)."""
     held = [h for g in groups for h in g[3]]
     n_head, n_body, n_pend = (max(x[j] for x in held) for j in range(3))
 
@@ -83,7 +86,12 @@ def _join(groups: list[Group], room: int) -> Group:
             )
             for side in (0, 1)
         )
-    pending = tuple(cat([g[2][side] for g in groups], groups[0][2][side], n_pend, room) for side in (0, 1))
+    ref_pend = next(g[2] for g in groups if g[2] is not None)
+    room = _pending_cols(n_pend + 1) - n_pend
+    pending = tuple(
+        cat([None if g[2] is None else g[2][side] for g in groups], ref_pend[side], n_pend, room)
+        for side in (0, 1)
+    )
     return head, body, pending, held
 
 
@@ -114,7 +122,7 @@ class StoredBatch:
     @classmethod
     def of(cls, caches: list[LayerCache]) -> StoredBatch:
         """The batch of ``caches`` (their held K/V handed over to it)."""
-        head, body, pending, held = _join([_member(c) for c in caches], 0)
+        head, body, pending, held = _join([_member(c) for c in caches])
         none = mx.zeros((0, 0), mx.bool_)
         batch = cls(caches[0].quant, head, body, pending, 0, 0, 0, none, none, held)
         batch._reset(held)
@@ -125,7 +133,7 @@ class StoredBatch:
 
     def _reset(self, held: list[tuple[int, int, int]]) -> None:
         """Widths, ``valid`` and ``row_starts`` of the rows ``held``; the pending buffer
-        gets room for the next steps."""
+        gets room for the next steps where it has too little (``filter`` keeps its own)."""
         self.held = held
         self.n_head, self.n_body, self.end = (max(x[j] for x in held) for j in range(3))
         pk, pv = self.pending
@@ -157,7 +165,7 @@ class StoredBatch:
 
     def extend(self, caches: list[LayerCache]) -> None:
         """New members join after the current ones (one copy of the batch, not two)."""
-        head, body, pending, held = _join([self._group(), *(_member(c) for c in caches)], 0)
+        head, body, pending, held = _join([self._group(), *(_member(c) for c in caches)])
         self.head, self.body, self.pending = head, body, pending
         self._reset(held)
         for c in caches:
