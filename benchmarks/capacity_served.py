@@ -13,14 +13,16 @@ stored form; mlx-lm's bf16 ``BatchGenerator``):
 - ``n`` agents of ``--context`` tokens each (distinct from their first token: no block is
   shared), all resident, decode ``DECODE`` tokens together;
 - the memory they cost is mlx's active memory, measured: ours the peak of a whole turn of
-  all ``n`` (each agent's new tokens prefilled over its stored form, then the batched
-  decode, then the commit) minus the memory before the first agent existed; mlx-lm the peak
-  over its decode steps only (its 8K prefills, run by the generator itself, are left out:
-  the comparison is the kinder to mlx-lm);
+  all ``n`` (each agent's new tokens prefilled over its stored form, the joins, the batched
+  decode, the leaves and commits) minus the memory before the first agent existed; mlx-lm
+  the peak over its decode steps only (its 8K prefills, run by the generator itself, are
+  left out: the comparison is the kinder to mlx-lm). Ours over the same span (the steps
+  in which all ``n`` decode, another turn) is reported beside it, ``full_batch_peak``;
 - ``n`` is found by measurement: two small batches give the bytes per agent, the budget
   divided by them gives a first guess, and batches around it are run until the largest
   that stays within the budget is found;
-- aggregate decode tokens/s at that batch: over the steps in which all ``n`` decoded.
+- aggregate decode tokens/s at that batch: ``n`` over the median step in which all ``n``
+  decoded (the mean over those steps beside it: it holds the joins' and leaves' copies).
 
 Writes DIR/capacity_served.json; ``served-plot`` prints the table and writes
 benchmarks/results/capacity_served.png.
@@ -33,6 +35,7 @@ import gc
 import json
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -125,14 +128,49 @@ class OursAgents:
         self._together(DECODE)
         wall = time.perf_counter() - t0
         peak = mx.get_peak_memory() - self.base
+        full_peak = self._full_batch_peak(n)
         after = self.engine.stats()["decode_steps"]
         steps, seconds = (after.get(n, [0, 0.0])[j] - before.get(n, [0, 0.0])[j] for j in (0, 1))
+        median = self.engine.stats()["decode_step_median_s"].get(n, 0.0)
         # every batch size the turn went through: [steps, seconds] (joins, leaves, the full batch)
         sizes = {b: [s[0] - before.get(b, [0, 0.0])[0], round(s[1] - before.get(b, [0, 0.0])[1], 3)]
                  for b, s in after.items() if s[0] != before.get(b, [0, 0.0])[0]}  # fmt: skip
-        return {"n": n, "resident_bytes": resident, "peak_bytes": peak, "full_steps": steps,
-                "tok_s": n * steps / seconds if seconds else 0.0, "turn_wall_s": wall,
+        # tok/s from the median full-batch step (a join's or leave's copy, or the turn's
+        # commits, fall in a few steps: the mean is reported beside it)
+        return {"n": n, "resident_bytes": resident, "peak_bytes": peak, "full_batch_peak_bytes": full_peak,
+                "full_steps": steps, "tok_s": n / median if median else 0.0, "step_median_s": median,
+                "tok_s_mean": n * steps / seconds if seconds else 0.0, "turn_wall_s": wall,
                 "steps_by_batch": sizes}  # fmt: skip
+
+    def _full_batch_peak(self, n: int) -> int:
+        """Peak active memory over the steps in which all ``n`` decode (one more turn): what
+        mlx-lm's figure covers (its decode steps only). A thread watches the batch: the
+        peak is reset once all ``n`` are in it and read while they still are."""
+        import mlx.core as mx
+
+        runner = self.engine._steps.runner
+        seen, done = [0], threading.Event()
+
+        def watch() -> None:
+            full = False
+            while not done.is_set():
+                if len(runner._members) == n:
+                    if not full:
+                        mx.reset_peak_memory()
+                        full = True
+                    seen[0] = max(seen[0], mx.get_peak_memory())
+                elif full:
+                    return
+                time.sleep(0.0005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            self._together(DECODE)
+        finally:
+            done.set()
+            watcher.join()
+        return seen[0] - self.base
 
     def close(self) -> None:
         self.engine.close()
@@ -154,7 +192,7 @@ class MlxLmAgents:
             prefill_batch_size=min(n, 4),
         )  # fmt: skip
         gen.insert([self.tokenizer.encode(self.texts(i)) for i in range(n)])
-        full_steps, seconds, t_prev, resident, peak = 0, 0.0, None, 0, 0
+        full_steps, seconds, t_prev, resident, peak, took = 0, 0.0, None, 0, 0, []
         while responses := gen.next_generated():
             now = time.perf_counter()
             full = len(responses) == n and not any(r.finish_reason for r in responses)
@@ -165,13 +203,16 @@ class MlxLmAgents:
                 else:
                     full_steps += 1
                     seconds += now - t_prev
+                    took.append(now - t_prev)
                 peak = mx.get_peak_memory() - base
             t_prev = now if full else t_prev
         gen.close()
         del gen
         _settled()
+        median = statistics.median(took) if took else 0.0
         return {"n": n, "resident_bytes": resident, "peak_bytes": peak, "full_steps": full_steps,
-                "tok_s": full_steps * n / seconds if seconds else 0.0}  # fmt: skip
+                "tok_s": n / median if median else 0.0, "step_median_s": median,
+                "tok_s_mean": full_steps * n / seconds if seconds else 0.0}  # fmt: skip
 
 
 def most_within(
@@ -192,7 +233,10 @@ def most_within(
         first, last = rows[0], rows[-1]
         slope = (last["peak_bytes"] - first["peak_bytes"]) / (last["n"] - first["n"])
         best = max(fits, key=lambda r: r["n"]) if fits else None
-        return {"best": best, "rounds": rows, "per_agent_bytes": slope}
+        # over the span mlx-lm's figure covers (its decode steps only)
+        span = [r for r in rows if r.get("full_batch_peak_bytes", r["peak_bytes"]) <= budget]
+        best_span = max(span, key=lambda r: r["n"]) if span else None
+        return {"best": best, "best_decode_span": best_span, "rounds": rows, "per_agent_bytes": slope}
     for r in rows:
         log(f"  probe {json.dumps(r)}")
     (n1, p1), (n2, p2) = ((r["n"], r["peak_bytes"]) for r in rows)
@@ -280,7 +324,9 @@ def plot(path: Path) -> None:
         title=f"{data['device']}: agents of {data['context']} tokens decoding together within "
         f"{budget / 1e9:g} GB ({data['model']})"
     )
-    for col in ("system", "GB per agent", "agents", "peak GB", "tok/s at that batch", "agents vs mlx-lm"):
+    cols = ("system", "GB per agent", "agents", "peak GB", "tok/s at that batch", "agents vs mlx-lm",
+            "agents, decode steps only")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="right")
     systems = {k: v for k, v in data["systems"].items() if v.get("best")}
     peer = systems.get("mlx-lm", {}).get("best")
@@ -289,6 +335,7 @@ def plot(path: Path) -> None:
         table.add_row(
             name, f"{s['per_agent_bytes'] / 1e9:.3f}", str(b["n"]), f"{b['peak_bytes'] / 1e9:.2f}",
             f"{b['tok_s']:.0f}", f"{b['n'] / peer['n']:.2f}x" if peer else "-",
+            str((s.get("best_decode_span") or {}).get("n", "-")),
         )  # fmt: skip
     Console().print(table)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -469,6 +470,10 @@ class Engine:
             # batch size -> generated tokens per second while that many agents decoded together
             "decode_tokens_per_s": {
                 b: b * n / total for b, (n, total) in sorted(self._scheduler.decode_time.items()) if total
+            },
+            # batch size -> the median of its latest steps (seconds): joins and leaves left out
+            "decode_step_median_s": {
+                b: statistics.median(t) for b, t in sorted(self._scheduler.decode_recent.items())
             },
             # batch size -> [decode steps, seconds in them] (to difference over an interval)
             "decode_steps": {b: [n, total] for b, (n, total) in sorted(self._scheduler.decode_time.items())},

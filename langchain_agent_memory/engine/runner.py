@@ -19,6 +19,9 @@ from .model.constrain import TokenConstraint
 from .model.forward import decode_step, logits_from_hidden, prefill_chunk
 from .runtime import mx
 
+#: A decode batch member: (request key, token to feed, its layer caches).
+Member = tuple[Hashable, int | mx.array, list[LayerCache]]
+
 
 class Sampler:
     """One request's token choice: greedy at temperature 0, else categorical (after top-k,
@@ -89,10 +92,10 @@ class ModelRunner:
             mx.clear_cache()  # buffers of sizes the next chunks will not ask for (``device``)
         return logits
 
-    def decode(self, members: list[tuple[Hashable, int | mx.array, list[LayerCache]]]) -> mx.array:
+    def decode(self, members: list[Member]) -> mx.array:
         """One decode step for each (request key, token to feed, its layer caches): the
-        logits rows (float32), in the order given. One member decodes alone (its token may
-        be a lazy array: the last step's draw, not yet evaluated); several as one batched
+        logits rows (float32), in the order given. A token may be a lazy array (the last
+        step's draw, not yet evaluated). One member decodes alone; several as one batched
         forward pass over the batch kept from the previous step."""
         if len(members) == 1:
             self.leave_all()
@@ -101,15 +104,15 @@ class ModelRunner:
         caches = self._batch_for(members)
         order = {key: row for row, key in enumerate(self._members)}
         rows = [order[key] for key, _, _ in members]
-        by_row = [0] * len(rows)
+        by_row: list[mx.array] = [mx.array(0)] * len(rows)
         for (_, token, _), row in zip(members, rows, strict=True):
-            by_row[row] = token
-        tokens = mx.array(by_row)[:, None]
+            by_row[row] = token if isinstance(token, mx.array) else mx.array(token)
+        tokens = mx.stack([t.reshape(()).astype(mx.int32) for t in by_row])[:, None]
         hidden = self.model.model(tokens, cache=caches)
         out = logits_from_hidden(self.model, hidden)[:, -1].astype(mx.float32)
         return out if rows == list(range(len(rows))) else out[mx.array(rows)]
 
-    def _batch_for(self, members: list[tuple[Hashable, int, list[LayerCache]]]) -> list[BatchLayerCache]:
+    def _batch_for(self, members: list[Member]) -> list[BatchLayerCache]:
         keys = [key for key, _, _ in members]
         if self._caches is None:
             self._members = keys
@@ -135,16 +138,20 @@ class ModelRunner:
         """Whether ``key``'s caches are merged into the decode batch right now."""
         return self._caches is not None and key in self._members
 
-    def leave(self, key: Hashable) -> None:
-        """A request stops decoding: its rows go back to its own layer caches."""
-        if self._caches is None or key not in self._members:
+    def leave(self, *keys: Hashable) -> None:
+        """Requests stop decoding: their rows go back to their own layer caches, in one copy
+        of the batch however many leave."""
+        if self._caches is None:
             return
-        keep = [i for i, k in enumerate(self._members) if k != key]
+        gone = set(keys)
+        keep = [i for i, k in enumerate(self._members) if k not in gone]
+        if len(keep) == len(self._members):
+            return
+        if len(keep) < 2:
+            return self.leave_all()
         for c in self._caches:
             c.filter(keep)
         self._members = [self._members[i] for i in keep]
-        if len(self._members) < 2:
-            self.leave_all()
 
     def leave_all(self) -> None:
         if self._caches is not None:

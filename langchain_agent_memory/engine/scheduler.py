@@ -30,6 +30,9 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
+#: Decode steps kept per batch size for the median step time (``Engine.stats``).
+RECENT_STEPS = 64
+
 
 class Phase(Enum):
     PREFILL = "prefill"
@@ -74,6 +77,9 @@ class Scheduler:
         self.max_batch = 0  # the largest decode batch seen (for stats and tests)
         #: batch size -> (decode steps, seconds in them): steady-state throughput per size
         self.decode_time: dict[int, tuple[int, float]] = {}
+        #: batch size -> the latest steps' seconds: a median free of the rare steps in which
+        #: members joined or left (a copy of the batch each) or a turn was committed
+        self.decode_recent: dict[int, deque[float]] = {}
 
     def submit(self, request: Schedulable) -> None:
         self.waiting.append(request)
@@ -90,8 +96,10 @@ class Scheduler:
             self.max_batch = max(self.max_batch, len(decoding))
             t0 = time.perf_counter()
             self._decode(decoding)
+            took = time.perf_counter() - t0
             n, total = self.decode_time.get(len(decoding), (0, 0.0))
-            self.decode_time[len(decoding)] = (n + 1, total + time.perf_counter() - t0)
+            self.decode_time[len(decoding)] = (n + 1, total + took)
+            self.decode_recent.setdefault(len(decoding), deque(maxlen=RECENT_STEPS)).append(took)
         if prefilling:
             if self.policy == "interleave":
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +105,11 @@ class RequestSteps:
         #: Fork prefixes in-flight requests share (``sharing``); off: each prefills its own.
         self.share_prefixes = share_prefixes
         self.inflight: list[Request] = []  # admitted, not finished: candidate sources
-        #: A request decoding alone runs one step ahead (``_decode_ahead``); off, each step
-        #: reads its token before the next step is built (benchmarks/decode_ahead.py).
+        #: Decode runs one step ahead (``_decode_ahead``); off, each step reads its tokens
+        #: before the next step is built (benchmarks/decode_ahead.py).
         self.decode_ahead = True
+        #: Requests finished in the decode step under way (``_finishing_together``).
+        self._finishing: list[tuple[Request, str]] | None = None
 
     def admit(self, req: Request) -> None:
         """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
@@ -210,11 +213,11 @@ class RequestSteps:
             self.fail(req, exc)
 
     def decode(self, reqs: list[Request]) -> None:
-        """One decode step for every decoding request, in one batched forward pass; a
-        request decoding alone runs one step ahead (``_decode_ahead``)."""
-        alone = len(reqs) == 1 and reqs[0].sampler is not None and reqs[0].sampler.constraint is None
-        if alone and self.decode_ahead:
-            return self._decode_ahead(reqs[0])
+        """One decode step for every decoding request, in one batched forward pass. Without
+        a grammar the batch runs one step ahead (``_decode_ahead``); a grammar masks by the
+        text so far, so each step's tokens are read before the next is built."""
+        if self.decode_ahead and all(r.sampler is not None and r.sampler.constraint is None for r in reqs):
+            return self._decode_ahead(reqs)
         for req in reqs:
             if req.ahead is not None:
                 self._settle(req)
@@ -222,7 +225,7 @@ class RequestSteps:
         if not reqs:
             return None
         try:
-            with self.agents.lock:
+            with self.agents.lock, self._finishing_together():
                 rows = self.runner.decode([(id(r), r.token, r.start.layers) for r in reqs])  # type: ignore[union-attr]
                 # Greedy rows without a grammar: one argmax and one sync for all of them.
                 plain = [i for i, r in enumerate(reqs) if r.sampler is not None and r.sampler.greedy]
@@ -241,39 +244,65 @@ class RequestSteps:
                         self.fail(req, exc)
         except BaseException as exc:
             for req in reqs:
-                self.fail(req, exc)
+                if req.phase is not Phase.DONE:
+                    self.fail(req, exc)
 
-    def _decode_ahead(self, req: Request) -> None:
-        """One decode step of a request decoding alone, as mlx-lm's generator runs them: the
-        next step's graph is built from this step's draw (a lazy array) and queued before
-        this draw is read, so building the graph (thousands of ops in Python) and reading
-        the token overlap the model's work instead of following it. A draw that ends the turn
-        was fed already: ``_finish`` takes it out of the caches (``LayerCache.unfeed``)."""
+    def _decode_ahead(self, reqs: list[Request]) -> None:
+        """One decode step of the batch, as mlx-lm's generators run them: each member's
+        draw of the last step (a lazy array, ``Request.ahead``) is fed as this step's token
+        and the step is queued before those draws are read, so building the graph (thousands
+        of ops in Python) and reading the tokens overlap the model's work instead of following
+        it. A member that has just joined feeds its known token; one whose last draw reaches
+        max_tokens is not fed (it leaves before the step). A draw that ends a turn was fed
+        already: ``_complete`` takes it out of the caches (``LayerCache.unfeed``)."""
         try:
-            with self.agents.lock:
-                if req.ahead is None:
-                    req.ahead = self._feed(req, req.token, len(req.generated))
-                drawn = req.ahead
-                # The draw that reaches max_tokens is the last: nothing is fed after it.
-                last = len(req.generated) + 1 >= req.max_new
-                req.ahead = None if last else self._feed(req, drawn, len(req.generated) + 1)
-                token = int(drawn.item())
-                self._accept(req, token)
+            with self.agents.lock, self._finishing_together():
+                for r in reqs:
+                    if r.ahead is None and r.cancel.is_set():  # stops now, no step more
+                        self._finish(r, "cancelled")
+                reqs = [
+                    r for r in reqs if r.phase is Phase.DECODE and not (r.ahead is None and r.cancel.is_set())
+                ]
+                drawn = [r for r in reqs if r.ahead is not None]  # draws to read this call
+                # Fed: all but a member whose draw in flight is its last (max_tokens reached,
+                # or cancelled: that draw is accepted, then it finishes).
+                feed = [
+                    r
+                    for r in reqs
+                    if r.ahead is None or (len(r.generated) + 1 < r.max_new and not r.cancel.is_set())
+                ]
+                tokens = {id(r): r.ahead if r.ahead is not None else r.token for r in feed}
+                previous = mx.stack([r.ahead for r in drawn]) if drawn else None  # type: ignore[misc]
+                if feed:
+                    rows = self.runner.decode([(id(r), tokens[id(r)], r.start.layers) for r in feed])  # type: ignore[union-attr]
+                    samplers = [r.sampler for r in feed]
+                    if all(s is not None and s.greedy for s in samplers):
+                        draws = mx.argmax(rows, axis=-1)  # one op for the whole batch
+                    else:  # each its own (seed, step) key: the same draws as decoding alone
+                        steps = [len(r.generated) + (r.ahead is not None) for r in feed]
+                        draws = mx.stack(
+                            [s.lazy(rows[i], n) for i, (s, n) in enumerate(zip(samplers, steps, strict=True))]  # type: ignore[union-attr,misc]
+                        )
+                    mx.async_eval(draws)
+                for r in drawn:
+                    r.ahead = None
+                for i, r in enumerate(feed):
+                    r.ahead = draws[i]
+                if previous is None:
+                    return
+                for req, token in zip(drawn, previous.tolist(), strict=True):
+                    try:
+                        self._accept(req, token)
+                    except BaseException as exc:
+                        self.fail(req, exc)
         except BaseException as exc:
-            self.fail(req, exc)
-
-    def _feed(self, req: Request, token: int | mx.array, step: int) -> mx.array:
-        """Queue ``token`` through the model; its successor's draw, lazy (being computed)."""
-        assert req.start is not None and req.sampler is not None
-        row = self.runner.decode([(id(req), token, req.start.layers)])[0]
-        drawn = req.sampler.lazy(row, step)
-        assert drawn is not None  # no grammar: see ``decode``
-        mx.async_eval(drawn)
-        return drawn
+            for req in reqs:
+                if req.phase is not Phase.DONE:
+                    self.fail(req, exc)
 
     def _settle(self, req: Request) -> None:
-        """Leave the one-step-ahead run (another request joins the decode batch): accept the
-        draw in flight, so ``token`` is again the next to feed."""
+        """Leave the one-step-ahead run (a request with a grammar joins the decode batch):
+        accept the draw in flight, so ``token`` is again the next to feed."""
         drawn, req.ahead = req.ahead, None
         assert drawn is not None
         try:
@@ -281,6 +310,23 @@ class RequestSteps:
                 self._accept(req, int(drawn.item()))
         except BaseException as exc:
             self.fail(req, exc)
+
+    @contextmanager
+    def _finishing_together(self) -> Iterator[None]:
+        """Requests that finish in one decode step leave the batch together (one copy of the
+        batch, not one per leaver: 48 agents ending one turn made 48 copies), then commit."""
+        self._finishing = []
+        try:
+            yield
+        finally:
+            finishing, self._finishing = self._finishing, None
+            if finishing:
+                self.runner.leave(*(id(r) for r, _ in finishing))
+            for req, finish in finishing:
+                try:
+                    self._complete(req, finish)
+                except BaseException as exc:
+                    self.fail(req, exc)
 
     def _accept(self, req: Request, token: int) -> None:
         """A sampled token: end of turn, a stop sequence, the length limit, a cancel or a
@@ -308,6 +354,13 @@ class RequestSteps:
         return None
 
     def _finish(self, req: Request, finish: str) -> None:
+        """Finish now, or with the others that finish in this decode step."""
+        if self._finishing is not None:
+            self._finishing.append((req, finish))
+        else:
+            self._complete(req, finish)
+
+    def _complete(self, req: Request, finish: str) -> None:
         """Stream the rest of the text, commit the cache, hand over the result."""
         start, stream = req.start, req.stream
         assert start is not None and stream is not None
