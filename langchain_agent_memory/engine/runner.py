@@ -84,6 +84,7 @@ class ModelRunner:
         self._members: list[Hashable] = []  # the decode batch, in row order
         self._caches: list[BatchLayerCache] | None = None
         self._cache_bound = device.prefill_cache_bound()
+        self._merge = device.merged_batch()
 
     def prefill(self, ids: list[int], layers: list[LayerCache], last: bool) -> mx.array | None:
         """One prefill chunk; the last position's logits if it is the ``last`` chunk."""
@@ -116,7 +117,7 @@ class ModelRunner:
         keys = [key for key, _, _ in members]
         if self._caches is None:
             self._members = keys
-            self._caches = batch_layer_caches([layers for _, _, layers in members])
+            self._caches = batch_layer_caches([layers for _, _, layers in members], self._merge)
             return self._caches
         wanted = set(keys)
         keep = [i for i, key in enumerate(self._members) if key in wanted]

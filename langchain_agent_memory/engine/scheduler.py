@@ -30,6 +30,9 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
+#: ``remaining_prefill`` of a request waiting for another's prefix (``steps``): it is
+#: scheduled last, and the request it waits for prefills as if alone.
+WAITING = 1 << 40
 #: Decode steps kept per batch size for the median step time (``Engine.stats``).
 RECENT_STEPS = 64
 
@@ -105,7 +108,12 @@ class Scheduler:
                 request = min(prefilling, key=lambda r: (r.remaining_prefill, r.arrival))
             else:
                 request = prefilling[0]
-            alone = len(self.active) == 1 and not self.waiting
+            # Alone: nothing else to serve (requests waiting for this one's prefix need it
+            # done first: a fan-out's source prefills in the larger chunks)
+            alone = not self.waiting and all(
+                r is request or (r.phase is Phase.PREFILL and r.remaining_prefill >= WAITING)
+                for r in self.active
+            )
             chunk = self.alone_chunk_tokens if alone else self.chunk_tokens
             budget = chunk - min(request.remaining_prefill, chunk)
             self._prefill(request, chunk)

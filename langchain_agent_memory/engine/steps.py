@@ -25,7 +25,7 @@ from .results import (
 )
 from .runner import ModelRunner, Sampler
 from .runtime import mx
-from .scheduler import Phase
+from .scheduler import WAITING, Phase
 from .sharing import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
@@ -79,10 +79,6 @@ class Request:
         if source.phase is Phase.PREFILL and source.holds < tokens:
             return WAITING
         return left - (tokens - len(self.start.known))
-
-
-#: ``remaining_prefill`` of a request waiting for another's prefix: it is scheduled last.
-WAITING = 1 << 40
 
 
 class RequestSteps:

@@ -23,7 +23,8 @@ class BatchLayerCache:
 
     - full-attention layers: the agents' working copies merged into one left-padded buffer
       (built when the batch forms, appended in place for all agents at once, a member's
-      rows handed back to it when it leaves), one attention call with a padding mask;
+      rows handed back to it when it leaves), one attention call with a padding mask
+      (``merge``; otherwise each agent over its own copy, as on sliding layers);
     - sliding-window layers: each agent over its own cache (windows slide apart).
 
     Either way each agent attends to exactly its own keys, as in a step alone. It satisfies
@@ -31,8 +32,9 @@ class BatchLayerCache:
     ``make_mask`` the padding mask): on a GPU the stock attention runs on it.
     """
 
-    def __init__(self, caches: list[LayerCache], offsets: mx.array) -> None:
+    def __init__(self, caches: list[LayerCache], offsets: mx.array, merge: bool = True) -> None:
         self.caches = list(caches)
+        self._merges = merge  # full-attention layers over working copies: one merged buffer
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets
         self._merged: _Merged | None = None
@@ -102,7 +104,13 @@ class BatchLayerCache:
 
     def _merge(self) -> _Merged | None:
         """The merged buffer of a full-attention layer (built at the batch's first step)."""
-        if self._merged is None and not self._sliding and len(self.caches) > 1 and not self._stored:
+        if (
+            self._merged is None
+            and self._merges
+            and not self._sliding
+            and len(self.caches) > 1
+            and not self._stored
+        ):
             self._merged = _Merged.of(self.caches, self.caches[0].dtype)
         return self._merged
 
@@ -275,8 +283,9 @@ def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
     return mx.pad(x, pad, constant_values=value) if width > x.shape[axis] else x
 
 
-def batch_layer_caches(per_agent: list[list[LayerCache]]) -> list[BatchLayerCache]:
+def batch_layer_caches(per_agent: list[list[LayerCache]], merge: bool = True) -> list[BatchLayerCache]:
     """Layer-major view of several agents' layer caches, for batched forward passes (keep
-    it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``)."""
+    it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``);
+    ``merge``: working copies of full-attention layers merged into one buffer."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
-    return [BatchLayerCache(list(layer), offsets) for layer in zip(*per_agent, strict=True)]
+    return [BatchLayerCache(list(layer), offsets, merge) for layer in zip(*per_agent, strict=True)]

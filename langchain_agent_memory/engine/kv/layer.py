@@ -381,8 +381,10 @@ class LayerCache:
             k, v = self._decoded(lo, dtype, krot, vrot, room=True)
             w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
         elif not rotated and (w.krot or w.vrot):
-            used = w.end - w.start
-            w.k, w.v = _in_space(w.k[:, :, :used], w.krot, False), _in_space(w.v[:, :, :used], w.vrot, False)
+            # The whole buffer, its spare rows too (zeros, or rows past ``end`` that appends
+            # overwrite before any query reads them): cut to the used rows, the next append
+            # copied all of it again to make room (every layer of every member of a fan-out).
+            w.k, w.v = _in_space(w.k, w.krot, False), _in_space(w.v, w.vrot, False)
             w.krot = w.vrot = False
         a, b = lo - w.start, w.end - w.start
         return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
