@@ -159,21 +159,27 @@ def stored_attention(
 #: There a segment is decoded for the call instead (a layer's transient copy: 0.12 ms for
 #: 32K keys). Metal and the CPU have every width and both products natively.
 CUDA_BITS = (4, 8)
+#: Query rows (per matrix) up to which CUDA takes the scores product (its vector kernel): a
+#: prefill chunk's rows go to the matrix kernel, which has no implementation for a key
+#: count that is not a multiple of its tiles (plain q4 on the H200, 15 new tokens over an
+#: 8207-token body: "No implementation for problem shape: 60x8207x128x8").
+CUDA_VECTOR_ROWS = 8
 
 
-def native(codec: TensorCodec, transpose: bool) -> bool:
-    """Whether this device multiplies ``codec``'s stored form directly (``quantized_matmul``)."""
+def native(codec: TensorCodec, transpose: bool, rows: int = 1) -> bool:
+    """Whether this device multiplies ``codec``'s stored form directly (``quantized_matmul``)
+    for ``rows`` query rows."""
     if codec.bits is None:
         return False
     if mx.cuda.is_available() and mx.default_device() != mx.cpu:
-        return transpose and codec.bits in CUDA_BITS
+        return transpose and codec.bits in CUDA_BITS and rows <= CUDA_VECTOR_ROWS
     return True
 
 
 def _product(x: mx.array, parts: Parts, codec: TensorCodec, transpose: bool) -> mx.array:
     """``x @ stored.T`` (scores) or ``x @ stored`` (values) on the stored form, still in the
     codec's rotated space where it rotates."""
-    if not native(codec, transpose):
+    if not native(codec, transpose, x.shape[-2]):
         w = codec.decode(parts, x.dtype)
         return x @ (w.swapaxes(-1, -2) if transpose else w)
     q, scales, biases = parts
