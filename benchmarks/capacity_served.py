@@ -286,28 +286,31 @@ def run(args: argparse.Namespace) -> None:
     def texts(i: int) -> str:
         return f"Agent {i} reads:\n{body}"
 
-    for system in args.systems.split(","):
-        log(f"{system} ...")
-        try:
-            if system == "mlx-lm":
-                ns = tuple(int(x) for x in args.mlx_ns.split(",") if x)
-                found = most_within(
-                    MlxLmAgents(loaded.model, loaded.tokenizer, texts).round, budget, (2, 4), ns
-                )
-            else:
-                agents = OursAgents(model_dir, root / system, FORMATS[system], texts, args.context)
-                try:
-                    ns = tuple(int(x) for x in args.ns.split(",") if x)
-                    found = most_within(agents.round, budget, (4, 8), ns)
-                finally:
-                    agents.close()
-                    shutil.rmtree(root / system, ignore_errors=True)  # ~0.4 GB on disk per agent
-            result["systems"][system] = found
-        except Exception as exc:
-            result["systems"][system] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        log(f"{system}: {json.dumps(result['systems'][system].get('best') or result['systems'][system])}")
-        save()
-        _settled()
+    try:
+        for system in args.systems.split(","):
+            log(f"{system} ...")
+            try:
+                if system == "mlx-lm":
+                    ns = tuple(int(x) for x in args.mlx_ns.split(",") if x)
+                    found = most_within(
+                        MlxLmAgents(loaded.model, loaded.tokenizer, texts).round, budget, (2, 4), ns
+                    )
+                else:
+                    agents = OursAgents(model_dir, root / system, FORMATS[system], texts, args.context)
+                    try:
+                        ns = tuple(int(x) for x in args.ns.split(",") if x)
+                        found = most_within(agents.round, budget, (4, 8), ns)
+                    finally:
+                        agents.close()
+                        shutil.rmtree(root / system, ignore_errors=True)  # ~0.4 GB on disk per agent
+                result["systems"][system] = found
+            except Exception as exc:
+                result["systems"][system] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            log(f"{system}: {json.dumps(result['systems'][system].get('best') or result['systems'][system])}")
+            save()
+            _settled()
+    finally:  # the random model (16 GB) and the agents' blocks: a device's disk is small
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def plot(path: Path) -> None:
