@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,14 +160,14 @@ def mlx_decode(peer: Any, prompt: str, n: int) -> float:
 
 
 def mlx_batch_decode(model: Any, tokenizer: Any, prompts: list[str], n: int) -> float:
-    """mlx-lm's ``BatchGenerator``: tokens/s over the steps in which every sequence of the
-    batch produced a token (its prefill, joins and leaves left out, as for ours)."""
+    """mlx-lm's ``BatchGenerator``: tokens/s at the median step in which every sequence of
+    the batch produced a token (its prefill, joins and leaves left out, as for ours)."""
     from mlx_lm.generate import BatchGenerator
 
     def round_(max_tokens: int) -> float:
         gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[])
         gen.insert([tokenizer.encode(p) for p in prompts])
-        full_steps, seconds, t_prev = 0, 0.0, None
+        took, t_prev = [], None
         while True:
             responses = gen.next_generated()
             now = time.perf_counter()
@@ -174,11 +175,10 @@ def mlx_batch_decode(model: Any, tokenizer: Any, prompts: list[str], n: int) -> 
                 break
             full = len(responses) == len(prompts) and not any(r.finish_reason for r in responses)
             if full and t_prev is not None:
-                full_steps += 1
-                seconds += now - t_prev
+                took.append(now - t_prev)
             t_prev = now
         gen.close()
-        return full_steps * len(prompts) / seconds if seconds else 0.0
+        return len(prompts) / statistics.median(took) if took else 0.0
 
     round_(4)  # kernels of this batch size compiled before the clock, as for ours
     return round_(n)
@@ -188,7 +188,7 @@ def ours_batch_decode(
     model_dir: Path, root: Path, prompts: list[str], n: int, attention: str | None = None
 ) -> float:
     """Our engine: ``len(prompts)`` agents (each cached, hot) decoding ``n`` tokens together:
-    tokens/s over the steps in which all of them decoded (the scheduler's own clock)."""
+    tokens/s at the median step in which all of them decoded (the scheduler's own clock)."""
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
 
     engine = Engine(model_dir, cache_dir=root / f"batch-{len(prompts)}", kv_bits=4, attention=attention)
@@ -210,12 +210,12 @@ def ours_batch_decode(
             t.join()
 
     together(0, 4)  # kernels of this batch size compiled before the clock
-    before = engine.stats()["decode_steps"].get(b, [0, 0.0])
     together(1, n)
-    after = engine.stats()["decode_steps"].get(b, [0, 0.0])
+    # the median step of the batch (the scheduler's clock): the steps in which members join,
+    # or leave and commit, are left out, as they are of mlx-lm's figure
+    median = engine.stats()["decode_step_median_s"].get(b, 0.0)
     engine.close()
-    steps, seconds = after[0] - before[0], after[1] - before[1]
-    return b * steps / seconds if seconds else 0.0
+    return b / median if median else 0.0
 
 
 # ------------------------------------------------------------------------- one model
