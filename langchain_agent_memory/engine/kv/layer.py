@@ -377,6 +377,9 @@ class LayerCache:
         otherwise (a decode step) the copy is moved out of it, once."""
         w = self._work
         if w is None or w.start > lo or w.end != self.offset:
+            # The rotated space only where a stored body is in it: a copy of full-precision
+            # tokens only (a fan-out's fork) would be rotated for its tail, then back.
+            rotated = rotated and self.keys is not None and max(lo, self.body_start) < self.committed_end
             krot, vrot = self.quant.keys.rotate and rotated, self.quant.values.rotate and rotated
             k, v = self._decoded(lo, dtype, krot, vrot, room=True)
             w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
