@@ -194,7 +194,7 @@ class Engine:
         self._steps = steps
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=scheduling, chunk_tokens=chunk_tokens,
-            alone_chunk_tokens=alone_chunk,
+            alone_chunk_tokens=alone_chunk, prefill_whole=steps.prefill_whole,
         )  # fmt: skip
         self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread

@@ -93,6 +93,33 @@ class ModelRunner:
             mx.clear_cache()  # buffers of sizes the next chunks will not ask for (``device``)
         return logits
 
+    def prefill_whole(self, items: list[tuple[list[int], list[LayerCache]]]) -> mx.array:
+        """Several requests' whole prefills (token ids, their layer caches) in one batched
+        forward pass: the logits (float32) of each one's last token, in the order given.
+
+        The shorter ones are padded on the right: a causal query never sees a later
+        position, so their real tokens compute what they would alone, and the padding's
+        keys and values are taken out of their caches after the pass (``unfeed``). Each
+        member attends over its own caches (no merged buffer: built for one pass, it would
+        be a copy of every member's keys for nothing)."""
+        if len(items) == 1:
+            ids, layers = items[0]
+            logits = self.prefill(ids, layers, last=True)
+            assert logits is not None
+            return logits[None]
+        width = max(len(ids) for ids, _ in items)
+        tokens = mx.array([ids + [ids[-1]] * (width - len(ids)) for ids, _ in items])
+        caches = batch_layer_caches([layers for _, layers in items], merge=False, merge_stored=False)
+        hidden = self.model.model(tokens, cache=caches)
+        last = hidden[mx.arange(len(items)), mx.array([len(ids) - 1 for ids, _ in items])]
+        logits = logits_from_hidden(self.model, last[:, None])[:, -1].astype(mx.float32)
+        mx.eval(logits)
+        for ids, layers in items:
+            if len(ids) < width:
+                for layer in layers:
+                    layer.unfeed(width - len(ids))
+        return logits
+
     def decode(self, members: list[Member]) -> mx.array:
         """One decode step for each (request key, token to feed, its layer caches): the
         logits rows (float32), in the order given. A token may be a lazy array (the last

@@ -64,10 +64,14 @@ class Scheduler:
         policy: str = "interleave",
         chunk_tokens: int = 512,
         alone_chunk_tokens: int | None = None,
+        prefill_whole: Callable[[list[Schedulable]], None] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, not {policy!r}")
         self._admit, self._prefill, self._decode = admit, prefill, decode
+        #: Several requests' whole remaining prefills in one batched forward pass (none:
+        #: one ``prefill`` call each)
+        self._prefill_whole = prefill_whole
         self.policy = policy
         self.chunk_tokens = chunk_tokens
         #: The chunk of a prefill with nothing else to serve: larger chunks run the model's
@@ -116,25 +120,39 @@ class Scheduler:
             )
             chunk = self.alone_chunk_tokens if alone else self.chunk_tokens
             budget = chunk - min(request.remaining_prefill, chunk)
-            self._prefill(request, chunk)
-            if self.policy == "interleave":
-                self._prefill_short(prefilling, request, budget)
+            if self.policy == "interleave" and request.remaining_prefill <= chunk:
+                self._prefill_together([request, *self._short(prefilling, request, budget)])
+            else:
+                self._prefill(request, chunk)
+                if self.policy == "interleave":
+                    self._prefill_together(self._short(prefilling, request, budget))
         self.active = [r for r in self.active if r.phase is not Phase.DONE]
         self.steps += 1
 
-    def _prefill_short(self, prefilling: list[Schedulable], done: Schedulable, budget: int) -> None:
-        """What is left of the step's chunk goes to other requests whose whole prefill fits
-        in it (fewest tokens first): a fan-out's short tails then finish in one step and
-        join the decode batch together (one merged-buffer build, not one per member)."""
-        others = [r for r in prefilling if r is not done]
-        while budget > 0 and others:
-            request = min(others, key=lambda r: (r.remaining_prefill, r.arrival))
+    def _short(self, prefilling: list[Schedulable], done: Schedulable, budget: int) -> list[Schedulable]:
+        """Other requests whose whole prefill fits in what is left of the step's chunk
+        (fewest tokens first): a fan-out's short tails then finish in one step and join the
+        decode batch together (one merged-buffer build, not one per member)."""
+        chosen: list[Schedulable] = []
+        for request in sorted(
+            (r for r in prefilling if r is not done), key=lambda r: (r.remaining_prefill, r.arrival)
+        ):
             need = request.remaining_prefill
-            if need > budget or request.phase is not Phase.PREFILL:
-                return
-            self._prefill(request, need)
-            others.remove(request)
+            if need > budget:
+                break
+            chosen.append(request)
             budget -= need
+        return chosen
+
+    def _prefill_together(self, requests: list[Schedulable]) -> None:
+        """The whole remaining prefill of each of ``requests``: one batched forward pass
+        where the steps offer it, else one call each."""
+        if len(requests) > 1 and self._prefill_whole is not None:
+            self._prefill_whole(requests)
+            return
+        for request in requests:
+            if request.phase is Phase.PREFILL:
+                self._prefill(request, request.remaining_prefill)
 
     def _admit_waiting(self) -> None:
         busy = {r.agent_id for r in self.active}

@@ -199,14 +199,46 @@ class RequestSteps:
                 if logits is None:
                     req.timings.prefill_s += time.perf_counter() - t0
                     return
-                token = req.sampler(logits, 0)
-                req.timings.prefill_s += time.perf_counter() - t0
-                req.timings.ttft_s = time.perf_counter() - req.t_start
-                req.phase = Phase.DECODE
-                req.decode_t0 = time.perf_counter()
-                self._accept(req, token)
+                self._first_token(req, logits, t0)
         except BaseException as exc:
             self.fail(req, exc)
+
+    def prefill_whole(self, reqs: list[Request]) -> None:
+        """The whole remaining prefill of each of ``reqs`` (short: a fan-out's tails after
+        their fork, many agents' new turns) in one batched forward pass, then each one's
+        first token. One at a time, 56 agents' 15-token turns on the H200 ran 56 forward
+        passes of an 8B model before their batch could decode."""
+        try:
+            with self.agents.lock:
+                t0 = time.perf_counter()
+                for req in reqs:
+                    if req.share is not None:
+                        self._fork(req)
+                ready = [r for r in reqs if r.phase is Phase.PREFILL and r.start is not None]
+                tails = [r.start.tail.ids[r.prefilled :] for r in ready]  # type: ignore[union-attr]
+                logits = self.runner.prefill_whole(
+                    [(ids, r.start.layers) for ids, r in zip(tails, ready, strict=True)]
+                )  # type: ignore[union-attr]
+                for i, (req, ids) in enumerate(zip(ready, tails, strict=True)):
+                    req.prefilled += len(ids)
+                    try:
+                        self._first_token(req, logits[i], t0)
+                    except BaseException as exc:
+                        self.fail(req, exc)
+        except BaseException as exc:
+            for req in reqs:
+                if req.phase is not Phase.DONE:
+                    self.fail(req, exc)
+
+    def _first_token(self, req: Request, logits: mx.array, t0: float) -> None:
+        """The prefill is done: sample the first token, start decoding."""
+        assert req.sampler is not None
+        token = req.sampler(logits, 0)
+        req.timings.prefill_s += time.perf_counter() - t0
+        req.timings.ttft_s = time.perf_counter() - req.t_start
+        req.phase = Phase.DECODE
+        req.decode_t0 = time.perf_counter()
+        self._accept(req, token)
 
     def decode(self, reqs: list[Request]) -> None:
         """One decode step for every decoding request, in one batched forward pass. Without

@@ -121,11 +121,16 @@ class Worker:
         items: queue.Queue[tuple[int, Any]] = queue.Queue()
         cancel = threading.Event()
         self.submit(start, cancel, Sink(items.put))
+        ended = yielded = False
         try:
             while (item := _unpack(items.get())) is not _DONE:
+                yielded = True
                 yield item
+            ended = True
         finally:
             cancel.set()  # the consumer stopped early (or the stream ended: harmless)
+            if yielded and not ended:  # decoding: it stops within a step (see ``_settled``)
+                _settled(lambda: items.get(timeout=SETTLE_S))
 
     async def aiterate(self, start: Start) -> AsyncIterator[Any]:
         """Async twin of ``iterate``: the event loop only awaits a queue."""
@@ -137,14 +142,40 @@ class Worker:
             loop.call_soon_threadsafe(items.put_nowait, entry)
 
         self.submit(start, cancel, Sink(put))
+        ended = yielded = False
         try:
             while (item := _unpack(await items.get())) is not _DONE:
+                yielded = True
                 yield item
+            ended = True
         finally:
             cancel.set()
+            if yielded and not ended:
+                try:
+                    while (await asyncio.wait_for(items.get(), SETTLE_S))[0] not in (_END, _ERROR):
+                        pass
+                except asyncio.TimeoutError:
+                    logger.warning("a cancelled stream did not end within %s s; not waiting for it", SETTLE_S)
 
 
 _DONE = object()
+
+
+#: Seconds a closed stream waits for its request to stop (a step takes well under one;
+#: a worker that hangs must not hang the consumer too).
+SETTLE_S = 30.0
+
+
+def _settled(get: Callable[[], tuple[int, Any]]) -> None:
+    """Wait for the end of a stream whose consumer stopped while it was decoding: the
+    request sees the cancel at its next token and commits what it generated, so once
+    ``close()`` returns the agent's cache holds the reply so far (a stream closed during
+    its prefill does not wait: that would be the whole prefill)."""
+    try:
+        while get()[0] not in (_END, _ERROR):
+            pass
+    except queue.Empty:
+        logger.warning("a cancelled stream did not end within %s s; not waiting for it", SETTLE_S)
 
 
 def _unpack(entry: tuple[int, Any]) -> Any:

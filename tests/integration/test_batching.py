@@ -233,3 +233,50 @@ def test_fan_out_prefills_the_shared_prefix_once(smollm: Any, tmp_path: Path, to
         engine.drop_hot(agent)
         again = engine.generate(agent, prompt + got[agent].text + "\nQ: Thanks.\nA:", params)
         assert again.outcome.match.value == "extend"
+
+
+@pytest.mark.parametrize("attention", ["copy", "stored"])
+def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
+    attention: str,
+    smollm: Any,
+    tmp_path: Path,
+    together: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    figures: dict[str, str],
+) -> None:
+    """Three hot agents get follow-ups of different lengths at once: their new tokens run
+    in one batched forward pass (the shorter padded on the right, the padding taken out of
+    their caches after it), and each reply and stored cache equals the agent's alone."""
+    from langchain_agent_memory.engine.runner import ModelRunner
+
+    passes: list[list[int]] = []
+    whole = ModelRunner.prefill_whole
+    monkeypatch.setattr(
+        ModelRunner,
+        "prefill_whole",
+        lambda self, items: passes.append([len(ids) for ids, _ in items]) or whole(self, items),
+    )
+    follow = {
+        "lawyer": "\nQ: And who wrote it?\nA:",
+        "tutor": "\nQ: Why?\nA:",
+        "poet": "\nNow one more line, please, about the moon.\n",
+    }
+    alone = Engine("smollm2-135m", cache_dir=tmp_path / "alone", kv_bits=None, attention=attention)
+    batched = Engine("smollm2-135m", cache_dir=tmp_path / "batched", kv_bits=None, attention=attention)
+    for engine in (alone, batched):
+        for agent, prompt in PROMPTS.items():
+            engine.generate(agent, prompt, GREEDY)
+    expected = {
+        agent: alone.generate(agent, alone.cached_text(agent) + follow[agent], GREEDY) for agent in PROMPTS
+    }
+    passes.clear()
+    got = together(batched, {agent: batched.cached_text(agent) + follow[agent] for agent in PROMPTS}, GREEDY)
+    assert any(len(lens) >= 2 and len(set(lens)) >= 2 for lens in passes), passes  # one pass, unequal tails
+    for agent in PROMPTS:
+        assert str(got[agent].outcome) == "hot-extend", got[agent].outcome
+        assert got[agent].text == expected[agent].text, agent
+        a, b = alone.store.get_agent(agent), batched.store.get_agent(agent)
+        assert a is not None and b is not None and a.token_ids == b.token_ids
+    figures[f"short turns in one prefill pass ({attention})"] = (
+        f"tails of {passes[0]} tokens in one pass, replies identical to each alone"
+    )

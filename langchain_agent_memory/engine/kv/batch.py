@@ -32,9 +32,12 @@ class BatchLayerCache:
     ``make_mask`` the padding mask): on a GPU the stock attention runs on it.
     """
 
-    def __init__(self, caches: list[LayerCache], offsets: mx.array, merge: bool = True) -> None:
+    def __init__(
+        self, caches: list[LayerCache], offsets: mx.array, merge: bool = True, merge_stored: bool = True
+    ) -> None:
         self.caches = list(caches)
         self._merges = merge  # full-attention layers over working copies: one merged buffer
+        self._merges_stored = merge_stored  # ... over stored forms: one ``StoredBatch``
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets
         self._merged: _Merged | None = None
@@ -119,6 +122,7 @@ class BatchLayerCache:
         form through ``LayerCache.attend`` (built at the batch's first step)."""
         if (
             self._stored_batch is None
+            and self._merges_stored
             and self._stored
             and not self._sliding
             and len(self.caches) > 1
@@ -283,9 +287,14 @@ def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
     return mx.pad(x, pad, constant_values=value) if width > x.shape[axis] else x
 
 
-def batch_layer_caches(per_agent: list[list[LayerCache]], merge: bool = True) -> list[BatchLayerCache]:
+def batch_layer_caches(
+    per_agent: list[list[LayerCache]], merge: bool = True, merge_stored: bool = True
+) -> list[BatchLayerCache]:
     """Layer-major view of several agents' layer caches, for batched forward passes (keep
     it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``);
-    ``merge``: working copies of full-attention layers merged into one buffer."""
+    ``merge``: working copies of full-attention layers merged into one buffer; ``merge_stored``:
+    stored forms into one ``StoredBatch`` (both off: each agent attends over its own)."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
-    return [BatchLayerCache(list(layer), offsets, merge) for layer in zip(*per_agent, strict=True)]
+    return [
+        BatchLayerCache(list(layer), offsets, merge, merge_stored) for layer in zip(*per_agent, strict=True)
+    ]
