@@ -64,7 +64,9 @@ def text_ids(tok: Any, n: int) -> list[int]:
     return tok.encode(corpus.python_docs())[:n]
 
 
-def long_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], context: int) -> dict:
+def long_perplexity(
+    lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], context: int, stored: bool = False
+) -> dict:
     from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
     from langchain_agent_memory.engine.model.quality import (
         _fill_pending,
@@ -76,7 +78,9 @@ def long_perplexity(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int],
     _fill_pending(lm.model, base, ids[:context])
     out = {}
     for name, fmt in formats.items():
-        n, c = stored_context_nll(lm.model, clone_with_format(base, fmt), ids[context - 1 : context + 256])
+        n, c = stored_context_nll(
+            lm.model, clone_with_format(base, fmt, stored), ids[context - 1 : context + 256]
+        )
         out[name] = math.exp(n / c)
     return out
 
@@ -114,7 +118,9 @@ def two_turns(tok: Any) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def greedy_agreement(model_name: str, formats: dict[str, Any], progress: Any) -> dict:
+def greedy_agreement(
+    model_name: str, formats: dict[str, Any], progress: Any, attention: str | None = None
+) -> dict:
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
 
     turn1 = GenerationParams(max_tokens=16)
@@ -123,7 +129,7 @@ def greedy_agreement(model_name: str, formats: dict[str, Any], progress: Any) ->
     bytes_per_token: dict[str, float] = {}
     for name, fmt in formats.items():
         with tempfile.TemporaryDirectory() as tmp:
-            eng = Engine(model_name, cache_dir=tmp, kv_format=fmt)
+            eng = Engine(model_name, cache_dir=tmp, kv_format=fmt, attention=attention)
             outs = []
             for i, (p1, second) in enumerate(two_turns(eng.tokenizer)):
                 r1 = eng.generate(f"a{i}", p1, turn1)  # wholly at full precision
@@ -165,7 +171,7 @@ def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dic
     return out
 
 
-def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
+def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], stored: bool = False) -> dict:
     """Per format: prefill tok/s of 512 new tokens and decode tok/s of 16 steps, both over
     a stored 2K context (best of 2)."""
     from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
@@ -179,7 +185,7 @@ def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
     for name, fmt in formats.items():
         best_p = best_d = float("inf")
         for _ in range(2):
-            caches = clone_with_format(base, fmt)
+            caches = clone_with_format(base, fmt, stored)
             for c in caches:
                 c.commit()
             mx.eval([c.state for c in caches])
@@ -205,11 +211,19 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=12, help="512-token windows for the perplexity")
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS), help="long-context lengths")
     ap.add_argument(
+        "--attention",
+        choices=["copy", "stored"],
+        default="copy",
+        help="what a request attends over (stored: its stored form; writes fidelity_stored.json)",
+    )
+    ap.add_argument(
         "--speeds-only",
         action="store_true",
         help="re-measure only the speeds and block bytes (quiet machine), updating fidelity.json",
     )
     a = ap.parse_args()
+    stored = a.attention == "stored"
+    name = "fidelity_stored" if stored else "fidelity"
 
     from rich.console import Console
     from rich.progress import Progress
@@ -234,33 +248,33 @@ def main() -> None:
 
         out = HERE / "results"
         if a.speeds_only:
-            results = json.loads((out / "fidelity.json").read_text())
+            results = json.loads((out / f"{name}.json").read_text())
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
             ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 528)  # speeds reads 2,576
             if a.speeds_only:
                 r = results[model_name]
-                speed = speeds(lm, spec, formats, ids)
+                speed = speeds(lm, spec, formats, ids, stored)
                 r["prefill_tok_s"], r["decode_tok_s"] = speed["prefill"], speed["decode"]
                 r["block_bytes_per_token"] = block_bytes(model_name, formats, ids)
                 continue
             r: dict[str, Any] = {"fp16_bytes_per_token": spec.fp16_bytes_per_token()}
             progress.update(task, description=f"{model_name}: perplexity (512 windows)")
-            r["ppl_512"] = stored_perplexity(lm.model, spec, formats, ids, a.windows)
+            r["ppl_512"] = stored_perplexity(lm.model, spec, formats, ids, a.windows, stored)
             step(f"{model_name}: long contexts")
             r["ppl_long"] = {}
             for ctx in a.contexts:
-                r["ppl_long"][str(ctx)] = long_perplexity(lm, spec, formats, ids, ctx)
+                r["ppl_long"][str(ctx)] = long_perplexity(lm, spec, formats, ids, ctx, stored)
                 step()
             progress.update(task, description=f"{model_name}: per-layer K/V error")
             r["layer_errors"] = layer_errors(lm, spec, formats, ids)
             step(f"{model_name}: prefill speed")
-            speed = speeds(lm, spec, formats, ids)
+            speed = speeds(lm, spec, formats, ids, stored)
             r["prefill_tok_s"], r["decode_tok_s"] = speed["prefill"], speed["decode"]
             r["block_bytes_per_token"] = block_bytes(model_name, formats, ids)
             step(f"{model_name}: greedy agreement")
-            r.update(greedy_agreement(model_name, formats, step))
+            r.update(greedy_agreement(model_name, formats, step, a.attention))
             step()
             r["measured_on"] = {name: time.strftime("%Y-%m-%d") for name in formats}
             results[model_name] = r
@@ -296,13 +310,13 @@ def main() -> None:
         console.print(table)
 
     out.mkdir(exist_ok=True)
-    path = out / "fidelity.json"
+    path = out / f"{name}.json"
     if path.exists() and not a.speeds_only:  # a run of some formats / models keeps the others'
         results = _merged(json.loads(path.read_text()), results)
     path.write_text(json.dumps(results, indent=2))
     every = sorted({n for r in results.values() for n in r["ppl_512"]}, key=lambda n: (n != "fp16", n))
-    plot(results, every, out / "fidelity.png")
-    console.print(f"wrote {out / 'fidelity.json'} and fidelity.png")
+    plot(results, every, out / f"{name}.png")
+    console.print(f"wrote {path} and {name}.png")
 
 
 def _merged(old: dict, new: dict) -> dict:

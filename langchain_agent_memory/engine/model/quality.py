@@ -60,14 +60,15 @@ def _fill_pending(model: Any, caches: list[Any], token_ids: Sequence[int], chunk
     prefill(model, token_ids, caches, chunk)
 
 
-def clone_with_format(caches: list[Any], quant: Any) -> list[Any]:
+def clone_with_format(caches: list[Any], quant: Any, serve_stored: bool = False) -> list[Any]:
     """Copies of layer caches whose pending tokens will be stored as ``quant`` on commit
-    (a full-precision prefill done once serves every KV format compared)."""
+    (a full-precision prefill done once serves every KV format compared); ``serve_stored``:
+    they attend over their stored form (``LayerCache``), not a working copy."""
     from ..kv import LayerCache
 
     out = []
     for c in caches:
-        n = LayerCache(c.spec, quant, c.dtype)
+        n = LayerCache(c.spec, quant, c.dtype, serve_stored=serve_stored)
         n.start, n.offset = c.start, c.offset
         n.set_pending(c.pending_k, c.pending_v)
         out.append(n)
@@ -101,7 +102,12 @@ def stored_context_nll(
 
 
 def stored_perplexity(
-    model: Any, spec: Any, formats: dict[str, Any], token_ids: Sequence[int], windows: int
+    model: Any,
+    spec: Any,
+    formats: dict[str, Any],
+    token_ids: Sequence[int],
+    windows: int,
+    serve_stored: bool = False,
 ) -> dict[str, float]:
     """Perplexity per KV format with 512-token windows moved by 256: in each window the
     first 256 tokens are the context (prefilled once at full precision, then *stored* in
@@ -118,7 +124,7 @@ def stored_perplexity(
         base = make_layer_caches(spec, KVQuant.uniform(None))
         _fill_pending(model, base, window[:256])
         for name, fmt in formats.items():
-            n, c = stored_context_nll(model, clone_with_format(base, fmt), window[255:])
+            n, c = stored_context_nll(model, clone_with_format(base, fmt, serve_stored), window[255:])
             nll[name] += n
             count[name] += c
     return {name: math.exp(nll[name] / count[name]) for name in formats}
