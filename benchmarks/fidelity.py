@@ -136,10 +136,12 @@ def greedy_agreement(
                 r2 = eng.generate(f"a{i}", second(r1.text), turn2)  # over turn 1, stored
                 assert r2.outcome.source.value == "hot" and r2.reused_tokens > 0, r2.outcome
                 outs.append(eng.tokenizer.encode(r2.text, add_special_tokens=False))
+            eng.flush()  # saves run on a thread of their own: the files are complete after it
             files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
             n_tokens = sum(eng.cached_tokens(f"a{i}") for i in range(len(QUESTIONS)))
             bytes_per_token[name] = sum(f.stat().st_size for f in files) / max(n_tokens, 1)
             outputs[name] = outs
+            eng.close()
         progress()
     agreement = {}
     for name, outs in outputs.items():
@@ -164,10 +166,12 @@ def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dic
         with tempfile.TemporaryDirectory() as tmp:
             eng = Engine(model_name, cache_dir=tmp, kv_format=fmt)
             eng.generate("a", eng.tokenizer.decode(ids[:700]), GenerationParams(max_tokens=1))
+            eng.flush()  # the record is published once its blocks are written (a save thread)
             record = eng.store.get_agent("a")
             assert record is not None
             sizes = [next(Path(tmp).rglob(f"{h}.safetensors")).stat().st_size for h in record.blocks]
             out[name] = [size / (min(256, len(record.token_ids) - 256 * i)) for i, size in enumerate(sizes)]
+            eng.close()
     return out
 
 
@@ -216,6 +220,7 @@ def main() -> None:
         default="copy",
         help="what a request attends over (stored: its stored form; writes fidelity_stored.json)",
     )
+    ap.add_argument("--name", default=None, help="results/NAME.json (default fidelity / fidelity_stored)")
     ap.add_argument(
         "--speeds-only",
         action="store_true",
@@ -223,7 +228,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     stored = a.attention == "stored"
-    name = "fidelity_stored" if stored else "fidelity"
+    stem = a.name or ("fidelity_stored" if stored else "fidelity")
 
     from rich.console import Console
     from rich.progress import Progress
@@ -248,7 +253,7 @@ def main() -> None:
 
         out = HERE / "results"
         if a.speeds_only:
-            results = json.loads((out / f"{name}.json").read_text())
+            results = json.loads((out / f"{stem}.json").read_text())
         for model_name in a.models:
             lm = load_model(model_name)
             spec = ModelCacheSpec.from_model(lm.model)
@@ -310,13 +315,13 @@ def main() -> None:
         console.print(table)
 
     out.mkdir(exist_ok=True)
-    path = out / f"{name}.json"
+    path = out / f"{stem}.json"
     if path.exists() and not a.speeds_only:  # a run of some formats / models keeps the others'
         results = _merged(json.loads(path.read_text()), results)
     path.write_text(json.dumps(results, indent=2))
     every = sorted({n for r in results.values() for n in r["ppl_512"]}, key=lambda n: (n != "fp16", n))
-    plot(results, every, out / f"{name}.png")
-    console.print(f"wrote {path} and {name}.png")
+    plot(results, every, out / f"{stem}.png")
+    console.print(f"wrote {path} and {stem}.png")
 
 
 def _merged(old: dict, new: dict) -> dict:

@@ -114,6 +114,8 @@ class ModelRunner:
         last = hidden[mx.arange(len(items)), mx.array([len(ids) - 1 for ids, _ in items])]
         logits = logits_from_hidden(self.model, last[:, None])[:, -1].astype(mx.float32)
         mx.eval(logits)
+        if self._cache_bound is not None and mx.get_cache_memory() > self._cache_bound:
+            mx.clear_cache()  # as after a prefill chunk (``device.prefill_cache_bound``)
         for ids, layers in items:
             if len(ids) < width:
                 for layer in layers:

@@ -226,9 +226,7 @@ class RequestSteps:
                     except BaseException as exc:
                         self.fail(req, exc)
         except BaseException as exc:
-            for req in reqs:
-                if req.phase is not Phase.DONE:
-                    self.fail(req, exc)
+            self._fail_unfinished(reqs, exc)
 
     def _first_token(self, req: Request, logits: mx.array, t0: float) -> None:
         """The prefill is done: sample the first token, start decoding."""
@@ -271,9 +269,7 @@ class RequestSteps:
                     except BaseException as exc:
                         self.fail(req, exc)
         except BaseException as exc:
-            for req in reqs:
-                if req.phase is not Phase.DONE:
-                    self.fail(req, exc)
+            self._fail_unfinished(reqs, exc)
 
     def _decode_ahead(self, reqs: list[Request]) -> None:
         """One decode step of the batch, as mlx-lm's generators run them: each member's
@@ -324,9 +320,7 @@ class RequestSteps:
                     except BaseException as exc:
                         self.fail(req, exc)
         except BaseException as exc:
-            for req in reqs:
-                if req.phase is not Phase.DONE:
-                    self.fail(req, exc)
+            self._fail_unfinished(reqs, exc)
 
     def _settle(self, req: Request) -> None:
         """Leave the one-step-ahead run (a request with a grammar joins the decode batch):
@@ -443,6 +437,12 @@ class RequestSteps:
         req.phase = Phase.DONE
         self._forget(req)
         req.sink.error(exc)
+
+    def _fail_unfinished(self, reqs: list[Request], exc: BaseException) -> None:
+        """A step of several requests failed: each one it had not finished fails with it."""
+        for req in reqs:
+            if req.phase is not Phase.DONE:
+                self.fail(req, exc)
 
     def _forget(self, req: Request) -> None:
         if req in self.inflight:
