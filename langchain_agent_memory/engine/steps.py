@@ -211,10 +211,21 @@ class RequestSteps:
         try:
             with self.agents.lock:
                 t0 = time.perf_counter()
+                planned = {id(r): r.remaining_prefill for r in reqs}  # what the scheduler chose by
                 for req in reqs:
                     if req.share is not None:
                         self._fork(req)
-                ready = [r for r in reqs if r.phase is Phase.PREFILL and r.start is not None]
+                # A fork that could not be made leaves its request the shared tokens to run
+                # too: it goes on in chunks later (one pass of them all could be 32K tokens).
+                ready = [
+                    r
+                    for r in reqs
+                    if r.phase is Phase.PREFILL
+                    and r.start is not None
+                    and r.remaining_prefill <= planned[id(r)]
+                ]
+                if not ready:
+                    return
                 tails = [r.start.tail.ids[r.prefilled :] for r in ready]  # type: ignore[union-attr]
                 logits = self.runner.prefill_whole(
                     [(ids, r.start.layers) for ids, r in zip(tails, ready, strict=True)]
