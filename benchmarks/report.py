@@ -454,22 +454,21 @@ def fanout() -> str:
     header = ["system", "round 1 (cold) s", "vs one agent", "round 2 s", "vs one agent", "round 1 caches"]
     return f"""## Fan-out: {data["items"]} `Send` tasks over a shared prefix
 
-    .venv/bin/python benchmarks/fanout.py
+    .venv/bin/python benchmarks/fanout.py --prefix-tokens {data["prefix_tokens"]} --repeats 2
 
 A LangGraph map step: {data["items"]} `Send` tasks whose prompts share a {data["prefix_tokens"]}-token
 prefix, {data["tokens"]} tokens generated each, SmolLM2 on this CPU, two rounds on one thread (round
 2: a follow-up to every item). `one agent` is how Send tasks ran before they had their own
 caches (one after another on the node's agent); `own agents` gives each its own cache but
 lets each prefill the prefix; the default also prefills the shared prefix once and forks it.
+Median of {len(data["runs"]["one agent"])} (`results/fanout.json`; the H200's in `results/fanout_gpu.json`):
 
 {_md(header, rows)}
 
-On this CPU the first round is 11 % slower than the serial run (0.89x): the prefix is
-prefilled once either way (10 s); batched decode of 8 agents at 2K tokens each is only 1.5x
-batch 1 here (0.45 s per step for 8 tokens against 0.085 s for one: attention over 8 x 2K
-keys dominates a 135M model), and each fork builds its own working copy (0.3 s prefill
-against 0.18 s for a hot one). Without sharing, 8 prefills of the prefix cost 3.1x more. The second round is
-1.5x faster because each item extends its own cache instead of cutting another's back.
+Earlier, with a 2048-token prefix (before the changes below): one agent 19.3 / 10.8 s,
+own agents 68.1 / 7.7, shared prefix 21.7 / 7.1 (0.89x / 1.52x): the prefix was prefilled
+once either way (10 s); batched decode of 8 agents at 2K tokens each was only 1.5x batch 1
+here, and each fork built its own working copy.
 """
 
 
