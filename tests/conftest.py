@@ -25,16 +25,19 @@ def gemma() -> LoadedModel:
 
 
 def run_together(
-    engine: Engine, prompts: dict[str, str], params: GenerationParams
+    engine: Engine, prompts: dict[str, str], params: GenerationParams | dict[str, GenerationParams]
 ) -> dict[str, GenerationResult]:
-    """Each agent's prompt on its own thread, all released at once (a barrier): the
-    engine runs them concurrently, their decode steps batched."""
+    """Each agent's prompt on its own thread (with its own parameters where ``params`` maps
+    agents to them), all released at once (a barrier): the engine runs them concurrently,
+    their decode steps batched."""
     results: dict[str, GenerationResult] = {}
     barrier = threading.Barrier(len(prompts))
 
     def run(agent: str) -> None:
         barrier.wait()
-        results[agent] = engine.generate(agent, prompts[agent], params)
+        results[agent] = engine.generate(
+            agent, prompts[agent], params[agent] if isinstance(params, dict) else params
+        )
 
     threads = [threading.Thread(target=run, args=(a,)) for a in prompts]
     for t in threads:

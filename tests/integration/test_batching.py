@@ -280,3 +280,22 @@ def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
     figures[f"short turns in one prefill pass ({attention})"] = (
         f"tails of {passes[0]} tokens in one pass, replies identical to each alone"
     )
+
+
+def test_seeded_sampling_in_a_batch_equals_each_alone(smollm: Any, tmp_path: Path, together: Any) -> None:
+    """Sampled and greedy requests decoding together, one step ahead (each draw fed before
+    it is read): a seeded request's text equals the one it samples alone with each draw read
+    before the next step (its draws use its own (seed, step) keys, whatever the batch), and
+    a greedy one's equals greedy alone."""
+    params = {
+        "lawyer": GenerationParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3),
+        "tutor": GenerationParams(max_tokens=12, temperature=1.0, top_k=20, seed=5),
+        "poet": GREEDY,
+    }
+    alone = Engine("smollm2-135m", cache_dir=tmp_path / "alone", kv_bits=None)
+    alone._steps.decode_ahead = False  # the oracle reads each draw before the next step
+    expected = {agent: alone.generate(agent, PROMPTS[agent], params[agent]).text for agent in PROMPTS}
+    batched = Engine("smollm2-135m", cache_dir=tmp_path / "batched", kv_bits=None)
+    got = together(batched, PROMPTS, params)
+    assert batched.stats()["max_decode_batch"] >= 2
+    assert {agent: r.text for agent, r in got.items()} == expected
