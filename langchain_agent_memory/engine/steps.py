@@ -292,12 +292,10 @@ class RequestSteps:
         already: ``_complete`` takes it out of the caches (``LayerCache.unfeed``)."""
         try:
             with self.agents.lock, self._finishing_together():
-                for r in reqs:
-                    if r.ahead is None and r.cancel.is_set():  # stops now, no step more
-                        self._finish(r, "cancelled")
-                reqs = [
-                    r for r in reqs if r.phase is Phase.DECODE and not (r.ahead is None and r.cancel.is_set())
-                ]
+                stopped = [r for r in reqs if r.ahead is None and r.cancel.is_set()]
+                for r in stopped:  # cancelled with nothing in flight: no step more
+                    self._finish(r, "cancelled")
+                reqs = [r for r in reqs if r not in stopped]
                 drawn = [r for r in reqs if r.ahead is not None]  # draws to read this call
                 # Fed: all but a member whose draw in flight is its last (max_tokens reached,
                 # or cancelled: that draw is accepted, then it finishes).

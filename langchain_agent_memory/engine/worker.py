@@ -155,7 +155,7 @@ class Worker:
                     while (await asyncio.wait_for(items.get(), SETTLE_S))[0] not in (_END, _ERROR):
                         pass
                 except asyncio.TimeoutError:
-                    logger.warning("a cancelled stream did not end within %s s; not waiting for it", SETTLE_S)
+                    _gave_up()
 
 
 _DONE = object()
@@ -175,7 +175,11 @@ def _settled(get: Callable[[], tuple[int, Any]]) -> None:
         while get()[0] not in (_END, _ERROR):
             pass
     except queue.Empty:
-        logger.warning("a cancelled stream did not end within %s s; not waiting for it", SETTLE_S)
+        _gave_up()
+
+
+def _gave_up() -> None:
+    logger.warning("a cancelled stream did not end within %s s; not waiting for it", SETTLE_S)
 
 
 def _unpack(entry: tuple[int, Any]) -> Any:
