@@ -353,6 +353,85 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
              outcome=str(r.outcome))  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- restore
+
+
+def _words(group: Any, name: str) -> Any:
+    """``BlockGroup.tensor`` through the blob viewed as the tensor's words (reader.py's CPU path)."""
+    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.storage.reader import _DTYPES
+
+    if not group._entries:
+        group._entries.update((e.name, e) for e in group.headers[0].tensors)
+    e = group._entries[name]
+    dtype = _DTYPES[e.dtype][0]
+    w = dtype.size
+    rows = mx.view(group.blob, dtype)[:, e.begin // w : e.end // w]
+    x = rows.reshape(rows.shape[0], *e.shape)
+    b, h, t, d = e.shape
+    return mx.moveaxis(x, 0, 2).reshape(b, h, rows.shape[0] * t, d)
+
+
+def _bytes(group: Any, name: str) -> Any:
+    """Only the strided byte slice made contiguous (the first copy of the GPU path)."""
+    from langchain_agent_memory.engine.runtime import mx
+
+    if not group._entries:
+        group._entries.update((e.name, e) for e in group.headers[0].tensors)
+    e = group._entries[name]
+    return mx.contiguous(group.blob[:, e.begin : e.end])
+
+
+def restore_main(ctx: int, model: str, reps: int) -> None:
+    """Where a warm restore's layer build goes on the GPU: each way of cutting a read
+    group into tensors, timed alone, then ``from_blocks`` whole, in a process that has
+    served a 4K agent first (as a server has)."""
+    from gpu import prompt_text, random_model_dir
+
+    from langchain_agent_memory.engine.engine import GenerationParams
+    from langchain_agent_memory.engine.runtime import mx
+
+    root = Path(tempfile.mkdtemp(prefix="probe-restore-"))
+    engine = _engine(random_model_dir(model, root / "model"), root / "state", kv_bits=None)
+    engine.generate("small", prompt_text(engine.tokenizer, 4096), GenerationParams(max_tokens=4))
+    engine.generate("bench", prompt_text(engine.tokenizer, ctx), GenerationParams(max_tokens=1))
+    engine.flush()
+    agents = engine.agents
+    record = agents.read_record("bench")
+    assert record is not None
+    n = len(record.token_ids)
+
+    def timed(fn: Any) -> float:
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        return time.perf_counter() - t0
+
+    for rep in range(reps):
+        agents.clear_memory()
+        t0 = time.perf_counter()
+        groups = engine.store.read_blocks(record.blocks)
+        mx.eval([g.blob for g in groups])
+        mx.synchronize()
+        read_s = time.perf_counter() - t0
+        row: dict[str, Any] = {"probe": "restore", "rep": rep, "ctx": n, "read_s": read_s,
+                               "groups": [list(g.blob.shape) for g in groups]}  # fmt: skip
+        for label, cut in (("as_built", lambda g, k: g.tensor(k)), ("words", _words), ("bytes_only", _bytes)):
+            row[f"{label}_s"] = timed(lambda cut=cut: [cut(g, k) for g in groups for k in g.names()])
+        tensors = [g.tensor(k) for g in groups for k in g.names()]
+        mx.eval(tensors)
+        row["concatenate_one_s"] = timed(lambda: [mx.concatenate([t], axis=2) for t in tensors])
+        del tensors, groups
+        mx.clear_cache()
+        agents.clear_memory()
+        row["from_blocks_s"] = timed(lambda: [ly.state[:4] for ly in agents.from_blocks(record.blocks, n)[0]])
+        row["active_gb"] = mx.get_active_memory() / 1e9
+        emit(**row)
+        mx.clear_cache()
+    engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -363,6 +442,10 @@ def main() -> None:
     e.add_argument("--ctx", type=int, default=32768)
     e.add_argument("--model", default="llama-3.1-8b")
     e.add_argument("--turns-only", action="store_true")
+    rs = sub.add_parser("restore")
+    rs.add_argument("--ctx", type=int, default=32768)
+    rs.add_argument("--model", default="llama-3.1-8b")
+    rs.add_argument("--reps", type=int, default=3)
     w = sub.add_parser("warm")
     w.add_argument("model_dir")
     w.add_argument("state")
@@ -372,6 +455,8 @@ def main() -> None:
         upload(args.files, args.size)
     elif args.cmd == "engine":
         engine_main(args.ctx, args.model, args.turns_only)
+    elif args.cmd == "restore":
+        restore_main(args.ctx, args.model, args.reps)
     else:
         warm_main(args.model_dir, args.state, args.ctx)
 

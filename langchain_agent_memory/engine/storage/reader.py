@@ -229,11 +229,11 @@ class BlockGroup:
             raise BlockFileError(f"tensor {name} is not (batch, heads, tokens, width)")
         dtype = _DTYPES[entry.dtype][0]
         width = dtype.size
-        if mx.default_device() == mx.cpu and entry.begin % width == 0 and self.blob.shape[1] % width == 0:
+        if entry.begin % width == 0 and self.blob.shape[1] % width == 0:
             # The whole blob viewed as the tensor's type (contiguous: no copy), then its
             # columns: the one copy below moves words. Viewing the strided byte columns
-            # instead copied them byte by byte first (2 GB/s on the CPU; 7-8 as words).
-            # CPU only: not yet measured on a GPU.
+            # instead copied them byte by byte first: 2 GB/s on the CPU (7-8 as words); on
+            # the H200 0.21-0.27 s for a 32K agent's 4.3 GB of 16-bit blocks, 5 ms as words.
             rows = mx.view(self.blob, dtype)[first:, entry.begin // width : entry.end // width]
             x = rows.reshape(rows.shape[0], *entry.shape)
         else:
