@@ -392,7 +392,7 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     from langchain_agent_memory.engine.runtime import mx
 
     root = Path(tempfile.mkdtemp(prefix="probe-restore-"))
-    engine = _engine(random_model_dir(model, root / "model"), root / "state", kv_bits=None)
+    engine = _engine(random_model_dir(model, root / "model"), root / "state")
     engine.generate("small", prompt_text(engine.tokenizer, 4096), GenerationParams(max_tokens=4))
     engine.generate("bench", prompt_text(engine.tokenizer, ctx), GenerationParams(max_tokens=1))
     engine.flush()
@@ -418,11 +418,11 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
         row: dict[str, Any] = {"probe": "restore", "rep": rep, "ctx": n, "read_s": read_s,
                                "groups": [list(g.blob.shape) for g in groups]}  # fmt: skip
         for label, cut in (("as_built", lambda g, k: g.tensor(k)), ("words", _words), ("bytes_only", _bytes)):
-            row[f"{label}_s"] = timed(lambda cut=cut: [cut(g, k) for g in groups for k in g.names()])
+            row[f"{label}_s"] = timed(lambda cut=cut, gs=groups: [cut(g, k) for g in gs for k in g.names()])
         tensors = [g.tensor(k) for g in groups for k in g.names()]
         mx.eval(tensors)
-        row["concatenate_one_s"] = timed(lambda: [mx.concatenate([t], axis=2) for t in tensors])
-        del tensors, groups
+        row["concatenate_one_s"] = timed(lambda ts=tensors: [mx.concatenate([t], axis=2) for t in ts])
+        tensors = groups = []
         mx.clear_cache()
         agents.clear_memory()
         row["from_blocks_s"] = timed(lambda: [ly.state[:4] for ly in agents.from_blocks(record.blocks, n)[0]])
