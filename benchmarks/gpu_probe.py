@@ -432,6 +432,54 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     engine.close()
 
 
+def commit_main(ctx: int, model: str) -> None:
+    """Where a cold turn's time between its first token and its reply goes (the commit on
+    the model's thread), part by part, synchronized after each part (benchmark only: the
+    wrappers are set on this process's own engine classes)."""
+    from collections import Counter
+
+    from gpu import prompt_text, random_model_dir
+    from peers import extension
+
+    from langchain_agent_memory.engine import agents as agents_module
+    from langchain_agent_memory.engine.engine import GenerationParams
+    from langchain_agent_memory.engine.kv.layer import LayerCache
+    from langchain_agent_memory.engine.runtime import mx
+
+    root = Path(tempfile.mkdtemp(prefix="probe-commit-"))
+    engine = _engine(random_model_dir(model, root / "model"), root / "state")
+    engine.generate("small", prompt_text(engine.tokenizer, 4096), GenerationParams(max_tokens=4))
+    spent: Counter[str] = Counter()
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrap(*a: Any, **k: Any) -> Any:
+            mx.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            mx.synchronize()
+            spent[name] += time.perf_counter() - t0
+            return out
+
+        return wrap
+
+    LayerCache.commit = timed("layer_commits", LayerCache.commit)  # type: ignore[method-assign]
+    agents_module.freeze_blocks = timed("freeze_blocks", agents_module.freeze_blocks)
+    agents = engine.agents
+    agents._blocks_of = timed("blocks_of", agents._blocks_of)  # type: ignore[method-assign]
+    agents.commit = timed("commit", agents.commit)  # type: ignore[method-assign]
+    engine.runner.leave = timed("leave", engine.runner.leave)  # type: ignore[method-assign]
+    prompt = prompt_text(engine.tokenizer, ctx)
+    for rep in range(2):
+        spent.clear()
+        t0 = time.perf_counter()
+        r = engine.generate(f"cold{rep}", prompt + extension(rep), GenerationParams(max_tokens=1))
+        wall = time.perf_counter() - t0
+        emit(probe="commit", rep=rep, ctx=ctx, wall_s=wall, ttft_s=r.timings.ttft_s,
+             save_s=r.timings.save_s, **{f"{k}_s": v for k, v in spent.items()})  # fmt: skip
+        engine.flush()
+    engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -446,6 +494,9 @@ def main() -> None:
     rs.add_argument("--ctx", type=int, default=32768)
     rs.add_argument("--model", default="llama-3.1-8b")
     rs.add_argument("--reps", type=int, default=3)
+    c = sub.add_parser("commit")
+    c.add_argument("--ctx", type=int, default=32768)
+    c.add_argument("--model", default="llama-3.1-8b")
     w = sub.add_parser("warm")
     w.add_argument("model_dir")
     w.add_argument("state")
@@ -455,6 +506,8 @@ def main() -> None:
         upload(args.files, args.size)
     elif args.cmd == "engine":
         engine_main(args.ctx, args.model, args.turns_only)
+    elif args.cmd == "commit":
+        commit_main(args.ctx, args.model)
     elif args.cmd == "restore":
         restore_main(args.ctx, args.model, args.reps)
     else:

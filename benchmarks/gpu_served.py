@@ -107,6 +107,7 @@ def save_overlap(model_dir: Path, root: Path, long_prompt: str, short_prompt: st
         out["a_returned"] = time.perf_counter()
         out["a_wall_s"] = out["a_returned"] - t0
         out["a_ttft_s"] = r.timings.ttft_s
+        out["a_commit_s"] = r.timings.save_s  # on the model's thread, before the reply
         engine.flush()
         out["a_saved"] = time.perf_counter()
 
@@ -121,6 +122,7 @@ def save_overlap(model_dir: Path, root: Path, long_prompt: str, short_prompt: st
     row = {
         "a_wall_s": out.get("a_wall_s"),
         "a_ttft_s": out.get("a_ttft_s"),
+        "a_commit_s": out.get("a_commit_s"),
         "a_save_after_reply_s": out.get("a_saved", 0) - out.get("a_returned", 0),
         "b_alone_tok_s": alone_rate,
         "b_tokens_during_save": len(inside),
