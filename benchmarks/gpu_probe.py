@@ -467,7 +467,8 @@ def commit_main(ctx: int, model: str) -> None:
     agents = engine.agents
     agents._blocks_of = timed("blocks_of", agents._blocks_of)  # type: ignore[method-assign]
     agents.commit = timed("commit", agents.commit)  # type: ignore[method-assign]
-    engine.runner.leave = timed("leave", engine.runner.leave)  # type: ignore[method-assign]
+    runner = engine._steps.runner
+    runner.leave = timed("leave", runner.leave)  # type: ignore[method-assign]
     prompt = prompt_text(engine.tokenizer, ctx)
     for rep in range(2):
         spent.clear()
