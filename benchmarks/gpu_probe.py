@@ -464,6 +464,14 @@ def commit_main(ctx: int, model: str) -> None:
 
     LayerCache.commit = timed("layer_commits", LayerCache.commit)  # type: ignore[method-assign]
     agents_module.freeze_blocks = timed("freeze_blocks", agents_module.freeze_blocks)
+    from langchain_agent_memory.engine.storage import store as store_module
+
+    def host_views(tensors: dict[str, Any]) -> dict[str, Any]:  # host_views, in its two parts
+        ready = {k: mx.contiguous(v) for k, v in tensors.items()}
+        timed("contiguous_eval", mx.eval)(ready)
+        return timed("host_views", lambda: {k: store_module._host(v) for k, v in ready.items()})()
+
+    agents_module.host_views = host_views
     agents = engine.agents
     agents._blocks_of = timed("blocks_of", agents._blocks_of)  # type: ignore[method-assign]
     agents.commit = timed("commit", agents.commit)  # type: ignore[method-assign]
