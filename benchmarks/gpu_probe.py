@@ -489,6 +489,54 @@ def commit_main(ctx: int, model: str) -> None:
     engine.close()
 
 
+def cold_main(ctx: int, model: str, reps: int) -> None:
+    """A cold prefill three ways on one loaded model: mlx-lm's ``KVCache`` in 2048-token
+    steps (as its ``stream_generate``), the same chunks through our fresh layer caches
+    (the model's forward alone), and the engine's whole cold turn (what a user waits for)."""
+    from gpu import prompt_text, random_model_dir
+    from mlx_lm.models.cache import make_prompt_cache
+    from peers import extension
+
+    from langchain_agent_memory.engine.engine import GenerationParams
+    from langchain_agent_memory.engine.model.forward import prefill_chunk
+    from langchain_agent_memory.engine.runtime import mx
+
+    root = Path(tempfile.mkdtemp(prefix="probe-cold-"))
+    engine = _engine(random_model_dir(model, root / "model"), root / "state")
+    lm = engine.lm.model
+    step = engine.chunk_tokens
+
+    def chunks(ids: list[int]) -> list[list[int]]:
+        return [ids[i : i + step] for i in range(0, len(ids), step)]
+
+    for rep in range(reps + 1):  # rep 0: kernels compiled, not reported
+        text = prompt_text(engine.tokenizer, ctx) + extension(rep)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        cache = make_prompt_cache(lm)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for i, part in enumerate(chunks(ids)):
+            out = prefill_chunk(lm, part, cache, last=i == len(chunks(ids)) - 1)
+        mx.eval(mx.argmax(out))
+        t1 = time.perf_counter()
+        del cache
+        layers = engine.agents.new_layers()
+        mx.synchronize()
+        t2 = time.perf_counter()
+        for i, part in enumerate(chunks(ids)):
+            out = prefill_chunk(lm, part, layers, last=i == len(chunks(ids)) - 1)
+        mx.eval(mx.argmax(out))
+        t3 = time.perf_counter()
+        del layers
+        mx.clear_cache()
+        r = engine.generate(f"cold{rep}", text, GenerationParams(max_tokens=1))
+        if rep:
+            emit(probe="cold", rep=rep, ctx=len(ids), chunk=step, mlx_kvcache_s=t1 - t0, our_layers_s=t3 - t2,
+                 engine_ttft_s=r.timings.ttft_s, engine_prefill_s=r.timings.prefill_s)  # fmt: skip
+        engine.flush()
+    engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -506,6 +554,10 @@ def main() -> None:
     c = sub.add_parser("commit")
     c.add_argument("--ctx", type=int, default=32768)
     c.add_argument("--model", default="llama-3.1-8b")
+    cd = sub.add_parser("cold")
+    cd.add_argument("--ctx", type=int, default=4096)
+    cd.add_argument("--model", default="llama-3.1-8b")
+    cd.add_argument("--reps", type=int, default=3)
     w = sub.add_parser("warm")
     w.add_argument("model_dir")
     w.add_argument("state")
@@ -517,6 +569,8 @@ def main() -> None:
         engine_main(args.ctx, args.model, args.turns_only)
     elif args.cmd == "commit":
         commit_main(args.ctx, args.model)
+    elif args.cmd == "cold":
+        cold_main(args.ctx, args.model, args.reps)
     elif args.cmd == "restore":
         restore_main(args.ctx, args.model, args.reps)
     else:

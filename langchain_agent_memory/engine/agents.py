@@ -39,6 +39,7 @@ from .storage.store import (
     CacheFormatError,
     CacheWriteError,
     NewerFormatError,
+    TokenSlices,
     block_hash,
     freeze_blocks,
     host_views,
@@ -540,8 +541,7 @@ class AgentCaches:
         out = {}
         for b in run:
             a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))
-            tensors = {k: x[:, :, a - a0 : z - a0] for k, x in spans.items()}
-            host = {k: h.rows(a - a0, z - a0) for k, h in hosts.items()}
+            tensors, host = TokenSlices(spans, a - a0, z - a0), TokenSlices(hosts, a - a0, z - a0)
             out[chain[b]] = Block(chain[b], chain[b - 1], known.ids[a:z], tensors, host)
         return out
 
