@@ -495,7 +495,6 @@ def cold_main(ctx: int, model: str, reps: int) -> None:
     (the model's forward alone), and the engine's whole cold turn (what a user waits for)."""
     from gpu import prompt_text, random_model_dir
     from mlx_lm.models.cache import make_prompt_cache
-    from peers import extension
 
     from langchain_agent_memory.engine.engine import GenerationParams
     from langchain_agent_memory.engine.model.forward import prefill_chunk
@@ -509,8 +508,10 @@ def cold_main(ctx: int, model: str, reps: int) -> None:
     def chunks(ids: list[int]) -> list[list[int]]:
         return [ids[i : i + step] for i in range(0, len(ids), step)]
 
+    base = prompt_text(engine.tokenizer, ctx)
     for rep in range(reps + 1):  # rep 0: kernels compiled, not reported
-        text = prompt_text(engine.tokenizer, ctx) + extension(rep)
+        # a text of its own each rep (its first line), so that no turn reuses another's prefix
+        text = f"Agent {rep} starts reading.\n" + base
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         cache = make_prompt_cache(lm)
         mx.synchronize()
@@ -529,10 +530,11 @@ def cold_main(ctx: int, model: str, reps: int) -> None:
         t3 = time.perf_counter()
         del layers
         mx.clear_cache()
-        r = engine.generate(f"cold{rep}", text, GenerationParams(max_tokens=1))
+        r = engine.generate(f"cold{rep}", "Twice: " + text, GenerationParams(max_tokens=1))
         if rep:
             emit(probe="cold", rep=rep, ctx=len(ids), chunk=step, mlx_kvcache_s=t1 - t0, our_layers_s=t3 - t2,
-                 engine_ttft_s=r.timings.ttft_s, engine_prefill_s=r.timings.prefill_s)  # fmt: skip
+                 engine_ttft_s=r.timings.ttft_s, engine_prefill_s=r.timings.prefill_s,
+                 outcome=str(r.outcome))  # fmt: skip
         engine.flush()
     engine.close()
 
