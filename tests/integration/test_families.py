@@ -24,7 +24,7 @@ import pytest
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine import device
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
+from langchain_agent_memory.engine.model.families import UnsupportedModelError
 from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
 from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
 from langchain_agent_memory.engine.prefix import MatchKind
@@ -60,10 +60,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> 
         return built[family, dtype]
 
     return get
-
-
-def test_every_supported_family_has_a_small_config() -> None:
-    assert set(SMALL_CONFIGS) == set(SUPPORTED_FAMILIES)
 
 
 #: How requests attend: on the stored form (``kv.stored``), over a full-precision working

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import platform
 import random
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine import runtime
 from langchain_agent_memory.engine.model.loading import LoadedModel, load_model, resolve_model_dir
 from langchain_agent_memory.engine.model.quality import perplexity
 
@@ -143,14 +140,6 @@ def test_an_older_conversion_gets_the_new_tokenizer_files_and_tokenizes_alike(
         messages, add_generation_prompt=True
     )
     assert after.eos_token_ids == before.eos_token_ids
-
-
-X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
-
-
-@pytest.mark.skipif(not X86_LINUX, reason="MKL is loaded on x86-64 Linux only")
-def test_fast_blas_is_loaded() -> None:
-    assert runtime.BLAS == "mkl"
 
 
 def test_unknown_model_name_is_a_clear_error() -> None:

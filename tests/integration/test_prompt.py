@@ -15,20 +15,6 @@ TOOLS = [
 ]
 
 
-def test_reply_text_and_calls_are_parsed() -> None:
-    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    content, calls, invalid = prompt.parse_reply(text)
-    assert content == "Let me add."
-    assert [(c["name"], c["args"]) for c in calls] == [("add", {"a": 1})] and not invalid
-    assert calls[0]["id"] and calls[0]["id"].startswith("call_")
-
-
-def test_a_cut_off_or_malformed_call_is_invalid_not_lost() -> None:
-    _, calls, invalid = prompt.parse_reply('<tool_call>\n{"name": "add", "argum')
-    assert not calls and len(invalid) == 1 and invalid[0]["args"].startswith('{"name"')
-    assert prompt.parse_reply("no calls here") == ("no calls here", [], [])
-
-
 def test_a_generated_call_renders_back_to_the_same_text(smollm: LoadedModel) -> None:
     """What the model wrote is what the next turn's prompt shows: the cache extends."""
     generated = prompt.tool_call_text({"name": "add", "args": {"a": 2, "b": 3}})

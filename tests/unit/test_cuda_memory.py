@@ -4,13 +4,13 @@ says "not done" and the caller's host path runs; staging buffers of any size are
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from langchain_agent_memory.engine import cuda_memory, device
 
 
+@pytest.mark.skipif(device.on_gpu(), reason="a GPU has a CUDA runtime: benchmarks/gpu.py covers that path")
 def test_without_cuda_uploads_fall_back_to_host_memory() -> None:
-    if device.on_gpu():
-        return  # the device run covers the CUDA path (benchmarks/gpu.py)
     assert cuda_memory.Upload.make(4, 1024) is None
     with cuda_memory.staging(1000) as buf:  # a plain host buffer of the size asked for
         assert buf.nbytes == 1000 and buf.dtype == np.uint8

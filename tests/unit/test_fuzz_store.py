@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ COUNTS: dict[str, int] = {}
 
 def _count(name: str) -> None:
     COUNTS[name] = COUNTS.get(name, 0) + 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report(figures: dict[str, str]) -> Iterator[None]:
+    """What this module's fuzzers saw, in the run's figures (whatever order they ran in)."""
+    yield
+    if COUNTS:
+        figures["fuzzing"] = ", ".join(f"{v} {k}" for k, v in sorted(COUNTS.items())) + ", 0 crashes"
 
 
 @pytest.fixture(scope="module")
@@ -73,52 +82,65 @@ def test_no_block_hash_names_a_path(store: DiskBlockStore, h: str) -> None:
     assert path.parent.parent == store.blocks_dir
 
 
-def _good_block_bytes(store: DiskBlockStore) -> tuple[str, bytes]:
+def _good_block_bytes(store: DiskBlockStore) -> tuple[str, bytes, dict[str, mx.array]]:
     h = block_hash(None, [1, 2, 3], FP)
     tensors = {"L0.k.q": mx.arange(24, dtype=mx.uint32).reshape(1, 1, 3, 8), "L0.v": mx.ones((1, 1, 3, 4))}
     store.delete_block(h)  # the previous example left a damaged copy
     store.put_block(Block(h, None, [1, 2, 3], tensors))
-    return h, store.block_path(h).read_bytes()
+    return h, store.block_path(h).read_bytes(), tensors
 
 
-@FUZZ
-@given(data=st.data())
-def test_damaged_block_files_are_refused_cleanly(store: DiskBlockStore, data: st.DataObject) -> None:
-    h, good = _good_block_bytes(store)
-    (n,) = struct.unpack("<Q", good[:8])
-    kind = data.draw(st.sampled_from(["header-bytes", "length", "json", "truncate", "body-bytes"]))
-    raw = bytearray(good)
-    if kind == "header-bytes":
-        for at in data.draw(st.lists(st.integers(8, 8 + n - 1), min_size=1, max_size=8)):
-            raw[at] = data.draw(st.integers(0, 255))
-    elif kind == "length":
-        raw[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1)))
-    elif kind == "json":
-        header = data.draw(
-            st.recursive(
-                st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                lambda inner: (
-                    st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
-                ),
-                max_leaves=20,
+def test_damaged_block_files_are_refused_cleanly(store: DiskBlockStore, figures: dict[str, str]) -> None:
+    seen: dict[str, int] = {}
+
+    @FUZZ
+    @given(data=st.data())
+    def damage(data: st.DataObject) -> None:
+        h, good, tensors = _good_block_bytes(store)
+        (n,) = struct.unpack("<Q", good[:8])
+        kind = data.draw(st.sampled_from(["header-bytes", "length", "json", "truncate", "body-bytes"]))
+        raw = bytearray(good)
+        if kind == "header-bytes":
+            for at in data.draw(st.lists(st.integers(8, 8 + n - 1), min_size=1, max_size=8)):
+                raw[at] = data.draw(st.integers(0, 255))
+        elif kind == "length":
+            raw[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1)))
+        elif kind == "json":
+            header = data.draw(
+                st.recursive(
+                    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda inner: (
+                        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+                    ),
+                    max_leaves=20,
+                )
             )
-        )
-        encoded = json.dumps(header).encode()
-        raw = bytearray(struct.pack("<Q", len(encoded)) + encoded + good[8 + n :])
-    elif kind == "truncate":
-        raw = raw[: data.draw(st.integers(0, len(good) - 1))]
-    else:
-        for at in data.draw(st.lists(st.integers(8 + n, len(good) - 1), min_size=1, max_size=8)):
-            raw[at] ^= data.draw(st.integers(1, 255))
-    store.block_path(h).write_bytes(bytes(raw))  # type: ignore[arg-type]
-    try:
-        block = store.get_block(h)  # type: ignore[arg-type]
-    except CacheFormatError:
-        _count("damaged block files refused")
-        return
-    # Accepted only if what it holds is what was written (e.g. a no-op byte change).
-    assert block.token_ids == [1, 2, 3]
-    _count("block files unchanged in substance")
+            encoded = json.dumps(header).encode()
+            raw = bytearray(struct.pack("<Q", len(encoded)) + encoded + good[8 + n :])
+        elif kind == "truncate":
+            raw = raw[: data.draw(st.integers(0, len(good) - 1))]
+        else:
+            for at in data.draw(st.lists(st.integers(8 + n, len(good) - 1), min_size=1, max_size=8)):
+                raw[at] ^= data.draw(st.integers(1, 255))
+        store.block_path(h).write_bytes(bytes(raw))  # type: ignore[arg-type]
+        try:
+            block = store.get_block(h)  # type: ignore[arg-type]
+        except CacheFormatError:
+            seen["refused"] = seen.get("refused", 0) + 1
+            return
+        # Accepted only if what it holds is what was written (e.g. a byte set to its value).
+        assert block.token_ids == [1, 2, 3] and block.parent is None
+        assert sorted(block.tensors) == sorted(tensors)
+        for name, x in tensors.items():
+            got = block.tensors[name]
+            assert got.dtype == x.dtype and mx.array_equal(got, x).item(), name
+        seen["unchanged"] = seen.get("unchanged", 0) + 1
+
+    damage()
+    # Every kind of damage but a byte set to the value it had must be refused: most are.
+    assert seen.get("refused", 0) >= 100, seen
+    refused, same = seen.get("refused", 0), seen.get("unchanged", 0)
+    figures["fuzzing: block files"] = f"{refused} damaged refused, {same} unchanged accepted"
 
 
 @FUZZ
@@ -183,9 +205,3 @@ def test_damaged_format_file_is_refused_cleanly(tmp_path_factory: pytest.TempPat
         DiskBlockStore(root, FP)
     except CacheFormatError:
         _count("damaged format files refused")
-
-
-def test_fuzz_figures(figures: dict[str, str]) -> None:
-    """Runs last in this module: what the fuzzers saw."""
-    assert COUNTS.get("damaged block files refused", 0) >= 100
-    figures["fuzzing"] = ", ".join(f"{v} {k}" for k, v in sorted(COUNTS.items())) + ", 0 crashes"

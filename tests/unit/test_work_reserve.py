@@ -65,13 +65,13 @@ def test_a_warm_working_copy_takes_the_reserved_buffer_and_the_same_values() -> 
     assert short._work is not None and short._work.k.shape[2] == grown_rows(315)
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX's CPU buffer cache")
 def _cache_limit() -> int:
     limit = mx.set_cache_limit(1 << 62)
     mx.set_cache_limit(limit)
     return limit
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX's CPU buffer cache")
 def test_the_reserve_waits_in_mlx_cache_until_a_working_copy_takes_it() -> None:
     mx.clear_cache()
     limit = _cache_limit()
