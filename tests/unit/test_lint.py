@@ -43,37 +43,102 @@ def _assigned_attributes(tree: ast.AST) -> list[tuple[str, int]]:
     return found
 
 
-def test_nothing_assigns_to_another_librarys_modules_or_classes() -> None:
-    """mlx-lm (and mlx, langchain, langgraph) are never patched for the whole process: no
-    name imported from them is assigned to, and nothing calls setattr on them. The one
-    instance-level change (a module instance of one loaded model switched to a subclass,
-    in engine/adapters.py) is the only ``__class__`` assignment."""
-    foreign = ("mlx_lm", "mlx", "langchain_core", "langgraph", "transformers")
+FOREIGN = ("mlx_lm", "mlx", "langchain_core", "langgraph", "transformers")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` in ``module`` names."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _foreign_names(package: Path) -> dict[Path, set[str]]:
+    """Per file of ``package``: the names that stand for another library's modules or
+    objects: imported from it, assigned from such a name, or imported from a module of the
+    package that holds one (``from ..runtime import mx``: runtime's ``mx`` is mlx.core),
+    followed to a fixed point."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+    names = {path: _module_name(path, package) for path in trees}
+    by_module = {names[path]: path for path in trees}
+    foreign: dict[Path, set[str]] = {path: set() for path in trees}
+    changed = True
+    while changed:
+        changed = False
+        for path, tree in trees.items():
+            found = set(foreign[path])
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found |= {
+                        (a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith(FOREIGN)
+                    }
+                elif isinstance(node, ast.ImportFrom):
+                    source = _resolve(names[path], path.name == "__init__.py", node)
+                    if source.startswith(FOREIGN):
+                        found |= {a.asname or a.name for a in node.names}
+                    elif source in by_module:
+                        held = foreign[by_module[source]]
+                        found |= {a.asname or a.name for a in node.names if a.name in held}
+                elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) for t in node.targets):
+                    value = node.value
+                    while isinstance(value, ast.Attribute):
+                        value = value.value
+                    from_foreign = isinstance(value, ast.Name) and value.id in found
+                    if from_foreign or (  # module = importlib.import_module("mlx_lm....")
+                        isinstance(node.value, ast.Call) and "import_module" in ast.unparse(node.value.func)
+                    ):
+                        found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if found != foreign[path]:
+                foreign[path], changed = found, True
+    return foreign
+
+
+def patch_offenders(package: Path) -> list[str]:
+    """Assignments to, and setattr on, another library's modules or classes in ``package``."""
     offenders = []
-    for path in sorted((ROOT / "langchain_agent_memory").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        imported = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                imported |= {
-                    (a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith(foreign)
-                }
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(foreign):
-                imported |= {a.asname or a.name for a in node.names}
-            elif (  # module = importlib.import_module("mlx_lm....")
-                isinstance(node, ast.Assign)
-                and isinstance(node.value, ast.Call)
-                and "import_module" in ast.unparse(node.value.func)
-            ):
-                imported |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for path, names in _foreign_names(package).items():
+        text = path.read_text()
         offenders += [
             f"{path.name}:{line} assigns to {name}"
-            for name, line in _assigned_attributes(tree)
-            if name in imported
+            for name, line in _assigned_attributes(ast.parse(text))
+            if name in names
         ]
-        text = path.read_text()
         if "__class__ =" in text and path.name != "adapters.py":
             offenders.append(f"{path.name}: assigns __class__")
         if "setattr(" in text:
             offenders.append(f"{path.name}: calls setattr")
-    assert not offenders, offenders
+    return offenders
+
+
+def test_nothing_assigns_to_another_librarys_modules_or_classes() -> None:
+    """mlx-lm (and mlx, langchain, langgraph) are never patched for the whole process: no
+    name that stands for them (imported, or handed on by a module of ours, as runtime hands
+    out ``mx``) is assigned to, and nothing calls setattr on them. The one instance-level
+    change (a module instance of one loaded model switched to a subclass, in
+    engine/model/adapters.py) is the only ``__class__`` assignment."""
+    assert not patch_offenders(ROOT / "langchain_agent_memory")
+
+
+def test_an_assignment_through_a_re_exported_alias_is_caught(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "runtime.py").write_text("import mlx.core as mx\n")
+    (pkg / "engine" / "ops.py").write_text("from .runtime import mx\nfast = mx.fast\n")
+    (pkg / "chat.py").write_text(
+        "from pkg.engine.ops import fast\nfrom .engine import runtime\n"
+        "def go():\n    fast.scaled_dot_product_attention = None\n"
+    )
+    (pkg / "other.py").write_text("from .engine.runtime import mx\nmx.fast.rms_norm = None\n")
+    (pkg / "fine.py").write_text("from .engine.runtime import mx\nclass A:\n    pass\nA.x = mx.array(1)\n")
+    found = patch_offenders(pkg)
+    assert sorted(found) == ["chat.py:4 assigns to fast", "other.py:2 assigns to mx"], found
