@@ -7,7 +7,28 @@ the `mkl` wheel exports the plain CBLAS names (the `scipy-openblas32` wheel pref
 symbol with `scipy_`, so it cannot stand in) and measured 245 GFLOP/s on the same machine.
 
 Import this module (every module of the package that needs mlx imports `mx` from here).
-Set ``AGENT_MEMORY_BLAS=bundled`` to keep mlx's own BLAS (for benchmarks).
+
+What the package does to the whole process (the one list of it; everything else it
+changes belongs to one engine or one loaded model instance):
+
+- On import, on an x86-64 Linux CPU: loads MKL's ``libmkl_rt`` with RTLD_GLOBAL before
+  mlx and sets ``MKL_THREADING_LAYER=INTEL`` unless set. Opt out:
+  ``AGENT_MEMORY_BLAS=bundled``, or import mlx before this package (both keep mlx's BLAS).
+- On import: ``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless set (mlx-lm's tokenizers
+  would print a PyTorch advisory on every start). Opt out: set it yourself.
+- On import, on Linux with neither Metal nor CUDA: ``mx.set_default_device(mx.cpu)``
+  (nothing else could run there).
+- While an engine holds a working-copy reserve (``kv.reserve.WorkReserve``, the CPU):
+  mlx's cache limit is raised by the reserve's bytes and lowered back when it is released
+  (``Engine.close``). Opt out: ``work_budget_bytes=0``.
+- On a GPU, between prefill chunks: ``mx.clear_cache()`` when mlx's buffer cache holds more
+  than ``device.prefill_cache_bound()`` (a long prefill's freed buffers of sizes nothing
+  reuses filled an H200). Other mlx users of the process lose cached buffers, not data.
+- Threads: each engine runs one model thread, one save thread and a notifier; block
+  checksums use a shared pool of ``READ_THREADS`` (storage/reader.py).
+
+Not process-wide: ``load_model(cpu_kernels=True)`` switches the module instances of the
+one model it loads to subclasses (``model.adapters``); ``cpu_kernels=False`` opts out.
 """
 
 from __future__ import annotations

@@ -194,8 +194,21 @@ def load_model(
         t0 = time.perf_counter()
         mdl, tok = mlx_load(str(path))
         mx.eval(mdl.parameters())
-        if cpu_kernels:
-            adapt_model(mdl)
+        if cpu_kernels and adapt_model(mdl) == 0:
+            # Speed, not results, depends on it (mlx-lm's own code runs on the caches'
+            # protocol): said once per load, so that a renamed mlx-lm class is noticed.
+            logger.warning(
+                "%s: no module of this %s model was adapted to the engine's kernels (mlx-lm %s "
+                "may have renamed its classes); it runs mlx-lm's own code, slower on the CPU",
+                name, type(mdl).__module__, _mlx_lm_version(),
+            )  # fmt: skip
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
+
+
+def _mlx_lm_version() -> str:
+    try:
+        return importlib.metadata.version("mlx-lm")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
