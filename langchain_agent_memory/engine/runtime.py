@@ -20,7 +20,7 @@ changes belongs to one engine or one loaded model instance):
   (nothing else could run there).
 - While an engine holds a working-copy reserve (``kv.reserve.WorkReserve``, the CPU):
   mlx's cache limit is raised by the reserve's bytes and lowered back when it is released
-  (``Engine.close``). Opt out: ``work_budget_bytes=0``.
+  (``Engine.close``). Opt out: ``reserve_work=False`` (``AGENT_MEMORY_RESERVE_WORK=0``).
 - On a GPU, between prefill chunks: ``mx.clear_cache()`` when mlx's buffer cache holds more
   than ``device.prefill_cache_bound()`` (a long prefill's freed buffers of sizes nothing
   reuses filled an H200). Other mlx users of the process lose cached buffers, not data.
