@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .engine import runtime as _runtime  # noqa: F401  # isort: skip
 
 if TYPE_CHECKING:
-    from .chat_model import ChatAgentMemory
+    from .chat_model import ChatAgentMemory, ContextLengthError
     from .checkpoint import AgentMemorySaver
     from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "ChatAgentMemory": ".chat_model",
     "AgentMemorySaver": ".checkpoint",
+    "ContextLengthError": ".chat_model",
     "DEFAULT_MODEL": ".engine.model.loading",
     "SHIPPED_MODELS": ".engine.model.loading",
     "LoadedModel": ".engine.model.loading",
@@ -31,6 +32,7 @@ __all__ = [
     "SHIPPED_MODELS",
     "AgentMemorySaver",
     "ChatAgentMemory",
+    "ContextLengthError",
     "LoadedModel",
     "load_model",
 ]

@@ -16,6 +16,7 @@ what is new, and keeps the reply's keys and values for the next turn.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
@@ -23,6 +24,7 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import ContextOverflowError
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -39,6 +41,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
 from . import prompt, reasoning
+from .engine.engine import ContextLengthError as EngineContextLengthError
 from .engine.engine import Engine, GenerationParams, GenerationResult
 from .engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
 from .engine.shared import shared_engine
@@ -50,6 +53,23 @@ from .tool_formats import ToolFormat, tool_format
 
 #: ``tool_choice`` values that force some tool call.
 _ANY_TOOL = ("any", "required", True)
+
+
+class ContextLengthError(EngineContextLengthError, ContextOverflowError):
+    """The prompt does not fit the model's context window: LangChain's
+    ``ContextOverflowError`` (its middleware catches it: trim or summarise, then retry) and
+    the engine's ``ContextLengthError``."""
+
+
+@contextlib.contextmanager
+def _langchain_errors() -> Iterator[None]:
+    """The engine's errors as LangChain's where it has one (the engine knows no LangChain)."""
+    try:
+        yield
+    except EngineContextLengthError as exc:
+        if isinstance(exc, ContextLengthError):
+            raise
+        raise ContextLengthError(str(exc)) from exc
 
 
 class ChatAgentMemory(BaseChatModel):
@@ -259,7 +279,8 @@ class ChatAgentMemory(BaseChatModel):
             stop=stops,
             constraint=constraint,
             timeout_s=self.timeout,
-            resume_from=metadata.get("checkpoint_id"),  # a LangGraph run resumed from an older checkpoint
+            # a LangGraph run resumed from an older checkpoint: a checkpointer rewinds to it
+            metadata={"checkpoint_id": metadata["checkpoint_id"]} if metadata.get("checkpoint_id") else {},
         )
         thinks = self.reasoning and not forced and schema is None  # constrained replies do not think
         opened = thinks and reasoning.prompt_opens_thinking(text)
@@ -273,7 +294,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(messages, stop, run_manager, kwargs)
-        return _chat_result(req, req.engine.generate(req.agent, req.text, req.params))
+        with _langchain_errors():
+            return _chat_result(req, req.engine.generate(req.agent, req.text, req.params))
 
     async def _agenerate(
         self,
@@ -283,7 +305,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(messages, stop, run_manager, kwargs)
-        return _chat_result(req, await req.engine.agenerate(req.agent, req.text, req.params))
+        with _langchain_errors():
+            return _chat_result(req, await req.engine.agenerate(req.agent, req.text, req.params))
 
     def _stream(
         self,
@@ -294,11 +317,12 @@ class ChatAgentMemory(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         req = self._request(messages, stop, run_manager, kwargs)
         shaper = _StreamShaper(req)
-        for chunk in req.engine.stream(req.agent, req.text, req.params):
-            for out in shaper.feed(chunk.text, chunk.result):
-                if run_manager and out.text:
-                    run_manager.on_llm_new_token(out.text, chunk=out)
-                yield out
+        with _langchain_errors():
+            for chunk in req.engine.stream(req.agent, req.text, req.params):
+                for out in shaper.feed(chunk.text, chunk.result):
+                    if run_manager and out.text:
+                        run_manager.on_llm_new_token(out.text, chunk=out)
+                    yield out
 
     async def _astream(
         self,
@@ -309,11 +333,12 @@ class ChatAgentMemory(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         req = self._request(messages, stop, run_manager, kwargs)
         shaper = _StreamShaper(req)
-        async for chunk in req.engine.astream(req.agent, req.text, req.params):
-            for out in shaper.feed(chunk.text, chunk.result):
-                if run_manager and out.text:
-                    await run_manager.on_llm_new_token(out.text, chunk=out)
-                yield out
+        with _langchain_errors():
+            async for chunk in req.engine.astream(req.agent, req.text, req.params):
+                for out in shaper.feed(chunk.text, chunk.result):
+                    if run_manager and out.text:
+                        await run_manager.on_llm_new_token(out.text, chunk=out)
+                    yield out
 
     # ------------------------------------------------------------------ fan-out
 

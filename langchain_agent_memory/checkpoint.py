@@ -14,7 +14,7 @@ links to it.
 Which state a checkpoint links is decided by time, not by when ``put`` is called: LangGraph
 saves checkpoints in the background by default (``durability="async"``), so the put of
 checkpoint N can arrive after the nodes of step N+1 have already extended the caches. The
-engine reports every commit (``Engine.commit_listeners``); the saver keeps that history and
+engine reports every commit (``Engine.subscribe``); the saver keeps that history and
 links, for each agent, its last commit before the checkpoint's own timestamp.
 
 - ``delete_thread`` deletes the thread's caches and links (blocks are freed once nothing
@@ -44,7 +44,7 @@ import functools
 import hashlib
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
@@ -62,7 +62,7 @@ from langgraph.checkpoint.base import (
 )
 
 from .config import get_settings
-from .engine.engine import Engine, GenerationParams
+from .engine.engine import Engine, GenerationParams, Subscription
 from .engine.kv import preset_name
 from .engine.shared import engine_key, shared_engine, unwatch_engines, watch_engines
 from .engine.storage.budget import StorageBudget
@@ -170,7 +170,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         self._rewinding = threading.Lock()  # one rewind at a time; requests wait for it
         #: Engines of the cache directory built in this process, by store fingerprint.
         self._engines: dict[str, Engine] = {}
-        self._hooks: list[tuple[Engine, Callable[[AgentRecord], None]]] = []
+        self._hooks: list[Subscription] = []
         self._own: Engine | None = None
         self._own_key: tuple[Any, ...] | None = None
         self._attach_lock = threading.RLock()
@@ -232,11 +232,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
                 return
             self._closed = True
         unwatch_engines(self._attach)
-        for engine, listener in self._hooks:
-            if listener in engine.commit_listeners:
-                engine.commit_listeners.remove(listener)
-            if self._before_request in engine.request_hooks:
-                engine.request_hooks.remove(self._before_request)
+        for subscription in self._hooks:
+            subscription.close()
         self.links.close()
         if self._owned_conn is not None:
             self._owned_conn.close()
@@ -272,10 +269,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             fp = engine.fingerprint
             if fp not in self._engines:
                 self._engines[fp] = engine
-                listener = functools.partial(self._on_commit, engine)
-                engine.commit_listeners.append(listener)
-                engine.request_hooks.append(self._before_request)
-                self._hooks.append((engine, listener))
+                on_commit = functools.partial(self._on_commit, engine)
+                self._hooks.append(engine.subscribe(on_commit, self._before_request))
                 self.links.note_engine(
                     fp, str(engine.lm.path), preset_name(engine.quant) or engine.quant.label
                 )
@@ -553,7 +548,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         self, engine: Engine, agent_id: str, record: AgentRecord, at: float, replace: bool = False
     ) -> None:
         digest = record_digest(record)
-        if not engine.store.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
+        if not engine.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
             # Another worker may store the same snapshot at the same time: either one serves.
             with contextlib.suppress(CommitConflictError):
                 engine.set_agent(SNAPSHOT_PREFIX + digest, record)
@@ -584,7 +579,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             return
         for thread_id, _ in list(self._pending):
             if agent_id.startswith(f"{thread_id}:"):
-                self._rewind_thread(thread_id, params.resume_from)
+                self._rewind_thread(thread_id, params.metadata.get("checkpoint_id"))
 
     def _rewind_thread(self, thread_id: str, resume_from: str | None) -> None:
         """Set the thread's agents to the caches linked at the older checkpoint pending for
@@ -610,8 +605,8 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             engine = self._engine_of(fp)
             if engine is None:
                 continue
-            snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + digest)
-            current = engine.store.get_agent(agent_id)
+            snapshot = engine.agent_record(SNAPSHOT_PREFIX + digest)
+            current = engine.agent_record(agent_id)
             if snapshot is not None and (current is None or record_digest(current) != digest):
                 engine.set_agent(agent_id, snapshot)
                 # Now the agent's latest state: a checkpoint put before its next commit

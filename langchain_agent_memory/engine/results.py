@@ -5,9 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
-
-from langchain_core.exceptions import ContextOverflowError
+from typing import Any, Literal
 
 from .model.constrain import TokenConstraint
 from .prefix import MatchKind
@@ -32,9 +30,9 @@ class CacheOutcome:
         )
 
 
-class ContextLengthError(ContextOverflowError, ValueError):
-    """The prompt does not fit the model's context window (LangChain's
-    ``ContextOverflowError``, which its middleware catches: trim or summarise, then retry)."""
+class ContextLengthError(ValueError):
+    """The prompt does not fit the model's context window. The chat model raises it as
+    LangChain's ``ContextOverflowError`` too (``chat_model.ContextLengthError``)."""
 
 
 @dataclass(slots=True)
@@ -54,9 +52,10 @@ class GenerationParams:
     constraint: TokenConstraint | None = None
     #: Stop decoding after this many seconds from the request's start (``"timeout"``).
     timeout_s: float | None = None
-    #: The checkpoint the calling LangGraph run resumes from (its run metadata's
-    #: ``checkpoint_id``; None for a run from the latest one): ``Engine.request_hooks`` see it.
-    resume_from: str | None = None
+    #: What the caller says of the request, for the engine's request hooks (the engine reads
+    #: none of it): the chat model passes its run's ``checkpoint_id`` (a LangGraph run resumed
+    #: from an older checkpoint), which a checkpointer's hook rewinds the thread's agents to.
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -24,11 +24,12 @@ one's commit (it then extends that cache).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 #: ``remaining_prefill`` of a request waiting for another's prefix (``steps``): it is
 #: scheduled last, and the request it waits for prefills as if alone.
@@ -90,6 +91,23 @@ class Scheduler:
 
     def submit(self, request: Schedulable) -> None:
         self.waiting.append(request)
+
+    def in_flight(self) -> list[Schedulable]:
+        """The requests queued or running (a copy: another thread may read it)."""
+        return [*list(self.waiting), *list(self.active)]
+
+    def stats(self) -> dict[str, Any]:
+        decode_time = sorted(self.decode_time.items())
+        return {
+            "scheduling": self.policy,
+            "max_decode_batch": self.max_batch,
+            # batch size -> generated tokens per second while that many agents decoded together
+            "decode_tokens_per_s": {b: b * n / total for b, (n, total) in decode_time if total},
+            # batch size -> the median of its latest steps (seconds): joins and leaves left out
+            "decode_step_median_s": {b: statistics.median(t) for b, t in sorted(self.decode_recent.items())},
+            # batch size -> [decode steps, seconds in them] (to difference over an interval)
+            "decode_steps": {b: [n, total] for b, (n, total) in decode_time},
+        }
 
     def has_work(self) -> bool:
         return bool(self.active or self.waiting)

@@ -266,10 +266,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             raise APIError(400, 'send a JSON body {"to": "<new agent id>"}', param="to") from exc
         _valid_agent(agent_id)
         _valid_agent(target, "to")
-        source = await asyncio.to_thread(engine.agents.read_record, agent_id)
+        source = await asyncio.to_thread(engine.agent_record, agent_id)
         if source is None:
             raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
-        if not replace and await asyncio.to_thread(engine.store.has_agent, target):
+        if not replace and await asyncio.to_thread(engine.has_agent, target):
             raise APIError(409, f'agent {target!r} exists: send "replace": true to overwrite it', param="to")
         with _as_api_errors():
             await asyncio.to_thread(engine.set_agent, target, source)
@@ -440,14 +440,15 @@ def _valid_agent(agent_id: str, param: str = "agent_id") -> None:
 def _agent_card(engine: Engine, model: str, record: AgentRecord) -> dict[str, Any]:
     """An agent's cache as ``GET /v1/agents`` lists it (bytes: its blocks on this server's
     disk; blocks shared with other agents count for each)."""
-    paths = (engine.store.block_path(h) for h in record.blocks)
+    info = engine.agent_info(record)
+    assert info is not None
     return {
         "id": record.agent_id,
         "object": "agent",
         "model": model,
         "tokens": len(record.token_ids),
         "blocks": len(record.blocks),
-        "bytes": sum(p.stat().st_size for p in paths if p.exists()),
+        "bytes": info.local_bytes,
         "last_used_at": int(record.updated_at),
     }
 

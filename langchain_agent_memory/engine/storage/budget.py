@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -228,3 +228,83 @@ class DiskWatch:
 
     def looked(self, total: int, written: int, saves: int, now: float) -> None:
         self.known, self.then, self.looked_at = total, (written, saves), now
+
+
+#: Over its byte budget, an engine evicts down to this share of it (headroom for the next
+#: saves: an eviction pass then runs every few saves, not after each).
+LOW_WATER = 0.9
+
+
+class BudgetKeeper:
+    """Keeps one engine's store within its ``StorageBudget``: after every save (on the save
+    thread) when ``DiskWatch`` says a save may have crossed it, or now and then; never
+    evicting what ``in_use()`` names (the requests in flight, the agents with saves queued).
+    ``evict(budget, in_use, low_water)`` does the eviction (``AgentCaches.evict``: the store
+    and the live caches); ``written()`` is the bytes the engine has written so far."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        evict: Callable[[StorageBudget, set[str], float], EvictionReport],
+        in_use: Callable[[], set[str]],
+        written: Callable[[], int],
+    ) -> None:
+        self._store, self._evict, self._in_use, self._written = store, evict, in_use, written
+        self._watch: DiskWatch | None = None
+        self._said_over = False
+        self._evicted: deque[str] = deque(maxlen=100)  # the latest evicted agents, oldest first
+        self._evicted_count = 0
+        self._saves = 0  # saves so far (a save's index growth counts until the next look)
+
+    @property
+    def budget(self) -> StorageBudget | None:
+        return self._watch.budget if self._watch else None
+
+    @budget.setter
+    def budget(self, budget: StorageBudget | None) -> None:
+        self._watch = DiskWatch(budget) if budget is not None else None
+
+    def saved(self) -> None:
+        """A save was stored (on the save thread): keep the budget if it may be crossed."""
+        self._saves += 1
+        if self._watch is not None:
+            try:
+                self.keep()
+            except Exception:  # the save stands; the budget is kept at the next one
+                logger.exception("keeping the cache within its disk budget failed")
+
+    def keep(self, force: bool = False) -> EvictionReport | None:
+        """Evict what the budget says must go; looks at the disk only when due (or ``force``:
+        now, down to the budget itself rather than ``LOW_WATER`` of it)."""
+        watch, written, now, saves = self._watch, self._written(), time.time(), self._saves
+        if watch is None or not (force or watch.due(written, saves, now)):
+            return None
+        budget = watch.budget
+        total, oldest = self._store.disk_bytes(), self._store.oldest_use()
+        expired = budget.ttl_s is not None and oldest is not None and oldest < now - budget.ttl_s
+        report = None
+        if expired or (budget.max_bytes is not None and total > budget.max_bytes):
+            report = self._evict(budget, self._in_use(), 1.0 if force else LOW_WATER)
+            total = report.bytes_after
+            self._evicted.extend(agent for _, agent in report.evicted)
+            self._evicted_count += len(report.evicted)
+            if report.over_budget and not self._said_over:
+                self._said_over = True
+                logger.warning(
+                    "cache budget %s cannot be met: the agents in use (or saves not yet uploaded) "
+                    "hold %d bytes; it is kept again once they finish",
+                    budget, total,
+                )  # fmt: skip
+        watch.looked(total, written, saves, now)
+        return report
+
+    def stats(self) -> dict[str, object] | None:
+        if self._watch is None:
+            return None
+        return {
+            "max_bytes": self._watch.budget.max_bytes,
+            "ttl_s": self._watch.budget.ttl_s,
+            "bytes": self._watch.known,  # at the last look (``Engine.disk_bytes()``: now)
+            "evicted_agents": self._evicted_count,
+            "recently_evicted": list(self._evicted),  # the latest 100, oldest first
+        }

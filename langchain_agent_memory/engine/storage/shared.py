@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,6 +145,9 @@ class SharedBlockStore:
 
     def block_path(self, h: BlockHash) -> Path:
         return self.local.block_path(h)
+
+    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
+        return self.local.local_bytes(hashes)
 
     def has_block(self, h: BlockHash) -> bool:
         if self.local.has_block(h):

@@ -32,7 +32,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, NewType, Protocol, TypeVar
@@ -326,6 +326,7 @@ class BlockStore(Protocol):
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
     def has_block(self, h: BlockHash) -> bool: ...
     def block_path(self, h: BlockHash) -> Path: ...
+    def local_bytes(self, hashes: Iterable[BlockHash]) -> int: ...
     def put_block(self, block: Block) -> int: ...
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
     def delete_block(self, h: BlockHash) -> None: ...
@@ -525,6 +526,14 @@ class DiskBlockStore:
 
     def has_block(self, h: BlockHash) -> bool:
         return self.block_path(h).exists()
+
+    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
+        """Bytes of these blocks' files in this directory (those missing count nothing)."""
+        total = 0
+        for h in hashes:
+            with contextlib.suppress(FileNotFoundError):
+                total += self.block_path(h).stat().st_size
+        return total
 
     def put_block(self, block: Block) -> int:
         """Write ``block`` unless it exists; return the bytes written (0 if it existed)."""

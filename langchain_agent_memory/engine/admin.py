@@ -1,0 +1,197 @@
+"""The administration side of the engine facade (``Engine`` inherits it): agents' stored
+caches (records, forks, deletes, prefetch, what they hold), saves (``flush``) and the disk
+budget. Everything here goes through the engine's save thread or its store, never the
+model's thread, except ``prefetch`` (which yields to requests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from .agents import AgentCaches, PendingSave
+from .commits import CommitFeed
+from .prefix import tokenize_prompt
+from .saves import SaveQueue
+from .scheduler import Phase, Scheduler
+from .steps import Request
+from .storage.budget import BudgetKeeper, EvictionReport, StorageBudget
+from .storage.pool import BlockPool
+from .storage.store import AgentRecord, BlockStore
+from .worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentInfo:
+    """An agent's stored cache as a caller sees it (``Engine.agent_info``)."""
+
+    record: AgentRecord
+    #: bytes of its blocks in this engine's local directory (blocks shared with other
+    #: agents count for each; a shared store's blocks not fetched here count nothing)
+    local_bytes: int
+
+
+class AgentAdmin:
+    """What ``Engine`` offers besides requests; its attributes are the engine's."""
+
+    agents: AgentCaches
+    tokenizer: Any
+    _store: BlockStore
+    _save_queue: SaveQueue
+    _feed: CommitFeed
+    _budget: BudgetKeeper
+    _worker: Worker
+    _scheduler: Scheduler
+    fingerprint: str
+    pool: BlockPool
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def storage_budget(self) -> StorageBudget | None:
+        """The disk budget this engine keeps its store within (None: unbounded)."""
+        return self._budget.budget
+
+    @storage_budget.setter
+    def storage_budget(self, budget: StorageBudget | None) -> None:
+        self._budget.budget = budget
+
+    @property
+    def store(self) -> Any:
+        """The engine's block store, once every save queued so far is in it."""
+        self._save_queue.wait()
+        return self._store
+
+    def flush(self) -> None:
+        """Wait until every reply so far is saved (its blocks and record durable); raise the
+        first save that failed since the last ``flush`` (``CacheWriteError``: the agent's
+        previous cache is intact). ``close`` flushes too."""
+        self._save_queue.flush()
+
+    def settle_commits(self) -> None:
+        """Wait until every reply so far is saved and subscribers have heard it."""
+        self._save_queue.wait()
+        self._feed.settle()
+
+    def enforce_storage_budget(self) -> EvictionReport | None:
+        """Bring the store within ``storage_budget`` now (it is also kept after every save);
+        None without a budget, or when nothing had to go."""
+        self._check_open()
+        return self._save_queue.submit(lambda: self._budget.keep(force=True), "the disk budget").result()
+
+    def disk_bytes(self) -> int:
+        """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
+        return self.store.disk_bytes()
+
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens a request for ``prompt`` reads (what a cold start would prefill)."""
+        return len(tokenize_prompt(self.tokenizer, prompt))
+
+    # ------------------------------------------------------------------ agents' caches
+
+    def prefetch(self, agent_ids: Iterable[str]) -> Future[int]:
+        """Load these agents' caches into memory in the background (on the worker thread),
+        in the order given, so each one's next request starts hot; agents already live or
+        without a cache are skipped; a request that arrives meanwhile goes first. The future
+        gives how many were loaded."""
+        self._check_open()
+        done: Future[int] = Future()
+        self._worker.submit(self._prefetch_some, list(agent_ids), 0, done)
+        return done
+
+    def _prefetch_some(self, wanted: list[str], loaded: int, done: Future[int]) -> None:
+        try:
+            with self.agents.lock:
+                for i, agent_id in enumerate(wanted):
+                    if i and self._worker.has_waiting:  # a request waits: let it run first
+                        self._worker.submit(self._prefetch_some, wanted[i:], loaded, done)
+                        return
+                    loaded += self.agents.load_hot(agent_id)
+            done.set_result(loaded)
+        except Exception as exc:  # a prefetch is an optimisation: report, never hang a waiter
+            logger.warning("prefetch failed: %s", exc)
+            done.set_exception(exc)
+
+    def agent_records(self, prefix: str = "") -> list[AgentRecord]:
+        """The stored records of every agent whose id starts with ``prefix``."""
+        return list(self.store.agents(prefix))  # the store's reads: not the model steps' lock
+
+    def agent_record(self, agent_id: str) -> AgentRecord | None:
+        """The agent's stored record (None: no cache), its saves queued so far included."""
+        return self.store.get_agent(agent_id)
+
+    def has_agent(self, agent_id: str) -> bool:
+        """Whether the agent has a stored cache (no record is parsed)."""
+        return bool(self.store.has_agent(agent_id))
+
+    def agent_info(self, agent: str | AgentRecord) -> AgentInfo | None:
+        """An agent's record and the bytes of its blocks on this engine's disk."""
+        record = self.agent_record(agent) if isinstance(agent, str) else agent
+        if record is None:
+            return None
+        return AgentInfo(record, self._store.local_bytes(record.blocks))
+
+    def set_agent(self, agent_id: str, source: AgentRecord) -> None:
+        """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
+        restore (blocks shared, no tensor copied), after the saves queued before it."""
+        self._save_queue.submit(
+            lambda: self.agents.set_agent(agent_id, source), f"agent {agent_id!r}"
+        ).result()
+
+    def delete(self, agent_id: str) -> bool:
+        """Forget an agent's cache (memory and disk); shared blocks stay for other agents.
+        Runs after the saves queued before it (on the save thread)."""
+        return self._save_queue.submit(lambda: self.agents.delete(agent_id), f"agent {agent_id!r}").result()
+
+    def cached_tokens(self, agent_id: str) -> int:
+        return self.agents.cached_tokens(agent_id)
+
+    def cached_text(self, agent_id: str) -> str:
+        """The text the agent's cache stands for (prompt and kept reply), or ""."""
+        return self.agents.cached_text(agent_id)
+
+    def drop_hot(self, agent_id: str | None = None) -> None:
+        """Forget live caches (one agent, or all): the next request reloads from blocks."""
+        self._save_queue.wait()
+        self.agents.drop_hot(agent_id)
+
+    def _queue_save(self, save: PendingSave) -> Future[bool]:
+        """A request ended (on the worker): its write goes to the save thread. The future
+        says whether the record was stored (False: another worker's save won)."""
+
+        def write() -> bool:
+            record = self.agents.write(save)
+            if record is not None:
+                self._feed.committed(record)
+                self._budget.saved()
+            return record is not None
+
+        return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
+
+    def _in_use(self) -> set[str]:
+        """Agents the disk budget never evicts: saves queued, requests queued or running."""
+        running = {
+            r.agent_id
+            for r in self._scheduler.in_flight()
+            if isinstance(r, Request) and r.phase is not Phase.DONE
+        }
+        return self.agents.saving_agents() | running
+
+    def stats(self) -> dict[str, Any]:
+        shared = getattr(self._store, "stats", None)  # a shared store's traffic
+        disk = self._budget.stats()
+        return {
+            "fingerprint": self.fingerprint,
+            "hot_agents": len(self.agents.hot),
+            "working_copy_bytes": self.agents.working_copy_bytes(),  # kept for the next request
+            "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
+            **({"disk": disk} if disk is not None else {}),
+            **self._scheduler.stats(),
+        }

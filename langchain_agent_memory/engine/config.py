@@ -1,0 +1,118 @@
+"""An engine's settings, resolved once: what the caller gave, else the environment's
+(``AGENT_MEMORY_*``, ``config.Settings``), else the device's defaults (``device``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from ..config import get_settings
+from . import device
+from .kv import KVQuant
+from .kv import kv_format as kv_format_of
+from .scheduler import POLICIES
+from .storage.budget import StorageBudget
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an ``Engine`` runs.
+
+    ``model``: a shipped name, an mlx-lm directory of a supported family or a ``.gguf``
+    (None: ``AGENT_MEMORY_MODEL``). ``quant``: the KV format (``kv_bits`` 4, 8 or None =
+    16-bit, or ``kv_format``, a ``KV_PRESETS`` name, which wins). Budgets: the pool's memory
+    tier (``hot_budget_bytes``), live agents (``hot_agents``), their full-precision working
+    copies (``work_budget_bytes``); ``chunk_tokens``: the prefill chunk (``alone_chunk_tokens``
+    when a request runs alone; a chunk given is used for both). ``attention``: what a
+    request attends over, ``"stored"`` (the agent's stored form and the request's own
+    tokens: no full-precision copy of the context, ``kv.stored``) or ``"copy"`` (a
+    full-precision working copy, kept for the most recent agents within
+    ``work_budget_bytes``); default: ``AGENT_MEMORY_ATTENTION``, else stored on a GPU, copy on
+    the CPU. ``cpu_kernels=False`` runs mlx-lm's own attention on arrays the engine's caches
+    return (tests, benchmarks). ``share_prefixes``: requests in flight together whose prompts
+    start alike (a fan-out) prefill the common part once (``sharing``). ``store`` (a
+    ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
+    several hosts, ``cache_dir`` the local tier in front (``storage.shared``).
+    ``storage_budget``: what the store keeps on disk (``max_disk_bytes``: ``5GB``, ``500MiB``
+    or bytes; ``cache_ttl``: ``7d``, ``12h``, seconds or a ``timedelta``): agents least
+    recently used (and unused for longer than the TTL) are evicted, never one in use; with
+    a shared store it bounds this worker's local tier. ``reserve_work`` (CPU): touch, at
+    start, the working-copy memory of one agent at ``context_length``, as llama.cpp's context
+    clears its KV buffer, so that a warm restore does not pay for fresh pages (``kv.reserve``).
+    ``context_length`` None: the model's trained context.
+    """
+
+    cache_dir: Path
+    model: str | Path | None
+    quant: KVQuant
+    hot_budget_bytes: int
+    hot_agents: int
+    work_budget_bytes: int
+    chunk_tokens: int
+    alone_chunk_tokens: int
+    scheduling: str
+    context_length: int | None
+    cpu_kernels: bool
+    share_prefixes: bool
+    store: str | None
+    blocks: str | None
+    storage_budget: StorageBudget | None
+    reserve_work: bool
+    attention: str
+
+    @classmethod
+    def resolve(
+        cls,
+        model: str | Path | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        kv_bits: int | None = 4,
+        kv_format: str | KVQuant | None = None,
+        hot_budget_bytes: int | None = None,
+        hot_agents: int = 16,
+        work_budget_bytes: int | None = None,
+        chunk_tokens: int | None = None,
+        scheduling: str = "interleave",
+        context_length: int | None = None,
+        cpu_kernels: bool = True,
+        share_prefixes: bool = True,
+        store: str | None = None,
+        blocks: str | None = None,
+        max_disk_bytes: int | str | None = None,
+        cache_ttl: float | str | timedelta | None = None,
+        reserve_work: bool | None = None,
+        attention: str | None = None,
+    ) -> EngineConfig:
+        """The ``Engine`` constructor's arguments, every default filled in; a wrong value
+        is a ``ValueError`` that names it, before any model is loaded."""
+        settings = get_settings()
+        chosen = attention or settings.attention or device.attention()
+        if chosen not in ("stored", "copy"):
+            raise ValueError(f"attention must be 'stored' or 'copy', not {chosen!r}")
+        if scheduling not in POLICIES:
+            raise ValueError(f"scheduling must be one of {POLICIES}, not {scheduling!r}")
+        if context_length is not None and context_length < 2:
+            raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
+        return cls(
+            cache_dir=Path(cache_dir or settings.cache_dir),
+            model=model,
+            quant=kv_format_of(kv_format if kv_format is not None else kv_bits),
+            hot_budget_bytes=device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes,
+            hot_agents=hot_agents,
+            work_budget_bytes=device.work_budget_bytes() if work_budget_bytes is None else work_budget_bytes,
+            chunk_tokens=chunk_tokens or device.chunk_tokens(),
+            alone_chunk_tokens=chunk_tokens or device.alone_chunk_tokens(),
+            scheduling=scheduling,
+            context_length=context_length,
+            cpu_kernels=cpu_kernels,
+            share_prefixes=share_prefixes,
+            store=store or settings.store,
+            blocks=blocks or settings.blocks,
+            storage_budget=StorageBudget.of(
+                max_disk_bytes if max_disk_bytes is not None else settings.max_disk_bytes,
+                cache_ttl if cache_ttl is not None else settings.cache_ttl,
+            ),
+            reserve_work=settings.reserve_work if reserve_work is None else reserve_work,
+            attention=chosen,
+        )
