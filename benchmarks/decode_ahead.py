@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     args = ap.parse_args()
     from langchain_agent_memory.engine.model.loading import load_model
-    from langchain_agent_memory.engine.model.random_model import SCALE_CONFIGS, write_random_model
-    from langchain_agent_memory.engine.runtime import mx  # the CPU's BLAS picked before mlx loads
+    from langchain_agent_memory.engine.ops.runtime import mx  # the CPU's BLAS picked before mlx loads
+    from langchain_agent_memory.testing.random_model import SCALE_CONFIGS, write_random_model
 
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
     root = Path(tempfile.mkdtemp(prefix="decode-ahead-"))

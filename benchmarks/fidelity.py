@@ -68,7 +68,7 @@ def long_perplexity(
     lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], context: int, stored: bool = False
 ) -> dict:
     from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.model.quality import (
+    from langchain_agent_memory.testing.quality import (
         _fill_pending,
         clone_with_format,
         stored_context_nll,
@@ -87,7 +87,7 @@ def long_perplexity(
 
 def layer_errors(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int]) -> dict:
     from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
-    from langchain_agent_memory.engine.model.quality import _fill_pending, kv_roundtrip_errors
+    from langchain_agent_memory.testing.quality import _fill_pending, kv_roundtrip_errors
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
     _fill_pending(lm.model, base, ids[:512])
@@ -180,8 +180,8 @@ def speeds(lm: Any, spec: Any, formats: dict[str, Any], ids: list[int], stored: 
     a stored 2K context (best of 2)."""
     from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
     from langchain_agent_memory.engine.model.forward import decode_step, prefill
-    from langchain_agent_memory.engine.model.quality import _fill_pending, clone_with_format
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
+    from langchain_agent_memory.testing.quality import _fill_pending, clone_with_format
 
     base = make_layer_caches(spec, KVQuant.uniform(None))
     _fill_pending(lm.model, base, ids[:2048])
@@ -237,7 +237,7 @@ def main() -> None:
     from langchain_agent_memory import load_model
     from langchain_agent_memory.engine.kv import KV_PRESETS
     from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
-    from langchain_agent_memory.engine.model.quality import stored_perplexity
+    from langchain_agent_memory.testing.quality import stored_perplexity
 
     names = ["fp16", *[n for n in (a.formats or KV_PRESETS) if n != "fp16"]]
     formats = {n: KV_PRESETS[n] for n in names}

@@ -87,7 +87,7 @@ def random_model_dir(name: str, root: Path) -> Path:
     import mlx.core as mx
 
     from langchain_agent_memory.engine.model.loading import load_model
-    from langchain_agent_memory.engine.model.random_model import (
+    from langchain_agent_memory.testing.random_model import (
         SCALE_CONFIGS,
         SMALL_CONFIGS,
         write_random_model,
@@ -360,8 +360,8 @@ def warm_main(model_dir: str, root: str, contexts: str) -> None:
 def device_main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from langchain_agent_memory.engine import device
-    from langchain_agent_memory.engine.model.random_model import SCALE_CONFIGS, write_random_model
+    from langchain_agent_memory.engine.ops import device
+    from langchain_agent_memory.testing.random_model import SCALE_CONFIGS, write_random_model
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,8 @@ class _MemLocation(ctypes.Structure):
 
 def prefetch(arrays: list[Any]) -> bool:
     """``cudaMemPrefetchAsync`` of evaluated managed ``arrays`` to GPU 0 (the alternative
-    ``engine/cuda_memory.py`` measured against); whether it was done."""
-    from langchain_agent_memory.engine import cuda_memory
+    ``engine/ops/cuda_memory.py`` measured against); whether it was done."""
+    from langchain_agent_memory.engine.ops import cuda_memory
 
     rt = cuda_memory.runtime()
     if rt is None:
@@ -70,8 +70,8 @@ def prefetch(arrays: list[Any]) -> bool:
 
 def upload(n_files: int, size: int) -> None:
     """1.5 GB of block-like files from the page cache to the GPU, several ways."""
-    from langchain_agent_memory.engine import cuda_memory
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops import cuda_memory
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     d = Path(tempfile.mkdtemp(prefix="probe-upload-"))
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes()
@@ -213,7 +213,7 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
 
     from langchain_agent_memory.engine.engine import GenerationParams
     from langchain_agent_memory.engine.model.loading import load_model
-    from langchain_agent_memory.engine.model.random_model import (
+    from langchain_agent_memory.testing.random_model import (
         SCALE_CONFIGS,
         SMALL_CONFIGS,
         write_random_model,
@@ -271,7 +271,7 @@ def forward_compare(engine: Any, text: str, reps: int = 4) -> None:
     from mlx_lm.models.cache import KVCache
 
     from langchain_agent_memory.engine.model.forward import prefill_chunk
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     layers = engine.agents.hot["bench"].layers
     n = layers[0].offset
@@ -308,7 +308,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
     from peers import extension
 
     from langchain_agent_memory.engine.engine import GenerationParams
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     t0 = time.perf_counter()
     engine = _engine(Path(model_dir), Path(state))
@@ -358,7 +358,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
 
 def _words(group: Any, name: str) -> Any:
     """``BlockGroup.tensor`` through the blob viewed as the tensor's words (reader.py's CPU path)."""
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
     from langchain_agent_memory.engine.storage.reader import _DTYPES
 
     if not group._entries:
@@ -374,7 +374,7 @@ def _words(group: Any, name: str) -> Any:
 
 def _bytes(group: Any, name: str) -> Any:
     """Only the strided byte slice made contiguous (the first copy of the GPU path)."""
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     if not group._entries:
         group._entries.update((e.name, e) for e in group.headers[0].tensors)
@@ -389,7 +389,7 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     from gpu import prompt_text, random_model_dir
 
     from langchain_agent_memory.engine.engine import GenerationParams
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     root = Path(tempfile.mkdtemp(prefix="probe-restore-"))
     engine = _engine(random_model_dir(model, root / "model"), root / "state")
@@ -444,7 +444,7 @@ def commit_main(ctx: int, model: str) -> None:
     from langchain_agent_memory.engine import agents as agents_module
     from langchain_agent_memory.engine.engine import GenerationParams
     from langchain_agent_memory.engine.kv.layer import LayerCache
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     root = Path(tempfile.mkdtemp(prefix="probe-commit-"))
     engine = _engine(random_model_dir(model, root / "model"), root / "state")
@@ -498,7 +498,7 @@ def cold_main(ctx: int, model: str, reps: int) -> None:
 
     from langchain_agent_memory.engine.engine import GenerationParams
     from langchain_agent_memory.engine.model.forward import prefill_chunk
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     root = Path(tempfile.mkdtemp(prefix="probe-cold-"))
     engine = _engine(random_model_dir(model, root / "model"), root / "state")

@@ -37,7 +37,7 @@ import json, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
 from langchain_agent_memory import corpus, load_model
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 model_dir, n = sys.argv[2], int(sys.argv[3])
 tok = load_model("smollm2-135m").tokenizer
@@ -68,8 +68,8 @@ METRICS = ("prefill_s", "save_s", "peak_gb", "hot_ttft_s")
 
 
 def run(args: argparse.Namespace) -> None:
-    from langchain_agent_memory.engine.model import random_model
     from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.testing import random_model
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -592,13 +592,13 @@ What the profile says (2026-12-01, on the device; `benchmarks/gpu_probe.py`):
   and decode ran at 33.5 tok/s: attention went through the CPU kernels in float32 and
   prefill ran in 128-token chunks. Now the GPU runs mlx's fused attention on the engine's
   caches (mlx-lm's cache protocol), weights and working copies stay bf16, prefill chunks
-  are 2048 tokens (`engine/device.py`).
+  are 2048 tokens (`engine/ops/device.py`).
 - Warm loading, 1.5 GB of block files in the page cache (`gpu_probe.py upload`): 16 threads
   read them in 0.035 s, 0.10-0.13 s with SHA-256; but `mx.array(host)` took 0.6-1.1 s and
   the first kernel over it another 0.11-0.25 s. mlx's CUDA build puts arrays made from host
   memory in CUDA managed memory: the host's first touch of fresh managed pages runs at
   ~2 GB/s, and the GPU then pulls them over page fault by page fault (a prefetch moves them
-  in 0.03 s). Now (`engine/cuda_memory.py`, used by `storage/reader.py`) each reader thread
+  in 0.03 s). Now (`engine/ops/cuda_memory.py`, used by `storage/reader.py`) each reader thread
   reads a file into a pinned staging buffer, checks it, and `cudaMemcpy`s it into an array
   made on the GPU: 0.07-0.17 s for 0.74 GB in the probe; warm at 32K went from 1.40 s to
   0.70 s (0.34x mlx-lm's cold prefill, 0.23x its warm restore). What remains in the 0.49 s

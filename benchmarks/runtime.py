@@ -39,7 +39,7 @@ WEIGHTS = ("float32", "bfloat16", "float16", "q8", "q4")
 
 def _prepare(name: str, weights: str, fast_ops: bool) -> Any:
     from langchain_agent_memory import load_model
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
 
     lm = load_model(name, cpu_kernels=fast_ops)  # fast_ops: this instance adapted to our kernels
     model = lm.model
@@ -57,10 +57,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from langchain_agent_memory import corpus  # first: loads the BLAS before mlx
 
     from mlx_lm.models.cache import make_prompt_cache  # isort: skip
-    from langchain_agent_memory.engine import runtime
     from langchain_agent_memory.engine.model.forward import decode_step, prefill
-    from langchain_agent_memory.engine.model.quality import perplexity
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops import runtime
+    from langchain_agent_memory.engine.ops.runtime import mx
+    from langchain_agent_memory.testing.quality import perplexity
 
     lm = _prepare(args.model, args.weights, args.fast_ops)
     ids = lm.tokenizer.encode(corpus.python_docs())[: args.prefill_tokens]
@@ -138,7 +138,7 @@ def llama_cpp_perplexity() -> dict[str, Any]:
     from langchain_agent_memory import corpus, load_model
     from langchain_agent_memory.config import get_settings
     from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
-    from langchain_agent_memory.engine.model.quality import perplexity
+    from langchain_agent_memory.testing.quality import perplexity
 
     out: dict[str, Any] = {}
     for name in MODELS:
@@ -192,8 +192,8 @@ def mlx_gguf_reference() -> dict[str, Any]:
     from langchain_agent_memory.config import get_settings
     from langchain_agent_memory.engine.model.gguf_convert import mlx_name, unpermute_qk
     from langchain_agent_memory.engine.model.loading import SHIPPED_MODELS
-    from langchain_agent_memory.engine.model.quality import perplexity
-    from langchain_agent_memory.engine.runtime import mx
+    from langchain_agent_memory.engine.ops.runtime import mx
+    from langchain_agent_memory.testing.quality import perplexity
 
     ours = load_model("smollm2-135m")
     src, _ = SHIPPED_MODELS["smollm2-135m"].locate(get_settings().cache_dir)
@@ -286,7 +286,7 @@ def main() -> None:
     from rich.table import Table
 
     try:
-        import langchain_agent_memory.engine.model.fast_ops  # noqa: F401
+        import langchain_agent_memory.engine.ops.fast_ops  # noqa: F401
 
         fast_variants = [False, True]
     except ImportError:

@@ -64,7 +64,7 @@ def build(model: str, cache_dir: Path, max_tokens: int, mode: str, phase: int) -
     from langgraph.graph import END, START, StateGraph
 
     from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
-    from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
+    from langchain_agent_memory.graph.sqlite_checkpoints import SqliteCheckpoints
 
     if mode == "persistent":
         kv_dir = cache_dir

@@ -6,21 +6,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 # NOTE: first, before anything can import mlx: loads a fast BLAS into the process (see
-# engine/runtime.py; ``engine/__init__.py`` imports it too, so any import path gets it first).
-from .engine import runtime as _runtime  # noqa: F401  # isort: skip
+# engine/ops/runtime.py; ``engine/__init__.py`` imports it too, so any import path gets it first).
+from .engine.ops import runtime as _runtime  # noqa: F401  # isort: skip
 
 if TYPE_CHECKING:
-    from .chat_model import ChatAgentMemory, ContextLengthError
-    from .checkpoint import AgentMemorySaver
+    from .chat.model import ChatAgentMemory, ContextLengthError
     from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
+    from .graph.saver import AgentMemorySaver
 
 # The public names are imported on first use (PEP 562): LangChain / LangGraph take ~1.2 s to
 # import, which a process that only touches the engine or its store (the CLI's cache commands,
 # a cleanup worker, a server child) should not pay.
 _LAZY = {
-    "ChatAgentMemory": ".chat_model",
-    "AgentMemorySaver": ".checkpoint",
-    "ContextLengthError": ".chat_model",
+    "ChatAgentMemory": ".chat.model",
+    "AgentMemorySaver": ".graph.saver",
+    "ContextLengthError": ".chat.model",
     "DEFAULT_MODEL": ".engine.model.loading",
     "SHIPPED_MODELS": ".engine.model.loading",
     "LoadedModel": ".engine.model.loading",
@@ -39,7 +39,15 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+#: Modules users import from the package root (the quickstart's text).
+_MODULES = {"corpus": ".testing.corpus"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name], __name__)
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ Environment variables (prefix ``AGENT_MEMORY_``):
   form, no full-precision copy: the default on a GPU) or ``copy`` (a full-precision working
   copy, kept for the most recent agents within a byte budget: the default on the CPU);
   ``engine.device.attention``.
-- ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/runtime.py``,
+- ``AGENT_MEMORY_BLAS``: ``bundled`` keeps mlx's own BLAS (read in ``engine/ops/runtime.py``,
   before pydantic is imported).
 """
 

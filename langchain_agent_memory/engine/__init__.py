@@ -5,4 +5,4 @@ mlx (every module of the engine imports ``mx`` from it; importing this package m
 order explicit whatever is imported first).
 """
 
-from . import runtime  # noqa: F401
+from .ops import runtime  # noqa: F401

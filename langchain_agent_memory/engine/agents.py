@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
+from .ops.runtime import mx
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .results import CacheSource
-from .runtime import mx
 from .storage.budget import EvictionReport, StorageBudget, enforce
 from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError

@@ -8,9 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..config import get_settings
-from . import device
 from .kv import KVQuant
 from .kv import kv_format as kv_format_of
+from .ops import device
 from .scheduler import POLICIES
 from .storage.budget import StorageBudget
 
@@ -31,7 +31,7 @@ class EngineConfig:
     ``work_budget_bytes``); default: ``AGENT_MEMORY_ATTENTION``, else stored on a GPU, copy on
     the CPU. ``cpu_kernels=False`` runs mlx-lm's own attention on arrays the engine's caches
     return (tests, benchmarks). ``share_prefixes``: requests in flight together whose prompts
-    start alike (a fan-out) prefill the common part once (``sharing``). ``store`` (a
+    start alike (a fan-out) prefill the common part once (``forks``). ``store`` (a
     ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
     several hosts, ``cache_dir`` the local tier in front (``storage.shared``).
     ``storage_budget``: what the store keeps on disk (``max_disk_bytes``: ``5GB``, ``500MiB``

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from ..config import get_settings
-from . import device
 from .admin import AgentAdmin, AgentInfo
 from .agents import AgentCaches, HotPolicy
 from .commits import BeforeRequest, CommitFeed, OnCommit, Subscription
@@ -35,6 +34,8 @@ from .kv.reserve import WorkReserve, reserve_rows
 from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
 from .model.loading import LoadedModel, load_model, trained_context
+from .ops import device
+from .ops.runtime import mx
 from .results import (
     CacheOutcome,
     CacheSource,
@@ -45,14 +46,13 @@ from .results import (
     Timings,
 )
 from .runner import ModelRunner
-from .runtime import mx
 from .saves import SaveQueue
 from .saves import wait_for as wait_for_saves
 from .scheduler import Scheduler
 from .steps import Request, RequestSteps
 from .storage.budget import BudgetKeeper
 from .storage.pool import BlockPool
-from .storage.shared import open_store
+from .storage.remote import open_store
 from .storage.store import validate_agent_id
 from .worker import Sink, Start, Worker
 
@@ -156,7 +156,7 @@ class Engine(AgentAdmin):
 
     @property
     def share_prefixes(self) -> bool:
-        """Whether requests in flight together fork a prompt prefix they share (``sharing``)."""
+        """Whether requests in flight together fork a prompt prefix they share (``forks``)."""
         return self._steps.share_prefixes
 
     @share_prefixes.setter

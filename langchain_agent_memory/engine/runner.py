@@ -13,11 +13,11 @@ import secrets
 from collections.abc import Hashable
 from typing import Any
 
-from . import device
 from .kv import BatchLayerCache, LayerCache, batch_layer_caches
 from .model.constrain import TokenConstraint
 from .model.forward import decode_step, logits_from_hidden, prefill_chunk
-from .runtime import mx
+from .ops import device
+from .ops.runtime import mx
 
 #: A decode batch member: (request key, token to feed, its layer caches).
 Member = tuple[Hashable, int | mx.array, list[LayerCache]]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .agents import Admission, AgentCaches, PendingSave
+from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
+from .ops.runtime import mx
 from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import (
     CacheOutcome,
@@ -24,9 +26,7 @@ from .results import (
     Timings,
 )
 from .runner import ModelRunner, Sampler
-from .runtime import mx
 from .scheduler import WAITING, Phase
-from .sharing import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
 
@@ -57,7 +57,7 @@ class Request:
     ended_by_eos: bool = False
     decode_t0: float = 0.0
     #: (request, tokens): start from a copy of that in-flight request's first ``tokens``
-    #: once it holds them (``sharing``), instead of prefilling them again.
+    #: once it holds them (``forks``), instead of prefilling them again.
     share: tuple[Request, int] | None = None
 
     @property
@@ -98,7 +98,7 @@ class RequestSteps:
         self.context_length, self.model_name = context_length, model_name
         self.on_commit = on_commit
         self.eos = set(tokenizer.eos_token_ids)
-        #: Fork prefixes in-flight requests share (``sharing``); off: each prefills its own.
+        #: Fork prefixes in-flight requests share (``forks``); off: each prefills its own.
         self.share_prefixes = share_prefixes
         self.inflight: list[Request] = []  # admitted, not finished: candidate sources
         #: Decode runs one step ahead (``_decode_ahead``); off, each step reads its tokens

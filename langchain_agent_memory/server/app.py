@@ -30,7 +30,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..chat_model import ChatAgentMemory
+from ..chat.model import ChatAgentMemory
 from ..engine.engine import ContextLengthError, Engine, GenerationParams
 from ..engine.model.loading import DEFAULT_MODEL
 from ..engine.storage.store import AgentRecord, validate_agent_id

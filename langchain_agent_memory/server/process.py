@@ -26,7 +26,7 @@ def start_server(
     end of its stderr when it exits or does not answer within ``timeout_s``."""
     import httpx
 
-    cmd = [sys.executable, "-m", "langchain_agent_memory.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "langchain_agent_memory.cli.main", "serve", "--port", str(port), *args]
     # stderr goes to a file, not a pipe (a pipe nobody reads would block a chatty server);
     # the child keeps writing to it after this function closes its own handle
     with tempfile.TemporaryFile() as log:

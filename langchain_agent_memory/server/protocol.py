@@ -21,7 +21,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_core.messages.tool import ToolCall
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..prompt import text_of
+from ..chat.prompt import text_of
 
 #: Most stop sequences one request may give (OpenAI allows 4).
 MAX_STOP_SEQUENCES = 16

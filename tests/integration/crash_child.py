@@ -21,7 +21,7 @@ import random
 import sys
 from pathlib import Path
 
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import (
     BLOCK_TOKENS,

@@ -17,7 +17,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.kv.stored_batch import StoredBatch
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 PROMPTS = {
     "lawyer": "You answer questions about this license.\n\n"

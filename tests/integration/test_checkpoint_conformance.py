@@ -12,9 +12,9 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES, BASE_CAPABILITIES
 from langgraph.checkpoint.memory import InMemorySaver
 
-from langchain_agent_memory.checkpoint import AgentMemorySaver, server_checkpointer
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.sqlite_checkpoints import SqliteCheckpoints
+from langchain_agent_memory.graph.saver import AgentMemorySaver, server_checkpointer
+from langchain_agent_memory.graph.sqlite_checkpoints import SqliteCheckpoints
 
 
 @checkpointer_test(name="SqliteCheckpoints")
@@ -87,7 +87,7 @@ async def test_postgres_conformance_is_full(postgres_url: str, smollm: LoadedMod
     from psycopg import AsyncConnection
     from psycopg.rows import dict_row
 
-    from langchain_agent_memory.postgres_checkpoints import AsyncPostgresCheckpoints
+    from langchain_agent_memory.graph.postgres_checkpoints import AsyncPostgresCheckpoints
 
     @asynccontextmanager
     async def postgres():  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.cli import app
+from langchain_agent_memory.cli.main import app
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 

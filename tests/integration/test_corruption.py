@@ -18,7 +18,7 @@ import pytest
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.store import Block, DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=8)

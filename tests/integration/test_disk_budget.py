@@ -14,13 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.chat_model import ChatAgentMemory
-from langchain_agent_memory.checkpoint import AgentMemorySaver
-from langchain_agent_memory.cli import app
+from langchain_agent_memory.chat.model import ChatAgentMemory
+from langchain_agent_memory.cli.main import app
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.storage.budget import StorageBudget, parse_age, parse_size
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
+from langchain_agent_memory.graph.saver import AgentMemorySaver
 
 ONE = GenerationParams(max_tokens=1)
 WORDS = corpus.apache_license().split()

@@ -21,8 +21,8 @@ from langchain_agent_memory.engine.engine import (
     GenerationResult,
 )
 from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.runtime import mx
 from langchain_agent_memory.engine.storage.store import (
     BLOCK_TOKENS,
     FORMAT_VERSION,

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine import device
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.families import UnsupportedModelError
 from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
-from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
+from langchain_agent_memory.engine.ops import device
 from langchain_agent_memory.engine.prefix import MatchKind
+from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
 
 pytestmark = pytest.mark.gpu
 

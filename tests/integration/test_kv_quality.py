@@ -10,7 +10,7 @@ from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.kv import KV_PRESETS, kv_format
 from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.model.quality import stored_perplexity
+from langchain_agent_memory.testing.quality import stored_perplexity
 
 WINDOWS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.model.loading import LoadedModel, load_model, resolve_model_dir
-from langchain_agent_memory.engine.model.quality import perplexity
+from langchain_agent_memory.testing.quality import perplexity
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from langchain_agent_memory import prompt
+from langchain_agent_memory.chat import prompt
 from langchain_agent_memory.engine.model.loading import LoadedModel
 
 TOOLS = [

@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
 
 from langchain_agent_memory import ChatAgentMemory
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
+from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
 
 THINKING = """{%- for message in messages %}<|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>

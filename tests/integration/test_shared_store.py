@@ -309,7 +309,7 @@ def test_the_cache_commands_read_the_shared_store(
 ) -> None:
     from typer.testing import CliRunner
 
-    from langchain_agent_memory.cli import app
+    from langchain_agent_memory.cli.main import app
 
     a = workers("a")
     a.generate("t1:writer", SYSTEM + "User: hi\nAssistant:")

@@ -13,7 +13,7 @@ from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
 from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 from langchain_agent_memory.engine.model.forward import decode_step, prefill
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 N_TOKENS = 2048
 

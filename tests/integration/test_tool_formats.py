@@ -15,10 +15,11 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from tool_templates import CASES
 
-from langchain_agent_memory import ChatAgentMemory, prompt
+from langchain_agent_memory import ChatAgentMemory
+from langchain_agent_memory.chat import prompt
+from langchain_agent_memory.chat.tool_formats import HERMES, tool_format
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS, write_random_model
-from langchain_agent_memory.tool_formats import HERMES, tool_format
+from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
 
 
 @tool

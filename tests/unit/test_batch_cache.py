@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from langchain_agent_memory.engine.kv import BatchLayerCache, LayerCache, LayerSpec, kv_format
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 SPEC = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None)
 LENGTHS = {"a": 100, "b": 230, "c": 40}

@@ -1,4 +1,4 @@
-"""The GPU upload helpers (engine/cuda_memory.py) where no CUDA runtime is: every entry point
+"""The GPU upload helpers (engine/ops/cuda_memory.py) where no CUDA runtime is: every entry point
 says "not done" and the caller's host path runs; staging buffers of any size are reused."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine import cuda_memory, device
+from langchain_agent_memory.engine.ops import cuda_memory, device
 
 
 @pytest.mark.skipif(device.on_gpu(), reason="a GPU has a CUDA runtime: benchmarks/gpu.py covers that path")

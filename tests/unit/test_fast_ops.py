@@ -8,8 +8,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine.model import fast_ops
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops import fast_ops
+from langchain_agent_memory.engine.ops.runtime import mx
 
 
 def _rel(out: mx.array, ref: mx.array) -> float:

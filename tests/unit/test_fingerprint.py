@@ -8,7 +8,7 @@ from pathlib import Path
 
 from langchain_agent_memory.engine.kv import LayerSpec, ModelCacheSpec, kv_format
 from langchain_agent_memory.engine.model.fingerprint import model_fingerprint, sha256_file
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 SPEC = ModelCacheSpec((LayerSpec(2, 64, 64, None),), "float32")
 

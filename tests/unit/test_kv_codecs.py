@@ -21,7 +21,7 @@ from langchain_agent_memory.engine.kv import (
     unpack_affine,
 )
 from langchain_agent_memory.engine.kv.spec import LayerSpec
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 
 @pytest.mark.parametrize("dim", [64, 128, 192, 256])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from langchain_agent_memory.links import Links
+from langchain_agent_memory.graph.links import Links
 
 V1 = """
 CREATE TABLE history (agent_id TEXT NOT NULL, committed_at REAL NOT NULL, snapshot TEXT NOT NULL);

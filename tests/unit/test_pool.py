@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import AgentRecord, Block, DiskBlockStore, block_hash
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tool_templates import CASES, TemplateTokenizer
 
-from langchain_agent_memory import prompt
-from langchain_agent_memory.tool_formats import tool_format
+from langchain_agent_memory.chat import prompt
+from langchain_agent_memory.chat.tool_formats import tool_format
 
 
 def test_reply_text_and_calls_are_parsed() -> None:

@@ -1,4 +1,4 @@
-"""What importing the package does to the process's BLAS (engine/runtime.py)."""
+"""What importing the package does to the process's BLAS (engine/ops/runtime.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from langchain_agent_memory.engine import runtime
+from langchain_agent_memory.engine.ops import runtime
 
 X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
 

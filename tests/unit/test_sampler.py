@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.runner import Sampler
-from langchain_agent_memory.engine.runtime import mx
 
 
 @pytest.mark.parametrize(

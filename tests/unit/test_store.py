@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.store import (
     FORMAT_VERSION,
     INDEX_SCHEMA_VERSION,

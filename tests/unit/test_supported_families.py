@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES
-from langchain_agent_memory.engine.model.random_model import SMALL_CONFIGS
+from langchain_agent_memory.testing.random_model import SMALL_CONFIGS
 
 
 def test_every_supported_family_has_a_small_config() -> None:

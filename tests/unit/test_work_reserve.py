@@ -11,7 +11,7 @@ from langchain_agent_memory.engine.kv import LayerCache, kv_format
 from langchain_agent_memory.engine.kv.layer import grown_rows
 from langchain_agent_memory.engine.kv.reserve import WorkReserve, reserve_rows
 from langchain_agent_memory.engine.kv.spec import LayerSpec, ModelCacheSpec
-from langchain_agent_memory.engine.runtime import mx
+from langchain_agent_memory.engine.ops.runtime import mx
 
 FULL = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None)
 SLIDING = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=512)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime import mx
+from ..ops.runtime import mx
 from .layer import LayerCache, _Working, grown_rows
 from .stored import attention, positional_mask
 from .stored_batch import StoredBatch

@@ -12,8 +12,8 @@ from functools import partial
 
 import numpy as np
 
-from ..model.fast_ops import Kernel
-from ..runtime import mx
+from ..ops.fast_ops import Kernel
+from ..ops.runtime import mx
 
 #: Scales and biases are stored (on disk and in memory) at 16 bits: 0.281x FP16 bytes at
 #: 4 bits / group 64, instead of 0.3125x with float32 scales.

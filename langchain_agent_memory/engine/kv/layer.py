@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime import mx, side_streams
+from ..ops.runtime import mx, side_streams
 from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
 from .spec import LayerSpec, ModelCacheSpec
 from .stored import Parts, Segment, attention, positional_mask, stored_attention

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..runtime import mx
+from ..ops.runtime import mx
 from .layer import grown_rows
 from .spec import ModelCacheSpec
 

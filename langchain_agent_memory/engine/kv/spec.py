@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..runtime import mx
+from ..ops.runtime import mx
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from ..runtime import mx
+from ..ops.runtime import mx
 from . import stored_cuda
 from .codecs import TensorCodec, rotation
 
@@ -49,7 +49,7 @@ def attention(
     """Full-precision attention, the device's fastest: the CPU kernels of ``fast_ops`` on the
     CPU (with attention sinks, mlx's op), mlx's fused kernel on a GPU."""
     if sinks is None and mx.default_device() == mx.cpu:
-        from ..model import fast_ops
+        from ..ops import fast_ops
 
         return fast_ops.attention(q, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)

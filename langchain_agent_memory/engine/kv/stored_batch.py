@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime import mx
+from ..ops.runtime import mx
 from . import stored_cuda
 from .codecs import FULL, HALF_DTYPE, KVQuant
 from .layer import LayerCache

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..runtime import mx
+from ..ops.runtime import mx
 from .codecs import SCALE_DTYPE, TensorCodec, rotation, rotation_signs
 
 Parts = tuple[mx.array, ...]

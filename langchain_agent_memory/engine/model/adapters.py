@@ -41,8 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..kv import BatchLayerCache, LayerCache
-from ..runtime import mx
-from . import fast_ops
+from ..ops import fast_ops
+from ..ops.runtime import mx
 
 logger = logging.getLogger(__name__)
 

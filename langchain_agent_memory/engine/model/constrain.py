@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..runtime import mx
+from ..ops.runtime import mx
 
 #: Compact JSON ({"a": 1, "b": [2, 3]}): no free whitespace for a small model to ramble in.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..kv import KVQuant
 from ..kv.spec import ModelCacheSpec
-from ..storage.files import atomic_write_bytes
+from ..ops.files import atomic_write_bytes
 
 _DIGESTS_FILE = "weight-digests.json"
 _memo: dict[tuple[str, int, int], str] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..runtime import mx, side_streams
+from ..ops.runtime import mx, side_streams
 
 DEFAULT_CHUNK_TOKENS = 512
 #: A projection of this few rows onto a vocabulary of this many bytes of weights or more is

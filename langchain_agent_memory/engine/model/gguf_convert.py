@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import mx
-from ..storage.files import atomic_write, atomic_write_bytes
+from ..ops.files import atomic_write, atomic_write_bytes
+from ..ops.runtime import mx
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ...config import get_settings
-from .. import device
-from ..runtime import mx
+from ..ops import device
+from ..ops.runtime import mx
 from .adapters import adapt_model
 from .families import check_family
 from .fingerprint import sha256_file

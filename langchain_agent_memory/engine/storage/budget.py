@@ -18,10 +18,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # store.py imports this module
-    from .store import BlockHash, BlockStore
+from .store import BlockHash, BlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +89,6 @@ class StorageBudget:
         parts = [f"{self.max_bytes} bytes" if self.max_bytes is not None else "",
                  f"ttl {self.ttl_s:g} s" if self.ttl_s is not None else ""]  # fmt: skip
         return ", ".join(p for p in parts if p) or "unbounded"
-
-
-@dataclass(slots=True)
-class StoreUsage:
-    """What one store holds, as eviction sees it."""
-
-    fingerprint: str
-    #: (agent id, last use as a Unix time), least recently used first.
-    agents: list[tuple[str, float]]
-    refs: dict[str, set[BlockHash]]  # agent id -> the blocks its record names
-    sizes: dict[BlockHash, int]  # bytes of each named block present on this disk
-    index_bytes: int  # the index and its journal
-    quarantine_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
 
 
 @dataclass(slots=True)

@@ -15,14 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .store import (
-    AgentRecord,
-    Block,
-    BlockHash,
-    BlockMissingError,
-    BlockStore,
-    CacheWriteError,
-)
+from .store import AgentRecord, Block, BlockHash, BlockMissingError, BlockStore, CacheWriteError
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import cuda_memory
-from ..runtime import mx
+from ..ops import cuda_memory
+from ..ops.runtime import mx
 
 logger = logging.getLogger(__name__)
 

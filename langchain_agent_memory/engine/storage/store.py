@@ -40,9 +40,8 @@ from typing import Any, Generic, NewType, Protocol, TypeVar
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from ..runtime import mx
-from .budget import StoreUsage
-from .files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
+from ..ops.files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
+from ..ops.runtime import mx
 from .reader import (
     BlockFileError,
     BlockGroup,
@@ -225,6 +224,23 @@ class TokenSlices(Mapping[str, _T], Generic[_T]):
 
 def _nbytes(x: mx.array | HostTensor) -> int:
     return int(x.data.nbytes if isinstance(x, HostTensor) else x.nbytes)
+
+
+@dataclass(slots=True)
+class StoreUsage:
+    """What one store holds, as eviction sees it."""
+
+    fingerprint: str
+    #: (agent id, last use as a Unix time), least recently used first.
+    agents: list[tuple[str, float]]
+    refs: dict[str, set[BlockHash]]  # agent id -> the blocks its record names
+    sizes: dict[BlockHash, int]  # bytes of each named block present on this disk
+    index_bytes: int  # the index and its journal
+    quarantine_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
 
 
 @dataclass(slots=True)

@@ -32,8 +32,8 @@ from typing import Any
 
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
-from . import prompt
-from .engine.model.constrain import MAX_FREE_STRING_CHARS
+from ..engine.model.constrain import MAX_FREE_STRING_CHARS
+from .messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_reply, text_of, to_dicts
 
 #: A tool no template names by chance: rendered to find out whether a template shows tools.
 _PROBE = {
@@ -65,7 +65,7 @@ class ToolFormat:
     ) -> str:
         """A grammar for exactly one call, in this format, to one of ``tools`` (free strings
         of its arguments bounded, see ``constrain.bounded_strings``)."""
-        from .engine.model.constrain import tool_call_grammar
+        from ..engine.model.constrain import tool_call_grammar
 
         if self.name == "harmony":
             return _harmony_grammar(tools, max_string_chars)
@@ -82,7 +82,7 @@ class ToolFormat:
         return hashlib.sha256((call_id or "").encode()).hexdigest()[:9]
 
 
-HERMES = ToolFormat("hermes", False, prompt.TOOL_CALL_OPEN, prompt.TOOL_CALL_CLOSE)
+HERMES = ToolFormat("hermes", False, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
 
 def tool_format(tokenizer: Any) -> ToolFormat:
@@ -152,7 +152,7 @@ def _split(items: list[ToolCall | InvalidToolCall]) -> tuple[list[ToolCall], lis
 
 
 def _parse_hermes(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    return prompt.parse_reply(text)
+    return parse_reply(text)
 
 
 def _parse_json_tools(fmt: ToolFormat, text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
@@ -227,7 +227,7 @@ def _harmony_grammar(tools: Sequence[dict[str, Any]], max_string_chars: int | No
     """``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>``."""
     import llguidance
 
-    from .engine.model.constrain import JSON_OPTIONS, bounded_strings
+    from ..engine.model.constrain import JSON_OPTIONS, bounded_strings
 
     rules, names = [], []
     for i, tool in enumerate(tools):
@@ -253,7 +253,7 @@ def native_dicts(fmt: ToolFormat, messages: Sequence[Any]) -> list[dict[str, Any
     from langchain_core.messages import AIMessage, ToolMessage
 
     out: list[dict[str, Any]] = []
-    for d, m in zip(prompt.to_dicts(messages, None), messages, strict=True):
+    for d, m in zip(to_dicts(messages, None), messages, strict=True):
         if isinstance(m, AIMessage) and m.tool_calls:
             calls = [
                 {
@@ -263,12 +263,12 @@ def native_dicts(fmt: ToolFormat, messages: Sequence[Any]) -> list[dict[str, Any
                 }
                 for c in m.tool_calls
             ]
-            out.append({"role": "assistant", "content": prompt.text_of(m.content), "tool_calls": calls})
+            out.append({"role": "assistant", "content": text_of(m.content), "tool_calls": calls})
         elif isinstance(m, ToolMessage):
             out.append(
                 {
                     "role": "tool",
-                    "content": prompt.text_of(m.content),
+                    "content": text_of(m.content),
                     "tool_call_id": fmt.call_id(m.tool_call_id),
                     "name": m.name or "",
                 }

@@ -17,7 +17,7 @@ from typing import Any
 
 from langchain_core.language_models.model_profile import ModelProfile
 
-from .engine.model.loading import SHIPPED_MODELS, trained_context
+from ..engine.model.loading import SHIPPED_MODELS, trained_context
 
 
 def model_profile(model: str) -> ModelProfile:

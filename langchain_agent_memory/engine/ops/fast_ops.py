@@ -64,7 +64,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
-from ..runtime import mx
+from .runtime import mx
 
 __all__ = [
     "attention",

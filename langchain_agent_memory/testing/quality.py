@@ -9,7 +9,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
-from ..runtime import mx
+from ..engine.ops.runtime import mx
 
 #: token ids (one sequence) -> logits, shape (len(ids), vocab)
 LogitsFn = Callable[[list[int]], Any]
@@ -55,7 +55,7 @@ def perplexity(
 
 def _fill_pending(model: Any, caches: list[Any], token_ids: Sequence[int], chunk: int = 512) -> None:
     """Run ``token_ids`` through the model into the caches' full-precision pending part."""
-    from .forward import prefill
+    from ..engine.model.forward import prefill
 
     prefill(model, token_ids, caches, chunk)
 
@@ -64,7 +64,7 @@ def clone_with_format(caches: list[Any], quant: Any, serve_stored: bool = False)
     """Copies of layer caches whose pending tokens will be stored as ``quant`` on commit
     (a full-precision prefill done once serves every KV format compared); ``serve_stored``:
     they attend over their stored form (``LayerCache``), not a working copy."""
-    from ..kv import LayerCache
+    from ..engine.kv import LayerCache
 
     out = []
     for c in caches:
@@ -82,7 +82,7 @@ def stored_context_nll(
     committed first, i.e. stored in its KV format), fed ``score_chunk`` tokens at a time
     with a commit after each: every scored token attends to stored keys for all but the
     < ``score_chunk`` tokens before it in its own chunk, as in a conversation."""
-    from .forward import logits_from_hidden
+    from ..engine.model.forward import logits_from_hidden
 
     for c in caches:
         c.commit()
@@ -112,7 +112,7 @@ def stored_perplexity(
     """Perplexity per KV format with 512-token windows moved by 256: in each window the
     first 256 tokens are the context (prefilled once at full precision, then *stored* in
     the format) and the next 256 are scored as ``stored_context_nll`` does."""
-    from ..kv import KVQuant, make_layer_caches
+    from ..engine.kv import KVQuant, make_layer_caches
 
     nll = dict.fromkeys(formats, 0.0)
     count = dict.fromkeys(formats, 0)
@@ -133,7 +133,7 @@ def stored_perplexity(
 def kv_roundtrip_errors(caches: list[Any], quant: Any) -> list[tuple[float, float]]:
     """Per layer, relative L2 error of K and V after a round trip through ``quant``
     (undoing a rotation), on the pending (full-precision) keys and values of ``caches``."""
-    from ..kv import rotation
+    from ..engine.kv import rotation
 
     out = []
     for c in caches:

@@ -23,8 +23,8 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.graph import START, MessagesState, StateGraph
 from rich.console import Console
 
-from .chat_model import ChatAgentMemory
-from .checkpoint import AgentMemorySaver
+from ..chat.model import ChatAgentMemory
+from ..graph.saver import AgentMemorySaver
 
 #: The REPL's commands and what each does (``/help`` prints them).
 COMMANDS = {

@@ -31,9 +31,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .budget import StoreUsage
+from ..ops.files import DirectoryLock, atomic_write_bytes
 from .catalog import BlocksMissingError, Catalog, CommitConflictError
-from .files import DirectoryLock, atomic_write_bytes
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .store import (
@@ -44,6 +43,7 @@ from .store import (
     CacheFormatError,
     CacheWriteError,
     DiskBlockStore,
+    StoreUsage,
     parse_record,
     validate_agent_id,
 )

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..runtime import mx
+from ..engine.ops.runtime import mx
 
 #: Tokenizer files copied into a random model's directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -40,13 +40,13 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
+from ..engine.engine import ContextLengthError as EngineContextLengthError
+from ..engine.engine import Engine, GenerationParams, GenerationResult
+from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
+from ..engine.registry import shared_engine
+from ..engine.storage.budget import parse_age, parse_size
+from ..engine.storage.store import validate_agent_id
 from . import prompt, reasoning
-from .engine.engine import ContextLengthError as EngineContextLengthError
-from .engine.engine import Engine, GenerationParams, GenerationResult
-from .engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
-from .engine.shared import shared_engine
-from .engine.storage.budget import parse_age, parse_size
-from .engine.storage.store import validate_agent_id
 from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile
 from .tool_formats import ToolFormat, tool_format
@@ -169,7 +169,7 @@ class ChatAgentMemory(BaseChatModel):
 
     @property
     def model_name(self) -> str:
-        from .config import get_settings
+        from ..config import get_settings
 
         return self.model or get_settings().model
 

@@ -28,14 +28,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import get_settings
-from .engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
-from .engine.storage.catalog import Catalog
-from .engine.storage.shared import SharedBlockStore, open_store
-from .engine.storage.store import DiskBlockStore
+from ..config import get_settings
+from ..engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
+from ..engine.storage.catalog import Catalog
+from ..engine.storage.remote import SharedBlockStore, open_store
+from ..engine.storage.store import DiskBlockStore
 
 if TYPE_CHECKING:
-    from .chat_repl import ChatOptions
+    from .repl import ChatOptions
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ app.add_typer(cache_app, name="cache")
 
 def _show_version(value: bool) -> None:
     if value:
-        from . import __version__
+        from .. import __version__
 
         typer.echo(f"agent-memory (langchain-agent-memory) {__version__}")
         raise typer.Exit()
@@ -260,7 +260,7 @@ def rm(
     blocks: Blocks = None,
 ) -> None:
     """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
-    from .engine.storage.pool import BlockPool
+    from ..engine.storage.pool import BlockPool
 
     if not agents and prefix is None and thread is None:
         raise typer.BadParameter("name agents, or select them with --prefix or --thread")
@@ -389,9 +389,9 @@ def convert(
     """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
     import time
 
-    from .engine import device
-    from .engine.model.gguf_convert import UnsupportedGGUFError, convert_gguf
-    from .engine.model.loading import conversion_progress, resolve_model_dir
+    from ..engine.model.gguf_convert import UnsupportedGGUFError, convert_gguf
+    from ..engine.model.loading import conversion_progress, resolve_model_dir
+    from ..engine.ops import device
 
     dtype = dtype or device.weight_dtype()
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -416,8 +416,8 @@ def _chat_options(
     cache_dir: Path | None,
 ) -> ChatOptions:  # fmt: skip
     """``chat`` / ``run``'s options, the agent id checked."""
-    from .chat_repl import ChatOptions
-    from .engine.storage.store import validate_agent_id
+    from ..engine.storage.store import validate_agent_id
+    from .repl import ChatOptions
 
     try:
         validate_agent_id(agent)
@@ -440,7 +440,7 @@ def chat(
     cache_dir: CacheDir = None,
 ) -> None:
     """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
-    from .chat_repl import run
+    from .repl import run
 
     run(_chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir), _console())
 
@@ -462,7 +462,7 @@ def run_once(
     --agent notes "Summarise"`. The turn joins the agent's conversation (the same as `chat
     --agent`): the next run resumes it from its cache. How the cache served it (hot, warm or
     cold) goes to stderr."""
-    from .chat_repl import ChatSession, describe
+    from .repl import ChatSession, describe
 
     options = _chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir)
     piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
@@ -535,10 +535,10 @@ def serve(
     try:
         import uvicorn
 
-        from .server import ServerConfig, create_app
+        from ..server import ServerConfig, create_app
     except ImportError as exc:
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
-    from .config import get_settings
+    from ..config import get_settings
 
     if served_model_name and len(served_model_name) != len(model or [None]):
         raise typer.BadParameter("give one --served-model-name per --model", param_hint="--served-model-name")
@@ -575,7 +575,7 @@ def models(
 ) -> None:
     """List the shipped models (usable by name) and the models converted into the cache
     directory (GGUF conversions, usable by their directory)."""
-    from .engine.model.loading import SHIPPED_MODELS
+    from ..engine.model.loading import SHIPPED_MODELS
 
     rows = [
         {

@@ -1,0 +1,5 @@
+"""The ``agent-memory`` command line."""
+
+from .main import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,1 @@
+"""LangGraph's side: the checkpointer (AgentMemorySaver), its links and checkpoint backends."""

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: random-weight models, quality measures, a text corpus."""
