@@ -112,8 +112,8 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
     from peers import extension
 
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
+    from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
     from langchain_agent_memory.engine.storage.reader import read_header
-    from langchain_agent_memory.engine.storage.store import BLOCK_TOKENS
 
     engine = Engine(model, cache_dir=tmp / f"w{n}", context_length=4 * n)
     text = text if text is not None else _text(str(model), n)

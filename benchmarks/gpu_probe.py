@@ -464,7 +464,7 @@ def commit_main(ctx: int, model: str) -> None:
 
     LayerCache.commit = timed("layer_commits", LayerCache.commit)  # type: ignore[method-assign]
     agents_module.freeze_blocks = timed("freeze_blocks", agents_module.freeze_blocks)
-    from langchain_agent_memory.engine.storage import store as store_module
+    from langchain_agent_memory.engine.storage import blocks as store_module
 
     def host_views(tensors: dict[str, Any]) -> dict[str, Any]:  # host_views, in its two parts
         ready = {k: mx.contiguous(v) for k, v in tensors.items()}

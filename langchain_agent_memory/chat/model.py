@@ -44,8 +44,8 @@ from ..engine.engine import ContextLengthError as EngineContextLengthError
 from ..engine.engine import Engine, GenerationParams, GenerationResult
 from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
 from ..engine.registry import shared_engine
+from ..engine.storage.blocks import validate_agent_id
 from ..engine.storage.budget import parse_age, parse_size
-from ..engine.storage.store import validate_agent_id
 from . import prompt, reasoning
 from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile

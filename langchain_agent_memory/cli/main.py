@@ -416,7 +416,7 @@ def _chat_options(
     cache_dir: Path | None,
 ) -> ChatOptions:  # fmt: skip
     """``chat`` / ``run``'s options, the agent id checked."""
-    from ..engine.storage.store import validate_agent_id
+    from ..engine.storage.blocks import validate_agent_id
     from .repl import ChatOptions
 
     try:

@@ -18,9 +18,10 @@ from .prefix import tokenize_prompt
 from .saves import SaveQueue
 from .scheduler import Phase, Scheduler
 from .steps import Request
+from .storage.blocks import AgentRecord
 from .storage.budget import BudgetKeeper, EvictionReport, StorageBudget
 from .storage.pool import BlockPool
-from .storage.store import AgentRecord, BlockStore
+from .storage.protocols import BlockStore
 from .worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -24,18 +24,12 @@ from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
 from .ops.runtime import mx
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .results import CacheSource
-from .storage.budget import EvictionReport, StorageBudget, enforce
-from .storage.catalog import CommitConflictError
-from .storage.objects import BlocksUnavailableError
-from .storage.pool import BlockPool
-from .storage.reader import BlockGroup
-from .storage.store import (
+from .storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
     Block,
     BlockHash,
     BlockMissingError,
-    BlockStore,
     CacheFormatError,
     CacheWriteError,
     NewerFormatError,
@@ -45,6 +39,12 @@ from .storage.store import (
     host_views,
     validate_agent_id,
 )
+from .storage.budget import EvictionReport, StorageBudget, enforce
+from .storage.catalog import CommitConflictError
+from .storage.objects import BlocksUnavailableError
+from .storage.pool import BlockPool
+from .storage.protocols import BlockStore
+from .storage.reader import BlockGroup
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class AgentCaches:
         worker's disk), ending at a token boundary."""
         k = 0
         while k < len(state.blocks) and (
-            self._held(state.blocks[k]) or self.store.block_path(state.blocks[k]).exists()
+            self._held(state.blocks[k]) or self.store.has_local_block(state.blocks[k])
         ):
             k += 1
         n = min(n_tokens, k * BLOCK_TOKENS)
@@ -423,9 +423,7 @@ class AgentCaches:
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
         # Local knowledge only (no store round trip on this thread): a block the store has
         # elsewhere is built for nothing, never written twice.
-        wanted = [
-            (b, h) for b, h in enumerate(chain) if not (self._held(h) or self.store.block_path(h).exists())
-        ]
+        wanted = [(b, h) for b, h in enumerate(chain) if not (self._held(h) or self.store.has_local_block(h))]
         blocks = self._blocks_of([b for b, _ in wanted], chain, known, layers)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
         with self._queued_lock:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .results import GenerationParams
-from .storage.store import AgentRecord
+from .storage.blocks import AgentRecord
 
 logger = logging.getLogger(__name__)
 

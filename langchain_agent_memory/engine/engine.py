@@ -50,10 +50,10 @@ from .saves import SaveQueue
 from .saves import wait_for as wait_for_saves
 from .scheduler import Scheduler
 from .steps import Request, RequestSteps
+from .storage.blocks import validate_agent_id
 from .storage.budget import BudgetKeeper
 from .storage.pool import BlockPool
 from .storage.remote import open_store
-from .storage.store import validate_agent_id
 from .worker import Sink, Start, Worker
 
 __all__ = [

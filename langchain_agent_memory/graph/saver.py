@@ -65,9 +65,9 @@ from ..config import get_settings
 from ..engine.engine import Engine, GenerationParams, Subscription
 from ..engine.kv import preset_name
 from ..engine.registry import engine_key, shared_engine, unwatch_engines, watch_engines
+from ..engine.storage.blocks import AgentRecord
 from ..engine.storage.budget import StorageBudget
 from ..engine.storage.catalog import CommitConflictError
-from ..engine.storage.store import AgentRecord
 from .links import Link, Links, PostgresLinks
 from .sqlite_checkpoints import SqliteCheckpoints
 

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat.model import ChatAgentMemory
 from ..engine.engine import ContextLengthError, Engine, GenerationParams
 from ..engine.model.loading import DEFAULT_MODEL
-from ..engine.storage.store import AgentRecord, validate_agent_id
+from ..engine.storage.blocks import AgentRecord, validate_agent_id
 from . import replies
 from .protocol import (
     ChatCompletionRequest,

@@ -22,14 +22,9 @@ import sys
 from pathlib import Path
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord, Block, block_hash
 from langchain_agent_memory.engine.storage.pool import BlockPool
-from langchain_agent_memory.engine.storage.store import (
-    BLOCK_TOKENS,
-    AgentRecord,
-    Block,
-    DiskBlockStore,
-    block_hash,
-)
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FINGERPRINT = "crash-test"
 AGENTS = [f"thread-{i}:agent" for i in range(6)]

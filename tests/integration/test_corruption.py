@@ -19,7 +19,8 @@ from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.storage.store import Block, DiskBlockStore
+from langchain_agent_memory.engine.storage.blocks import Block
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=8)
 PROMPT = (

@@ -23,7 +23,7 @@ from langchain_agent_memory.engine.engine import (
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.storage.store import (
+from langchain_agent_memory.engine.storage.blocks import (
     BLOCK_TOKENS,
     FORMAT_VERSION,
     AgentRecord,

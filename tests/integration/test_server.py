@@ -27,8 +27,9 @@ from langchain_openai import ChatOpenAI
 
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.registry import shared_engine
+from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.budget import StorageBudget
-from langchain_agent_memory.engine.storage.store import CacheWriteError, DiskBlockStore
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.server.process import free_port, start_server
 from langchain_agent_memory.testing.corpus import apache_license

@@ -18,9 +18,9 @@ import pytest
 from services import PostgresServer, SeaweedServer
 
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.storage.blocks import AgentRecord
 from langchain_agent_memory.engine.storage.catalog import Catalog
 from langchain_agent_memory.engine.storage.objects import ObjectBlocks
-from langchain_agent_memory.engine.storage.store import AgentRecord
 
 HERE = Path(__file__).parent
 WORKER, GRAPH = HERE / "shared_worker.py", HERE / "graph_worker.py"

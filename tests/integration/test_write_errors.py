@@ -19,7 +19,8 @@ from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.storage import store as store_module
-from langchain_agent_memory.engine.storage.store import TEMP_PREFIX, CacheWriteError, DiskBlockStore
+from langchain_agent_memory.engine.storage.blocks import CacheWriteError
+from langchain_agent_memory.engine.storage.store import TEMP_PREFIX, DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=6)
 CONTEXT = "You answer questions about this license.\n\n" + corpus.apache_license()

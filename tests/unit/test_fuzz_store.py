@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.storage.store import (
+from langchain_agent_memory.engine.storage.blocks import (
     AgentRecord,
     Block,
     CacheFormatError,
-    DiskBlockStore,
     block_hash,
     validate_agent_id,
 )
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "fuzz-model"
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

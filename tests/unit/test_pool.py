@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.blocks import AgentRecord, Block, block_hash
 from langchain_agent_memory.engine.storage.pool import BlockPool
-from langchain_agent_memory.engine.storage.store import AgentRecord, Block, DiskBlockStore, block_hash
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "m"
 

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.storage.store import (
+from langchain_agent_memory.engine.storage.blocks import (
     FORMAT_VERSION,
-    INDEX_SCHEMA_VERSION,
     AgentRecord,
     Block,
     BlockMissingError,
     CacheFormatError,
-    DiskBlockStore,
     NewerFormatError,
     block_hash,
     validate_agent_id,
 )
+from langchain_agent_memory.engine.storage.index import INDEX_SCHEMA_VERSION
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "model-a"
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .store import BlockHash, BlockStore
+from .blocks import BlockHash
+from .protocols import BlockStore
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .blocks import CacheWriteError
 from .objects import RemoteConfigError, RemoteUnavailableError
-from .store import CacheWriteError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from .store import BlockHash
+from .blocks import BlockHash
 
 
 class RemoteUnavailableError(ConnectionError):

@@ -15,7 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .store import AgentRecord, Block, BlockHash, BlockMissingError, BlockStore, CacheWriteError
+from .blocks import AgentRecord, Block, BlockHash, BlockMissingError, CacheWriteError
+from .protocols import BlockStore
 
 logger = logging.getLogger(__name__)
 

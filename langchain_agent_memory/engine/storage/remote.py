@@ -32,21 +32,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..ops.files import DirectoryLock, atomic_write_bytes
-from .catalog import BlocksMissingError, Catalog, CommitConflictError
-from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
-from .reader import BlockGroup
-from .store import (
+from .blocks import (
     AgentRecord,
     Block,
     BlockHash,
     BlockMissingError,
     CacheFormatError,
     CacheWriteError,
-    DiskBlockStore,
     StoreUsage,
     parse_record,
     validate_agent_id,
 )
+from .catalog import BlocksMissingError, Catalog, CommitConflictError
+from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
+from .reader import BlockGroup
+from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,9 @@ class SharedBlockStore:
 
     def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
         return self.local.local_bytes(hashes)
+
+    def has_local_block(self, h: BlockHash) -> bool:
+        return self.local.has_block(h)
 
     def has_block(self, h: BlockHash) -> bool:
         if self.local.has_block(h):

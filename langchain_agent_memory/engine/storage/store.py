@@ -32,23 +32,36 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Generic, NewType, Protocol, TypeVar
 
-import numpy as np
-from safetensors import TensorSpec, serialize_file
+from safetensors import serialize_file
 
 from ..ops.files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
-from ..ops.runtime import mx
+from .blocks import (
+    FORMAT_VERSION,
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    NewerFormatError,
+    block_hash,
+    block_lineage,
+    host_views,
+    parse_record,
+    raise_if_vanished,
+    validate_agent_id,
+    version_error,
+)
+from .index import INDEX_SCHEMA_VERSION, RecoveryReport, migrate_index
+from .maintenance import DiskMaintenance, _int_or
 from .reader import (
     BlockFileError,
     BlockGroup,
     BlockHeader,
     Layouts,
     block_checksums,
-    checksum,
     read_groups,
     read_header,
     select,
@@ -56,398 +69,8 @@ from .reader import (
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-BLOCK_TOKENS = 256
-MAX_AGENT_ID_CHARS = 256
-_HASH_SEED = b"langchain-agent-memory/block/v1\x00"
 
-BlockHash = NewType("BlockHash", str)
-
-
-class CacheFormatError(ValueError):
-    """A stored file cannot be used: corrupt, truncated, another model's, or a newer format."""
-
-
-class NewerFormatError(CacheFormatError):
-    """Written by a newer version of this package: refused, and never overwritten."""
-
-
-class BlockMissingError(CacheFormatError):
-    """A block an agent record refers to is not in the store."""
-
-
-def _raise_if_vanished(exc: BlockFileError, where: Path) -> None:
-    """A block file deleted by another process between finding it and reading it (a cleanup
-    racing a load) is missing, not damaged: it must not be reported or treated as corrupt."""
-    if isinstance(exc.__cause__, FileNotFoundError):
-        raise BlockMissingError(f"a block file in {where} was deleted while read: {exc.__cause__}") from exc
-
-
-class CacheWriteError(RuntimeError):
-    """A cache could not be saved (disk full, permissions...); the previous one is intact."""
-
-
-def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
-    """Chained content hash: the same tokens after the same prefix, for the same model,
-    give the same hash in every process (no per-process seed)."""
-    h = hashlib.sha256(_HASH_SEED)
-    h.update((parent or "").encode())
-    h.update(b"\x00" + fingerprint.encode() + b"\x00")
-    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
-    return BlockHash(h.hexdigest())
-
-
-def validate_agent_id(agent_id: str) -> str:
-    """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is."""
-    if not isinstance(agent_id, str) or not agent_id:
-        raise ValueError("agent_id must be a non-empty string, e.g. 'researcher' or 'thread-1:planner'")
-    if len(agent_id) > MAX_AGENT_ID_CHARS:
-        raise ValueError(f"agent_id is {len(agent_id)} characters; the limit is {MAX_AGENT_ID_CHARS}")
-    bad = [c for c in agent_id if c in "/\\" or ord(c) < 32 or ord(c) == 127]
-    if bad or agent_id.startswith("."):
-        raise ValueError(
-            f"agent_id {agent_id!r} looks like a path or holds control characters; "
-            "use letters, digits and separators such as ':', '|', '-', '_' (no '/', '\\', NUL, leading '.')"
-        )
-    return agent_id
-
-
-def _named_bytes(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
-    views = ((name, memoryview(a)) for name, a in tensors.items())
-    return [(name, v if v.c_contiguous else v.tobytes()) for name, v in views]
-
-
-@dataclass(frozen=True, slots=True)
-class HostTensor:
-    """An evaluated array's bytes as seen from the host: what a block write reads."""
-
-    dtype: str  # mlx's name: "float16", "bfloat16", "uint32", ...
-    shape: tuple[int, ...]
-    #: uint8, a view of the array's memory shaped as the array (the last axis in bytes); it
-    #: keeps the array alive
-    data: np.ndarray
-
-    def spec(self) -> TensorSpec:
-        return TensorSpec(
-            dtype=self.dtype, shape=self.shape, data_ptr=self.data.ctypes.data, data_len=self.data.nbytes
-        )
-
-    def rows(self, a: int, b: int) -> HostTensor:
-        """Tokens ``[a, b)`` of a (batch, heads, tokens, ·) tensor (a view)."""
-        shape = (*self.shape[:2], b - a, *self.shape[3:])
-        return HostTensor(self.dtype, shape, self.data[:, :, a:b])
-
-    def packed(self) -> HostTensor:
-        """Its bytes as one contiguous run: a block cut from a commit's longer arrays
-        (``rows``) is a strided view of them, made contiguous here, on the writer's thread
-        (a host copy of one block), not on the model's."""
-        if self.data.ndim == 1:
-            return self
-        return HostTensor(self.dtype, self.shape, np.ascontiguousarray(self.data).reshape(-1))
-
-
-def host_views(tensors: dict[str, mx.array]) -> dict[str, HostTensor]:
-    """``tensors`` made contiguous and evaluated, as byte views of their memory (no copy
-    where the memory is the host's: the CPU, a GPU's unified memory). Call it on the thread
-    that runs the arrays' MLX work: what it returns is then read on another (an engine's
-    saves run on a thread of their own, ``engine.saves``) without any MLX op."""
-    return _frozen([tensors])[0]
-
-
-def _frozen(groups: list[dict[str, mx.array]]) -> list[dict[str, HostTensor]]:
-    """``host_views`` of several groups, evaluated together (one wait for the device)."""
-    ready = [{k: mx.contiguous(v) for k, v in g.items()} for g in groups]
-    mx.eval(ready)
-    return [{k: _host(v) for k, v in g.items()} for g in ready]
-
-
-def _host(x: mx.array) -> HostTensor:
-    """An evaluated, contiguous array's bytes, shaped as it is (the last axis in bytes)."""
-    data = np.frombuffer(memoryview(x).cast("B"), dtype=np.uint8).reshape(*x.shape[:-1], -1)
-    return HostTensor(str(x.dtype).removeprefix("mlx.core."), tuple(x.shape), data)
-
-
-def freeze_blocks(blocks: list[Block]) -> None:
-    """Make each block's ``host`` now (on the thread of the tensors' MLX work), evaluated
-    together: a commit of a 32K-token turn freezes 128 blocks, and a wait for the device per
-    block cost more than the work."""
-    todo = [b for b in blocks if b.host is None]
-    for block, host in zip(todo, _frozen([b.tensors for b in todo]), strict=True):
-        block.host = host
-
-
-def tensor_checksum(tensors: dict[str, mx.array]) -> str:
-    """A block's checksum (``reader.checksum``) over evaluated arrays."""
-    return checksum(_named_bytes(tensors))
-
-
-def _lineage(header: BlockHeader) -> tuple[list[int], BlockHash | None]:
-    """A block header's token ids and parent hash."""
-    try:
-        token_ids = [int(t) for t in json.loads(header.meta["token_ids"])]
-        parent = BlockHash(header.meta["parent"]) if header.meta["parent"] else None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CacheFormatError(f"block file {header.path} has a corrupt header: {exc}") from exc
-    return token_ids, parent
-
-
-_T = TypeVar("_T", mx.array, HostTensor)
-
-
-class TokenSlices(Mapping[str, _T], Generic[_T]):
-    """Tokens ``[a, z)`` of each of a run's (batch, heads, tokens, ·) tensors, cut when read.
-    A commit's blocks are cut from one array per layer and part over their run; cutting them
-    all up front was 128 blocks x 32 layers x 6 parts = 24,576 slices for a 32K turn of an
-    8B model (0.26 s of the model's thread on the H200), most never read (a write reads the
-    host bytes once; a restore reads a block's tensors only while its write is queued)."""
-
-    __slots__ = ("_a", "_whole", "_z")
-
-    def __init__(self, whole: Mapping[str, _T], a: int, z: int) -> None:
-        self._whole, self._a, self._z = whole, a, z
-
-    def __getitem__(self, name: str) -> _T:
-        x = self._whole[name]
-        return x.rows(self._a, self._z) if isinstance(x, HostTensor) else x[:, :, self._a : self._z]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._whole)
-
-    def __len__(self) -> int:
-        return len(self._whole)
-
-    @property
-    def nbytes(self) -> int:
-        """What the slices hold, without cutting them."""
-        return sum(_nbytes(x) // x.shape[2] * (self._z - self._a) for x in self._whole.values())
-
-
-def _nbytes(x: mx.array | HostTensor) -> int:
-    return int(x.data.nbytes if isinstance(x, HostTensor) else x.nbytes)
-
-
-@dataclass(slots=True)
-class StoreUsage:
-    """What one store holds, as eviction sees it."""
-
-    fingerprint: str
-    #: (agent id, last use as a Unix time), least recently used first.
-    agents: list[tuple[str, float]]
-    refs: dict[str, set[BlockHash]]  # agent id -> the blocks its record names
-    sizes: dict[BlockHash, int]  # bytes of each named block present on this disk
-    index_bytes: int  # the index and its journal
-    quarantine_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
-
-
-@dataclass(slots=True)
-class Block:
-    hash: BlockHash
-    parent: BlockHash | None
-    token_ids: list[int]
-    tensors: Mapping[str, mx.array]
-    #: The tensors as host views (``host_views``), made on the MLX thread for a write on
-    #: another; None: ``put_block`` makes them (on the calling thread).
-    host: Mapping[str, HostTensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        if isinstance(self.tensors, TokenSlices):
-            return self.tensors.nbytes
-        return sum(int(t.nbytes) for t in self.tensors.values())
-
-
-@dataclass(slots=True)
-class AgentRecord:
-    """What an agent's cache stands for: the block chain, the text and its token ends."""
-
-    agent_id: str
-    blocks: list[BlockHash]
-    token_ids: list[int]
-    token_ends: list[int]
-    text: str
-    updated_at: float = field(default_factory=time.time)
-    format_version: int = FORMAT_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format_version": self.format_version,
-                "agent_id": self.agent_id,
-                "blocks": self.blocks,
-                "token_ids": self.token_ids,
-                "token_ends": self.token_ends,
-                "text": self.text,
-                "updated_at": self.updated_at,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, raw: str) -> AgentRecord:
-        """Parse a stored record; anything but a well-formed one is ``CacheFormatError``."""
-        try:
-            return cls._from_json(raw)
-        except CacheFormatError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, shape, types
-            raise CacheFormatError(f"agent record is corrupt: {exc!r}") from exc
-
-    @classmethod
-    def _from_json(cls, raw: str) -> AgentRecord:
-        data = json.loads(raw)
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise _version_error("agent record", version)
-        record = cls(
-            agent_id=data["agent_id"],
-            blocks=[BlockHash(b) for b in data["blocks"]],
-            token_ids=list(data["token_ids"]),
-            token_ends=list(data["token_ends"]),
-            text=data["text"],
-            updated_at=float(data["updated_at"]),
-        )
-        # Well-formed JSON with the wrong shapes must not reach the engine.
-        if not (
-            isinstance(record.agent_id, str)
-            and isinstance(record.text, str)
-            and all(isinstance(b, str) and len(b) == 64 for b in record.blocks)
-            and all(type(t) is int for t in record.token_ids + record.token_ends)
-            and len(record.token_ids) == len(record.token_ends)
-        ):
-            raise CacheFormatError("agent record fields have the wrong types or lengths")
-        return record
-
-
-def _version_error(what: str, version: Any) -> CacheFormatError:
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        return NewerFormatError(
-            f"{what} has format version {version}, written by a newer langchain-agent-memory; "
-            f"this version reads format {FORMAT_VERSION}: upgrade the package"
-        )
-    return CacheFormatError(f"{what} has unknown format version {version!r} (expected {FORMAT_VERSION})")
-
-
-class BlockStore(Protocol):
-    """Where blocks and agent records persist. Every backend passes tests/unit/test_store.py.
-
-    Mutations that must not interleave with another process's (a commit: blocks then
-    record; a delete: record then orphaned blocks) run inside ``with store.locked():``.
-    """
-
-    fingerprint: str
-
-    def locked(self) -> contextlib.AbstractContextManager[None]: ...
-    def has_block(self, h: BlockHash) -> bool: ...
-    def block_path(self, h: BlockHash) -> Path: ...
-    def local_bytes(self, hashes: Iterable[BlockHash]) -> int: ...
-    def put_block(self, block: Block) -> int: ...
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
-    def delete_block(self, h: BlockHash) -> None: ...
-    def quarantine_block(self, h: BlockHash) -> Path | None: ...
-    def quarantine_agent(self, agent_id: str) -> Path | None: ...
-    def block_hashes(self) -> Iterator[BlockHash]: ...
-    def is_referenced(self, h: BlockHash) -> bool: ...
-    def put_agent(self, record: AgentRecord) -> int: ...
-    def get_agent(self, agent_id: str) -> AgentRecord | None: ...
-    def has_agent(self, agent_id: str) -> bool: ...
-    def agent_chain(self, agent_id: str) -> list[BlockHash]: ...
-    def delete_agent(self, agent_id: str) -> bool: ...
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]: ...
-    def disk_bytes(self) -> int: ...
-    def oldest_use(self) -> float | None: ...
-    def usage(self) -> StoreUsage: ...
-    def pinned(self) -> set[str]: ...
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]: ...
-    def clear_quarantine(self) -> int: ...
-    def begin(self, agent_id: str, version: int | None) -> bool: ...
-    def seen_version(self, agent_id: str) -> int | None: ...
-    def end(self, agent_id: str) -> None: ...
-    def close(self) -> None: ...
-
-
-#: The index's schema, as migrations: entry ``i`` takes ``PRAGMA user_version`` from ``i``
-#: to ``i + 1`` (an index written before versioning reads as 0 and has version 1's tables:
-#: ``IF NOT EXISTS`` makes that step a no-op there). Add a step; never edit one.
-INDEX_MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE IF NOT EXISTS agents (
-        agent_id TEXT PRIMARY KEY,
-        record TEXT NOT NULL
-    );
-    CREATE TABLE IF NOT EXISTS refs (
-        agent_id TEXT NOT NULL,
-        pos INTEGER NOT NULL,
-        block TEXT NOT NULL,
-        PRIMARY KEY (agent_id, pos)
-    );
-    CREATE INDEX IF NOT EXISTS refs_block ON refs (block);
-    """,
-    # A local tier of a shared store: which remote version each local record is (or, when
-    # ``pending``, was based on before this worker saved it while the store was unreachable).
-    """
-    CREATE TABLE IF NOT EXISTS remote_sync (
-        agent_id TEXT PRIMARY KEY,
-        version INTEGER,
-        pending INTEGER NOT NULL DEFAULT 0
-    );
-    """,
-    # Bounded storage (``budget``): each agent's last use, for least-recently-used eviction
-    # (from its record's time until then), and each block file's size, so that the bytes on
-    # disk are one query, not a stat of every file.
-    """
-    ALTER TABLE agents ADD COLUMN used_at REAL NOT NULL DEFAULT 0;
-    UPDATE agents SET used_at = CASE WHEN json_valid(record)
-        THEN coalesce(json_extract(record, '$.updated_at'), 0) ELSE 0 END;
-    CREATE INDEX IF NOT EXISTS agents_used ON agents (used_at);
-    CREATE TABLE IF NOT EXISTS block_sizes (
-        block TEXT PRIMARY KEY,
-        nbytes INTEGER NOT NULL
-    );
-    """,
-)
-INDEX_SCHEMA_VERSION = len(INDEX_MIGRATIONS)
-
-
-def migrate_index(db: sqlite3.Connection, where: Path) -> int:
-    """Bring the index to ``INDEX_SCHEMA_VERSION`` (each step in its own transaction);
-    refuse an index written by a newer version. Returns the version it found."""
-    found = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if found > INDEX_SCHEMA_VERSION:
-        raise NewerFormatError(
-            f"{where} has index schema {found}, written by a newer langchain-agent-memory; this "
-            f"version reads schema {INDEX_SCHEMA_VERSION}: upgrade the package"
-        )
-    for version in range(found, INDEX_SCHEMA_VERSION):
-        with db:  # a step and its version number commit together
-            db.execute("BEGIN IMMEDIATE")
-            for statement in INDEX_MIGRATIONS[version].split(";"):
-                if statement.strip():
-                    try:
-                        db.execute(statement)
-                    except sqlite3.OperationalError as exc:  # a column the index has already
-                        if "duplicate column" not in str(exc):
-                            raise
-            db.execute(f"PRAGMA user_version = {version + 1}")
-    return found
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    """What ``DiskBlockStore.recover`` found and fixed when the store was opened."""
-
-    temp_files_removed: int = 0
-    orphan_blocks_removed: int = 0
-    missing_blocks: int = 0
-    records_migrated: int = 0
-
-
-class DiskBlockStore:
+class DiskBlockStore(DiskMaintenance):
     """Blocks as safetensors files, agent records in a SQLite index, under one directory.
 
     The index (``index.sqlite``) holds each agent's record and its block references, so
@@ -480,7 +103,7 @@ class DiskBlockStore:
                         f"{fmt} is corrupt ({exc}); move the directory {self.dir} aside to start afresh"
                     ) from exc
                 if version != FORMAT_VERSION:
-                    raise _version_error(f"cache directory {self.dir}", version)
+                    raise version_error(f"cache directory {self.dir}", version)
             else:
                 meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
                 atomic_write_bytes(fmt, json.dumps(meta).encode())
@@ -501,7 +124,7 @@ class DiskBlockStore:
         except (OSError, ValueError, AttributeError) as exc:
             raise CacheFormatError(f"{self.dir} is not a readable cache directory ({exc})") from exc
         if version != FORMAT_VERSION:
-            raise _version_error(f"cache directory {self.dir}", version)
+            raise version_error(f"cache directory {self.dir}", version)
         index = (self.dir / "index.sqlite").resolve()
         self._db = sqlite3.connect(f"file:{index}?mode=ro", uri=True, check_same_thread=False, timeout=60)
         found = int(self._db.execute("PRAGMA user_version").fetchone()[0])
@@ -542,6 +165,10 @@ class DiskBlockStore:
 
     def has_block(self, h: BlockHash) -> bool:
         return self.block_path(h).exists()
+
+    def has_local_block(self, h: BlockHash) -> bool:
+        """Whether the block's file is in this directory (no round trip to anything)."""
+        return self.has_block(h)
 
     def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
         """Bytes of these blocks' files in this directory (those missing count nothing)."""
@@ -585,7 +212,7 @@ class DiskBlockStore:
         missing = [k for k in wanted if k not in group.names()]
         if missing:
             raise CacheFormatError(f"block file {header.path} lacks tensors {missing[:3]}")
-        token_ids, parent = _lineage(header)
+        token_ids, parent = block_lineage(header)
         return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted})
 
     def read_blocks(
@@ -604,7 +231,7 @@ class DiskBlockStore:
             try:
                 header = read_header(path, layouts)
             except BlockFileError as exc:
-                _raise_if_vanished(exc, path)
+                raise_if_vanished(exc, path)
                 raise CacheFormatError(
                     f"block file {path} is unreadable (truncated or corrupt): {exc}"
                 ) from None
@@ -630,14 +257,14 @@ class DiskBlockStore:
         try:
             return read_groups(headers, verify)
         except BlockFileError as exc:
-            _raise_if_vanished(exc, self.blocks_dir)
+            raise_if_vanished(exc, self.blocks_dir)
             raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
 
     def _check_header(self, h: BlockHash, header: BlockHeader) -> None:
         meta, path = header.meta, header.path
         version = meta.get("format_version")
         if version != str(FORMAT_VERSION):
-            raise _version_error(f"block {path.name}", _int_or(version))
+            raise version_error(f"block {path.name}", _int_or(version))
         if meta.get("fingerprint") != self.fingerprint:
             raise CacheFormatError(
                 f"block {path.name} was written for model/quantization {meta.get('fingerprint')!r}, "
@@ -645,7 +272,7 @@ class DiskBlockStore:
             )
         if meta.get("hash") != h:
             raise CacheFormatError(f"block file {path.name} holds block {meta.get('hash')!r}")
-        token_ids, parent = _lineage(header)
+        token_ids, parent = block_lineage(header)
         if block_hash(parent, token_ids, self.fingerprint) != h:
             raise CacheFormatError(f"block file {path} header does not match its hash")
 
@@ -757,7 +384,7 @@ class DiskBlockStore:
             ).fetchall()
         version = row[0] if row else None
         if isinstance(version, int) and version > FORMAT_VERSION:
-            raise _version_error(f"agent record {agent_id!r}", version)
+            raise version_error(f"agent record {agent_id!r}", version)
         return [BlockHash(r[0]) for r in rows]
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
@@ -809,202 +436,3 @@ class DiskBlockStore:
             return {BlockHash(r[0]) for r in self._db.execute("SELECT DISTINCT block FROM refs")}
 
     # ------------------------------------------------------------------ disk use
-
-    def _note_sizes(self, blocks: Sequence[BlockHash]) -> None:
-        """Record the file sizes of ``blocks`` not known yet (those on this disk), in the
-        caller's transaction. Rows of deleted blocks stay until ``evict_agents`` or recovery:
-        usage counts only blocks some record names (a block is deleted when none does)."""
-        wanted = list(dict.fromkeys(blocks))
-        known: set[str] = set()
-        for i in range(0, len(wanted), 500):
-            part = wanted[i : i + 500]
-            query = f"SELECT block FROM block_sizes WHERE block IN ({','.join('?' * len(part))})"
-            known.update(r[0] for r in self._db.execute(query, part))
-        rows = []
-        for h in wanted:
-            if h not in known:
-                with contextlib.suppress(FileNotFoundError):  # a local tier's block not fetched yet
-                    rows.append((h, self.block_path(h).stat().st_size))
-        self._db.executemany("INSERT OR REPLACE INTO block_sizes VALUES (?, ?)", rows)
-
-    def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
-        """Blocks that arrived on this disk without a save (a shared store's fetch)."""
-        with self._db_lock, self._db:
-            self._note_sizes(blocks)
-
-    def _fixed_bytes(self) -> tuple[int, int]:
-        """(the directory's own files: index with its journal, format; quarantined files) in bytes."""
-        index = sum(_size_of(p) for p in self.dir.iterdir() if p.is_file())
-        quarantine = self.dir / "quarantine"
-        bad = sum(_size_of(p) for p in quarantine.iterdir()) if quarantine.is_dir() else 0
-        return index, bad
-
-    def disk_bytes(self) -> int:
-        """Bytes this store holds on disk: the blocks its records name, its index and the
-        quarantine (one query: the sizes are recorded as blocks are saved)."""
-        if self._schema < 3:  # an older index opened read-only: look at the files
-            return self.usage().total
-        with self._db_lock:
-            (blocks,) = self._db.execute(
-                "SELECT coalesce(sum(nbytes), 0) FROM block_sizes b "
-                "WHERE EXISTS (SELECT 1 FROM refs r WHERE r.block = b.block)"
-            ).fetchone()
-        return int(blocks) + sum(self._fixed_bytes())
-
-    def oldest_use(self) -> float | None:
-        """The last use of the least recently used agent (None: no agent)."""
-        used = "used_at" if self._schema >= 3 else "json_extract(record, '$.updated_at')"
-        with self._db_lock:
-            (oldest,) = self._db.execute(f"SELECT min({used}) FROM agents").fetchone()
-        return None if oldest is None else float(oldest)
-
-    def usage(self) -> StoreUsage:
-        """Every agent with its last use (least recent first), the blocks it names and their
-        sizes: what ``budget.enforce`` plans with."""
-        used = "used_at" if self._schema >= 3 else "json_extract(record, '$.updated_at')"
-        with self._db_lock:
-            agents = [
-                (a, float(t or 0))
-                for a, t in self._db.execute(f"SELECT agent_id, {used} FROM agents ORDER BY 2, 1")
-            ]
-            refs: dict[str, set[BlockHash]] = {}
-            for agent, block in self._db.execute("SELECT agent_id, block FROM refs"):
-                refs.setdefault(agent, set()).add(BlockHash(block))
-            known = (
-                dict(self._db.execute("SELECT block, nbytes FROM block_sizes")) if self._schema >= 3 else {}
-            )
-        named = set().union(*refs.values()) if refs else set()
-        sizes = {}
-        for h in named:
-            size = known.get(h)
-            if size is None:
-                size = _size_of(self.block_path(h))
-            if size:
-                sizes[h] = int(size)
-        index, bad = self._fixed_bytes()
-        return StoreUsage(self.fingerprint, agents, refs, sizes, index, bad)
-
-    def pinned(self) -> set[str]:
-        """Agents eviction must keep whatever their age (a shared store's local tier keeps
-        saves not uploaded yet); none here."""
-        return set()
-
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
-        """Delete these agents' records and the blocks no remaining record names, under the
-        directory lock; return the bytes freed and the blocks deleted."""
-        with self._lock:
-            with self._db_lock, self._db:
-                chains = set()
-                for agent in agent_ids:
-                    chains.update(
-                        r[0] for r in self._db.execute("SELECT block FROM refs WHERE agent_id = ?", (agent,))
-                    )
-                    self._db.execute("DELETE FROM agents WHERE agent_id = ?", (agent,))
-                    self._db.execute("DELETE FROM refs WHERE agent_id = ?", (agent,))
-                    self._db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent,))
-            freed, deleted = 0, []
-            for h in sorted(chains):
-                if not self.is_referenced(BlockHash(h)):
-                    freed += _size_of(self.block_path(BlockHash(h)))
-                    self.delete_block(BlockHash(h))
-                    deleted.append(BlockHash(h))
-            self._forget_sizes()
-        return freed, deleted
-
-    def _forget_sizes(self) -> None:
-        """Drop the size rows of blocks no record names (their files are gone or going)."""
-        with self._db_lock, self._db:
-            self._db.execute(
-                "DELETE FROM block_sizes WHERE NOT EXISTS "
-                "(SELECT 1 FROM refs r WHERE r.block = block_sizes.block)"
-            )
-
-    def clear_quarantine(self) -> int:
-        """Delete quarantined files (kept for inspection until a budget needs the space)."""
-        quarantine, freed = self.dir / "quarantine", 0
-        if quarantine.is_dir():
-            for p in quarantine.iterdir():
-                freed += _size_of(p)
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-        return freed
-
-    # ------------------------------------------------------------------ recovery
-
-    def recover(self) -> RecoveryReport:
-        """Bring the directory back to a consistent state after a crash: remove temporary
-        files, move records of the previous layout (one JSON file per agent) into the
-        index, and delete block files no record names. Runs on open, under the lock, so
-        no live writer's files are touched."""
-        report = RecoveryReport()
-        with self._lock:
-            for tmp in [*self.blocks_dir.glob(f"*/{TEMP_PREFIX}*"), *self.dir.glob(f"{TEMP_PREFIX}*.tmp")]:
-                with contextlib.suppress(FileNotFoundError):
-                    tmp.unlink()
-                    report.temp_files_removed += 1
-            report.records_migrated = self._migrate_json_records()
-            with self._db_lock, self._db:  # references of quarantined records
-                self._db.execute("DELETE FROM refs WHERE agent_id NOT IN (SELECT agent_id FROM agents)")
-            referenced = self.referenced_blocks()
-            for h in list(self.block_hashes()):
-                if h not in referenced:
-                    self.delete_block(h)
-                    report.orphan_blocks_removed += 1
-            report.missing_blocks = sum(1 for h in referenced if not self.has_block(h))
-            self.note_blocks(sorted(referenced))  # sizes of blocks saved before they were kept
-            self._forget_sizes()
-        if report.temp_files_removed or report.orphan_blocks_removed:
-            logger.info(
-                "cache %s: removed %d temporary files and %d unreferenced blocks left by an interrupted save",
-                self.dir,
-                report.temp_files_removed,
-                report.orphan_blocks_removed,
-            )
-        if report.missing_blocks and not self.tier:
-            logger.warning(
-                "cache %s: %d blocks named by agent records are missing (deleted outside this "
-                "package?); those agents will prefill again",
-                self.dir,
-                report.missing_blocks,
-            )
-        return report
-
-    def _migrate_json_records(self) -> int:
-        legacy = self.dir / "agents"
-        if not legacy.is_dir():
-            return 0
-        moved = 0
-        for p in sorted(legacy.glob("*.json")):
-            try:
-                record = parse_record(p.read_text(), f"agent record {p}")
-            except CacheFormatError as exc:
-                logger.warning("not migrating %s: %s", p, exc)
-                continue
-            if not self.has_agent(record.agent_id):
-                self.put_agent(record)
-                moved += 1
-            p.unlink()
-        with contextlib.suppress(OSError):
-            legacy.rmdir()
-        return moved
-
-
-def parse_record(raw: str, what: str) -> AgentRecord:
-    try:
-        return AgentRecord.from_json(raw)
-    except CacheFormatError as exc:
-        raise type(exc)(f"{what}: {exc}") from exc
-
-
-def _size_of(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _int_or(value: Any) -> Any:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return value

@@ -1,0 +1,309 @@
+"""What a block store holds: content-addressed blocks of KV tensors (``Block``, their
+hashes and their bytes as the host sees them), agent records (``AgentRecord``), what
+eviction sees of a store (``StoreUsage``), and the errors of reading and writing them. The
+stores themselves: ``store.DiskBlockStore`` (a local directory), ``remote.SharedStore``
+(PostgreSQL + S3 with a local tier in front); their protocols: ``protocols``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, NewType, TypeVar
+
+import numpy as np
+from safetensors import TensorSpec
+
+from ..ops.runtime import mx
+from .reader import (
+    BlockFileError,
+    BlockHeader,
+    checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+
+FORMAT_VERSION = 1
+BLOCK_TOKENS = 256
+MAX_AGENT_ID_CHARS = 256
+_HASH_SEED = b"langchain-agent-memory/block/v1\x00"
+
+BlockHash = NewType("BlockHash", str)
+
+
+class CacheFormatError(ValueError):
+    """A stored file cannot be used: corrupt, truncated, another model's, or a newer format."""
+
+
+class NewerFormatError(CacheFormatError):
+    """Written by a newer version of this package: refused, and never overwritten."""
+
+
+class BlockMissingError(CacheFormatError):
+    """A block an agent record refers to is not in the store."""
+
+
+def raise_if_vanished(exc: BlockFileError, where: Path) -> None:
+    """A block file deleted by another process between finding it and reading it (a cleanup
+    racing a load) is missing, not damaged: it must not be reported or treated as corrupt."""
+    if isinstance(exc.__cause__, FileNotFoundError):
+        raise BlockMissingError(f"a block file in {where} was deleted while read: {exc.__cause__}") from exc
+
+
+class CacheWriteError(RuntimeError):
+    """A cache could not be saved (disk full, permissions...); the previous one is intact."""
+
+
+def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:
+    """Chained content hash: the same tokens after the same prefix, for the same model,
+    give the same hash in every process (no per-process seed)."""
+    h = hashlib.sha256(_HASH_SEED)
+    h.update((parent or "").encode())
+    h.update(b"\x00" + fingerprint.encode() + b"\x00")
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    return BlockHash(h.hexdigest())
+
+
+def validate_agent_id(agent_id: str) -> str:
+    """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is."""
+    if not isinstance(agent_id, str) or not agent_id:
+        raise ValueError("agent_id must be a non-empty string, e.g. 'researcher' or 'thread-1:planner'")
+    if len(agent_id) > MAX_AGENT_ID_CHARS:
+        raise ValueError(f"agent_id is {len(agent_id)} characters; the limit is {MAX_AGENT_ID_CHARS}")
+    bad = [c for c in agent_id if c in "/\\" or ord(c) < 32 or ord(c) == 127]
+    if bad or agent_id.startswith("."):
+        raise ValueError(
+            f"agent_id {agent_id!r} looks like a path or holds control characters; "
+            "use letters, digits and separators such as ':', '|', '-', '_' (no '/', '\\', NUL, leading '.')"
+        )
+    return agent_id
+
+
+def _named_bytes(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
+    views = ((name, memoryview(a)) for name, a in tensors.items())
+    return [(name, v if v.c_contiguous else v.tobytes()) for name, v in views]
+
+
+@dataclass(frozen=True, slots=True)
+class HostTensor:
+    """An evaluated array's bytes as seen from the host: what a block write reads."""
+
+    dtype: str  # mlx's name: "float16", "bfloat16", "uint32", ...
+    shape: tuple[int, ...]
+    #: uint8, a view of the array's memory shaped as the array (the last axis in bytes); it
+    #: keeps the array alive
+    data: np.ndarray
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(
+            dtype=self.dtype, shape=self.shape, data_ptr=self.data.ctypes.data, data_len=self.data.nbytes
+        )
+
+    def rows(self, a: int, b: int) -> HostTensor:
+        """Tokens ``[a, b)`` of a (batch, heads, tokens, ·) tensor (a view)."""
+        shape = (*self.shape[:2], b - a, *self.shape[3:])
+        return HostTensor(self.dtype, shape, self.data[:, :, a:b])
+
+    def packed(self) -> HostTensor:
+        """Its bytes as one contiguous run: a block cut from a commit's longer arrays
+        (``rows``) is a strided view of them, made contiguous here, on the writer's thread
+        (a host copy of one block), not on the model's."""
+        if self.data.ndim == 1:
+            return self
+        return HostTensor(self.dtype, self.shape, np.ascontiguousarray(self.data).reshape(-1))
+
+
+def host_views(tensors: dict[str, mx.array]) -> dict[str, HostTensor]:
+    """``tensors`` made contiguous and evaluated, as byte views of their memory (no copy
+    where the memory is the host's: the CPU, a GPU's unified memory). Call it on the thread
+    that runs the arrays' MLX work: what it returns is then read on another (an engine's
+    saves run on a thread of their own, ``engine.saves``) without any MLX op."""
+    return _frozen([tensors])[0]
+
+
+def _frozen(groups: list[dict[str, mx.array]]) -> list[dict[str, HostTensor]]:
+    """``host_views`` of several groups, evaluated together (one wait for the device)."""
+    ready = [{k: mx.contiguous(v) for k, v in g.items()} for g in groups]
+    mx.eval(ready)
+    return [{k: _host(v) for k, v in g.items()} for g in ready]
+
+
+def _host(x: mx.array) -> HostTensor:
+    """An evaluated, contiguous array's bytes, shaped as it is (the last axis in bytes)."""
+    data = np.frombuffer(memoryview(x).cast("B"), dtype=np.uint8).reshape(*x.shape[:-1], -1)
+    return HostTensor(str(x.dtype).removeprefix("mlx.core."), tuple(x.shape), data)
+
+
+def freeze_blocks(blocks: list[Block]) -> None:
+    """Make each block's ``host`` now (on the thread of the tensors' MLX work), evaluated
+    together: a commit of a 32K-token turn freezes 128 blocks, and a wait for the device per
+    block cost more than the work."""
+    todo = [b for b in blocks if b.host is None]
+    for block, host in zip(todo, _frozen([b.tensors for b in todo]), strict=True):
+        block.host = host
+
+
+def tensor_checksum(tensors: dict[str, mx.array]) -> str:
+    """A block's checksum (``reader.checksum``) over evaluated arrays."""
+    return checksum(_named_bytes(tensors))
+
+
+def block_lineage(header: BlockHeader) -> tuple[list[int], BlockHash | None]:
+    """A block header's token ids and parent hash."""
+    try:
+        token_ids = [int(t) for t in json.loads(header.meta["token_ids"])]
+        parent = BlockHash(header.meta["parent"]) if header.meta["parent"] else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(f"block file {header.path} has a corrupt header: {exc}") from exc
+    return token_ids, parent
+
+
+_T = TypeVar("_T", mx.array, HostTensor)
+
+
+class TokenSlices(Mapping[str, _T], Generic[_T]):
+    """Tokens ``[a, z)`` of each of a run's (batch, heads, tokens, ·) tensors, cut when read.
+    A commit's blocks are cut from one array per layer and part over their run; cutting them
+    all up front was 128 blocks x 32 layers x 6 parts = 24,576 slices for a 32K turn of an
+    8B model (0.26 s of the model's thread on the H200), most never read (a write reads the
+    host bytes once; a restore reads a block's tensors only while its write is queued)."""
+
+    __slots__ = ("_a", "_whole", "_z")
+
+    def __init__(self, whole: Mapping[str, _T], a: int, z: int) -> None:
+        self._whole, self._a, self._z = whole, a, z
+
+    def __getitem__(self, name: str) -> _T:
+        x = self._whole[name]
+        return x.rows(self._a, self._z) if isinstance(x, HostTensor) else x[:, :, self._a : self._z]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._whole)
+
+    def __len__(self) -> int:
+        return len(self._whole)
+
+    @property
+    def nbytes(self) -> int:
+        """What the slices hold, without cutting them."""
+        return sum(_nbytes(x) // x.shape[2] * (self._z - self._a) for x in self._whole.values())
+
+
+def _nbytes(x: mx.array | HostTensor) -> int:
+    return int(x.data.nbytes if isinstance(x, HostTensor) else x.nbytes)
+
+
+@dataclass(slots=True)
+class StoreUsage:
+    """What one store holds, as eviction sees it."""
+
+    fingerprint: str
+    #: (agent id, last use as a Unix time), least recently used first.
+    agents: list[tuple[str, float]]
+    refs: dict[str, set[BlockHash]]  # agent id -> the blocks its record names
+    sizes: dict[BlockHash, int]  # bytes of each named block present on this disk
+    index_bytes: int  # the index and its journal
+    quarantine_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.index_bytes + self.quarantine_bytes + sum(self.sizes.values())
+
+
+@dataclass(slots=True)
+class Block:
+    hash: BlockHash
+    parent: BlockHash | None
+    token_ids: list[int]
+    tensors: Mapping[str, mx.array]
+    #: The tensors as host views (``host_views``), made on the MLX thread for a write on
+    #: another; None: ``put_block`` makes them (on the calling thread).
+    host: Mapping[str, HostTensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.tensors, TokenSlices):
+            return self.tensors.nbytes
+        return sum(int(t.nbytes) for t in self.tensors.values())
+
+
+@dataclass(slots=True)
+class AgentRecord:
+    """What an agent's cache stands for: the block chain, the text and its token ends."""
+
+    agent_id: str
+    blocks: list[BlockHash]
+    token_ids: list[int]
+    token_ends: list[int]
+    text: str
+    updated_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format_version": self.format_version,
+                "agent_id": self.agent_id,
+                "blocks": self.blocks,
+                "token_ids": self.token_ids,
+                "token_ends": self.token_ends,
+                "text": self.text,
+                "updated_at": self.updated_at,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: str) -> AgentRecord:
+        """Parse a stored record; anything but a well-formed one is ``CacheFormatError``."""
+        try:
+            return cls._from_json(raw)
+        except CacheFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, shape, types
+            raise CacheFormatError(f"agent record is corrupt: {exc!r}") from exc
+
+    @classmethod
+    def _from_json(cls, raw: str) -> AgentRecord:
+        data = json.loads(raw)
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise version_error("agent record", version)
+        record = cls(
+            agent_id=data["agent_id"],
+            blocks=[BlockHash(b) for b in data["blocks"]],
+            token_ids=list(data["token_ids"]),
+            token_ends=list(data["token_ends"]),
+            text=data["text"],
+            updated_at=float(data["updated_at"]),
+        )
+        # Well-formed JSON with the wrong shapes must not reach the engine.
+        if not (
+            isinstance(record.agent_id, str)
+            and isinstance(record.text, str)
+            and all(isinstance(b, str) and len(b) == 64 for b in record.blocks)
+            and all(type(t) is int for t in record.token_ids + record.token_ends)
+            and len(record.token_ids) == len(record.token_ends)
+        ):
+            raise CacheFormatError("agent record fields have the wrong types or lengths")
+        return record
+
+
+def version_error(what: str, version: Any) -> CacheFormatError:
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        return NewerFormatError(
+            f"{what} has format version {version}, written by a newer langchain-agent-memory; "
+            f"this version reads format {FORMAT_VERSION}: upgrade the package"
+        )
+    return CacheFormatError(f"{what} has unknown format version {version!r} (expected {FORMAT_VERSION})")
+
+
+def parse_record(raw: str, what: str) -> AgentRecord:
+    try:
+        return AgentRecord.from_json(raw)
+    except CacheFormatError as exc:
+        raise type(exc)(f"{what}: {exc}") from exc
