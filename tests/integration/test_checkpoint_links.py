@@ -13,7 +13,7 @@ from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
 
 from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.graph.saver import SNAPSHOT_PREFIX
+from langchain_agent_memory.graph.linker import SNAPSHOT_PREFIX
 
 SYSTEM = "You answer questions about this license.\n\n" + corpus.apache_license()[:1500]
 
@@ -333,7 +333,7 @@ async def test_langgraph_server_example_runs_on_server_checkpointer(
     import importlib.util
     import json
 
-    from langchain_agent_memory.graph.saver import server_checkpointer
+    from langchain_agent_memory.checkpoint import server_checkpointer  # the public path
 
     folder = Path(__file__).resolve().parents[2] / "examples" / "langgraph_server"
     config = json.loads((folder / "langgraph.json").read_text())
