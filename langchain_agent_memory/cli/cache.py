@@ -1,0 +1,231 @@
+"""``agent-memory cache``: look at and manage stored agent caches.
+
+    agent-memory cache ls [--prefix P]      agents with a stored cache, per model/KV format
+    agent-memory cache show AGENT           one agent's cache: tokens, blocks, text
+    agent-memory cache rm AGENT...          delete agents' caches (shared blocks stay)
+    agent-memory cache gc                   remove temporary files and unreferenced blocks
+    agent-memory cache du                   disk use per model/KV format
+    agent-memory cache prune --older-than 7d --max-size 5GB   evict least recently used
+
+Every command reads the cache directory (``--cache-dir``, default the settings') without
+loading a model: a cache directory holds one store per model fingerprint (``kv/<fp>/``),
+and each command goes over all of them. Saves and deletes take the store's directory lock,
+so this is safe while an application is using the same directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
+from ..engine.storage.remote import SharedBlockStore
+
+if TYPE_CHECKING:
+    pass
+
+from .common import (
+    HELP,
+    Blocks,
+    CacheDir,
+    Format,
+    Store,
+    all_stores,
+    checked,
+    emit,
+    size_text,
+    stores_of,
+    wide_console,
+)
+
+cache_app = typer.Typer(
+    help="Inspect and manage stored agent caches: ls, show, du, rm, prune, gc.",
+    no_args_is_help=True,
+    context_settings=HELP,
+)
+
+
+@cache_app.command("ls")
+def ls(
+    prefix: Annotated[str, typer.Option(help="Only agents whose id starts with this")] = "",
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+    format: Format = "table",
+) -> None:
+    """List agents with a stored cache (never changes the store)."""
+    rows = [
+        {
+            "model": opened.fingerprint,
+            "agent": record.agent_id,
+            "tokens": len(record.token_ids),
+            "blocks": len(record.blocks),
+            "updated": datetime.fromtimestamp(record.updated_at).strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        for opened in stores_of(cache_dir, store, blocks, read_only=True)
+        for record in opened.agents(prefix)
+    ]
+    emit(
+        "agent caches", rows, ["model", "agent", "tokens", "blocks", "updated"], format, {"tokens", "blocks"}
+    )
+
+
+@cache_app.command("show")
+def show(
+    agent: str, cache_dir: CacheDir = None, chars: int = 400, store: Store = None, blocks: Blocks = None
+) -> None:
+    """Show one agent's cache: tokens, blocks, and the start and end of its text."""
+    found = False
+    for opened in stores_of(cache_dir, store, blocks, read_only=True):
+        record = opened.get_agent(agent)
+        if record is None:
+            continue
+        found = True
+        console = wide_console()
+        console.print(f"[bold]{agent}[/bold] in {opened.fingerprint}")
+        console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
+        for h in record.blocks:
+            path = opened.block_path(h)
+            here = size_text(path.stat().st_size) if path.exists() else None
+            size = here or ("in the shared store" if isinstance(opened, SharedBlockStore) else "MISSING")
+            console.print(f"  {h[:16]}  {size}")
+        text = record.text
+        shown = text if len(text) <= 2 * chars else text[:chars] + "\n[...]\n" + text[-chars:]
+        console.print(shown, markup=False, highlight=False)
+    if not found:
+        raise typer.BadParameter(f"no stored cache for agent {agent!r}", param_hint="AGENT")
+
+
+@cache_app.command("rm")
+def rm(
+    agents: Annotated[list[str] | None, typer.Argument(help="Agent ids to delete")] = None,
+    prefix: Annotated[str | None, typer.Option(help="Every agent whose id starts with this")] = None,
+    thread: Annotated[
+        str | None, typer.Option(help="Every agent of a LangGraph thread (ids 'THREAD:node...')")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing")
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Delete a --prefix/--thread selection without asking")
+    ] = False,
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+) -> None:
+    """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
+    from ..engine.storage.pool import BlockPool
+
+    if not agents and prefix is None and thread is None:
+        raise typer.BadParameter("name agents, or select them with --prefix or --thread")
+    selector = f"{thread}:" if thread is not None else prefix
+    deleted = 0
+    for opened in stores_of(cache_dir, store, blocks):
+        chosen = list(agents or [])
+        if selector is not None:
+            chosen += [r.agent_id for r in opened.agents(selector)]
+        chosen = list(dict.fromkeys(chosen))
+        if dry_run:
+            for agent in chosen:
+                typer.echo(f"would delete {agent} ({opened.fingerprint})")
+            continue
+        if (
+            selector is not None
+            and chosen
+            and not yes
+            and not typer.confirm(f"delete {len(chosen)} agent cache(s)?")
+        ):
+            raise typer.Exit(code=1)
+        pool = BlockPool(opened, hot_budget_bytes=0)
+        deleted += sum(pool.delete_agent(agent) for agent in chosen)
+    if dry_run:
+        return
+    typer.echo(f"deleted {deleted} agent cache(s)")
+    if not deleted:
+        raise typer.Exit(code=1)
+
+
+@cache_app.command("gc")
+def gc(
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+    grace_hours: Annotated[
+        float, typer.Option(help="Shared store: delete block objects unreferenced for at least this long")
+    ] = 1.0,
+) -> None:
+    """Remove temporary files and blocks no agent names (what a killed process left); with a
+    shared store, also its block objects no record names (after the grace period)."""
+    temps = orphans = collected = 0
+    for opened in stores_of(cache_dir, store, blocks):  # opening recovers; run it again for what came since
+        report = opened.recover()
+        temps += opened.recovery.temp_files_removed + report.temp_files_removed
+        orphans += opened.recovery.orphan_blocks_removed + report.orphan_blocks_removed
+        if isinstance(opened, SharedBlockStore):
+            done = opened.collect_garbage(grace_s=grace_hours * 3600)
+            collected += done.blocks_collected + done.stray_objects_removed
+    shared = f" and {collected} block object(s) from the shared store" if store else ""
+    wide_console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s){shared}")
+
+
+@cache_app.command("du")
+def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
+    """Disk use per model / KV format, as a disk budget counts it: the blocks agents name,
+    the index and quarantined files (never changes the store)."""
+    rows = []
+    for store in stores_of(cache_dir, read_only=True):
+        usage = store.usage()
+        quarantine = store.dir / "quarantine"
+        bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
+        rows.append({
+            "model": store.fingerprint, "agents": len(usage.agents), "blocks": len(usage.sizes),
+            "bytes": usage.total, "size": size_text(usage.total), "quarantined": bad,
+        })  # fmt: skip
+    emit("cache disk use", rows, ["model", "agents", "blocks", "size", "quarantined"], format,
+          {"agents", "blocks", "size", "quarantined"})  # fmt: skip
+
+
+@cache_app.command("prune")
+def prune(
+    older_than: Annotated[
+        str | None, typer.Option(help="Evict agents unused for this long (e.g. 7d, 12h, 30m)")
+    ] = None,
+    max_size: Annotated[
+        str | None,
+        typer.Option(help="Then evict least recently used agents until all caches fit (e.g. 5GB, 500MB)"),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be evicted; evict nothing")
+    ] = False,
+    cache_dir: CacheDir = None,
+    store: Store = None,
+    blocks: Blocks = None,
+) -> None:
+    """Evict agent caches least recently used first: those unused for --older-than, then
+    more until every model's caches together fit --max-size (blocks other agents share stay;
+    LangGraph checkpoints stay: a thread resumed from an evicted cache prefills). With a
+    shared store, only this directory's copies go."""
+    budget = StorageBudget.of(
+        checked(parse_size, max_size, "--max-size"), checked(parse_age, older_than, "--older-than")
+    )
+    if budget is None:
+        raise typer.BadParameter("give --older-than and/or --max-size")
+    with all_stores(cache_dir, store, blocks) as stores, contextlib.ExitStack() as locks:
+        for one in stores:  # no save of another process lands between the plan and the deletes
+            locks.enter_context(one.locked())
+        report = enforce(stores, budget, dry_run=dry_run)
+    verb = "would evict" if dry_run else "evicted"
+    for fp, agent in report.evicted:
+        typer.echo(f"{verb} {agent} ({fp})")
+    typer.echo(
+        f"{verb} {len(report.evicted)} agent cache(s) ({report.expired} unused for longer than "
+        f"{older_than or 'any limit'}): {size_text(report.bytes_before)} -> {size_text(report.bytes_after)}"
+    )
+    if report.over_budget:
+        typer.echo(
+            f"still over {max_size}: what is left cannot be evicted (saves not yet uploaded)", err=True
+        )
+        raise typer.Exit(code=1)

@@ -1,0 +1,135 @@
+"""What the ``agent-memory`` commands share: option types, the stores of a cache directory,
+listings (table, text or JSON) and sizes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..config import get_settings
+from ..engine.storage.catalog import Catalog
+from ..engine.storage.remote import SharedBlockStore, open_store
+from ..engine.storage.store import DiskBlockStore
+
+if TYPE_CHECKING:
+    pass
+
+
+T = TypeVar("T")
+
+#: Every command takes -h as well as --help.
+HELP = {"help_option_names": ["-h", "--help"]}
+
+
+CacheDir = Annotated[
+    Path | None,
+    typer.Option("--cache-dir", help="Cache directory (default: AGENT_MEMORY_CACHE_DIR or ~/.cache/...)"),
+]
+
+
+def wide_console() -> Console:
+    return Console(width=max(Console().width, 120))
+
+
+Store = Annotated[
+    str | None,
+    typer.Option(envvar="AGENT_MEMORY_STORE", help="A shared store's PostgreSQL URL (with --blocks)"),
+]
+Blocks = Annotated[
+    str | None,
+    typer.Option(envvar="AGENT_MEMORY_BLOCKS", help="A shared store's s3:// URL for blocks (with --store)"),
+]
+
+
+def stores_of(
+    cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
+) -> Iterator[DiskBlockStore | SharedBlockStore]:
+    """One store per model fingerprint, opened in turn (``all_stores``)."""
+    with all_stores(cache_dir, store, blocks, read_only=read_only) as stores:
+        yield from stores
+
+
+@contextmanager
+def all_stores(
+    cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
+) -> Iterator[list[DiskBlockStore | SharedBlockStore]]:
+    """One store per model fingerprint: the directories under ``{cache_dir}/kv``, or with a
+    shared store (``--store`` / ``--blocks``), every model it holds (this directory its
+    local tier). ``read_only``: for commands that only look: a local directory is opened
+    without recovery, lock or migration (a shared store is read through a local tier of
+    this directory, which it may fill)."""
+    if bool(store) != bool(blocks):
+        raise typer.BadParameter(
+            "a shared store needs both --store (postgresql://...) and --blocks (s3://...)"
+        )
+    root = Path(cache_dir or get_settings().cache_dir).expanduser() / "kv"
+    fingerprints = {p.name for p in root.glob("*") if (p / "format.json").exists()}
+    if store and blocks:
+        catalog = Catalog(store)
+        fingerprints |= catalog.fingerprints()
+        catalog.close()
+    opened: list[DiskBlockStore | SharedBlockStore] = []
+    try:
+        for fp in sorted(fingerprints):
+            opened.append(open_store(root, fp, store, blocks, read_only=read_only and not store))
+        yield opened
+    finally:
+        for one in opened:
+            one.close()
+
+
+def checked(parse: Callable[[str], T], value: str | None, flag: str) -> T | None:
+    """``value`` parsed, or a usage error naming ``flag``."""
+    try:
+        return None if value is None else parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from None
+
+
+def kv_bits_of(kv_bits: int) -> int | None:
+    """``--kv-bits``: 4 or 8, or 16 for unquantized (None)."""
+    if kv_bits not in (4, 8, 16):
+        raise typer.BadParameter("give 4, 8 or 16", param_hint="--kv-bits")
+    return None if kv_bits == 16 else kv_bits
+
+
+Format = Annotated[
+    str, typer.Option("--format", help="table (plain text when not a terminal), text, or json")
+]
+
+
+def emit(title: str, rows: list[dict[str, Any]], columns: list[str], fmt: str, right: set[str]) -> None:
+    """A listing: a table on a terminal, tab-separated lines elsewhere (pipes, files), or
+    ``--format json`` (every field, machine-readable)."""
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if fmt not in ("table", "text"):
+        raise typer.BadParameter("give table, text or json", param_hint="--format")
+    if fmt == "text" or not sys.stdout.isatty():
+        typer.echo("\t".join(columns))
+        for r in rows:
+            typer.echo("\t".join(str(r[c]) for c in columns))
+        return
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left")
+    for r in rows:
+        table.add_row(*(str(r[c]) for c in columns))
+    wide_console().print(table)
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
