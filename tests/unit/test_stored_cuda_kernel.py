@@ -173,7 +173,7 @@ def _kernels_on_cpu(where: Path, queries: mx.array, args: tuple, sinks: mx.array
     parts = _run(
         where,
         "partial",
-        stored_cuda._PARTIAL_SOURCE,
+        stored_cuda.PARTIAL_SOURCE,
         [_as_held(n, x) for n, x in zip(stored_cuda.PARTIAL_INPUTS, partial["inputs"], strict=True)],
         list(zip(("o_part", "m_part", "l_part"), partial["output_shapes"], strict=True)),
         partial["template"],
@@ -183,7 +183,7 @@ def _kernels_on_cpu(where: Path, queries: mx.array, args: tuple, sinks: mx.array
     (out,) = _run(
         where,
         "merge",
-        stored_cuda._MERGE_SOURCE,
+        stored_cuda.MERGE_SOURCE,
         [_as_held(n, x) for n, x in zip(stored_cuda.MERGE_INPUTS, merge["inputs"], strict=True)],
         [("out", merge["output_shapes"][0])],
         merge["template"],
