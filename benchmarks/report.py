@@ -648,7 +648,7 @@ Measured on this 2-core AMD EPYC VM (AVX-512), before the changes below (`result
   ~83 % of an 8K one. Its matmuls take ~3.4 ms per layer per 1K keys; the rest was the softmax's ~12
   passes over a score block (9 heads x 128 queries x P keys: 38 MB at 8K) through memory. 16-bit KV:
   the same shape (a = 230 ms: the 4-bit commit costs ~70 ms per chunk). Chunks of 512: ~10 % faster.
-- Fix landed: keys in tiles of 256 with the softmax merged across tiles (`fast_ops._attend_tiled`),
+- Fix landed: keys in tiles of 256 with the softmax merged across tiles (`cpu_attention._attend_tiled`),
   so a tile's scores stay in the cache: 1 layer, 384 query rows over 8K keys 140 -> 45-57 ms; SmolLM2
   cold 4K 33.7 -> 26.5 s, 8K 118 -> 77 s (llama.cpp f16 measured 51.8 s at 8K on the earlier VM: to
   be re-measured side by side). Two CPU streams for query blocks or key halves gave nothing once tiled.
@@ -696,7 +696,7 @@ Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per wa
   its KV buffer for the whole context when its context is made, before the warm clock starts
   (`start+warm` in the table above counts construction for every system).
 - Attention of a warm turn (45 query rows per KV head) over 8K+ keys now goes in key tiles of 1024
-  (`fast_ops._run`): per layer, 8K keys 16.5 -> 10.8 ms, 16K 38.8 -> 18.4 ms (one pass below 8K keys,
+  (`cpu_attention._run`): per layer, 8K keys 16.5 -> 10.8 ms, 16K 38.8 -> 18.4 ms (one pass below 8K keys,
   where it is as fast; decode steps stay one pass at any length).
 - Block reads land in the group's mlx array itself on the CPU (numpy view of its buffer): one copy and
   one fresh allocation of the packed bytes fewer (65 MB at 8K).
@@ -714,7 +714,7 @@ Second pass (SmolLM2 4-bit, 8K and 16K, a state kept on disk, one process per wa
 Third pass: the softmax. After the tiles, a tile's exp, max and sum cost more than its two matmuls
 (384 rows x 256 keys: 1.36 ms against 1.04 + 0.84), because mlx's JIT loops are SSE2 while NumPy's
 `exp` uses this CPU's AVX-512 (0.5 ms for 1.1M scores). Per layer, SmolLM2 shapes, matmuls in mlx in
-both (`fast_ops._attend_host`: NumPy masks and normalises the scores in place, in row groups that
+both (`cpu_attention._attend_host`: NumPy masks and normalises the scores in place, in row groups that
 stay in the cache):
 
 - 15 new tokens (45 rows per KV head) over 1K / 4K / 8K / 16K keys: 1.7-7.2 / 4.4-9.0 / 10.9 / 21 ms

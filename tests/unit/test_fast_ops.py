@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from langchain_agent_memory.engine.ops import fast_ops
+from langchain_agent_memory.engine.ops import cpu_attention, fast_ops
 from langchain_agent_memory.engine.ops.runtime import mx
 
 
@@ -131,7 +131,7 @@ def test_attention_matches_mx_fast(h: int, kv: int, L: int, kL: int, d: int) -> 
     scale = d**-0.5
     for name, mask in _masks(h, L, kL).items():
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-        out = fast_ops.attention(q, k, v, scale, mask)
+        out = cpu_attention.attention(q, k, v, scale, mask)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert _rel(out, ref) < 1e-5, name
 
@@ -141,11 +141,11 @@ def test_attention_in_key_tiles_matches_mx_fast(
     h: int, kv: int, L: int, kL: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Where a block's scores would be too large (a large model's long prefill), keys go in tiles.
-    monkeypatch.setattr(fast_ops, "_HOST_MAX_SCORES", 0)
+    monkeypatch.setattr(cpu_attention, "_HOST_MAX_SCORES", 0)
     q, k, v = _qkv(h, kv, L, kL, 32)
     for name, mask in _masks(h, L, kL).items():
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
-        assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
+        assert _rel(cpu_attention.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
 
 
 @pytest.mark.parametrize(("h", "kv", "L", "kL"), [(9, 3, 40, 600), (4, 1, 300, 1100), (3, 1, 15, 1000)])
@@ -154,8 +154,8 @@ def test_attention_host_key_tiles_match_mx_fast(
 ) -> None:
     # A block of queries over many keys takes them in tiles, the softmax merged across tiles:
     # every mask kind, and a row that one tile masks whole (or every tile: uniform, as mx.fast).
-    monkeypatch.setattr(fast_ops, "_HOST_UNTILED_SCORES", 0)
-    monkeypatch.setattr(fast_ops, "_HOST_TILE_SCORES", 1)  # tiles of 256 keys
+    monkeypatch.setattr(cpu_attention, "_HOST_UNTILED_SCORES", 0)
+    monkeypatch.setattr(cpu_attention, "_HOST_TILE_SCORES", 1)  # tiles of 256 keys
     q, k, v = _qkv(h, kv, L, kL, 32)
     masks = _masks(h, L, kL)
     keep = np.arange(kL - L, kL)[:, None] >= np.arange(kL)[None]
@@ -164,7 +164,7 @@ def test_attention_host_key_tiles_match_mx_fast(
     masks["holes"] = mx.array(keep)
     for name, mask in masks.items():
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
-        assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
+        assert _rel(cpu_attention.attention(q, k, v, 0.2, mask), ref) < 1e-5, name
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -173,7 +173,7 @@ def test_attention_additive_mask_in_16_bits(dtype: mx.Dtype) -> None:
     keep = np.arange(260, 300)[:, None] >= np.arange(300)[None]
     mask = mx.array(np.where(keep, 0.0, -1e4).astype(np.float32)).astype(dtype)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mx.array(keep))
-    assert _rel(fast_ops.attention(q, k, v, 0.25, mask), ref) < 1e-5
+    assert _rel(cpu_attention.attention(q, k, v, 0.25, mask), ref) < 1e-5
 
 
 def test_attention_one_dimensional_mask() -> None:
@@ -181,7 +181,7 @@ def test_attention_one_dimensional_mask() -> None:
     q, k, v = _qkv(4, 1, 1, 5000, 32)
     mask = mx.arange(5000) >= 1000
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
-    assert _rel(fast_ops.attention(q, k, v, 0.2, mask), ref) < 1e-5
+    assert _rel(cpu_attention.attention(q, k, v, 0.2, mask), ref) < 1e-5
 
 
 @pytest.mark.parametrize(("L", "kL"), [(40, 90), (300, 300)])  # short; long (query blocks)
@@ -190,13 +190,13 @@ def test_attention_fully_masked_row_is_uniform_like_mx_fast(L: int, kL: int) -> 
     keep = np.arange(kL - L, kL)[:, None] >= np.arange(kL)[None]
     keep[3] = False
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mx.array(keep))
-    assert _rel(fast_ops.attention(q, k, v, 0.25, mx.array(keep)), ref) < 1e-5
+    assert _rel(cpu_attention.attention(q, k, v, 0.25, mx.array(keep)), ref) < 1e-5
 
 
 def test_attention_float16() -> None:
     q, k, v = (a.astype(mx.float16) for a in _qkv(9, 3, 50, 80, 64))
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
-    out = fast_ops.attention(q, k, v, 0.125, "causal")
+    out = cpu_attention.attention(q, k, v, 0.125, "causal")
     assert out.dtype == mx.float16
     assert _rel(out, ref) < 2e-3  # both round the output to float16
 

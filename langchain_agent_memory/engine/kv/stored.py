@@ -49,9 +49,9 @@ def attention(
     """Full-precision attention, the device's fastest: the CPU kernels of ``fast_ops`` on the
     CPU (with attention sinks, mlx's op), mlx's fused kernel on a GPU."""
     if sinks is None and mx.default_device() == mx.cpu:
-        from ..ops import fast_ops
+        from ..ops import cpu_attention
 
-        return fast_ops.attention(q, k, v, scale=scale, mask=mask)
+        return cpu_attention.attention(q, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 

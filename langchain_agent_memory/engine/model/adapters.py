@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..kv import BatchLayerCache, LayerCache
-from ..ops import fast_ops
+from ..ops import cpu_attention, fast_ops
 from ..ops.runtime import mx
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class _Attention:
         if not self.kernels or hasattr(cache, "bits") or sinks is not None:
             # mlx-lm's quantized caches hand over (packed, scales, biases); sinks: mx.fast.
             return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        return fast_ops.attention(queries, keys, values, scale, mask)
+        return cpu_attention.attention(queries, keys, values, scale, mask)
 
 
 def _gemma3_mlp_call(self: Any, x: mx.array) -> mx.array:
