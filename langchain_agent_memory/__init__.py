@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from .engine.ops import runtime as _runtime  # noqa: F401  # isort: skip
 
 if TYPE_CHECKING:
-    from .chat.model import ChatAgentMemory, ContextLengthError
+    from .chat.errors import ContextLengthError
+    from .chat.model import ChatAgentMemory
     from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
     from .graph.saver import AgentMemorySaver
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "ChatAgentMemory": ".chat.model",
     "AgentMemorySaver": ".graph.saver",
-    "ContextLengthError": ".chat.model",
+    "ContextLengthError": ".chat.errors",
     "DEFAULT_MODEL": ".engine.model.loading",
     "SHIPPED_MODELS": ".engine.model.loading",
     "LoadedModel": ".engine.model.loading",

@@ -16,60 +16,47 @@ what is new, and keeps the reply's keys and values for the next turn.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
 from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.exceptions import ContextOverflowError
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.model_profile import ModelProfile
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import ToolCallChunk
+from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough, ensure_config
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, field_validator
 
-from ..engine.engine import ContextLengthError as EngineContextLengthError
-from ..engine.engine import Engine, GenerationParams, GenerationResult
+from ..engine.engine import Engine, GenerationParams
 from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
 from ..engine.registry import shared_engine
 from ..engine.storage.blocks import validate_agent_id
 from ..engine.storage.budget import parse_age, parse_size
 from . import prompt, reasoning
+from .errors import langchain_errors
 from .namespace import BATCH_INDEX, agent_namespace
 from .profile import model_profile
-from .tool_formats import ToolFormat, tool_format
+from .replies import (
+    ChatRequest,
+    StreamShaper,
+    chat_result,
+    choice_name,
+    forced_tools,
+    json_schema_of,
+    ls_format,
+)
+from .tool_formats import tool_format
 
 #: ``tool_choice`` values that force some tool call.
 _ANY_TOOL = ("any", "required", True)
-
-
-class ContextLengthError(EngineContextLengthError, ContextOverflowError):
-    """The prompt does not fit the model's context window: LangChain's
-    ``ContextOverflowError`` (its middleware catches it: trim or summarise, then retry) and
-    the engine's ``ContextLengthError``."""
-
-
-@contextlib.contextmanager
-def _langchain_errors() -> Iterator[None]:
-    """The engine's errors as LangChain's where it has one (the engine knows no LangChain)."""
-    try:
-        yield
-    except EngineContextLengthError as exc:
-        if isinstance(exc, ContextLengthError):
-            raise
-        raise ContextLengthError(str(exc)) from exc
 
 
 class ChatAgentMemory(BaseChatModel):
@@ -244,7 +231,7 @@ class ChatAgentMemory(BaseChatModel):
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]
-    ) -> _Request:
+    ) -> ChatRequest:
         engine = self._engine_for(kwargs.get("model", self.model))
         metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata", {})
         agent = agent_namespace(kwargs.get("agent_id") or self.agent_id, metadata)
@@ -263,7 +250,7 @@ class ChatAgentMemory(BaseChatModel):
         if not engine.tokenizer.chat_template:
             stops.append(prompt.TRANSCRIPT_TURN_END)
         constraint = None
-        forced = _forced_tools(tools, choice)
+        forced = forced_tools(tools, choice)
         cap = kwargs.get("max_string_chars", self.max_string_chars)
         if forced:  # one call, in the model's own format, valid under the tool's schema
             constraint = GrammarConstraint(engine.tokenizer, fmt.grammar(forced, cap))
@@ -284,7 +271,7 @@ class ChatAgentMemory(BaseChatModel):
         )
         thinks = self.reasoning and not forced and schema is None  # constrained replies do not think
         opened = thinks and reasoning.prompt_opens_thinking(text)
-        return _Request(engine, agent, text, params, fmt if tools else None, bool(forced), thinks, opened)
+        return ChatRequest(engine, agent, text, params, fmt if tools else None, bool(forced), thinks, opened)
 
     def _generate(
         self,
@@ -294,8 +281,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(messages, stop, run_manager, kwargs)
-        with _langchain_errors():
-            return _chat_result(req, req.engine.generate(req.agent, req.text, req.params))
+        with langchain_errors():
+            return chat_result(req, req.engine.generate(req.agent, req.text, req.params))
 
     async def _agenerate(
         self,
@@ -305,8 +292,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         req = self._request(messages, stop, run_manager, kwargs)
-        with _langchain_errors():
-            return _chat_result(req, await req.engine.agenerate(req.agent, req.text, req.params))
+        with langchain_errors():
+            return chat_result(req, await req.engine.agenerate(req.agent, req.text, req.params))
 
     def _stream(
         self,
@@ -316,8 +303,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         req = self._request(messages, stop, run_manager, kwargs)
-        shaper = _StreamShaper(req)
-        with _langchain_errors():
+        shaper = StreamShaper(req)
+        with langchain_errors():
             for chunk in req.engine.stream(req.agent, req.text, req.params):
                 for out in shaper.feed(chunk.text, chunk.result):
                     if run_manager and out.text:
@@ -332,8 +319,8 @@ class ChatAgentMemory(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         req = self._request(messages, stop, run_manager, kwargs)
-        shaper = _StreamShaper(req)
-        with _langchain_errors():
+        shaper = StreamShaper(req)
+        with langchain_errors():
             async for chunk in req.engine.astream(req.agent, req.text, req.params):
                 for out in shaper.feed(chunk.text, chunk.result):
                     if run_manager and out.text:
@@ -417,7 +404,7 @@ class ChatAgentMemory(BaseChatModel):
         call is decoded under the tool's JSON schema, so it is always a valid call."""
         formatted = [convert_to_openai_tool(t) for t in tools]
         names = {t["function"]["name"] for t in formatted}
-        wanted = _choice_name(tool_choice)
+        wanted = choice_name(tool_choice)
         if wanted is not None and wanted not in names:
             raise ValueError(
                 f"tool_choice names {wanted!r}, which is not among the bound tools {sorted(names)}"
@@ -445,7 +432,7 @@ class ChatAgentMemory(BaseChatModel):
         if method == "function_calling":
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, **_ls_format(schema, method))
+            llm = self.bind_tools([schema], tool_choice=name, **ls_format(schema, method))
             if is_pydantic:
                 parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
             else:
@@ -453,9 +440,9 @@ class ChatAgentMemory(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             # json_mode is decoded like json_schema when the schema says more than "an
             # object": stricter than a JSON mode, and the reply always parses into the schema.
-            json_schema = _json_schema(schema)
+            json_schema = json_schema_of(schema)
             llm = self.bind(
-                response_format={"type": "json_schema", "schema": json_schema}, **_ls_format(schema, method)
+                response_format={"type": "json_schema", "schema": json_schema}, **ls_format(schema, method)
             )
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
@@ -467,190 +454,3 @@ class ChatAgentMemory(BaseChatModel):
         assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | assign.with_fallbacks([fallback], exception_key="parsing_error")
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-class _Request:
-    __slots__ = ("agent", "engine", "hide_text", "opened", "params", "text", "thinks", "tools")
-
-    def __init__(
-        self,
-        engine: Engine,
-        agent: str,
-        text: str,
-        params: GenerationParams,
-        tools: ToolFormat | None,
-        hide_text: bool,
-        thinks: bool,
-        opened: bool,
-    ) -> None:
-        self.engine, self.agent, self.text, self.params = engine, agent, text, params
-        self.tools = tools  # the format replies are parsed in for calls (None: no tools offered)
-        self.hide_text = hide_text
-        self.thinks, self.opened = thinks, opened  # split reasoning; the prompt opened <think>
-
-    def split(self, text: str, partial: bool = False) -> tuple[str, str]:
-        """(reasoning, answer) of a reply (or of one still being generated)."""
-        return reasoning.split(text, self.opened, partial) if self.thinks else ("", text)
-
-    def parse(self, text: str) -> tuple[str, str, list[Any], list[Any]]:
-        """(reasoning, content, tool calls, invalid calls) of a whole reply."""
-        thought, answer = self.split(text)
-        content, calls, invalid = self.tools.parse(answer) if self.tools is not None else (answer, [], [])
-        if thought and content.lstrip().startswith("<|"):
-            content = reasoning.strip_headers(content)
-        return thought, content, calls, invalid
-
-
-def _choice_name(choice: Any) -> str | None:
-    if isinstance(choice, dict):
-        return choice.get("function", {}).get("name") or choice.get("name")
-    if isinstance(choice, str) and choice not in ("auto", "none", "any", "required"):
-        return choice
-    return None
-
-
-def _forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
-    if not tools or choice in (None, "auto", "none", False):
-        return []
-    if choice in _ANY_TOOL:
-        return tools
-    name = _choice_name(choice)
-    return [t for t in tools if t["function"]["name"] == name]
-
-
-def _json_schema(schema: dict[str, Any] | type | None) -> dict[str, Any]:
-    """A JSON schema from a Pydantic class, TypedDict, OpenAI tool dict or titled schema; an
-    untitled dict is taken as the JSON schema itself (``{"type": "object"}``: any object)."""
-    if not schema:
-        return {"type": "object"}
-    if isinstance(schema, dict) and "title" not in schema and "function" not in schema:
-        return schema
-    return convert_to_json_schema(schema)
-
-
-def _ls_format(schema: Any, method: str) -> dict[str, Any]:
-    """Tracing metadata for LangSmith: ``{"ls_structured_output_format": ...}`` when the
-    schema converts to a tool (a bare ``{"type": "object"}`` does not), else nothing."""
-    try:
-        tool = convert_to_openai_tool(schema)
-    except Exception:  # only tracing metadata: never fail the call over it
-        return {}
-    return {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": tool}}
-
-
-def _usage(result: GenerationResult) -> UsageMetadata:
-    return UsageMetadata(
-        input_tokens=result.prompt_tokens,
-        output_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
-        input_token_details={"cache_read": result.reused_tokens},
-    )
-
-
-def _response_metadata(req: _Request, result: GenerationResult) -> dict[str, Any]:
-    return {
-        "model_name": req.engine.lm.name,
-        "model_provider": "agent-memory",
-        "finish_reason": result.finish_reason,
-        "agent_id": req.agent,
-        "cache": str(result.outcome),
-        "cached_tokens": result.reused_tokens,
-        # "pending": written after the reply left (``flush`` waits); False: a worker sharing the
-        # store saved this agent while the call ran (that save stands)
-        "cache_saved": result.saved,
-        "time_to_first_token_s": round(result.timings.ttft_s, 4),
-        "prefill_s": round(result.timings.prefill_s, 4),
-        "decode_s": round(result.timings.decode_s, 4),
-        "bytes_written": result.bytes_written,
-    }
-
-
-def _chat_result(req: _Request, result: GenerationResult) -> ChatResult:
-    thought, content, calls, invalid = req.parse(result.text)
-    message = AIMessage(
-        content=content,
-        additional_kwargs={"reasoning_content": thought} if thought else {},
-        tool_calls=calls,
-        invalid_tool_calls=invalid,
-        usage_metadata=_usage(result),
-        response_metadata=_response_metadata(req, result),
-    )
-    return ChatResult(generations=[ChatGeneration(message=message)])
-
-
-class _StreamShaper:
-    """Engine text chunks -> message chunks: reasoning streams as ``reasoning_content``
-    chunks, the answer as content, except what may be (or is) a tool call, which is parsed
-    at the end into tool-call chunks; the last chunk (``chunk_position="last"``) carries
-    usage and metadata."""
-
-    def __init__(self, req: _Request) -> None:
-        self.req = req
-        self.text = ""  # the whole reply so far
-        self.thought_emitted = 0
-        self.answer = ""  # its answer part so far (``_Request.split``)
-        self.emitted = 0  # of ``answer``
-        self.in_call = req.hide_text
-
-    def feed(self, piece: str, result: GenerationResult | None) -> list[ChatGenerationChunk]:
-        out: list[ChatGenerationChunk] = []
-        self.text += piece
-        thought, self.answer = self.req.split(self.text, partial=True)
-        if len(thought) > self.thought_emitted:
-            delta = thought[self.thought_emitted :]
-            out.append(
-                ChatGenerationChunk(
-                    message=AIMessageChunk(content="", additional_kwargs={"reasoning_content": delta})
-                )
-            )
-            self.thought_emitted = len(thought)
-        if not self.in_call:
-            text = self.answer
-            limit = len(text)
-            fmt = self.req.tools
-            if fmt is not None and fmt.open:  # text is held back where a call may start
-                marker = fmt.open.strip()
-                at = text.find(marker, self.emitted)
-                if at != -1:
-                    limit, self.in_call = at, True
-                else:
-                    limit = reasoning.safe_end(text, marker)
-            elif fmt is not None:  # the call is the whole reply (Llama 3): held while it may be one
-                head = text.lstrip()
-                if head.startswith(("{", "<|python_tag|>")):
-                    limit, self.in_call = self.emitted, True
-                elif not head or "<|python_tag|>".startswith(head):
-                    limit = self.emitted
-            if limit > self.emitted:
-                out.append(ChatGenerationChunk(message=AIMessageChunk(content=text[self.emitted : limit])))
-                self.emitted = limit
-        if result is not None:
-            out.append(self._last(result))
-        return out
-
-    def _last(self, result: GenerationResult) -> ChatGenerationChunk:
-        thought, content, calls, invalid = self.req.parse(result.text)
-        rest = content[self.emitted :] if content.startswith(self.answer[: self.emitted]) else ""
-        chunks = [
-            ToolCallChunk(
-                name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i, type="tool_call_chunk"
-            )
-            for i, c in enumerate(calls)
-        ]
-        # A chunk's tool calls are re-parsed from its chunks (leniently: a cut-off call would
-        # pass as a call), so an unparsable call is returned as the text it was.
-        opening = self.req.tools.open if self.req.tools is not None else ""
-        rest += "".join(opening + (c["args"] or "") for c in invalid)
-        late = thought[self.thought_emitted :]  # reasoning the partial split held back
-        message = AIMessageChunk(
-            content=rest,
-            additional_kwargs={"reasoning_content": late} if late else {},
-            tool_call_chunks=chunks,
-            usage_metadata=_usage(result),
-            response_metadata=_response_metadata(self.req, result),
-            chunk_position="last",
-        )
-        return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
