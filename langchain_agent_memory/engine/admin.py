@@ -12,7 +12,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from .agents import AgentCaches, PendingSave
+from .agent_state import PendingSave
+from .agents import AgentCaches
 from .commits import CommitFeed
 from .prefix import tokenize_prompt
 from .saves import SaveQueue

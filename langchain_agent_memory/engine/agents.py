@@ -16,13 +16,14 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
+from .agent_state import Admission, AgentState, HotPolicy, PendingSave
+from .block_cuts import blocks_of
 from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
-from .ops.runtime import mx
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
+from .restore import layers_from_blocks
 from .results import CacheSource
 from .storage.blocks import (
     BLOCK_TOKENS,
@@ -33,10 +34,8 @@ from .storage.blocks import (
     CacheFormatError,
     CacheWriteError,
     NewerFormatError,
-    TokenSlices,
     block_hash,
     freeze_blocks,
-    host_views,
     validate_agent_id,
 )
 from .storage.budget import EvictionReport, StorageBudget, enforce
@@ -44,84 +43,8 @@ from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
 from .storage.protocols import BlockStore
-from .storage.reader import BlockGroup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class AgentState:
-    """An agent's committed cache: the text it stands for, its blocks, and live layer
-    caches while it is hot (None: rebuild them from the blocks)."""
-
-    tokens: TokenizedText
-    blocks: list[BlockHash]
-    layers: list[LayerCache] | None
-    #: The shared store's version this state is (None: a local store, or not known).
-    version: int | None = None
-
-
-@dataclass(slots=True)
-class Admission:
-    """Where a request starts: layer caches holding ``known``, and ``tail`` to prefill."""
-
-    state: AgentState | None  # the agent's cache before the request (None: it had none)
-    source: CacheSource
-    match: PrefixMatch
-    layers: list[LayerCache]
-    known: TokenizedText  # what ``layers`` hold
-    tail: TokenizedText  # the prompt's tokens still to prefill
-    load_s: float
-    #: The chain ``known`` was read from (the agent's own, or a SHARED one): its whole
-    #: blocks stay the same in the commit, so their hashes are not computed again.
-    prefix_blocks: list[BlockHash]
-    reused: int = field(init=False)  # tokens reused: ``known`` as admitted (it grows later)
-
-    def __post_init__(self) -> None:
-        self.reused = len(self.known)
-
-    @property
-    def outcome_match(self) -> MatchKind:
-        """The match reported in the result (a cold start reports MISS)."""
-        return self.match.kind if self.source is not CacheSource.COLD else MatchKind.MISS
-
-    def kept_blocks(self) -> list[BlockHash]:
-        return self.prefix_blocks[: self.reused // BLOCK_TOKENS]
-
-
-@dataclass(slots=True)
-class PendingSave:
-    """What a finished request leaves for the save thread (``AgentCaches.write``)."""
-
-    record: AgentRecord
-    blocks: dict[BlockHash, Block]  # the blocks the store lacked, frozen for the write
-    old: list[BlockHash]  # the chain it replaces
-    state: AgentState  # the agent's live state it stands for
-    nbytes: int  # tensor bytes of ``blocks``
-
-
-@dataclass(slots=True)
-class HotPolicy:
-    """How many agents keep live caches (LRU), and how many bytes of full-precision
-    working copies the most recent of them keep (a copy is ~3x the stored form; with it
-    the next request unpacks nothing)."""
-
-    max_agents: int
-    work_budget_bytes: int
-
-    def enforce(self, hot: OrderedDict[str, AgentState], pinned: Collection[str] = ()) -> None:
-        """Drop the least recently used agents over ``max_agents`` (never ``pinned`` ones: a
-        save of theirs is not written yet, and their next request must not read an older
-        record), then the working copies over the budget."""
-        excess = len(hot) - self.max_agents
-        for agent in [a for a in hot if a not in pinned][: max(0, excess)]:
-            del hot[agent]
-        used = 0
-        for state in reversed(hot.values()):  # most recent first
-            for layer in state.layers or ():
-                if used + layer.work_nbytes > self.work_budget_bytes:
-                    layer.drop_work()
-                used += layer.work_nbytes
 
 
 class AgentCaches:
@@ -284,7 +207,7 @@ class AgentCaches:
         worker's disk), ending at a token boundary."""
         k = 0
         while k < len(state.blocks) and (
-            self._held(state.blocks[k]) or self.store.has_local_block(state.blocks[k])
+            self.held(state.blocks[k]) or self.store.has_local_block(state.blocks[k])
         ):
             k += 1
         n = min(n_tokens, k * BLOCK_TOKENS)
@@ -310,70 +233,8 @@ class AgentCaches:
         self, chain: list[BlockHash], n_tokens: int, only: Collection[int] | None = None
     ) -> tuple[list[LayerCache], bool]:
         """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
-        from disk. A sliding-window layer reads only the blocks of its last window: blocks
-        before every window are read for the full-attention layers' tensors alone. ``only``:
-        build these layers (the others come back empty) and read nothing for the rest."""
-        layers = self.new_layers()
-        first = [
-            0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
-            for layer in layers
-        ]
-        n_blocks = -(-n_tokens // BLOCK_TOKENS)
-        if len(chain) < n_blocks:
-            raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
-        built = sorted(only) if only is not None else list(range(len(layers)))
-        base, every = min(first[i] for i in built), max(first[i] for i in built)
-
-        def wanted(j: int) -> frozenset[int] | None:
-            """The layers that need block ``base + j`` (None: all of them)."""
-            b = base + j
-            if b >= every and only is None:
-                return None
-            return frozenset(i for i in built if first[i] <= b)
-
-        needed = chain[base:n_blocks]
-        runs = self._sources(needed, wanted)
-        from_disk = any(isinstance(src, BlockGroup) for _, src in runs)
-        for i in built:
-            layer = layers[i]
-            own = first[i] - base
-            parts = [_layer_part(i, src, max(0, own - b0)) for b0, src in runs if b0 + _n_blocks(src) > own]
-            try:
-                layer.from_blocks(i, first[i] * BLOCK_TOKENS, [t for t, _ in parts], sum(n for _, n in parts))
-            except KeyError as exc:
-                raise CacheFormatError(
-                    f"a block lacks tensor {exc}; it was written by another version"
-                ) from None
-            except ValueError as exc:
-                raise CacheFormatError(str(exc)) from None
-            layer.trim_to(n_tokens)
-        return layers, from_disk
-
-    def _sources(
-        self, needed: list[BlockHash], wanted: Callable[[int], frozenset[int] | None]
-    ) -> list[tuple[int, BlockGroup | Block]]:
-        """Where each of ``needed`` comes from, as (index of its first block, source): blocks
-        in the pool's memory tier one by one; every run of the others that the same layers
-        need (``wanted``) in one read from disk (``reader``: a few device arrays, not one
-        read per block)."""
-        runs: list[tuple[int, BlockGroup | Block]] = []
-        b = 0
-        while b < len(needed):
-            held = self.queued_block(needed[b])  # written by a save not done yet
-            if held is not None or self.pool.is_hot(needed[b]):
-                runs.append((b, held or self.pool.get(needed[b])[0]))  # a pool hit is touched
-                b += 1
-                continue
-            end, layers = b, wanted(b)
-            while end < len(needed) and not self._held(needed[end]) and wanted(end) == layers:
-                end += 1
-            b0 = b
-            for group in self.store.read_blocks(needed[b:end], layers):
-                runs.append((b0, group))
-                b0 += len(group.headers)
-            self.pool.stats.misses += end - b
-            b = end
-        return runs
+        from disk (``restore.layers_from_blocks``)."""
+        return layers_from_blocks(self, chain, n_tokens, only)
 
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the
@@ -384,7 +245,7 @@ class AgentCaches:
         # Whole blocks only, and never the last token (its logits must be computed).
         for b in range((len(full) - 1) // BLOCK_TOKENS):
             h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
-            if not (self._held(h) or self.store.has_block(h)):
+            if not (self.held(h) or self.store.has_block(h)):
                 break
             chain.append(h)
             parent = h
@@ -423,8 +284,8 @@ class AgentCaches:
         record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
         # Local knowledge only (no store round trip on this thread): a block the store has
         # elsewhere is built for nothing, never written twice.
-        wanted = [(b, h) for b, h in enumerate(chain) if not (self._held(h) or self.store.has_local_block(h))]
-        blocks = self._blocks_of([b for b, _ in wanted], chain, known, layers)
+        wanted = [(b, h) for b, h in enumerate(chain) if not (self.held(h) or self.store.has_local_block(h))]
+        blocks = blocks_of(self.pool, [b for b, _ in wanted], chain, known, layers)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
         with self._queued_lock:
             self._queued.update(blocks)
@@ -497,70 +358,6 @@ class AgentCaches:
             chain.append(parent)
         return chain
 
-    def _blocks_of(
-        self, indices: list[int], chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
-    ) -> dict[BlockHash, Block]:
-        """Blocks ``indices`` of ``chain``. Consecutive ones every layer holds whole (not
-        block 0, with its 16-bit head tokens; not one of the hot tier) are cut from one
-        array per layer and part over their run, evaluated and viewed from the host once:
-        a 32K turn of an 8B model is 128 blocks x 32 layers x 6 parts, and an array (and a
-        wait, and a host view) per block, layer and part took 2.1 s of the model's thread
-        on the H200."""
-        out: dict[BlockHash, Block] = {}
-        run: list[int] = []
-
-        def cut() -> None:
-            if run:
-                out.update(self._run_of(run, chain, known, layers))
-                run.clear()
-
-        for b in indices:
-            whole = b > 0 and all(layer.start <= b * BLOCK_TOKENS for layer in layers)
-            if whole and self.pool.hot_block(chain[b]) is None:
-                if run and b != run[-1] + 1:
-                    cut()
-                run.append(b)
-            else:
-                cut()
-                out[chain[b]] = self._block_of(b, chain, known, layers)
-        cut()
-        return out
-
-    def _run_of(
-        self, run: list[int], chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
-    ) -> dict[BlockHash, Block]:
-        """Consecutive blocks ``run``: each one's tensors views of arrays over the run, its
-        host bytes views of their host memory (see ``_blocks_of``)."""
-        a0, z1 = run[0] * BLOCK_TOKENS, min((run[-1] + 1) * BLOCK_TOKENS, len(known))
-        spans: dict[str, mx.array] = {}
-        for i, layer in enumerate(layers):
-            spans.update(layer.block_state(i, a0, z1))
-        hosts = host_views(spans)
-        out = {}
-        for b in run:
-            a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))
-            tensors, host = TokenSlices(spans, a - a0, z - a0), TokenSlices(hosts, a - a0, z - a0)
-            out[chain[b]] = Block(chain[b], chain[b - 1], known.ids[a:z], tensors, host)
-        return out
-
-    def _block_of(
-        self, b: int, chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
-    ) -> Block:
-        """Block ``b`` of ``chain``: from the hot tier if there, else from the layer caches."""
-        hot = self.pool.hot_block(chain[b])
-        if hot is not None:  # held in memory but its file is gone (deleted by another process)
-            return hot
-        a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))
-        tensors: dict[str, Any] = {}
-        for i, layer in enumerate(layers):
-            if a < layer.start:  # a sliding layer dropped it, and another process deleted it
-                raise CacheWriteError(
-                    f"block {b} of this cache was deleted by another process and is no longer in "
-                    "memory; the cache was not saved (the next request prefills)"
-                )
-            tensors.update(layer.block_state(i, a, z))
-        return Block(chain[b], chain[b - 1] if b else None, known.ids[a:z], tensors)
-
     def keep_hot(self, agent_id: str, state: AgentState) -> None:
         self.hot[agent_id] = state
         self.hot.move_to_end(agent_id)
@@ -571,7 +368,7 @@ class AgentCaches:
         with self._queued_lock:
             return self._queued.get(h)
 
-    def _held(self, h: BlockHash) -> bool:
+    def held(self, h: BlockHash) -> bool:
         """Whether block ``h`` is in memory (the pool's tier or a save's queue)."""
         return self.pool.is_hot(h) or self.queued_block(h) is not None
 
@@ -663,21 +460,6 @@ class AgentCaches:
 
     def working_copy_bytes(self) -> int:
         return sum(layer.work_nbytes for state in self.hot.values() for layer in state.layers or ())
-
-
-def _n_blocks(source: BlockGroup | Block) -> int:
-    return len(source.headers) if isinstance(source, BlockGroup) else 1
-
-
-def _layer_part(index: int, source: BlockGroup | Block, skip: int) -> tuple[dict[str, mx.array], int]:
-    """Layer ``index``'s tensors in ``source`` (a read group or one pooled block) from its
-    ``skip``-th block on, and how many tokens they hold."""
-    prefix = f"L{index}."
-    if isinstance(source, Block):
-        return {k: v for k, v in source.tensors.items() if k.startswith(prefix)}, len(source.token_ids)
-    names = [k for k in source.names() if k.startswith(prefix)]
-    tokens = sum(hd.n_tokens for hd in source.headers[skip:])
-    return {k: source.tensor(k, skip) for k in names}, tokens
 
 
 def _kept_from(layer: LayerCache, n_tokens: int) -> int:

@@ -26,7 +26,8 @@ from typing import Any
 
 from ..config import get_settings
 from .admin import AgentAdmin, AgentInfo
-from .agents import AgentCaches, HotPolicy
+from .agent_state import HotPolicy
+from .agents import AgentCaches
 from .commits import BeforeRequest, CommitFeed, OnCommit, Subscription
 from .config import EngineConfig
 from .kv import ModelCacheSpec

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .agents import Admission, AgentCaches, PendingSave
+from .agent_state import Admission, PendingSave
+from .agents import AgentCaches
 from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
 from .ops.runtime import mx
 from .prefix import MatchKind, PrefixMatch, TokenizedText

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory import corpus
+from langchain_agent_memory.engine.block_cuts import block_of, run_of
 from langchain_agent_memory.engine.engine import (
     ContextLengthError,
     Engine,
@@ -378,9 +379,9 @@ def test_blocks_cut_from_a_commits_run_hold_the_bytes_of_blocks_built_one_by_one
     assert len(run) >= 2  # whole blocks and the partial last one (Gemma: past its windows)
 
     def both() -> tuple[dict, list]:  # on the engine's worker: its arrays live on its stream
-        ones = [agents._block_of(b, chain, known, state.layers) for b in run]
+        ones = [block_of(agents.pool, b, chain, known, state.layers) for b in run]
         freeze_blocks(ones)
-        return agents._run_of(run, chain, known, state.layers), ones
+        return run_of(run, chain, known, state.layers), ones
 
     cut, ones = engine._worker.submit(both).result()
     for b, one in zip(run, ones, strict=True):

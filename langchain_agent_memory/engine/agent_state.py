@@ -1,0 +1,89 @@
+"""What the agent-cache manager (``agents``) keeps per agent and per request: an agent's
+state (its text, blocks and live layer caches), a request's admission (what it starts
+from and prefills), a pending save, and the policy of which agents stay hot."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from .kv import LayerCache
+from .prefix import MatchKind, PrefixMatch, TokenizedText
+from .results import CacheSource
+from .storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
+
+
+@dataclass(slots=True)
+class AgentState:
+    """An agent's committed cache: the text it stands for, its blocks, and live layer
+    caches while it is hot (None: rebuild them from the blocks)."""
+
+    tokens: TokenizedText
+    blocks: list[BlockHash]
+    layers: list[LayerCache] | None
+    #: The shared store's version this state is (None: a local store, or not known).
+    version: int | None = None
+
+
+@dataclass(slots=True)
+class Admission:
+    """Where a request starts: layer caches holding ``known``, and ``tail`` to prefill."""
+
+    state: AgentState | None  # the agent's cache before the request (None: it had none)
+    source: CacheSource
+    match: PrefixMatch
+    layers: list[LayerCache]
+    known: TokenizedText  # what ``layers`` hold
+    tail: TokenizedText  # the prompt's tokens still to prefill
+    load_s: float
+    #: The chain ``known`` was read from (the agent's own, or a SHARED one): its whole
+    #: blocks stay the same in the commit, so their hashes are not computed again.
+    prefix_blocks: list[BlockHash]
+    reused: int = field(init=False)  # tokens reused: ``known`` as admitted (it grows later)
+
+    def __post_init__(self) -> None:
+        self.reused = len(self.known)
+
+    @property
+    def outcome_match(self) -> MatchKind:
+        """The match reported in the result (a cold start reports MISS)."""
+        return self.match.kind if self.source is not CacheSource.COLD else MatchKind.MISS
+
+    def kept_blocks(self) -> list[BlockHash]:
+        return self.prefix_blocks[: self.reused // BLOCK_TOKENS]
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """What a finished request leaves for the save thread (``AgentCaches.write``)."""
+
+    record: AgentRecord
+    blocks: dict[BlockHash, Block]  # the blocks the store lacked, frozen for the write
+    old: list[BlockHash]  # the chain it replaces
+    state: AgentState  # the agent's live state it stands for
+    nbytes: int  # tensor bytes of ``blocks``
+
+
+@dataclass(slots=True)
+class HotPolicy:
+    """How many agents keep live caches (LRU), and how many bytes of full-precision
+    working copies the most recent of them keep (a copy is ~3x the stored form; with it
+    the next request unpacks nothing)."""
+
+    max_agents: int
+    work_budget_bytes: int
+
+    def enforce(self, hot: OrderedDict[str, AgentState], pinned: Collection[str] = ()) -> None:
+        """Drop the least recently used agents over ``max_agents`` (never ``pinned`` ones: a
+        save of theirs is not written yet, and their next request must not read an older
+        record), then the working copies over the budget."""
+        excess = len(hot) - self.max_agents
+        for agent in [a for a in hot if a not in pinned][: max(0, excess)]:
+            del hot[agent]
+        used = 0
+        for state in reversed(hot.values()):  # most recent first
+            for layer in state.layers or ():
+                if used + layer.work_nbytes > self.work_budget_bytes:
+                    layer.drop_work()
+                used += layer.work_nbytes
