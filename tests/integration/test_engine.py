@@ -335,7 +335,7 @@ def test_the_working_copy_reserve_changes_no_output(
     """A CPU engine reserves one agent's working-copy memory at its context length
     (``kv.reserve``); a warm restore that takes the reserved buffers answers token for token
     as one without them, and ``AGENT_MEMORY_RESERVE_WORK=0`` turns the reserve off."""
-    from langchain_agent_memory.engine.kv.layer import grown_rows
+    from langchain_agent_memory.engine.kv.buffers import grown_rows
 
     outputs = []
     for setting in ("1", "0"):

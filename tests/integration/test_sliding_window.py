@@ -77,7 +77,7 @@ def test_a_sliding_layers_working_copy_stays_about_a_window_long(gemma: LoadedMo
     """Through a 2K-token prefill in 256-token chunks, a sliding layer's full-precision
     copy holds its window and about a chunk (its memory does not grow with the context);
     a full layer's holds every token."""
-    from langchain_agent_memory.engine.kv.layer import WORK_STEP
+    from langchain_agent_memory.engine.kv.buffers import WORK_STEP
 
     spec = ModelCacheSpec.from_model(gemma.model)
     layers = make_layer_caches(spec, KVQuant.uniform(4))

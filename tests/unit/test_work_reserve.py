@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from langchain_agent_memory.engine.kv import LayerCache, kv_format
-from langchain_agent_memory.engine.kv.layer import grown_rows
+from langchain_agent_memory.engine.kv.buffers import grown_rows
 from langchain_agent_memory.engine.kv.reserve import WorkReserve, reserve_rows
 from langchain_agent_memory.engine.kv.spec import LayerSpec, ModelCacheSpec
 from langchain_agent_memory.engine.ops.runtime import mx

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops.runtime import mx
-from .layer import LayerCache, _Working, grown_rows
+from .buffers import Working, grown_rows
+from .layer import LayerCache
 from .stored import attention, positional_mask
 from .stored_batch import StoredBatch
 
@@ -262,7 +263,7 @@ class _Merged:
         if new:
             cache.offset -= new
             cache.push_pending(k[:, :, -new:], v[:, :, -new:])
-        cache._work = _Working(k, v, cache.start, cache.offset)
+        cache._work = Working(k, v, cache.start, cache.offset)
 
     def filter(self, keep: list[int]) -> _Merged:
         """The buffer of members ``keep`` only (columns no member uses any more dropped)."""

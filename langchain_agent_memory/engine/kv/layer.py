@@ -20,69 +20,17 @@ a prefill in the codec's rotated space.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..ops.runtime import mx, side_streams
+from ..ops.runtime import mx
+from .buffers import Working, grown_rows, in_space, slice_parts, with_room
 from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
+from .layer_blocks import LayerBlocks
+from .layer_work import WorkingCopy
 from .spec import LayerSpec, ModelCacheSpec
 from .stored import Parts, Segment, attention, positional_mask, stored_attention
-
-#: Tensor-name part of a block's 16-bit first tokens (``KVQuant.head_tokens``, block 0 only).
-HEAD_PART = "head"
-#: The working copy of a running request's visible K/V grows by this many positions.
-WORK_STEP = 256
-
-
-def _slice(parts: Parts, start: int, stop: int) -> Parts:
-    return tuple(p[:, :, start:stop] for p in parts)
-
-
-def grown_rows(needed: int, share: int = 8) -> int:
-    """Rows to allocate when a buffer must hold ``needed``: a ``share``-th more (an eighth),
-    in whole ``WORK_STEP``s. Appends then update in place and what is held is copied once per
-    eighth of growth; with a fixed step a 64K-token agent of an 8B model copied its 8.6 GB
-    working copy on the first append of every turn (0.36 s of a hot turn's 0.55 on the
-    H200), and a chunked prefill copied it once per chunk."""
-    want = needed + max(WORK_STEP, needed // share)
-    return -(-want // WORK_STEP) * WORK_STEP
-
-
-def _spare(like: mx.array, rows: int) -> mx.array:
-    """``rows`` empty positions (axis 2) shaped and typed as ``like``."""
-    return mx.zeros((*like.shape[:2], rows, like.shape[3]), like.dtype)
-
-
-def _with_room(x: mx.array, used: int, rows: int) -> mx.array:
-    """``x``'s first ``used`` positions (axis 2) in a new buffer of ``rows`` positions."""
-    return mx.concatenate([x[:, :, :used], _spare(x, rows - used)], axis=2)
-
-
-def _in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
-    """``x`` (rotated or not) moved into the rotated space or out of it, as wanted; in
-    ``x``'s dtype. NOTE: the float32 rotation would promote a bf16 / fp16 ``x`` to float32:
-    a working copy built from the stored form and one whose rows were replaced by it must
-    hold the same values in the same dtype (hot == warm), and float32 copies of a 16-bit
-    model's keys double their memory."""
-    if rotated == want_rotated:
-        return x
-    r = rotation(x.shape[-1])
-    out = x @ r if want_rotated else x @ r.T
-    return out if out.dtype == x.dtype else out.astype(x.dtype)
-
-
-@dataclass(slots=True)
-class _Working:
-    """A running request's visible K/V at full precision (rows ``[start, end)`` valid)."""
-
-    k: mx.array
-    v: mx.array
-    start: int
-    end: int
-    krot: bool = False  # K rows in the keys codec's rotated space (during a prefill)
-    vrot: bool = False
 
 
 @dataclass(slots=True)
@@ -98,12 +46,7 @@ class _Fetched:
     vrot: bool
 
 
-def tensor_name(layer: int, kv: str, part: str) -> str:
-    """A block tensor's name: ``L{layer}.{k|v}`` (16-bit) or ``L{layer}.{k|v}.{part}``."""
-    return f"L{layer}.{kv}.{part}" if part else f"L{layer}.{kv}"
-
-
-class LayerCache:
+class LayerCache(LayerBlocks, WorkingCopy):
     """One layer of one agent's cache (mlx-lm cache protocol: ``offset``,
     ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory:
 
@@ -140,7 +83,7 @@ class LayerCache:
         self._pending: list[tuple[mx.array, mx.array]] = []
         self._pending_rows = 0
         self._n_pending = 0
-        self._work: _Working | None = None  # see ``_visible``; dropped when the request ends
+        self._work: Working | None = None  # see ``_visible``; dropped when the request ends
         self._fetched: _Fetched | None = None  # what the last ``update_and_fetch`` returned
         #: Prefill in the codec's rotated space (``attend``): on where an adapted model
         #: calls ``attend``; off, the working copy is kept in the model's own space.
@@ -167,7 +110,7 @@ class LayerCache:
     def _body_view(self, buf: Parts | None) -> Parts | None:
         if buf is None:
             return None
-        return buf if buf[0].shape[2] == self._n_body else _slice(buf, 0, self._n_body)
+        return buf if buf[0].shape[2] == self._n_body else slice_parts(buf, 0, self._n_body)
 
     def _set_body(self, keys: Parts | None, values: Parts | None) -> None:
         self._kbuf, self._vbuf = keys, values
@@ -184,8 +127,8 @@ class LayerCache:
             # was an eighth fewer agents in a memory budget), and it grows by whole blocks,
             # once a turn at most; a copy of the stored form costs little on a GPU.
             rows = grown_rows(n + m, share=32)
-            self._kbuf = tuple(_with_room(x, n, rows) for x in self._kbuf)
-            self._vbuf = tuple(_with_room(x, n, rows) for x in self._vbuf)
+            self._kbuf = tuple(with_room(x, n, rows) for x in self._kbuf)
+            self._vbuf = tuple(with_room(x, n, rows) for x in self._vbuf)
         for buf, new in ((self._kbuf, keys), (self._vbuf, values)):
             for x, y in zip(buf, new, strict=True):
                 x[:, :, n : n + m] = y
@@ -217,7 +160,7 @@ class LayerCache:
             used = self._pending_rows
             if n > k.shape[2]:  # grow with room: the next appends are written in place
                 rows = grown_rows(n)
-                k, v = _with_room(k, used, rows), _with_room(v, used, rows)
+                k, v = with_room(k, used, rows), with_room(v, used, rows)
             for nk, nv in extra:
                 m = nk.shape[2]
                 k[:, :, used : used + m] = nk.astype(k.dtype)
@@ -266,7 +209,7 @@ class LayerCache:
         lo = self._first_visible(self.offset - L)
         k, v, krot, vrot = self._visible(lo, keys.dtype, rotated=self.prefill_rotated and L > 1)
         # Lazy: where ``attend`` is called instead (adapted model), these are never computed.
-        out_k, out_v = _in_space(k, krot, False), _in_space(v, vrot, False)
+        out_k, out_v = in_space(k, krot, False), in_space(v, vrot, False)
         self._fetched = _Fetched(out_k, out_v, k, v, krot, vrot)
         return out_k, out_v
 
@@ -334,7 +277,12 @@ class LayerCache:
         if self.keys is not None and self.values is not None and max(lo, b0) < end:
             a, b = max(lo, b0) - b0, end - b0
             segments.append(
-                (_slice(self.keys, a, b), _slice(self.values, a, b), self.quant.keys, self.quant.values)
+                (
+                    slice_parts(self.keys, a, b),
+                    slice_parts(self.values, a, b),
+                    self.quant.keys,
+                    self.quant.values,
+                )
             )
         pk, pv = self._joined_pending()
         if pk is not None and pv is not None:
@@ -368,101 +316,6 @@ class LayerCache:
         mask = positional_mask(self.offset - L, L, self.offset - n_keys, self.spec.window, False)
         out = attention(q, f.k, f.v, scale, mask, sinks)
         return out @ rotation(out.shape[-1]).T if f.vrot else out
-
-    def _visible(self, lo: int, dtype: mx.Dtype, rotated: bool) -> tuple[mx.array, mx.array, bool, bool]:
-        """Positions ``[lo, offset)`` at full precision, and whether K and V are in their
-        codec's rotated space. Built once per request (the stored body unpacked), then kept
-        in step by ``update_and_fetch`` until ``commit``: a chunked prefill or a decode step
-        does not unpack the body again. ``rotated``: a prefill may stay in the rotated space;
-        otherwise (a decode step) the copy is moved out of it, once."""
-        w = self._work
-        if w is None or w.start > lo or w.end != self.offset:
-            # The rotated space only where a stored body is in it: a copy of full-precision
-            # tokens only (a fan-out's fork) would be rotated for its tail, then back.
-            rotated = rotated and self.keys is not None and max(lo, self.body_start) < self.committed_end
-            krot, vrot = self.quant.keys.rotate and rotated, self.quant.values.rotate and rotated
-            k, v = self._decoded(lo, dtype, krot, vrot, room=True)
-            w = self._work = _Working(k, v, lo, self.offset, krot, vrot)
-        elif not rotated and (w.krot or w.vrot):
-            # The whole buffer, its spare rows too (zeros, or rows past ``end`` that appends
-            # overwrite before any query reads them): cut to the used rows, the next append
-            # copied all of it again to make room (every layer of every member of a fan-out).
-            w.k, w.v = _in_space(w.k, w.krot, False), _in_space(w.v, w.vrot, False)
-            w.krot = w.vrot = False
-        a, b = lo - w.start, w.end - w.start
-        return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
-
-    def _decoded(
-        self, lo: int, dtype: mx.Dtype, krot: bool, vrot: bool, room: bool = False
-    ) -> tuple[mx.array, mx.array]:
-        """Positions ``[lo, offset)`` as held, at full precision (in the rotated space
-        where ``krot`` / ``vrot``); with ``room``, followed by spare positions (``grown_rows``).
-
-        The largest segment (the stored body) is decoded straight into a buffer of the whole
-        size: its packed parts are padded (zeros decode to zeros) and the other segments are
-        written into it in place. Joining decoded segments instead wrote every value twice:
-        at 8K tokens of SmolLM2, 470 ms of a warm restore's 650 against 355 for the decode.
-        With ``room`` (a working copy being built: the first chunk of a warm request waits
-        for it) keys and values are decoded on two streams of their own, beside the model."""
-        segments = self._segments(lo)
-        n = self.offset - lo
-        rows = self._work_rows(n) if room and len(segments) > 1 else n
-        big = max(range(len(segments)), key=lambda i: segments[i][0][0].shape[2])
-        streams = side_streams() if room else (None, None)
-        out = []
-        for side, rotated, stream in ((0, krot, streams[0]), (1, vrot, streams[1])):
-            pieces = [(seg[side], seg[2 + side]) for seg in segments]
-            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-                before = sum(parts[0].shape[2] for parts, _ in pieces[:big])
-                parts, codec = pieces[big]
-                after = rows - before - parts[0].shape[2]
-                if before or after:
-                    parts = tuple(mx.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)]) for x in parts)
-                buf = _in_space(codec.decode(parts, dtype), codec.rotate, rotated)
-                at = 0
-                for i, (parts, codec) in enumerate(pieces):
-                    m = parts[0].shape[2]
-                    if i != big:
-                        buf[:, :, at : at + m] = _in_space(codec.decode(parts, dtype), codec.rotate, rotated)
-                    at += m
-            out.append(buf)
-        return out[0], out[1]
-
-    def _work_rows(self, needed: int) -> int:
-        """Rows of a working-copy buffer for ``needed`` positions: ``grown_rows``, or the
-        reserved size where that holds them with at most half of it spare (its buffer then
-        comes from the engine's touched reserve; ``reserve``)."""
-        rows, reserved = grown_rows(needed), self.reserved_rows
-        return reserved if rows <= reserved <= 2 * rows else rows
-
-    @property
-    def work_nbytes(self) -> int:
-        """Bytes of the full-precision working copy (0 when none is kept)."""
-        w = self._work
-        return 0 if w is None else int(w.k.nbytes + w.v.nbytes)
-
-    def drop_work(self) -> None:
-        """Free the working copy (the next request unpacks the stored form again)."""
-        self._work = None
-
-    def _append_work(self, keys: mx.array, values: mx.array) -> None:
-        w = self._work
-        assert w is not None
-        n, used = keys.shape[2], w.end - w.start
-        if used + n > w.k.shape[2]:  # grow with room: appends are then in place
-            # A sliding layer lets go of the rows no query from here on sees: its copy stays
-            # about a window and a chunk long, not the whole context (a Gemma 3 4B shape's
-            # 32K-token cold turn on the H200: peak memory 18.4 -> 14.5 GB), and what is
-            # copied to make room is that window, not every row so far.
-            drop = self._first_visible(self.offset) - w.start
-            if drop > 0:
-                w.k, w.v = w.k[:, :, drop:used], w.v[:, :, drop:used]
-                w.start, used = w.start + drop, used - drop
-            rows = self._work_rows(used + n)
-            w.k, w.v = _with_room(w.k, used, rows), _with_room(w.v, used, rows)
-        w.k[:, :, used : used + n] = _in_space(keys.astype(w.k.dtype), False, w.krot)
-        w.v[:, :, used : used + n] = _in_space(values.astype(w.v.dtype), False, w.vrot)
-        w.end += n
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -504,72 +357,6 @@ class LayerCache:
         w.v[:, :, a:b] = dv
         mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
 
-    def block_state(self, index: int, a: int, b: int) -> dict[str, mx.array]:
-        """This layer's stored K/V of positions ``[a, b)`` as block tensors, named
-        ``L{index}.{k|v}.{part}`` (``part``: the codec's, or ``head`` for the 16-bit first
-        tokens): what a block file holds for this layer."""
-        head, body = self.committed_slice(a, b)
-        # Copies (``mx.array``): a view would keep the whole body buffer alive in the block
-        # pool, and make the next commit's in-place append copy all of it.
-        if head is not None:
-            head = (mx.array(head[0]), mx.array(head[1]))
-        if body is not None:
-            body = (tuple(mx.array(x) for x in body[0]), tuple(mx.array(x) for x in body[1]))
-        tensors: dict[str, mx.array] = {}
-        if head is not None:
-            tensors[tensor_name(index, "k", HEAD_PART)], tensors[tensor_name(index, "v", HEAD_PART)] = head
-        if body is not None:
-            for kv, codec, parts in (("k", self.quant.keys, body[0]), ("v", self.quant.values, body[1])):
-                for part, arr in zip(codec.parts(), parts, strict=True):
-                    tensors[tensor_name(index, kv, part)] = arr
-        return tensors
-
-    def from_blocks(self, index: int, start: int, blocks: list[dict[str, mx.array]], held: int) -> None:
-        """Load this layer (layer ``index``) from consecutive blocks' tensors, the first of
-        which starts at position ``start``; together they stand for ``held`` tokens. A block
-        without this layer's tensors (a sliding layer's block past its window) holds none of
-        them. ``KeyError`` names a tensor a block lacks; ``ValueError`` if they do not add up."""
-        kparts, vparts = self.quant.keys.parts(), self.quant.values.parts()
-        head = None
-        if start == 0 and blocks and tensor_name(index, "k", HEAD_PART) in blocks[0]:
-            head = (
-                blocks[0][tensor_name(index, "k", HEAD_PART)],
-                blocks[0][tensor_name(index, "v", HEAD_PART)],
-            )
-        body = [blk for blk in blocks if tensor_name(index, "k", kparts[0]) in blk]
-        k = v = None
-        if body:
-            k = tuple(
-                mx.concatenate([blk[tensor_name(index, "k", p)] for blk in body], axis=2) for p in kparts
-            )
-            v = tuple(
-                mx.concatenate([blk[tensor_name(index, "v", p)] for blk in body], axis=2) for p in vparts
-            )
-        self.load(start, head, k, v)
-        if self.offset != start + held:
-            raise ValueError(
-                f"layer {index}: blocks hold {self.offset - start} tokens of K/V for {held} token ids"
-            )
-
-    def committed_slice(
-        self, a: int, b: int
-    ) -> tuple[tuple[mx.array, mx.array] | None, tuple[Parts, Parts] | None]:
-        """Stored (head K, V) and (body K parts, V parts) of absolute positions [a, b)
-        (committed and in memory); either is None where the range has none of it."""
-        if not (self.start <= a <= b <= self.committed_end):
-            raise RuntimeError(
-                f"positions [{a}, {b}) not committed in memory [{self.start}, {self.committed_end})"
-            )
-        head = body = None
-        if self.head_k is not None and self.head_v is not None and a < self.n_head:
-            z = min(b, self.n_head)
-            head = (self.head_k[:, :, a:z], self.head_v[:, :, a:z])
-        b0 = self.body_start
-        if self.keys is not None and self.values is not None and max(a, b0) < b:
-            lo, hi = max(a, b0) - b0, b - b0
-            body = (_slice(self.keys, lo, hi), _slice(self.values, lo, hi))
-        return head, body
-
     def drop_before(self, position: int) -> None:
         """Free committed tokens before ``position`` (sliding layers past their window)."""
         cut = min(position, self.committed_end)
@@ -585,7 +372,7 @@ class LayerCache:
         self.head_k = self.head_v = None
         if self._kbuf is not None and self._vbuf is not None:
             n = self.committed_end - b0
-            self._set_body(_slice(self._kbuf, cut - b0, n), _slice(self._vbuf, cut - b0, n))
+            self._set_body(slice_parts(self._kbuf, cut - b0, n), slice_parts(self._vbuf, cut - b0, n))
         self.start = cut
 
     def trim_to(self, n_tokens: int) -> None:
@@ -609,25 +396,6 @@ class LayerCache:
         elif self._kbuf is not None:
             self._n_body = n_tokens - b0  # later positions: room for the next appends
         self.offset = n_tokens
-
-    def load(
-        self,
-        start: int,
-        head: tuple[mx.array, mx.array] | None,
-        keys: Parts | None,
-        values: Parts | None,
-    ) -> None:
-        """Set committed contents: ``head`` (only with ``start == 0``) then the body, in
-        stored form, from absolute position ``start``."""
-        if head is not None and start != 0:
-            raise ValueError("head tokens are positions 0.. and need start == 0")
-        self.start = start
-        self.head_k, self.head_v = head if head is not None else (None, None)
-        self._set_body(keys, values)
-        self.offset = self.body_start + self._n_body
-        self.set_pending(None, None)
-        self._work = None
-        self._fetched = None
 
 
 def make_layer_caches(

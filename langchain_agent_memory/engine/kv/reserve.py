@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..ops.runtime import mx
-from .layer import grown_rows
+from .buffers import grown_rows
 from .spec import ModelCacheSpec
 
 #: Far above any memory: raising the cache limit to it never frees a cached buffer, and the
