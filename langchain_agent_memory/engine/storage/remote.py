@@ -28,24 +28,22 @@ import threading
 import uuid
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..ops.files import DirectoryLock, atomic_write_bytes
 from .blocks import (
-    AgentRecord,
     Block,
     BlockHash,
     BlockMissingError,
     CacheFormatError,
     CacheWriteError,
     StoreUsage,
-    parse_record,
-    validate_agent_id,
 )
-from .catalog import BlocksMissingError, Catalog, CommitConflictError
+from .catalog import Catalog
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
+from .remote_records import SharedRecords
 from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
@@ -69,7 +67,7 @@ class GarbageReport:
     stray_objects_removed: int = 0  # objects with no catalog row (an upload cut short)
 
 
-class SharedBlockStore:
+class SharedBlockStore(SharedRecords):
     """Blocks and records shared through PostgreSQL and an object store, with this
     worker's directory (a ``DiskBlockStore``) as the tier in front."""
 
@@ -278,193 +276,6 @@ class SharedBlockStore:
     def recover(self):
         return self.local.recover()
 
-    # ------------------------------------------------------------------ records
-
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
-        """The agent's record in the store (mirrored here), or this worker's copy if the store
-        is unreachable."""
-        validate_agent_id(agent_id)
-        try:
-            self._push_pending(agent_id)
-            got = self.catalog.get(self.fingerprint, agent_id)
-        except RemoteUnavailableError as exc:
-            self._down(exc)
-            return self.local.get_agent(agent_id)
-        state = self.local.sync_state(agent_id)
-        if got is None:
-            if self.local.has_agent(agent_id) and not (state and state[1]):
-                self.local.delete_agent(agent_id)  # deleted on another worker
-            return None
-        raw, version = got
-        if state == (version, False) and self.local.has_agent(agent_id):
-            with contextlib.suppress(CacheFormatError):
-                return self.local.get_agent(agent_id)
-        self.local.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
-        record = parse_record(raw, f"agent record {agent_id!r}")
-        if record.agent_id != agent_id:
-            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
-        self.local.put_agent(record, sync=(version, False))
-        return record
-
-    def has_agent(self, agent_id: str) -> bool:
-        try:
-            return self.catalog.has(self.fingerprint, agent_id)
-        except RemoteUnavailableError as exc:
-            self._down(exc)
-            return self.local.has_agent(agent_id)
-
-    def agent_chain(self, agent_id: str) -> list[BlockHash]:
-        """The chain of this worker's copy (the blocks a save may release locally)."""
-        return self.local.agent_chain(agent_id)
-
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
-        try:
-            rows = self.catalog.agents(self.fingerprint, prefix)
-        except RemoteUnavailableError as exc:
-            self._down(exc)
-            yield from self.local.agents(prefix)
-            return
-        for agent_id, raw, _ in rows:
-            try:
-                yield parse_record(raw, f"agent record {agent_id!r}")
-            except CacheFormatError as exc:
-                logger.warning("skipping unreadable agent record: %s", exc)
-
-    def put_agent(self, record: AgentRecord) -> int:
-        """Save ``record`` here (pending), then in the store (compare-and-swap on the version
-        this worker last saw). ``CommitConflictError`` if another worker's save won; an
-        unreachable store leaves it pending (uploaded later) and returns normally."""
-        with self._pushing:
-            state = self.local.sync_state(record.agent_id)
-            base = state[0] if state else None
-            written = self.local.put_agent(record, sync=(base, True))
-            self._push(record, base)
-        return written
-
-    def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
-        """Upload a locally saved record; False if the store is unreachable (still pending)
-        or, for a ``pending`` save, another worker holds the agent's lease (retried later)."""
-        try:
-            self._upload(record.blocks)
-            for _ in range(4):
-                try:
-                    done = self.catalog.commit(
-                        self.fingerprint, record.agent_id,
-                        lambda now: replace(record, updated_at=now).to_json(),
-                        record.blocks, base, self.worker_id,
-                    )  # fmt: skip
-                    break
-                except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
-                    self._upload([BlockHash(h) for h in exc.missing], check=False)
-                except CommitConflictError as exc:
-                    rebased = None if exc.leased else self._rebase(record)
-                    if rebased is None:
-                        raise
-                    base = rebased
-            else:
-                raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
-        except RemoteUnavailableError as exc:
-            self._down(exc)
-            self.stats.pending_saves = len(self.local.pending_agents())
-            if not pending:  # said once, when the save is left pending
-                logger.warning(
-                    "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
-                    "uploaded when the store answers again",
-                    record.agent_id,
-                    exc,
-                )
-            self._start_uploader()
-            return False
-        except CommitConflictError as exc:
-            if pending and exc.leased:  # another worker is running the agent: try again later
-                self._start_uploader()
-                return False
-            self.stats.conflicts += 1
-            self.local.delete_agent(record.agent_id)  # the winner's record is read next time
-            raise
-        if pending:
-            self._uploaded[record.agent_id] = (self.seen_version(record.agent_id), done.version)
-        record.updated_at = done.updated_at  # Postgres's clock: links to checkpoints use it
-        self.local.set_sync(record.agent_id, done.version, False)
-        self.stats.commits += 1
-        self._said_down = False
-        return True
-
-    def _rebase(self, record: AgentRecord) -> int | None:
-        """The store's version to commit ``record`` over if it continues what the store holds
-        (its text extends the stored one: a save made while the store was unreachable, or
-        one based on an older read, is the newer state of the same conversation); None if
-        the two diverge (a real conflict: the stored one stands)."""
-        got = self.catalog.get(self.fingerprint, record.agent_id)
-        if got is None:
-            return None
-        try:
-            stored = parse_record(got[0], f"agent record {record.agent_id!r}")
-        except CacheFormatError:
-            return got[1]  # an unreadable record: replaced
-        return got[1] if _continues(record.text, stored.text) else None
-
-    def _push_pending(self, agent_id: str) -> None:
-        """Upload this agent's pending save before reading the store (it is the newest)."""
-        try:
-            with self._pushing:  # one push at a time: the uploader and a request may both try
-                state = self.local.sync_state(agent_id)
-                if not (state and state[1]):
-                    return
-                record = self.local.get_agent(agent_id)
-                if record is None:
-                    self.local.set_sync(agent_id, state[0], False)
-                    return
-                if not self._push(record, state[0], pending=True):
-                    raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
-        except CommitConflictError as exc:
-            logger.warning(
-                "agent %r: a save made while the shared store was unreachable lost to a newer save by "
-                "another worker (%s); that one is kept",
-                agent_id,
-                exc,
-            )
-
-    def flush_pending(self) -> int:
-        """Upload every save made while the store was unreachable; how many are left."""
-        for agent_id in self.local.pending_agents():
-            try:
-                self._push_pending(agent_id)
-            except RemoteUnavailableError:
-                break
-        left = len(self.local.pending_agents())
-        self.stats.pending_saves = left
-        return left
-
-    def _start_uploader(self) -> None:
-        if self._uploader is not None and self._uploader.is_alive():
-            return
-        self._uploader = threading.Thread(target=self._upload_loop, name="agent-memory-uploader", daemon=True)
-        self._uploader.start()
-
-    def _upload_loop(self) -> None:
-        while not self._closed.wait(self.retry_s):
-            try:
-                if self.flush_pending() == 0:
-                    logger.info("shared store: every pending save is uploaded")
-                    return
-            except Exception:  # keep retrying; never lose the pending saves
-                logger.exception("uploading pending saves failed; retrying")
-
-    def delete_agent(self, agent_id: str) -> bool:
-        validate_agent_id(agent_id)
-        try:
-            gone = self.catalog.delete(self.fingerprint, agent_id)
-        except RemoteUnavailableError as exc:
-            raise CacheWriteError(
-                f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
-                "store answers"
-            ) from exc
-        return self.local.delete_agent(agent_id) or gone
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.local.quarantine_agent(agent_id)
-
     # ------------------------------------------------------------------ this worker's disk
 
     def disk_bytes(self) -> int:
@@ -518,13 +329,6 @@ class SharedBlockStore:
         if not self._said_down:
             self._said_down = True
             logger.warning("shared store unreachable (%s); working from this worker's copies", exc)
-
-
-def _continues(new: str, old: str) -> bool:
-    """Whether ``new`` goes on from ``old``, whitespace aside (a reply's leading space is
-    trimmed when it is returned, so a prompt built from it may differ there)."""
-    a, b = "".join(new.split()), "".join(old.split())
-    return len(a) > len(b) and a.startswith(b)
 
 
 def open_store(
