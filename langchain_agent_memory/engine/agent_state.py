@@ -12,6 +12,7 @@ from .kv import LayerCache
 from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import CacheSource
 from .storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
+from .storage.protocols import Lease
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class Admission:
     #: The chain ``known`` was read from (the agent's own, or a SHARED one): its whole
     #: blocks stay the same in the commit, so their hashes are not computed again.
     prefix_blocks: list[BlockHash]
+    #: The agent's lease, taken at admission and given back by the commit or by ``fail``.
+    lease: Lease | None = None
     reused: int = field(init=False)  # tokens reused: ``known`` as admitted (it grows later)
 
     def __post_init__(self) -> None:
@@ -63,6 +66,7 @@ class PendingSave:
     old: list[BlockHash]  # the chain it replaces
     state: AgentState  # the agent's live state it stands for
     nbytes: int  # tensor bytes of ``blocks``
+    lease: Lease | None = None  # the request's: the record's commit gives it back
 
 
 @dataclass(slots=True)

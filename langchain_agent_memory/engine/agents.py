@@ -42,7 +42,7 @@ from .storage.budget import EvictionReport, StorageBudget, enforce
 from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
-from .storage.protocols import BlockStore
+from .storage.protocols import BlockStore, take_lease
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,16 @@ class AgentCaches:
         with self.lock:
             hot = self.hot.get(agent_id)
             # A shared store: take the agent's lease; another worker saved it since: reread.
-            if not self.store.begin(agent_id, hot.version if hot else None) and hot is not None:
+            lease = take_lease(self.store, agent_id, hot.version if hot else None)
+            if not lease.current and hot is not None:
                 self.hot.pop(agent_id, None)
+            with lease:  # given back if the admission fails
+                start = self._admit(agent_id, prompt)
+            start.lease = lease
+            return start
+
+    def _admit(self, agent_id: str, prompt: str) -> Admission:
+        with self.lock:
             state, source = self.lookup(agent_id)
             m = match(state.tokens, prompt) if state else match(TokenizedText(""), prompt)
             if state is not None and m.kind is not MatchKind.MISS:
@@ -297,7 +305,7 @@ class AgentCaches:
         state = AgentState(known, chain, layers, self.store.seen_version(agent_id))
         self.keep_hot(agent_id, state)
         nbytes = sum(block.nbytes for block in blocks.values())
-        return PendingSave(record, blocks, old.blocks if old else [], state, nbytes)
+        return PendingSave(record, blocks, old.blocks if old else [], state, nbytes, start.lease)
 
     def write(self, save: PendingSave) -> AgentRecord | None:
         """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then
@@ -321,6 +329,8 @@ class AgentCaches:
             # Served from the stored form, the agent's live caches hold what the blocks hold:
             # a copy in the pool's memory tier would double what a hot agent costs.
             self.pool.save_agent(record, block_of, save.old, admit=not self.serve_stored)
+            if save.lease is not None:
+                save.lease.committed()  # the record's commit gave it back
         except CommitConflictError as exc:
             # Another worker saved this agent while the request ran: its save stands (no torn
             # record), this reply's cache is not kept; the next request reads the winner's.
@@ -331,6 +341,8 @@ class AgentCaches:
             self._forget(save)
             raise
         finally:
+            if save.lease is not None:
+                save.lease.release()  # no-op after the commit; a failed save gives it back
             with self._queued_lock:
                 # Counter subtraction drops what reaches zero: a block no save holds leaves.
                 self._queued_saves -= Counter(save.blocks.keys())
@@ -403,13 +415,12 @@ class AgentCaches:
         )
         # Not under ``lock`` (the model steps'): the store's lock and a shared store's
         # lease are waited for here.
-        if not self.store.begin(agent_id, self.store.seen_version(agent_id)):
-            self.read_record(agent_id)  # a shared store's newer version: this replaces that one
         try:
-            self.pool.set_agent(record)
-        except BaseException:
-            self.store.end(agent_id)
-            raise
+            with take_lease(self.store, agent_id, self.store.seen_version(agent_id)) as lease:
+                if not lease.current:
+                    self.read_record(agent_id)  # a shared store's newer version: this replaces that one
+                self.pool.set_agent(record)
+                lease.committed()
         finally:
             with self.lock:
                 self.hot.pop(agent_id, None)  # a live copy would stand for the old text

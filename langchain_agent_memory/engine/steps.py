@@ -182,7 +182,9 @@ class RequestSteps:
         layers = self.agents.new_layers()
         fork_layers(src.layers, layers, tokens)
         shared = PrefixMatch(MatchKind.SHARED, tokens, len(known.text))
-        req.start = Admission(start.state, CacheSource.HOT, shared, layers, known, tail, start.load_s, [])
+        req.start = Admission(
+            start.state, CacheSource.HOT, shared, layers, known, tail, start.load_s, [], start.lease
+        )
         req.prefilled = 0
 
     def prefill(self, req: Request, n: int) -> None:
@@ -442,8 +444,8 @@ class RequestSteps:
 
     def fail(self, req: Request, exc: BaseException) -> None:
         self.runner.leave(id(req))
-        if req.start is not None:  # admitted: give a shared store's lease back
-            self.agents.store.end(req.agent_id)
+        if req.start is not None and req.start.lease is not None:  # admitted: give the lease back
+            req.start.lease.release()
         req.phase = Phase.DONE
         self._forget(req)
         req.sink.error(exc)

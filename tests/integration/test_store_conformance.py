@@ -13,7 +13,7 @@ import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.blocks import AgentRecord, Block, BlockHash, block_hash
-from langchain_agent_memory.engine.storage.protocols import BlockStore
+from langchain_agent_memory.engine.storage.protocols import BlockStore, take_lease
 from langchain_agent_memory.engine.storage.remote import open_store
 
 FP = "conformance-model"
@@ -160,3 +160,18 @@ def test_eviction_frees_this_workers_disk_least_recently_used_first(opener: Open
     assert freed == held > 0 and sorted(deleted) == sorted(old.blocks)
     assert not any(store.has_local_block(h) for h in deleted)
     assert "old" not in [a for a, _ in store.usage().agents] and store.pinned() == set()
+
+
+def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opener: Opener) -> None:
+    one, two = opener("w1"), opener("w2")
+    _agent(one, "contested", seed=50)
+    assert two.get_agent("contested") is not None  # the second worker knows its version
+    with (
+        pytest.raises(RuntimeError, match="request failed"),
+        take_lease(one, "contested", one.seen_version("contested")) as lease,
+    ):
+        assert lease.current
+        raise RuntimeError("the request failed")
+    record, _ = _agent(two, "contested", seed=51)  # not refused: the lease was given back
+    back = opener("w3").get_agent("contested")
+    assert back is not None and back.blocks == record.blocks

@@ -74,3 +74,38 @@ class BlockStoreMaintenance(Protocol):
 class BlockStore(BlockStoreBlocks, BlockStoreRecords, BlockStoreMaintenance, Protocol):
     """A backend: all three (local ``DiskBlockStore``, ``remote.SharedStore``); both pass
     the store conformance suite (tests/integration/test_store_conformance.py)."""
+
+
+class Lease:
+    """A request's hold on an agent (``take_lease``): ``current`` says whether a live copy at
+    the version the caller holds is the newest. Given back exactly once: by ``release`` (a
+    request that ends without a commit), or by the commit that ends it (``committed``: the
+    store's ``put_agent`` gives it back). As a context manager it is given back when its
+    block raises. A local store's lease holds nothing; a shared store's is a row in its
+    catalog that other workers' requests wait on until it is given back or expires."""
+
+    __slots__ = ("_done", "agent_id", "current", "store")
+
+    def __init__(self, store: BlockStoreRecords, agent_id: str, current: bool) -> None:
+        self.store, self.agent_id, self.current = store, agent_id, current
+        self._done = False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self.store.end(self.agent_id)
+
+    def committed(self) -> None:
+        self._done = True
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:
+            self.release()
+
+
+def take_lease(store: BlockStoreRecords, agent_id: str, version: int | None) -> Lease:
+    """Take the agent's lease in ``store`` for a request that holds it at ``version``."""
+    return Lease(store, agent_id, store.begin(agent_id, version))
