@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trees import interleaved, run_in_tree
+from trees import medians as per_tree_medians
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -85,31 +87,27 @@ def run(args: argparse.Namespace) -> None:
         "trees": trees,
         "rows": [],
     }
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        for r in range(args.rounds):
-            for tree in trees if r % 2 == 0 else trees[::-1]:
-                cmd = [sys.executable, "-c", _WORKER, tree, str(model_dir), str(ctx)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, check=False)
-                if proc.returncode != 0:
-                    print(proc.stderr[-2000:], file=sys.stderr)
-                    continue
-                row = {"tree": tree, "context": ctx, "round": r, **json.loads(proc.stdout.splitlines()[-1])}
-                print(f"[{time.strftime('%H:%M:%S')}] {json.dumps(row)}", flush=True)
-                result["rows"].append(row)
-                (out_dir / "gpu_sliding.json").write_text(json.dumps(result, indent=1))
+
+    def cold_turn(tree: str, ctx: int) -> dict[str, Any]:
+        return run_in_tree(tree, ["-c", _WORKER, tree, str(model_dir), str(ctx)])
+
+    def keep(row: dict[str, Any]) -> None:
+        row["context"] = row.pop("cell")
+        print(f"[{time.strftime('%H:%M:%S')}] {json.dumps(row)}", flush=True)
+        result["rows"].append(row)
+        (out_dir / "gpu_sliding.json").write_text(json.dumps(result, indent=1))
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    interleaved(trees, contexts, args.rounds, cold_turn, keep)
     table(result)
     plot(result, out_dir / "gpu_sliding.png")
 
 
 def medians(result: dict[str, Any]) -> list[dict[str, Any]]:
-    cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in result["rows"]:
-        cells.setdefault((row["tree"], row["context"]), []).append(row)
-    order = sorted(cells, key=lambda key: (key[1], result["trees"].index(key[0])))
-    return [
-        {"tree": t, "context": c, **{m: statistics.median(r[m] for r in cells[t, c]) for m in METRICS}}
-        for t, c in order
-    ]
+    rows = [{**r, "cell": r["context"]} for r in result["rows"]]
+    meds = per_tree_medians(rows, METRICS)
+    order = sorted(meds, key=lambda key: (key[1], result["trees"].index(key[0])))
+    return [{"tree": t, "context": c, **meds[t, c]} for t, c in order]
 
 
 def table(result: dict[str, Any]) -> None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trees import interleaved, medians, run_in_tree
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -49,20 +48,10 @@ METRICS = {
 }
 
 
-def _run(tree: Path, args: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True, check=False
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {' '.join(args)} failed\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def measure(tree: Path, model: str, length: int) -> dict[str, float]:
-    rt = _run(tree, ["benchmarks/runtime.py", "--worker", "--model", model, "--fast-ops"])
+def measure(tree: str, model: str, length: int) -> dict[str, float]:
+    rt = run_in_tree(tree, ["benchmarks/runtime.py", "--worker", "--model", model, "--fast-ops"])
     row = {"prefill_tok_s": rt["prefill_tok_s"], "decode_tok_s": rt["decode_tok_s"]}
-    row.update(_run(tree, ["-c", _TTFT, model, str(length)]))
+    row.update(run_in_tree(tree, ["-c", _TTFT, model, str(length)]))
     return row
 
 
@@ -94,7 +83,7 @@ def plot(summary: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", type=Path, required=True)
+    ap.add_argument("--base", type=Path, help="the tree before (required unless --plot-only)")
     ap.add_argument("--head", type=Path, default=HERE.parent)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
@@ -109,33 +98,34 @@ def main() -> None:
     from rich.progress import Progress
     from rich.table import Table
 
-    trees = {"base": a.base.resolve(), "head": a.head.resolve()}
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {"base": [], "head": []} for m in a.models}
+    if a.base is None:
+        ap.error("--base is required (a checkout of the tree before: git worktree add /tmp/base <rev>)")
+    trees = {"base": str(a.base.resolve()), "head": str(a.head.resolve())}
     with Progress() as progress:
         task = progress.add_task("revisions", total=a.rounds * len(a.models) * 2)
-        for r in range(a.rounds):
-            order = ["base", "head"] if r % 2 == 0 else ["head", "base"]  # alternate who goes first
-            for model in a.models:
-                for name in order:
-                    runs[model][name].append(measure(trees[name], model, a.length))
-                    progress.advance(task)
+        rows = interleaved(
+            list(trees.values()), a.models, a.rounds,
+            lambda tree, model: measure(tree, model, a.length), lambda _: progress.advance(task),
+        )  # fmt: skip
+    meds = medians(rows, METRICS)
+    runs = {m: {name: [r for r in rows if r["tree"] == t and r["cell"] == m] for name, t in trees.items()}
+            for m in a.models}  # fmt: skip
 
     summary: dict[str, dict[str, float]] = {}
     table = Table(title=f"CPU speed side by side ({a.rounds} rounds, {a.length} tokens; medians)")
     for col in ("model", "metric", "base", "head", "head / base", "speed (> 1: faster)"):
         table.add_column(col)
-    for model, by_tree in runs.items():
+    for model in a.models:
         summary[model] = {}
         for key, (what, _) in METRICS.items():
-            base = statistics.median(x[key] for x in by_tree["base"])
-            head = statistics.median(x[key] for x in by_tree["head"])
+            base, head = meds[trees["base"], model][key], meds[trees["head"], model][key]
             summary[model].update({f"{key}_base": base, f"{key}_head": head, f"{key}_ratio": head / base})
             speed = speedup(key, head / base)
             table.add_row(model, what, f"{base:.3f}", f"{head:.3f}", f"{head / base:.3f}", f"{speed:.3f}")
     Console().print(table)
     RESULTS.mkdir(exist_ok=True)
     payload = {
-        "trees": {k: str(v) for k, v in trees.items()},
+        "trees": trees,
         "length": a.length,
         "runs": runs,
         "summary": summary,
