@@ -319,3 +319,23 @@ def test_vocabulary_projection_split_across_streams_gives_the_same_logits(
     theirs = model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden)
     assert calls and ours.shape == theirs.shape == (1, 1, 5001)
     assert mx.array_equal(ours, theirs).item()
+
+
+def test_a_load_that_adapts_nothing_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose classes the adapters do not know (here: one adapted already, as if
+    mlx-lm had renamed its classes) runs mlx-lm's own code, and the load says so once."""
+    from mlx_lm.models import llama
+
+    from langchain_agent_memory.engine.model.loading import adapt_or_say
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=100,
+    )  # fmt: skip
+    model = llama.Model(args)
+    with caplog.at_level("WARNING"):
+        assert adapt_or_say(model, "tiny") > 0
+        assert not caplog.records
+        assert adapt_or_say(model, "tiny") == 0
+    (said,) = caplog.records
+    assert "no module of this mlx_lm.models.llama model was adapted" in said.getMessage()

@@ -194,14 +194,8 @@ def load_model(
         t0 = time.perf_counter()
         mdl, tok = mlx_load(str(path))
         mx.eval(mdl.parameters())
-        if cpu_kernels and adapt_model(mdl) == 0:
-            # Speed, not results, depends on it (mlx-lm's own code runs on the caches'
-            # protocol): said once per load, so that a renamed mlx-lm class is noticed.
-            logger.warning(
-                "%s: no module of this %s model was adapted to the engine's kernels (mlx-lm %s "
-                "may have renamed its classes); it runs mlx-lm's own code, slower on the CPU",
-                name, type(mdl).__module__, _mlx_lm_version(),
-            )  # fmt: skip
+        if cpu_kernels:
+            adapt_or_say(mdl, name)
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
@@ -212,3 +206,17 @@ def _mlx_lm_version() -> str:
         return importlib.metadata.version("mlx-lm")
     except importlib.metadata.PackageNotFoundError:
         return "?"
+
+
+def adapt_or_say(model: Any, name: str) -> int:
+    """``adapt_model`` on a freshly loaded instance, saying once (a warning) when it adapted
+    nothing: speed, not results, depends on it (mlx-lm's own code runs on the caches'
+    protocol), and a renamed mlx-lm class would otherwise switch the CPU kernels off unseen."""
+    n = adapt_model(model)
+    if n == 0:
+        logger.warning(
+            "%s: no module of this %s model was adapted to the engine's kernels (mlx-lm %s "
+            "may have renamed its classes); it runs mlx-lm's own code, slower on the CPU",
+            name, type(model).__module__, _mlx_lm_version(),
+        )  # fmt: skip
+    return n
