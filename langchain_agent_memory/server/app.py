@@ -416,13 +416,15 @@ def _served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
 
 
 def _agent_of(body: SampledRequest, header: str | None) -> str:
-    """The agent a request's cache belongs to: ``prompt_cache_key``, else ``user``, else the
-    ``X-Agent-ID`` header / ``agent_id`` field (which must agree), else the default."""
+    """The agent a request's cache belongs to: ``prompt_cache_key``, else the ``X-Agent-ID``
+    header / ``agent_id`` field (which must agree), else ``user``, else the default. An
+    explicit choice wins over ``user``: an app that always sends ``user`` would otherwise
+    fold all of its agents into one cache."""
     if header and body.agent_id and header != body.agent_id:
         message = f"X-Agent-ID header {header!r} and body agent_id {body.agent_id!r} differ: send one"
         raise APIError(400, message, param="agent_id")
-    chosen = [(f, v) for f, v in (("prompt_cache_key", body.prompt_cache_key), ("user", body.user),
-              ("agent_id", header or body.agent_id)) if v]  # fmt: skip
+    chosen = [(f, v) for f, v in (("prompt_cache_key", body.prompt_cache_key),
+              ("agent_id", header or body.agent_id), ("user", body.user)) if v]  # fmt: skip
     field, agent = chosen[0] if chosen else ("agent_id", DEFAULT_AGENT)
     try:
         return validate_agent_id(agent)

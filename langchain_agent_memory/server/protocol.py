@@ -8,8 +8,8 @@ describe the caller (``metadata``, ``store``, ``parallel_tool_calls``) and unkno
 are accepted and ignored, as clients add fields faster than servers learn them.
 
 The agent whose cache a request uses: OpenAI's ``prompt_cache_key`` (``ChatOpenAI`` and the
-``openai`` client pass it per call), else ``user``, else the ``X-Agent-ID`` header or the
-body field ``agent_id`` (``extra_body={"agent_id": ...}``), else ``"default"``.
+``openai`` client pass it per call), else the ``X-Agent-ID`` header or the body field
+``agent_id`` (``extra_body={"agent_id": ...}``), else ``user``, else ``"default"``.
 """
 
 from __future__ import annotations

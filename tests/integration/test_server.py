@@ -410,7 +410,9 @@ def test_restarted_server_serves_an_agent_warm(tmp_path: Path, figures: dict[str
 # ------------------------------------------------------------------ issue 21: agents without headers
 
 
-def test_prompt_cache_key_then_user_choose_the_agent(server: tuple[str, Path], client: openai.OpenAI) -> None:
+def test_prompt_cache_key_then_an_explicit_agent_then_user_choose_the_agent(
+    server: tuple[str, Path], client: openai.OpenAI
+) -> None:
     messages = [{"role": "system", "content": "You help with maps. " * 30}, {"role": "user", "content": "Hi"}]
     first = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=4, prompt_cache_key="conv-7", user="u1"
@@ -426,6 +428,17 @@ def test_prompt_cache_key_then_user_choose_the_agent(server: tuple[str, Path], c
         model=MODEL, messages=messages, temperature=0, max_tokens=2, user="alice@example.com"
     )
     assert by_user.headers["X-Agent-ID"] == "alice@example.com"
+    # An explicit agent wins over ``user`` (an app that always sends ``user`` keeps its agents apart)
+    explicit = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=2, user="alice@example.com",
+        extra_headers={"X-Agent-ID": "planner"},
+    )  # fmt: skip
+    assert explicit.headers["X-Agent-ID"] == "planner"
+    in_body = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=2, user="alice@example.com",
+        extra_body={"agent_id": "critic"},
+    )  # fmt: skip
+    assert in_body.headers["X-Agent-ID"] == "critic"
     # ChatOpenAI passes prompt_cache_key per call
     llm = ChatOpenAI(base_url=server[0] + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=2)
     out = llm.invoke("Hello", prompt_cache_key="lc-conv")
