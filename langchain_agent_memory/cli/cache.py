@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..engine.storage.blocks import is_internal
 from ..engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
 from ..engine.storage.remote import SharedBlockStore
 
@@ -51,6 +52,9 @@ cache_app = typer.Typer(
 @cache_app.command("ls")
 def ls(
     prefix: Annotated[str, typer.Option(help="Only agents whose id starts with this")] = "",
+    all_: Annotated[
+        bool, typer.Option("--all", help="Also the product's own entries (a checkpointer's @snapshot: ids)")
+    ] = False,
     cache_dir: CacheDir = None,
     store: Store = None,
     blocks: Blocks = None,
@@ -67,6 +71,7 @@ def ls(
         }
         for opened in stores_of(cache_dir, store, blocks, read_only=True)
         for record in opened.agents(prefix)
+        if all_ or not is_internal(record.agent_id)
     ]
     emit(
         "agent caches", rows, ["model", "agent", "tokens", "blocks", "updated"], format, {"tokens", "blocks"}

@@ -23,12 +23,12 @@ from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 from ..engine.engine import Engine, GenerationParams, Subscription
 from ..engine.kv import preset_name
 from ..engine.registry import engine_key, shared_engine, unwatch_engines, watch_engines
-from ..engine.storage.blocks import AgentRecord
+from ..engine.storage.blocks import INTERNAL_PREFIX, AgentRecord
 from ..engine.storage.budget import StorageBudget
 from ..engine.storage.catalog import CommitConflictError
 from .links import Link, Links
 
-SNAPSHOT_PREFIX = "@snapshot:"
+SNAPSHOT_PREFIX = INTERNAL_PREFIX + "snapshot:"  # hidden from listings (``is_internal``)
 
 
 def record_digest(record: AgentRecord) -> str:

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..chat.model import ChatAgentMemory
 from ..engine.engine import ContextLengthError, Engine, GenerationParams
 from ..engine.model.loading import DEFAULT_MODEL
-from ..engine.storage.blocks import AgentRecord, validate_agent_id
+from ..engine.storage.blocks import AgentRecord, is_internal, validate_agent_id
 from . import replies
 from .protocol import (
     ChatCompletionRequest,
@@ -238,9 +238,15 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         return _served(models, model or next(iter(models))).engine
 
     @app.get("/v1/agents", dependencies=[Depends(authorize)])
-    async def list_agents(model: str | None = None, prefix: str = "") -> dict[str, Any]:
+    async def list_agents(model: str | None = None, prefix: str = "", all: bool = False) -> dict[str, Any]:
+        """Agents with a cache; ``?all=true`` also lists the product's own entries (a
+        checkpointer's ``@snapshot:`` ids)."""
         engine = engine_of(model)
-        records = await asyncio.to_thread(engine.agent_records, prefix)
+        records = [
+            r
+            for r in await asyncio.to_thread(engine.agent_records, prefix)
+            if all or not is_internal(r.agent_id)
+        ]
         name = model or next(iter(models))
         return {"object": "list", "data": [_agent_card(engine, name, r) for r in records]}
 

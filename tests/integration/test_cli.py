@@ -30,8 +30,11 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     shared = engine.store.get_agent("t1:lawyer").blocks[0]  # type: ignore[union-attr]
     d = str(tmp_path)
 
-    listing = _run("cache", "ls", "--cache-dir", d)
-    assert "t1:lawyer" in listing and "t2:lawyer" in listing
+    engine.set_agent("@snapshot:0123abcd", engine.store.get_agent("t2:lawyer"))  # a checkpointer's entry
+    listing = _run("cache", "ls", "--cache-dir", d, "--format", "json")
+    assert {r["agent"] for r in json.loads(listing)} == {"t1:lawyer", "t2:lawyer"}  # its own entries hidden
+    everything = json.loads(_run("cache", "ls", "--all", "--cache-dir", d, "--format", "json"))
+    assert "@snapshot:0123abcd" in {r["agent"] for r in everything}
     assert "t2:lawyer" not in _run("cache", "ls", "--prefix", "t1:", "--cache-dir", d)
     shown = _run("cache", "show", "t1:lawyer", "--cache-dir", d)
     assert f"tokens: {engine.cached_tokens('t1:lawyer')}" in shown and "Apache" in shown

@@ -447,6 +447,15 @@ def test_prompt_cache_key_then_an_explicit_agent_then_user_choose_the_agent(
         "alice@example.com",
         "lc-conv",
     }
+    # The product's own entries (a checkpointer's snapshots) are listed only when asked for
+    auth = {"Authorization": f"Bearer {KEY}"}
+    forked = httpx.post(
+        server[0] + "/v1/agents/conv-7/fork", json={"to": "@snapshot:feed"}, headers=auth, timeout=60
+    )
+    assert forked.status_code == 200, forked.text
+    assert "@snapshot:feed" not in _agent_ids(server)
+    listed = httpx.get(server[0] + "/v1/agents?all=true", headers=auth, timeout=60)
+    assert "@snapshot:feed" in {a["id"] for a in listed.json()["data"]}
 
 
 def _agent_ids(server: tuple[str, Path]) -> set[str]:

@@ -69,6 +69,16 @@ def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: 
     return BlockHash(h.hexdigest())
 
 
+#: Ids the product keeps for itself start with this (a checkpointer's snapshots,
+#: ``@snapshot:<digest>``): listings hide them unless asked for all.
+INTERNAL_PREFIX = "@"
+
+
+def is_internal(agent_id: str) -> bool:
+    """Whether ``agent_id`` is one the product keeps for itself (``INTERNAL_PREFIX``)."""
+    return agent_id.startswith(INTERNAL_PREFIX)
+
+
 def validate_agent_id(agent_id: str) -> str:
     """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is."""
     if not isinstance(agent_id, str) or not agent_id:
