@@ -1,6 +1,6 @@
 """``agent-memory cache``: look at and manage stored agent caches.
 
-    agent-memory cache ls [--prefix P]      agents with a stored cache, per model/KV format
+    agent-memory cache ls [--prefix P] [--all]  agents with a stored cache (--all: @snapshot: ids too)
     agent-memory cache show AGENT           one agent's cache: tokens, blocks, text
     agent-memory cache rm AGENT...          delete agents' caches (shared blocks stay)
     agent-memory cache gc                   remove temporary files and unreferenced blocks
