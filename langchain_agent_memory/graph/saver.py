@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import sqlite3
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager, contextmanager
@@ -93,7 +95,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
 
     def __init__(
         self,
-        checkpoints: BaseCheckpointSaver | None = None,
+        checkpoints: BaseCheckpointSaver | sqlite3.Connection | str | os.PathLike[str] | None = None,
         *,
         cache_dir: str | Path | None = None,
         model: str | None = None,
@@ -113,9 +115,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         self._owned_conn: Any = None
         if checkpoints is None and store:  # workers sharing a store share its checkpoints too
             checkpoints = self._postgres_checkpoints(store)
-        self.inner = (
-            checkpoints if checkpoints is not None else SqliteCheckpoints(root / "checkpoints.sqlite")
-        )
+        self.inner = _checkpoints_of(checkpoints, root)
         super().__init__(serde=self.inner.serde)
         self.cache_dir = root
         engine_args: dict[str, Any] = {
@@ -437,3 +437,29 @@ async def _ainner_from_conn_string(conn_string: str) -> AsyncIterator[BaseCheckp
         return
     with _inner_from_conn_string(conn_string) as saver:
         yield saver
+
+
+def _checkpoints_of(
+    checkpoints: BaseCheckpointSaver | sqlite3.Connection | str | os.PathLike[str] | None, root: Path
+) -> BaseCheckpointSaver:
+    """The inner saver of what ``AgentMemorySaver`` was given: a saver as it is; what
+    ``SqliteSaver`` takes (a ``sqlite3`` connection) or a SQLite path, as SQLite
+    checkpoints; nothing, SQLite in the cache directory."""
+    if checkpoints is None:
+        return SqliteCheckpoints(root / "checkpoints.sqlite")
+    if isinstance(checkpoints, BaseCheckpointSaver):
+        return checkpoints
+    if isinstance(checkpoints, sqlite3.Connection):
+        return SqliteCheckpoints(checkpoints)
+    if isinstance(checkpoints, (str, os.PathLike)):
+        if _is_postgres(str(checkpoints)):
+            raise TypeError(
+                "a PostgreSQL URL needs a connection the saver owns: use "
+                "AgentMemorySaver.from_conn_string(url) (or pass store=url for workers sharing a store)"
+            )
+        return SqliteCheckpoints(checkpoints)
+    raise TypeError(
+        f"checkpoints must be a LangGraph checkpoint saver, a sqlite3 connection or a SQLite path, "
+        f"not {type(checkpoints).__name__}; e.g. AgentMemorySaver(SqliteSaver(conn)) or "
+        "AgentMemorySaver.from_conn_string('checkpoints.sqlite')"
+    )

@@ -26,7 +26,12 @@ from .threaded_async import ThreadedAsync
 class SqliteCheckpoints(ThreadedAsync, SqliteSaver):
     """A complete SQLite checkpointer (sync and async, every extended capability)."""
 
-    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path | sqlite3.Connection, **kwargs: Any) -> None:
+        """``path``: a SQLite file (``:memory:`` too), or a connection as ``SqliteSaver`` takes
+        one (open it with ``check_same_thread=False`` where async calls will use it)."""
+        if isinstance(path, sqlite3.Connection):
+            super().__init__(path, **kwargs)
+            return
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         super().__init__(sqlite3.connect(str(path), check_same_thread=False), **kwargs)

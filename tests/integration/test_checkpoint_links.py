@@ -372,3 +372,22 @@ def test_checkpoints_in_postgres(smollm: LoadedModel, tmp_path: Path, postgres_u
         assert llm.engine.store.get_agent("pg-copy:lawyer") is not None
         saver.delete_for_runs(["run-2"])
         assert len(app.get_state(_cfg("pg")).values["messages"]) == 2  # back to after run 1
+
+
+def test_the_saver_takes_what_sqlitesaver_takes_and_says_what_it_does_not(tmp_path: Path) -> None:
+    """SqliteSaver habits: a ``sqlite3`` connection or a SQLite path work as the inner
+    checkpoints; a PostgreSQL URL or another object is refused with what to do instead."""
+    import sqlite3
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    conn = sqlite3.connect(str(tmp_path / "ckpt.db"), check_same_thread=False)
+    for given in (conn, str(tmp_path / "by-path.db"), tmp_path / "by-pathlib.db"):
+        with AgentMemorySaver(given, cache_dir=tmp_path / "cache") as saver:
+            config = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+            saved = saver.put(config, empty_checkpoint(), {"source": "input", "step": -1}, {})
+            assert saver.get_tuple(saved) is not None
+    with pytest.raises(TypeError, match="from_conn_string"):
+        AgentMemorySaver("postgresql://localhost/x", cache_dir=tmp_path / "cache")
+    with pytest.raises(TypeError, match="sqlite3 connection or a SQLite path"):
+        AgentMemorySaver(42, cache_dir=tmp_path / "cache")  # type: ignore[arg-type]
