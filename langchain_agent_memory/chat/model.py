@@ -140,6 +140,16 @@ class ChatAgentMemory(BaseChatModel):
 
     # ------------------------------------------------------------------ identity
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd`` / ``dumps`` write the constructor arguments; ``load`` rebuilds the model
+        (``valid_namespaces=["langchain_agent_memory"]``, ``allowed_objects=[ChatAgentMemory]``)."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_agent_memory", "chat", "model"]
+
     @property
     def _llm_type(self) -> str:
         return "agent-memory"

@@ -7,6 +7,7 @@ each reason states what the model did (measured when the mark was written).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
@@ -33,6 +34,15 @@ class TestChatAgentMemoryUnit(ChatModelUnitTests):
     @property
     def model_override_value(self) -> str:
         return "gemma3-270m"
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="dumpd matches the snapshot, but the suite's load() allows only classes in "
+        "langchain_core's own mapping; ChatAgentMemory loads back with allowed_objects=[ChatAgentMemory] "
+        "(test_langchain_conventions.py::test_the_chat_model_serializes_and_loads_back)",
+    )
+    def test_serdes(self, model: Any, snapshot: Any) -> None:
+        super().test_serdes(model, snapshot)
 
 
 class TestChatAgentMemoryIntegration(ChatModelIntegrationTests):

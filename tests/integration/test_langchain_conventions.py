@@ -123,3 +123,21 @@ def test_send_map_reduce_runs_each_item_on_its_own_agent(smollm: LoadedModel, tm
     assert agents == [f"t1:answer#{i}" for i in range(4)]
     assert sorted(c for _, c in out["answers"])[-3:] == ["hot-shared"] * 3
     assert llm.engine.stats()["max_decode_batch"] >= 2
+
+
+def test_the_chat_model_serializes_and_loads_back() -> None:
+    """``dumpd`` / ``load`` as for LangChain's own chat models: the constructor arguments
+    round trip (no model is loaded to build it)."""
+    import warnings
+
+    from langchain_core.load import dumpd, load
+
+    llm = ChatAgentMemory(max_tokens=5, temperature=0.3, agent_id="a1", cache_dir="/tmp/x")
+    assert ChatAgentMemory.is_lc_serializable()
+    dumped = dumpd(llm)
+    assert dumped["id"][-1] == "ChatAgentMemory" and dumped["kwargs"]["max_tokens"] == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # load is marked beta
+        back = load(dumped, valid_namespaces=["langchain_agent_memory"], allowed_objects=[ChatAgentMemory])
+    assert isinstance(back, ChatAgentMemory)
+    assert (back.max_tokens, back.temperature, back.agent_id, back.cache_dir) == (5, 0.3, "a1", "/tmp/x")
