@@ -16,6 +16,7 @@ what is new, and keeps the reply's keys and values for the next turn.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
 from operator import itemgetter
@@ -33,7 +34,7 @@ from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ..engine.engine import Engine, GenerationParams
 from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
@@ -122,6 +123,29 @@ class ChatAgentMemory(BaseChatModel):
     reasoning: bool = True
     #: Extra variables for the chat template, e.g. ``{"enable_thinking": False}`` (Qwen 3).
     chat_template_kwargs: dict[str, Any] | None = None
+    #: ``invoke`` streams (callbacks' ``on_llm_new_token`` fire for each piece), as for
+    #: LangChain's other chat models.
+    streaming: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, values: Any) -> Any:
+        """An argument the model does not have is an error that names the nearest one
+        (``temprature=0.7`` used to leave the temperature at 0.0 without a word)."""
+        if not isinstance(values, dict):
+            return values
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            hints = []
+            for key in unknown:
+                near = difflib.get_close_matches(key, sorted(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise ValueError(
+                f"ChatAgentMemory got unknown argument(s): {', '.join(hints)}; its arguments are "
+                "listed in help(ChatAgentMemory) (per-call options go to invoke(..., key=value))"
+            )
+        return values
 
     @field_validator("agent_id")
     @classmethod

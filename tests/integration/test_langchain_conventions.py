@@ -141,3 +141,35 @@ def test_the_chat_model_serializes_and_loads_back() -> None:
         back = load(dumped, valid_namespaces=["langchain_agent_memory"], allowed_objects=[ChatAgentMemory])
     assert isinstance(back, ChatAgentMemory)
     assert (back.max_tokens, back.temperature, back.agent_id, back.cache_dir) == (5, 0.3, "a1", "/tmp/x")
+
+
+def test_an_unknown_argument_is_refused_with_the_nearest_name() -> None:
+    """``temprature=0.7`` used to leave the temperature at 0.0 without a word."""
+    with pytest.raises(ValueError, match=r"'temprature' \(did you mean 'temperature'\?\)"):
+        ChatAgentMemory(temprature=0.7)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="unknown argument"):
+        ChatAgentMemory(max_tokenz=5, model_provider="x")  # type: ignore[call-arg]
+    # LangChain's own fields and aliases are known
+    llm = ChatAgentMemory(stop_sequences=["\n"], tags=["t"], metadata={"k": 1}, disable_streaming=False)
+    assert llm.stop == ["\n"] and llm.tags == ["t"]
+
+
+def test_streaming_true_streams_invoke_to_callbacks(smollm: LoadedModel, tmp_path: Path) -> None:
+    """``streaming=True`` as on LangChain's other chat models: ``invoke`` streams, and a
+    callback handler hears each piece (``on_llm_new_token``)."""
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Pieces(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        def on_llm_new_token(self, token: str, **kwargs: object) -> None:
+            self.tokens.append(token)
+
+    heard = Pieces()
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=6, streaming=True, callbacks=[heard])
+    reply = llm.invoke("Say hello.")
+    assert len(heard.tokens) >= 2 and "".join(heard.tokens).strip() == str(reply.content).strip()
+    quiet = Pieces()
+    ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=6, callbacks=[quiet]).invoke("Say hello.")
+    assert quiet.tokens == []  # not streaming: one result, no pieces
