@@ -34,7 +34,7 @@ from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..engine.engine import Engine, GenerationParams
 from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
@@ -118,6 +118,8 @@ class ChatAgentMemory(BaseChatModel):
     timeout: float | None = Field(default=None, gt=0)
     max_string_chars: int | None = Field(default=MAX_FREE_STRING_CHARS, ge=1)
     max_retries: int = Field(default=0, ge=0)  # accepted for compatibility: nothing to retry locally
+    #: Accepted for compatibility (code written for hosted chat models): a local model needs no key.
+    api_key: SecretStr | None = Field(default=None, exclude=True)
     #: Split a thinking model's reasoning (``<think>``, gpt-oss's analysis channel) out of
     #: ``content`` into ``additional_kwargs["reasoning_content"]`` (False: leave it in).
     reasoning: bool = True
