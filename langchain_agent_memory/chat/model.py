@@ -29,7 +29,14 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough, ensure_config
+from langchain_core.runnables import (
+    Runnable,
+    RunnableConfig,
+    RunnableLambda,
+    RunnableMap,
+    RunnablePassthrough,
+    ensure_config,
+)
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -53,6 +60,7 @@ from .replies import (
     forced_tools,
     json_schema_of,
     ls_format,
+    whole_reply,
 )
 from .tool_formats import tool_format
 
@@ -485,6 +493,8 @@ class ChatAgentMemory(BaseChatModel):
             raise ValueError(
                 f"method must be 'json_schema', 'function_calling' or 'json_mode'; got {method!r}"
             )
+        # A reply cut off by max_tokens is an error, not a "repaired" partial object.
+        parser = RunnableLambda(whole_reply) | parser
         if not include_raw:
             return llm | parser
         assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)

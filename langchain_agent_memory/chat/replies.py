@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import ToolCallChunk
@@ -205,3 +206,19 @@ class StreamShaper:
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+
+def whole_reply(message: AIMessage) -> AIMessage:
+    """``message`` if its generation ended by itself; an ``OutputParserException`` if
+    ``max_tokens`` cut it off (a structured reply or a forced call cut short is not valid
+    however much of it parses: LangChain's partial-JSON parser would "repair" it into an
+    object with missing or truncated values). With ``include_raw=True`` the error is the
+    ``parsing_error`` and the raw message is kept."""
+    if message.response_metadata.get("finish_reason") == "length":
+        used = (message.usage_metadata or {}).get("output_tokens", "?")
+        raise OutputParserException(
+            f"the structured reply was cut off at max_tokens ({used} tokens generated) before the "
+            "object was complete; raise max_tokens (or lower max_string_chars) and call again",
+            llm_output=str(message.content),
+        )
+    return message

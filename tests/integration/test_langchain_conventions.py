@@ -5,6 +5,7 @@ once)."""
 
 from __future__ import annotations
 
+import json
 import operator
 from pathlib import Path
 from typing import Annotated, TypedDict
@@ -173,3 +174,30 @@ def test_streaming_true_streams_invoke_to_callbacks(smollm: LoadedModel, tmp_pat
     quiet = Pieces()
     ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=6, callbacks=[quiet]).invoke("Say hello.")
     assert quiet.tokens == []  # not streaming: one result, no pieces
+
+
+def test_a_structured_reply_cut_off_by_max_tokens_is_an_error_not_a_repaired_object(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """A reply that ran out of tokens inside the object used to come back "repaired" by the
+    partial-JSON parser (``Person(hobbies=['chess', 'ten'])``, no error). Now it raises; with
+    ``include_raw=True`` it is the ``parsing_error`` beside the raw message."""
+    from langchain_core.exceptions import OutputParserException
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str
+        hobbies: list[str] = Field(max_length=3)  # SmolLM2 lists hobbies forever otherwise
+
+    question = "Invent a person with many hobbies."
+    short = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=5)
+    with pytest.raises(OutputParserException, match="cut off at max_tokens"):
+        short.with_structured_output(Person).invoke(question)
+    out = short.with_structured_output(Person, include_raw=True).invoke(question)
+    assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException)
+    assert out["raw"].response_metadata["finish_reason"] == "length"
+    whole = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=200, max_string_chars=16)
+    person = whole.with_structured_output(Person, method="json_schema", include_raw=True).invoke(question)
+    assert isinstance(person["parsed"], Person), person
+    # only the schema's keys: the object is closed (it used to grow keys until the budget ran out)
+    assert set(json.loads(person["raw"].content)) == {"name", "hobbies"}

@@ -84,11 +84,31 @@ def bounded_strings(schema: Any, limit: int | None = MAX_FREE_STRING_CHARS) -> A
     return out
 
 
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object that lists its properties and says nothing
+    of others has ``additionalProperties: false``: JSON Schema's default lets a decoder add
+    keys until ``max_tokens`` runs out (a Pydantic model's schema says nothing of them, and
+    the model would go on inventing fields), where what is wanted is the schema's own.
+
+    >>> closed_objects({"type": "object", "properties": {"a": {"type": "integer"}}})
+    {'type': 'object', 'properties': {'a': {'type': 'integer'}}, 'additionalProperties': False}
+    """
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: dict[str, Any], max_string_chars: int | None = MAX_FREE_STRING_CHARS) -> str:
-    """A grammar for one JSON value valid under ``schema`` (free strings bounded, see above)."""
+    """A grammar for one JSON value valid under ``schema``: free strings bounded, objects
+    closed to the keys they list (see above)."""
     import llguidance
 
-    bounded = bounded_strings(schema, max_string_chars)
+    bounded = bounded_strings(closed_objects(schema), max_string_chars)
     return llguidance.LLMatcher.grammar_from_json_schema(bounded, defaults=JSON_OPTIONS)
 
 
@@ -110,7 +130,7 @@ def tool_call_grammar(
         # A forced call names only declared arguments, unless the schema says otherwise.
         params = {
             "additionalProperties": False,
-            **(fn.get("parameters") or {"type": "object", "properties": {}}),
+            **closed_objects(fn.get("parameters") or {"type": "object", "properties": {}}),
         }
         options.append(
             {
