@@ -38,7 +38,9 @@ from .common import (
     checked,
     emit,
     size_text,
+    stored_id,
     stores_of,
+    thread_prefixes,
     wide_console,
 )
 
@@ -85,12 +87,14 @@ def show(
     """Show one agent's cache: tokens, blocks, and the start and end of its text."""
     found = False
     for opened in stores_of(cache_dir, store, blocks, read_only=True):
-        record = opened.get_agent(agent)
+        cache_id = stored_id(opened, agent)
+        record = opened.get_agent(cache_id) if cache_id is not None else None
         if record is None:
             continue
         found = True
         console = wide_console()
-        console.print(f"[bold]{agent}[/bold] in {opened.fingerprint}")
+        named = agent if cache_id == agent else f"{agent} (cache {cache_id})"
+        console.print(f"[bold]{named}[/bold] in {opened.fingerprint}")
         console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
         for h in record.blocks:
             path = opened.block_path(h)
@@ -106,10 +110,13 @@ def show(
 
 @cache_app.command("rm")
 def rm(
-    agents: Annotated[list[str] | None, typer.Argument(help="Agent ids to delete")] = None,
+    agents: Annotated[
+        list[str] | None, typer.Argument(help="Agent ids (or chat/run --agent names) to delete")
+    ] = None,
     prefix: Annotated[str | None, typer.Option(help="Every agent whose id starts with this")] = None,
     thread: Annotated[
-        str | None, typer.Option(help="Every agent of a LangGraph thread (ids 'THREAD:node...')")
+        str | None,
+        typer.Option(help="Every agent of a LangGraph thread (ids 'THREAD:node...'), or of a chat/run agent"),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing")
@@ -126,23 +133,22 @@ def rm(
 
     if not agents and prefix is None and thread is None:
         raise typer.BadParameter("name agents, or select them with --prefix or --thread")
-    selector = f"{thread}:" if thread is not None else prefix
+    selectors = thread_prefixes(thread) if thread is not None else [prefix] if prefix is not None else []
     deleted = 0
     for opened in stores_of(cache_dir, store, blocks):
-        chosen = list(agents or [])
-        if selector is not None:
+        named = [(name, stored_id(opened, name)) for name in agents or []]
+        for name, cache_id in named:
+            if cache_id is None:
+                typer.echo(f"no stored cache for {name} ({opened.fingerprint})", err=True)
+        chosen = [cache_id for _, cache_id in named if cache_id is not None]
+        for selector in selectors:
             chosen += [r.agent_id for r in opened.agents(selector)]
         chosen = list(dict.fromkeys(chosen))
         if dry_run:
             for agent in chosen:
                 typer.echo(f"would delete {agent} ({opened.fingerprint})")
             continue
-        if (
-            selector is not None
-            and chosen
-            and not yes
-            and not typer.confirm(f"delete {len(chosen)} agent cache(s)?")
-        ):
+        if selectors and chosen and not yes and not typer.confirm(f"delete {len(chosen)} agent cache(s)?"):
             raise typer.Exit(code=1)
         pool = BlockPool(opened, hot_budget_bytes=0)
         deleted += sum(pool.delete_agent(agent) for agent in chosen)

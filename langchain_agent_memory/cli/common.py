@@ -36,7 +36,8 @@ CacheDir = Annotated[
 
 
 def wide_console() -> Console:
-    return Console(width=max(Console().width, 120))
+    # emoji=False: an agent id such as "chat:notes:assistant" must not print a 🎶
+    return Console(width=max(Console().width, 120), emoji=False)
 
 
 Store = Annotated[
@@ -133,3 +134,29 @@ def size_text(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+# ------------------------------------------------------------------ agent names
+
+
+#: ``agent-memory chat`` / ``run --agent NAME`` keep NAME's conversation in the LangGraph
+#: thread ``chat:NAME`` (checkpointed), and its KV cache under the id of that thread's one
+#: node: ``chat:NAME:assistant``. Every cache command takes NAME as well as a full id.
+def chat_thread(name: str) -> str:
+    return f"chat:{name}"
+
+
+def chat_cache_id(name: str) -> str:
+    return f"{chat_thread(name)}:assistant"
+
+
+def stored_id(opened: Any, name: str) -> str | None:
+    """The cache id ``name`` stands for in ``opened``: the id itself if it has a cache, else
+    the cache of the ``chat`` / ``run`` agent ``name``; None if neither has one."""
+    return next((i for i in (name, chat_cache_id(name)) if opened.has_agent(i)), None)
+
+
+def thread_prefixes(thread: str) -> list[str]:
+    """The id prefixes of a thread's agents: LangGraph's ``THREAD:node...``, and the
+    ``chat`` / ``run`` agent ``THREAD``'s thread."""
+    return [f"{thread}:", f"{chat_thread(thread)}:"]

@@ -162,7 +162,7 @@ def run_once(
     session = ChatSession(options)
     reply = session.ask(text, lambda t: (sys.stdout.write(t), sys.stdout.flush()))
     sys.stdout.write("\n")
-    typer.echo(describe(reply), err=True)
+    typer.echo(describe(reply, agent), err=True)
 
 
 @app.command("serve")

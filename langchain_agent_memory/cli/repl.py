@@ -25,6 +25,7 @@ from rich.console import Console
 
 from ..chat.model import ChatAgentMemory
 from ..graph.saver import AgentMemorySaver
+from .common import chat_cache_id, chat_thread
 
 #: The REPL's commands and what each does (``/help`` prints them).
 COMMANDS = {
@@ -71,7 +72,7 @@ class ChatSession:
         builder.add_node("assistant", assistant)
         builder.add_edge(START, "assistant")
         self.graph = builder.compile(checkpointer=self.saver)
-        self.thread: RunnableConfig = {"configurable": {"thread_id": f"chat:{options.agent}"}}
+        self.thread: RunnableConfig = {"configurable": {"thread_id": chat_thread(options.agent)}}
 
     @property
     def messages(self) -> list[BaseMessage]:
@@ -104,14 +105,18 @@ class ChatSession:
         self.saver.delete_thread(self.thread["configurable"]["thread_id"])
 
 
-def describe(reply: AIMessage) -> str:
-    """One line on how a reply was served: cache, reused tokens, time to first token, speed."""
+def describe(reply: AIMessage, agent: str | None = None) -> str:
+    """One line on how a reply was served: whose cache (``agent``: its ``--agent`` name and
+    the cache id the cache commands also take), cache outcome, reused tokens, time to first
+    token, speed."""
     meta, usage = reply.response_metadata, reply.usage_metadata or {}
+    whose = f"agent {agent} (cache {chat_cache_id(agent)}) " if agent else ""
     cached = (usage.get("input_token_details") or {}).get("cache_read", 0)
     out = usage.get("output_tokens", 0)
     speed = f", {out / meta['decode_s']:.1f} tok/s" if meta.get("decode_s") else ""
+    prompt = usage.get("input_tokens", 0)
     return (
-        f"{meta.get('cache', '?')}: {cached} of {usage.get('input_tokens', 0)} prompt tokens from cache, "
+        f"{whose}{meta.get('cache', '?')}: {cached} of {prompt} prompt tokens from cache, "
         f"first token in {meta.get('time_to_first_token_s', 0):.2f} s{speed}"
     )
 

@@ -161,9 +161,21 @@ def test_run_reads_stdin_streams_and_says_how_the_cache_served(smollm: LoadedMod
     first = CliRunner().invoke(app, [*args, "Summarise."], input="Notes: the meeting moved to noon. " * 20)
     assert first.exit_code == 0, first.output
     assert "cold" in first.stderr and "prompt tokens from cache" in first.stderr
+    assert "agent notes (cache chat:notes:assistant)" in first.stderr  # the one naming rule, said
     second = CliRunner().invoke(app, [*args, "And who attends?"])
     assert second.exit_code == 0, second.output
-    assert second.stderr.split(":")[0].split("-")[0] in ("hot", "warm"), second.stderr
+    outcome = second.stderr.split(") ", 1)[1].split(":")[0]
+    assert outcome.split("-")[0] in ("hot", "warm"), second.stderr
     assert second.stdout.strip()  # the streamed answer
     empty = CliRunner().invoke(app, ["run", "--cache-dir", d], input="")
     assert empty.exit_code != 0 and "ask something" in empty.output
+    # Every cache command takes the name run took (it used to find nothing under "notes")
+    assert "notes (cache chat:notes:assistant)" in _run("cache", "show", "notes", "--cache-dir", d)
+    assert "would delete chat:notes:assistant" in _run("cache", "rm", "notes", "--dry-run", "--cache-dir", d)
+    by_thread = _run("cache", "rm", "--thread", "notes", "--dry-run", "--cache-dir", d)
+    assert "would delete chat:notes:assistant" in by_thread
+    nobody = CliRunner().invoke(app, ["cache", "rm", "nobody", "--cache-dir", d])
+    assert nobody.exit_code != 0 and "no stored cache for nobody" in nobody.output
+    assert "deleted 1 agent cache" in _run("cache", "rm", "notes", "--cache-dir", d)
+    missing = CliRunner().invoke(app, ["cache", "show", "notes", "--cache-dir", d])
+    assert missing.exit_code != 0
