@@ -101,7 +101,8 @@ class ChatAgentMemory(BaseChatModel):
 
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
     ``temperature``, ``max_tokens``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``tools``, ``tool_choice``,
-    ``chat_template_kwargs``, ``max_string_chars``.
+    ``chat_template_kwargs``, ``max_string_chars``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -113,6 +114,12 @@ class ChatAgentMemory(BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    #: Against repeats (small models loop without them), over the last 20 tokens:
+    #: ``repetition_penalty`` multiplies (> 1 discourages, e.g. 1.1), ``presence_penalty`` and
+    #: ``frequency_penalty`` subtract (OpenAI's); None or 0: off.
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     kv_bits: Literal[4, 8] | None = 4
@@ -223,6 +230,14 @@ class ChatAgentMemory(BaseChatModel):
         ``ContextLengthError``, a ``langchain_core.exceptions.ContextOverflowError``."""
         return self.engine.context_length
 
+    def penalties(self) -> dict[str, float | None]:
+        """The penalties this model applies by default (``GenerationParams`` fields)."""
+        return {
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+
     # ------------------------------------------------------------------ token counting
 
     def get_token_ids(self, text: str) -> list[int]:
@@ -306,6 +321,7 @@ class ChatAgentMemory(BaseChatModel):
             top_p=kwargs.get("top_p", self.top_p),
             top_k=kwargs.get("top_k", self.top_k),
             min_p=kwargs.get("min_p", self.min_p),
+            **{k: kwargs.get(k, v) for k, v in self.penalties().items()},
             seed=kwargs.get("seed", self.seed),
             stop=stops,
             constraint=constraint,

@@ -52,6 +52,12 @@ class GenerationParams:
     constraint: TokenConstraint | None = None
     #: Stop decoding after this many seconds from the request's start (``"timeout"``).
     timeout_s: float | None = None
+    #: Penalties against repeats (``runner.Penalties``: mlx-lm's logits processors) over the
+    #: last ``penalty_window`` tokens of the prompt and the reply; None: none.
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_window: int = 20
     #: What the caller says of the request, for the engine's request hooks (the engine reads
     #: none of it): the chat model passes its run's ``checkpoint_id`` (a LangGraph run resumed
     #: from an older checkpoint), which a checkpointer's hook rewinds the thread's agents to.

@@ -10,7 +10,8 @@ mlx's global RNG is never touched.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .kv import BatchLayerCache, LayerCache, batch_layer_caches
@@ -21,6 +22,36 @@ from .ops.runtime import mx
 
 #: A decode batch member: (request key, token to feed, its layer caches).
 Member = tuple[Hashable, int | mx.array, list[LayerCache]]
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """Penalties against repeating tokens, as mlx-lm's ``make_logits_processors`` applies
+    them (small models loop without them): ``repetition`` multiplies (> 1 discourages; 1.1
+    is typical), ``presence`` and ``frequency`` subtract (OpenAI's), over the last ``window``
+    tokens of the context and the reply."""
+
+    repetition: float | None = None
+    presence: float | None = None
+    frequency: float | None = None
+    window: int = 20
+
+    @classmethod
+    def of(
+        cls, repetition: float | None, presence: float | None, frequency: float | None, window: int = 20
+    ) -> Penalties | None:
+        if not (repetition or presence or frequency):
+            return None
+        return cls(repetition or None, presence or None, frequency or None, window)
+
+    def processors(self) -> list[Any]:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return make_logits_processors(
+            repetition_penalty=self.repetition, repetition_context_size=self.window,
+            presence_penalty=self.presence, presence_context_size=self.window,
+            frequency_penalty=self.frequency, frequency_context_size=self.window,
+        )  # fmt: skip
 
 
 class Sampler:
@@ -36,29 +67,55 @@ class Sampler:
         constraint: TokenConstraint | None,
         top_k: int = 0,
         min_p: float = 0.0,
+        penalties: Penalties | None = None,
+        context: Sequence[int] = (),
     ) -> None:
         self.temperature, self.top_p, self.constraint = temperature, top_p, constraint
         self.top_k, self.min_p = top_k, min_p
         self.seed = seed if seed is not None else secrets.randbits(62)
+        #: mlx-lm's logits processors for the penalties (none: no penalty), over the last
+        #: tokens of the context and the reply so far (``context`` then each draw).
+        self.processors = penalties.processors() if penalties is not None else []
+        window = penalties.window if penalties is not None else 0
+        self._history: list[int | mx.array] = list(context[-window:]) if window else []
 
     @property
     def greedy(self) -> bool:
-        """Whether the choice is one argmax, batched with others (no grammar)."""
-        return self.temperature == 0 and self.constraint is None
+        """Whether the choice is one argmax, batched with others (no grammar, no penalty)."""
+        return self.temperature == 0 and self.constraint is None and not self.processors
 
     def __call__(self, logits: mx.array, step: int) -> int:
+        logits = self._penalised(logits)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         token = int(self._draw(logits, step).item())
         if self.constraint is not None:
             self.constraint.advance(token)
+        self._remember(token)
         return token
 
     def lazy(self, logits: mx.array, step: int) -> mx.array | None:
         """The token of ``step`` as a lazy array (the same choice as calling the sampler), so
         the next step's graph can be built before it is known; None where the choice needs
         the host first (a grammar masks by the text so far)."""
-        return None if self.constraint is not None else self._draw(logits, step)
+        if self.constraint is not None:
+            return None
+        token = self._draw(self._penalised(logits), step)
+        self._remember(token)
+        return token
+
+    def _penalised(self, logits: mx.array) -> mx.array:
+        if not self.processors or not self._history:
+            return logits
+        tokens = mx.stack([t.reshape(()) if isinstance(t, mx.array) else mx.array(t) for t in self._history])
+        rows = logits[None]
+        for process in self.processors:
+            rows = process(tokens.astype(mx.int32), rows)
+        return rows[0]
+
+    def _remember(self, token: int | mx.array) -> None:
+        if self.processors:
+            self._history.append(token)
 
     def _draw(self, logits: mx.array, step: int) -> mx.array:
         if self.temperature == 0:

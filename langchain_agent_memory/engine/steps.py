@@ -26,7 +26,7 @@ from .results import (
     StreamChunk,
     Timings,
 )
-from .runner import ModelRunner, Sampler
+from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
@@ -121,7 +121,13 @@ class RequestSteps:
                 )
             p = req.params
             req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
-            req.sampler = Sampler(p.temperature, p.top_p, p.seed, p.constraint, p.top_k, p.min_p)
+            penalties = Penalties.of(
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.penalty_window
+            )
+            context = (start.known.ids + start.tail.ids)[-p.penalty_window :] if penalties else []
+            req.sampler = Sampler(
+                p.temperature, p.top_p, p.seed, p.constraint, p.top_k, p.min_p, penalties, context
+            )
             last = (start.tail.ids or start.known.ids)[-1:] or [None]
             req.stream = TextStream(self.tokenizer, p.stop, anchor=last[0] if p.exact_text else None)
             if self.share_prefixes:

@@ -41,6 +41,7 @@ from .protocol import (
     NamedToolChoice,
     SampledRequest,
     call_kwargs,
+    penalty_kwargs,
     to_messages,
 )
 
@@ -300,6 +301,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             seed=body.seed,
             stop=body.stops or [],
             exact_text=True,
+            **{**llm.penalties(), **penalty_kwargs(body)},
         )
         engine, headers, cid = llm.engine, {"X-Agent-ID": agent}, replies.new_id("cmpl-")
         if not body.stream:

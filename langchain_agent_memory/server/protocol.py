@@ -2,8 +2,9 @@
 LangChain messages and ``ChatAgentMemory`` call arguments.
 
 Every sampling field is honoured (``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``seed``, ``stop``, ``max_tokens``) or, where this server cannot honour it, refused with a
-400 that names it (``n > 1``, ``logprobs``, penalties, ``logit_bias``); fields that only
+``seed``, ``stop``, ``max_tokens``, ``presence_penalty``, ``frequency_penalty`` and vLLM's
+``repetition_penalty``) or, where this server cannot honour it, refused with a 400 that
+names it (``n > 1``, ``logprobs``, ``logit_bias``); fields that only
 describe the caller (``metadata``, ``store``, ``parallel_tool_calls``) and unknown fields
 are accepted and ignored, as clients add fields faster than servers learn them.
 
@@ -123,19 +124,16 @@ class SampledRequest(_Lenient):
     n: int = 1
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM / llama.cpp's
     logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = None
 
     def refused(self) -> dict[str, bool]:
         return {
             "n": self.n != 1,
             "logprobs": self.logprobs not in (None, False) or bool(self.top_logprobs),
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
             "logit_bias": bool(self.logit_bias),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
         }
 
     @model_validator(mode="after")
@@ -218,6 +216,18 @@ def _tool_call(index: int, call: ToolCallIn) -> ToolCall:
     return ToolCall(name=call.function.name, args=args, id=call.id, type="tool_call")
 
 
+def penalty_kwargs(req: SampledRequest) -> dict[str, float]:
+    """The request's penalties that are set (0 and a repetition penalty of 1 are off)."""
+    given = {
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    return {
+        k: v for k, v in given.items() if v is not None and v != (1.0 if k == "repetition_penalty" else 0.0)
+    }
+
+
 def call_kwargs(req: ChatCompletionRequest, agent_id: str, max_tokens: int) -> dict[str, Any]:
     """Keyword arguments for ``ChatAgentMemory`` (``invoke(messages, **kwargs)``)."""
     kwargs: dict[str, Any] = {"agent_id": agent_id, "max_tokens": max_tokens}
@@ -231,6 +241,7 @@ def call_kwargs(req: ChatCompletionRequest, agent_id: str, max_tokens: int) -> d
         kwargs["min_p"] = req.min_p
     if req.seed is not None:
         kwargs["seed"] = req.seed
+    kwargs.update(penalty_kwargs(req))
     if req.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         choice = req.tool_choice

@@ -299,3 +299,44 @@ def test_seeded_sampling_in_a_batch_equals_each_alone(smollm: Any, tmp_path: Pat
     got = together(batched, PROMPTS, params)
     assert batched.stats()["max_decode_batch"] >= 2
     assert {agent: r.text for agent, r in got.items()} == expected
+
+
+def test_repeat_penalties_equal_mlx_lm_and_batched_equals_alone(
+    smollm: Any, tmp_path: Path, together: Any
+) -> None:
+    """A repetition penalty (small models loop without one) picks the tokens mlx-lm's own
+    logits processors pick (greedy, the same prompt), changes what greedy decoding says, and
+    several agents decoding together with penalties each say what they say alone."""
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    engine = Engine("smollm2-135m", cache_dir=tmp_path / "a", kv_bits=None)
+    tok = engine.tokenizer
+
+    def chat(text: str) -> str:
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+
+    prompt = chat("Write the word cat many times.")
+    penal = GenerationParams(max_tokens=20, repetition_penalty=1.3, exact_text=True)
+    ours = engine.generate("pen", prompt, penal).text
+    processors = make_logits_processors(repetition_penalty=1.3, repetition_context_size=20)
+    theirs = generate(
+        engine.lm.model,
+        tok,
+        prompt,
+        max_tokens=20,
+        sampler=make_sampler(temp=0.0),
+        logits_processors=processors,
+    )
+    assert ours == theirs
+    plain = engine.generate("plain", prompt, GenerationParams(max_tokens=20, exact_text=True)).text
+    assert plain != ours  # the penalty was applied
+    prompts = {f"p{i}": chat(q) for i, q in enumerate(["Count to twenty.", "Name many fruits.", "Say hi."])}
+    mixed = {"p0": penal, "p1": GenerationParams(max_tokens=20, presence_penalty=0.8, frequency_penalty=0.4),
+             "p2": GenerationParams(max_tokens=20)}  # fmt: skip
+    alone_engine = Engine("smollm2-135m", cache_dir=tmp_path / "b", kv_bits=None)
+    alone = {a: alone_engine.generate(a, p, mixed[a]).text for a, p in prompts.items()}
+    both = together(engine, prompts, mixed)
+    assert {a: r.text for a, r in both.items()} == alone

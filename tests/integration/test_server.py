@@ -25,6 +25,7 @@ import uvicorn
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 
+from langchain_agent_memory import ChatAgentMemory
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.registry import shared_engine
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
@@ -475,9 +476,33 @@ def test_top_k_and_min_p_are_honoured(client: openai.OpenAI) -> None:
         assert sampled.choices[0].message.content == greedy, extra
 
 
+def test_penalties_are_honoured(client: openai.OpenAI, smollm: LoadedModel, tmp_path: Path) -> None:
+    """presence / frequency (OpenAI's) and repetition (vLLM's) penalties change a greedy
+    reply as ChatAgentMemory's own do (they used to be refused)."""
+    messages = [{"role": "user", "content": "Write the word cat many times."}]
+    plain = _complete(client, "pen-plain", messages, max_tokens=16).choices[0].message.content
+    for i, extra in enumerate(
+        ({"repetition_penalty": 1.3}, {"presence_penalty": 1.5, "frequency_penalty": 1.0})
+    ):
+        sent = (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                temperature=0,
+                max_tokens=16,
+                extra_body=extra,
+                **_agent(f"pen-{i}"),
+            )
+            .choices[0]
+            .message.content
+        )
+        here = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=16, **extra).invoke(messages[0]["content"])
+        assert sent == here.content != plain, extra
+
+
 def test_unsupported_fields_are_refused_by_name_in_openai_error_shapes(server: tuple[str, Path]) -> None:
-    r = _post(server, _ok(repetition_penalty=1.3))
-    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+    r = _post(server, _ok(logit_bias={"42": 5}))
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "invalid_request_error"
     wrong_key = _post(server, _ok(), {"Authorization": "Bearer nope"}).json()["error"]
     assert (wrong_key["type"], wrong_key["code"]) == ("invalid_request_error", "invalid_api_key")
