@@ -31,13 +31,11 @@ from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import (
     Runnable,
-    RunnableConfig,
     RunnableLambda,
     RunnableMap,
     RunnablePassthrough,
     ensure_config,
 )
-from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -50,7 +48,8 @@ from ..engine.storage.blocks import validate_agent_id
 from ..engine.storage.budget import parse_age, parse_size
 from . import prompt, reasoning
 from .errors import langchain_errors
-from .namespace import BATCH_INDEX, agent_namespace
+from .fan_out import ItemsOnTheirOwnAgents
+from .namespace import agent_namespace
 from .profile import model_profile
 from .replies import (
     ChatRequest,
@@ -68,7 +67,7 @@ from .tool_formats import tool_format
 _ANY_TOOL = ("any", "required", True)
 
 
-class ChatAgentMemory(BaseChatModel):
+class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
     """Chat model on a local MLX model with a persistent KV cache per agent.
 
     Args:
@@ -118,6 +117,10 @@ class ChatAgentMemory(BaseChatModel):
     #: ``repetition_penalty`` multiplies (> 1 discourages, e.g. 1.1), ``presence_penalty`` and
     #: ``frequency_penalty`` subtract (OpenAI's); None or 0: off.
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    #: ``context_length=N``: this model's calls hold at most N tokens (prompt and reply),
+    #: under the engine's own (the model's trained context): a longer prompt raises
+    #: ``ContextLengthError``. Read ``context_length`` for the bound in force.
+    context_limit: int | None = Field(default=None, ge=2, alias="context_length")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
@@ -222,13 +225,21 @@ class ChatAgentMemory(BaseChatModel):
         return params
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        return model_profile(self.model_name)
+        profile = model_profile(self.model_name)
+        if profile is not None and self.context_limit is not None:  # what a trimming middleware reads
+            held = profile.get("max_input_tokens")
+            profile = {
+                **profile,
+                "max_input_tokens": min(held, self.context_limit) if held else self.context_limit,
+            }
+        return profile
 
     @property
     def context_length(self) -> int:
         """Most tokens (prompt and reply) one call can hold; a longer prompt raises
         ``ContextLengthError``, a ``langchain_core.exceptions.ContextOverflowError``."""
-        return self.engine.context_length
+        engine = self.engine.context_length
+        return engine if self.context_limit is None else min(engine, self.context_limit)
 
     def penalties(self) -> dict[str, float | None]:
         """The penalties this model applies by default (``GenerationParams`` fields)."""
@@ -322,6 +333,7 @@ class ChatAgentMemory(BaseChatModel):
             top_k=kwargs.get("top_k", self.top_k),
             min_p=kwargs.get("min_p", self.min_p),
             **{k: kwargs.get(k, v) for k, v in self.penalties().items()},
+            context_length=self.context_limit,
             seed=kwargs.get("seed", self.seed),
             stop=stops,
             constraint=constraint,
@@ -386,68 +398,6 @@ class ChatAgentMemory(BaseChatModel):
                     if run_manager and out.text:
                         await run_manager.on_llm_new_token(out.text, chunk=out)
                     yield out
-
-    # ------------------------------------------------------------------ fan-out
-
-    def batch(
-        self,
-        inputs: list[LanguageModelInput],
-        config: RunnableConfig | list[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[AIMessage]:
-        """Every item on its own agent (``#{index}``, see ``namespace``): they run and
-        decode together, the prompt prefix they share is prefilled once, and no item
-        overwrites another's cache. An explicit ``agent_id`` puts them all on that one
-        agent (one after another)."""
-        configs = self._per_item(inputs, config, kwargs)
-        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[return-value]
-
-    async def abatch(
-        self,
-        inputs: list[LanguageModelInput],
-        config: RunnableConfig | list[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[AIMessage]:
-        configs = self._per_item(inputs, config, kwargs)
-        return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[return-value]
-
-    def batch_as_completed(  # type: ignore[override]
-        self,
-        inputs: Sequence[LanguageModelInput],
-        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> Iterator[tuple[int, AIMessage | Exception]]:
-        configs = self._per_item(inputs, config, kwargs)
-        yield from super().batch_as_completed(inputs, configs, return_exceptions=return_exceptions, **kwargs)  # type: ignore[misc]
-
-    async def abatch_as_completed(  # type: ignore[override]
-        self,
-        inputs: Sequence[LanguageModelInput],
-        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> AsyncIterator[tuple[int, AIMessage | Exception]]:
-        configs = self._per_item(inputs, config, kwargs)
-        async for item in super().abatch_as_completed(
-            inputs, configs, return_exceptions=return_exceptions, **kwargs
-        ):
-            yield item  # type: ignore[misc]
-
-    def _per_item(
-        self, inputs: Sequence[Any], config: Any, kwargs: dict[str, Any]
-    ) -> list[RunnableConfig] | Any:
-        """Each item's config with its batch index in the run metadata (``namespace``)."""
-        if kwargs.get("agent_id") or self.agent_id or len(inputs) < 2:
-            return config
-        configs = get_config_list(config, len(inputs))
-        return [{**c, "metadata": {**c.get("metadata", {}), BATCH_INDEX: i}} for i, c in enumerate(configs)]
 
     # ------------------------------------------------------------------ tools and structure
 

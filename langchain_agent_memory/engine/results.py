@@ -58,6 +58,9 @@ class GenerationParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     penalty_window: int = 20
+    #: This request's own bound on prompt and reply tokens, under the engine's (None: the
+    #: engine's): a caller's smaller context window.
+    context_length: int | None = None
     #: What the caller says of the request, for the engine's request hooks (the engine reads
     #: none of it): the chat model passes its run's ``checkpoint_id`` (a LangGraph run resumed
     #: from an older checkpoint), which a checkpointer's hook rewinds the thread's agents to.

@@ -114,13 +114,14 @@ class RequestSteps:
             start = self.agents.admit(req.agent_id, req.prompt)
             req.start, req.timings.load_s = start, start.load_s
             prompt_tokens = start.reused + len(start.tail)
-            if prompt_tokens >= self.context_length:
+            p = req.params
+            limit = min(self.context_length, p.context_length or self.context_length)
+            if prompt_tokens >= limit:
                 raise ContextLengthError(
                     f"the prompt is {prompt_tokens} tokens; {self.model_name} reads at most "
-                    f"{self.context_length} (prompt and reply): shorten the messages or start a new agent"
+                    f"{limit} here (prompt and reply): shorten the messages or start a new agent"
                 )
-            p = req.params
-            req.max_new = min(p.max_tokens, self.context_length - prompt_tokens)
+            req.max_new = min(p.max_tokens, limit - prompt_tokens)
             penalties = Penalties.of(
                 p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.penalty_window
             )

@@ -69,6 +69,21 @@ def test_profile_and_context_length_come_from_the_model(smollm: LoadedModel, tmp
     }
 
 
+def test_a_context_length_of_its_own_bounds_one_models_calls(smollm: LoadedModel, tmp_path: Path) -> None:
+    """``ChatAgentMemory(context_length=N)``: this model's calls hold at most N tokens (the
+    engine, shared with other models of the process, keeps its own), and its profile says N
+    to a trimming middleware."""
+    small = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2, context_length=64)
+    assert (
+        small.context_length == 64 and small.profile is not None and small.profile["max_input_tokens"] == 64
+    )
+    text = corpus.apache_license()[:1000]
+    with pytest.raises(ContextOverflowError, match="reads at most 64"):
+        small.invoke([HumanMessage(text)], agent_id="small")
+    roomy = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2)
+    assert roomy.context_length == 8192 and roomy.invoke([HumanMessage(text)], agent_id="roomy").content
+
+
 def test_an_over_long_prompt_raises_context_overflow(smollm: LoadedModel, tmp_path: Path) -> None:
     llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2)
     text = corpus.apache_license()
