@@ -216,3 +216,37 @@ def test_a_structured_reply_cut_off_by_max_tokens_is_an_error_not_a_repaired_obj
     assert isinstance(person["parsed"], Person), person
     # only the schema's keys: the object is closed (it used to grow keys until the budget ran out)
     assert set(json.loads(person["raw"].content)) == {"name", "hobbies"}
+
+
+def test_langchain_create_agent_runs_on_the_chat_model_and_the_saver(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """LangChain 1.x's ``create_agent`` (``create_react_agent``'s successor) with
+    ``ChatAgentMemory`` and ``AgentMemorySaver``, and a summarisation middleware that trims
+    the history: every turn of the thread runs, the agent's next turn reuses its cache, and
+    the summariser's calls keep a cache of their own (they never overwrite the agent's)."""
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    from langchain_agent_memory import AgentMemorySaver
+
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=8)
+    summarise = SummarizationMiddleware(model=llm, trigger=("messages", 6), keep=("messages", 2))
+    with AgentMemorySaver(cache_dir=tmp_path) as saver:
+        agent = create_agent(
+            llm,
+            tools=[get_weather],
+            system_prompt="You answer briefly.",
+            middleware=[summarise],
+            checkpointer=saver,
+        )
+        config = {"configurable": {"thread_id": "lc1"}}
+        replies = []
+        for question in ("Hello!", "What is 2+2?", "Name a colour.", "Name a fruit.", "Thanks."):
+            state = agent.invoke({"messages": [HumanMessage(question)]}, config)
+            replies.append(state["messages"][-1])
+        assert all(isinstance(r, AIMessage) for r in replies)
+        assert replies[1].response_metadata["cached_tokens"] > 0  # the second turn reused the first's cache
+        agents = {r.agent_id for r in llm.engine.agent_records("lc1:")}
+        assert any(a.startswith("lc1:model") for a in agents), agents
+        assert len(agents) >= 2, agents  # the summariser's calls: an agent of their own
