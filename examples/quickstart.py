@@ -6,8 +6,9 @@ Each agent is a graph node that calls ``ChatAgentMemory()``; its KV cache is pic
 (>= 1K tokens): a licensing assistant that holds the Apache License 2.0, and a Python
 tutor that holds three topics of the Python reference manual. Every turn re-sends the
 whole conversation, as a chat app does; the engine recognises the agent's earlier text and
-prefills only the new turn. Run it twice: the second run starts warm, from the caches the
-first one left on disk.
+prefills only the new turn. The graph is checkpointed by ``AgentMemorySaver`` (in the cache
+directory, beside the caches): run it again and the same thread resumes after the restart,
+its conversations and its agents' caches together: the next turn starts warm, from disk.
 
     python examples/quickstart.py [--max-tokens 48] [--model smollm2-135m] [--fresh]
 """
@@ -20,12 +21,11 @@ import time
 from typing import Annotated, TypedDict
 
 from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
-from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 from rich.console import Console
 from rich.table import Table
 
-from langchain_agent_memory import ChatAgentMemory, corpus
+from langchain_agent_memory import AgentMemorySaver, ChatAgentMemory, corpus
 
 THREAD = "quickstart"
 
@@ -63,7 +63,7 @@ class State(TypedDict):
 
 def agent_node(llm: ChatAgentMemory, name: str, system: str, questions: list[str]):  # type: ignore[no-untyped-def]
     def run(state: State) -> dict:
-        question = HumanMessage(questions[state["turn"]])
+        question = HumanMessage(questions[state["turn"] % len(questions)])
         history = state[name]  # type: ignore[literal-required]
         reply = llm.invoke([SystemMessage(system), *history, question])
         meta, usage = reply.response_metadata, reply.usage_metadata or {}
@@ -107,22 +107,27 @@ def main() -> None:
         graph.add_edge(previous, name)
         previous = name
     graph.add_edge(previous, END)
-    app = graph.compile(checkpointer=InMemorySaver())
-    if args.fresh:
-        for name in team():
-            engine.delete(f"{THREAD}:{name}")
-
+    saver = AgentMemorySaver()  # checkpoints and caches in the same cache directory
+    app = graph.compile(checkpointer=saver)
     config = {"configurable": {"thread_id": THREAD}}
+    if args.fresh:
+        saver.delete_thread(THREAD)  # the conversation and its agents' caches
+    # A run after a restart resumes the thread where the last one left it.
+    before = app.get_state(config).values
+    done, shown = len(before.get("licensing", [])) // 2, len(before.get("rows", []))
+    if done:
+        console.print(f"resuming thread [bold]{THREAD}[/] after {done} turns (its caches are on disk)")
     state: dict = {}
-    for turn in range(3):  # the checkpointer carries each agent's history to the next turn
+    for turn in range(done, done + 3):  # the checkpointer carries each agent's history to the next turn
         state = app.invoke({"turn": turn, "licensing": [], "python_tutor": [], "rows": []}, config)
     table = Table(title="time to first token per turn")
     for col in ("agent (thread:node)", "turn", "prompt tokens", "reused", "cache", "TTFT s", "decode tok/s"):
         table.add_column(col, justify="right")
-    for agent, turn, prompt_tokens, reused, cache, ttft, tps, question, answer in state["rows"]:
+    for agent, turn, prompt_tokens, reused, cache, ttft, tps, question, answer in state["rows"][shown:]:
         console.print(f"[bold]{agent}[/] turn {turn}: {question}\n  -> {answer}")
         table.add_row(agent, str(turn), str(prompt_tokens), str(reused), cache, f"{ttft:.2f}", f"{tps:.1f}")
     console.print(table)
+    saver.close()
 
 
 if __name__ == "__main__":
