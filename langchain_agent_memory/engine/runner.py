@@ -76,8 +76,8 @@ class Sampler:
         #: mlx-lm's logits processors for the penalties (none: no penalty), over the last
         #: tokens of the context and the reply so far (``context`` then each draw).
         self.processors = penalties.processors() if penalties is not None else []
-        window = penalties.window if penalties is not None else 0
-        self._history: list[int | mx.array] = list(context[-window:]) if window else []
+        self._window = penalties.window if penalties is not None else 0
+        self._history: list[int | mx.array] = list(context[-self._window :]) if self._window else []
 
     @property
     def greedy(self) -> bool:
@@ -115,7 +115,9 @@ class Sampler:
 
     def _remember(self, token: int | mx.array) -> None:
         if self.processors:
-            self._history.append(token)
+            # The processors read the last ``window`` tokens only: older ones would be
+            # stacked into every step's graph for nothing (a long reply grew it each step).
+            self._history = [*self._history[-(self._window - 1) :], token] if self._window > 1 else [token]
 
     def _draw(self, logits: mx.array, step: int) -> mx.array:
         if self.temperature == 0:
