@@ -343,7 +343,8 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
         )
         thinks = self.reasoning and not forced and schema is None  # constrained replies do not think
         opened = thinks and reasoning.prompt_opens_thinking(text)
-        return ChatRequest(engine, agent, text, params, fmt if tools else None, bool(forced), thinks, opened)
+        names = tuple(t["function"]["name"] for t in forced)
+        return ChatRequest(engine, agent, text, params, fmt if tools else None, names, thinks, opened)
 
     def _generate(
         self,

@@ -22,10 +22,19 @@ from .tool_formats import ToolFormat
 
 #: ``tool_choice`` values that force some tool call.
 _ANY_TOOL = ("any", "required", True)
+#: Finish reasons of a reply cut short (by ``max_tokens``, by the timeout).
+_CUT = ("length", "timeout")
+
+
+def cut_short(message_or_reason: AIMessage | str | None) -> bool:
+    """Whether a reply (or its ``finish_reason``) ended before the model finished it."""
+    if isinstance(message_or_reason, AIMessage):
+        message_or_reason = message_or_reason.response_metadata.get("finish_reason")
+    return message_or_reason in _CUT
 
 
 class ChatRequest:
-    __slots__ = ("agent", "engine", "hide_text", "opened", "params", "text", "thinks", "tools")
+    __slots__ = ("agent", "engine", "forced", "opened", "params", "text", "thinks", "tools")
 
     def __init__(
         self,
@@ -34,23 +43,32 @@ class ChatRequest:
         text: str,
         params: GenerationParams,
         tools: ToolFormat | None,
-        hide_text: bool,
+        forced: tuple[str, ...],
         thinks: bool,
         opened: bool,
     ) -> None:
         self.engine, self.agent, self.text, self.params = engine, agent, text, params
         self.tools = tools  # the format replies are parsed in for calls (None: no tools offered)
-        self.hide_text = hide_text
+        self.forced = forced  # the tools a forced call is to (the reply is the call, held to its end)
         self.thinks, self.opened = thinks, opened  # split reasoning; the prompt opened <think>
+
+    @property
+    def hide_text(self) -> bool:
+        return bool(self.forced)
 
     def split(self, text: str, partial: bool = False) -> tuple[str, str]:
         """(reasoning, answer) of a reply (or of one still being generated)."""
         return reasoning.split(text, self.opened, partial) if self.thinks else ("", text)
 
-    def parse(self, text: str) -> tuple[str, str, list[Any], list[Any]]:
-        """(reasoning, content, tool calls, invalid calls) of a whole reply."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str, str, list[Any], list[Any]]:
+        """(reasoning, content, tool calls, invalid calls) of a whole reply; ``cut``: it was
+        cut short, and a forced call is then the call as far as it went (``cut_call``)."""
         thought, answer = self.split(text)
         content, calls, invalid = self.tools.parse(answer) if self.tools is not None else (answer, [], [])
+        if cut and self.forced and self.tools is not None and not calls:  # the reply is the call
+            call = self.tools.cut_call(answer, self.forced)
+            whole = call["type"] == "tool_call"  # only the text closing it was cut
+            content, calls, invalid = "", [call] if whole else [], [] if whole else [call]
         if thought and content.lstrip().startswith("<|"):
             content = reasoning.strip_headers(content)
         return thought, content, calls, invalid
@@ -121,7 +139,7 @@ def response_metadata(req: ChatRequest, result: GenerationResult) -> dict[str, A
 
 
 def chat_result(req: ChatRequest, result: GenerationResult) -> ChatResult:
-    thought, content, calls, invalid = req.parse(result.text)
+    thought, content, calls, invalid = req.parse(result.text, cut_short(result.finish_reason))
     message = AIMessage(
         content=content,
         additional_kwargs={"reasoning_content": thought} if thought else {},
@@ -210,15 +228,16 @@ class StreamShaper:
 
 def whole_reply(message: AIMessage) -> AIMessage:
     """``message`` if its generation ended by itself; an ``OutputParserException`` if
-    ``max_tokens`` cut it off (a structured reply or a forced call cut short is not valid
-    however much of it parses: LangChain's partial-JSON parser would "repair" it into an
-    object with missing or truncated values). With ``include_raw=True`` the error is the
-    ``parsing_error`` and the raw message is kept."""
-    if message.response_metadata.get("finish_reason") == "length":
+    ``max_tokens`` (or the timeout) cut it off (a structured reply or a forced call cut short
+    is not valid however much of it parses: LangChain's partial-JSON parser would "repair" it
+    into an object with missing or truncated values). With ``include_raw=True`` the error is
+    the ``parsing_error`` and the raw message is kept."""
+    if cut_short(message):
         used = (message.usage_metadata or {}).get("output_tokens", "?")
+        limit = "max_tokens" if message.response_metadata["finish_reason"] == "length" else "timeout"
         raise OutputParserException(
-            f"the structured reply was cut off at max_tokens ({used} tokens generated) before the "
-            "object was complete; raise max_tokens (or lower max_string_chars) and call again",
+            f"the structured reply was cut off at {limit} ({used} tokens generated) before the "
+            f"object was complete; raise {limit} (or lower max_string_chars) and call again",
             llm_output=str(message.content),
         )
     return message

@@ -75,6 +75,31 @@ class ToolFormat:
             tools, self.open, self.close, args_key=self.args_key, max_string_chars=max_string_chars
         )
 
+    def cut_call(self, text: str, names: Sequence[str]) -> ToolCall | InvalidToolCall:
+        """The one call of a forced reply (``grammar``) that was cut short, by ``max_tokens``
+        or a timeout: a call if its arguments were complete (only the text closing the call
+        was cut), else an invalid call with the arguments' text as far as it went (OpenAI
+        returns such a call so too) and its name: as written, or the only tool it can be."""
+        if self.name == "harmony":
+            head = re.search(r"to=functions\.([\w.\-]+)\s", text)
+            body = re.search(r"<\|message\|>(.*)", text, re.DOTALL)
+        else:  # {"name": ..., "<args_key>": {...}}, the name first (``tool_call_grammar``)
+            head = re.search(r'"name"\s*:\s*"([^"\\]*)"', text)
+            body = re.search(rf'"{self.args_key}"\s*:\s*(.*)', text, re.DOTALL)
+        name = head.group(1) if head else (names[0] if len(names) == 1 else None)
+        args = body.group(1).strip() if body else ""
+        with contextlib.suppress(ValueError):
+            value, _ = json.JSONDecoder().raw_decode(args)
+            if name is not None and isinstance(value, dict):
+                return ToolCall(name=name, args=value, id=_new_id(), type="tool_call")
+        return InvalidToolCall(
+            name=name,
+            args=args,
+            id=_new_id(),
+            error="the tool call was cut off (max_tokens or the timeout) before its arguments were complete",
+            type="invalid_tool_call",
+        )
+
     def call_id(self, call_id: str | None) -> str:
         """The id a template is shown for a call (Mistral's accept 9 letters or digits only)."""
         if self.name != "mistral":

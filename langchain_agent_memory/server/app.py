@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..chat.model import ChatAgentMemory
+from ..chat.replies import forced_tools
 from ..engine.engine import ContextLengthError, Engine, GenerationParams
 from ..engine.model.loading import DEFAULT_MODEL
 from ..engine.storage.blocks import AgentRecord, is_internal, validate_agent_id
@@ -339,11 +340,19 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
             return JSONResponse(replies.completion(cid, body.model, message), headers=headers)
 
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = replies.ChunkWriter(cid, body.model, include_usage)
+        if forced_tools(kwargs.get("tools") or [], kwargs.get("tool_choice")):
+            # A forced call streams no text (the reply is the call, held to its end): it is
+            # generated whole, so that one cut off by max_tokens is sent as the call as far
+            # as it went (a stream's chunks would give it back as text).
+            with _as_api_errors():
+                message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
+            sent = _sent([writer.first(), *writer.whole(message)])
+            return EventSourceResponse(sent, headers=headers, ping=15)
         chunks = aiter(llm.astream(messages, stop=body.stops, **kwargs))
         with _as_api_errors():  # errors before the first token still get a status code
             first = await anext(chunks)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = replies.ChunkWriter(cid, body.model, include_usage)
         events = _events(first, chunks, writer.text, [writer.first()])
         return EventSourceResponse(events, headers=headers, ping=15)
 
@@ -374,6 +383,13 @@ async def _events(
         yield {"data": "[DONE]"}
     finally:  # the client went away: closing the stream stops decoding
         await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _sent(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """A reply generated whole, as SSE events."""
+    for out in chunks:
+        yield {"data": json.dumps(out, ensure_ascii=False)}
+    yield {"data": "[DONE]"}
 
 
 @contextmanager

@@ -39,9 +39,12 @@ def usage(message: AIMessage) -> dict[str, Any]:
 
 
 def finish_reason(message: AIMessage) -> str:
-    if message.tool_calls:
+    """OpenAI's: ``tool_calls`` for a reply that calls a tool, ``length`` for one cut short
+    (a call it was making is returned as far as it went, see ``tool_calls``)."""
+    reason = _FINISH.get(message.response_metadata.get("finish_reason", "stop"), "stop")
+    if message.tool_calls or (message.invalid_tool_calls and reason != "length"):
         return "tool_calls"
-    return _FINISH.get(message.response_metadata.get("finish_reason", "stop"), "stop")
+    return reason
 
 
 def agent_memory(message: AIMessage) -> dict[str, Any]:
@@ -49,13 +52,14 @@ def agent_memory(message: AIMessage) -> dict[str, Any]:
 
 
 def tool_calls(message: AIMessage) -> list[dict[str, Any]]:
+    """The reply's calls; one that did not parse (a forced call cut off by ``max_tokens``)
+    with its arguments' text as far as it went, as OpenAI returns it (``ChatOpenAI`` makes
+    it an ``invalid_tool_calls`` entry)."""
+    valid = [(c["id"], c["name"], json.dumps(c["args"], ensure_ascii=False)) for c in message.tool_calls]
+    invalid = [(c["id"], c["name"] or "", c["args"] or "") for c in message.invalid_tool_calls]
     return [
-        {
-            "id": c["id"],
-            "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)},
-        }
-        for c in message.tool_calls
+        {"id": cid or new_id("call_"), "type": "function", "function": {"name": name, "arguments": args}}
+        for cid, name, args in valid + invalid
     ]
 
 
@@ -65,8 +69,9 @@ def completion(cid: str, model: str, message: AIMessage) -> dict[str, Any]:
     thought = message.additional_kwargs.get("reasoning_content")
     if thought:  # as vLLM, llama.cpp and DeepSeek's API return a thinking model's reasoning
         reply["reasoning_content"] = thought
-    if message.tool_calls:
-        reply["tool_calls"] = tool_calls(message)
+    calls = tool_calls(message)
+    if calls:
+        reply["tool_calls"] = calls
     elif reply["content"] is None:
         reply["content"] = ""
     return {
@@ -117,6 +122,16 @@ class ChunkWriter:
             usage_metadata=chunk.usage_metadata,
             response_metadata=chunk.response_metadata,
         )
+        return out + self.close(whole)
+
+    def whole(self, message: AIMessage) -> list[dict[str, Any]]:
+        """The chunks after ``first`` for a reply generated whole (a forced tool call)."""
+        return [*([self._chunk({"content": message.text})] if message.text else []), *self.close(message)]
+
+    def close(self, whole: AIMessage) -> list[dict[str, Any]]:
+        """The last chunks: the reply's tool calls (all of it is known now), the finish
+        reason, the usage if asked for."""
+        out = []
         calls = tool_calls(whole)
         if calls:
             out.append(self._chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))

@@ -4,11 +4,13 @@ of every kind render."""
 
 from __future__ import annotations
 
+import json
 import operator
 from pathlib import Path
 from typing import Annotated, TypedDict
 
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import BaseModel
 
@@ -124,6 +126,36 @@ def test_forced_tool_choice_yields_a_valid_call(smollm: LoadedModel, tmp_path: P
         call = reply.tool_calls[0]
         assert call["name"] == "_magic_function" and isinstance(call["args"]["input"], int)
         assert set(call["args"]) == {"input"}
+
+
+def _get_weather(city: str) -> str:
+    """Current weather in a city."""
+    return "sunny"
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_an_invalid_call_not_nothing(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """A forced call cut off by ``max_tokens`` used to come back with no name
+    (``invalid_tool_calls[0]["args"]`` the whole ``{"name": ..., "arguments": ...`` payload):
+    now it is the call as far as it went, its name and the arguments' text (as OpenAI returns
+    it), ``finish_reason="length"``; streamed, it comes back as the text it was (a chunk's
+    tool calls are re-parsed leniently: a cut call would pass as a whole one)."""
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=20)
+    forced = llm.bind_tools([_get_weather], tool_choice="any")
+    reply = forced.invoke("What is the weather in Paris?")
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert not reply.tool_calls and reply.content == "" and len(reply.invalid_tool_calls) == 1, reply
+    cut = reply.invalid_tool_calls[0]
+    assert cut["name"] == "_get_weather" and cut["args"] and '{"city": "Paris"}'.startswith(cut["args"]), cut
+    with pytest.raises(ValueError):
+        json.loads(cut["args"])
+    streamed = _joined(forced.stream("What is the weather in Paris?"))
+    assert streamed.response_metadata["finish_reason"] == "length" and not streamed.tool_calls
+    assert '"name": "_get_weather"' in streamed.text and streamed.text.endswith(cut["args"]), streamed
+    # with_structured_output's forced call: an error, as for a JSON reply cut short
+    with pytest.raises(OutputParserException, match="cut off at max_tokens"):
+        llm.with_structured_output(_get_weather, method="function_calling").invoke("Weather in Paris?")
 
 
 def test_unknown_tool_choice_is_a_clear_error(tmp_path: Path) -> None:

@@ -181,6 +181,45 @@ def test_forced_tool_call_then_tool_result_round_trip(client: openai.OpenAI) -> 
     assert answer.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
 
 
+def test_a_forced_call_cut_off_by_max_tokens_comes_back_as_the_call_so_far(
+    client: openai.OpenAI, server: tuple[str, Path]
+) -> None:
+    """It used to come back as ``tool_calls=None, content=''`` (streamed: its text as
+    content). As OpenAI does: ``finish_reason="length"`` and the call with its name and the
+    arguments' text as far as they went, whole or streamed; ``ChatOpenAI`` makes it an
+    ``invalid_tool_calls`` entry."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = _complete(client, "oa-cut", ask, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=20)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
+    (call,) = r.choices[0].message.tool_calls
+    args = call.function.arguments
+    assert call.function.name == "get_weather" and call.id
+    assert args and '{"city": "Paris"}'.startswith(args), args
+    with pytest.raises(ValueError):
+        json.loads(args)
+
+    text, chunks = _stream_text(
+        client, "oa-cut-stream", ask, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=20
+    )
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert not text and [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", args)]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=server[0] + "/v1",
+        api_key=KEY,
+        temperature=0,
+        max_tokens=20,
+        max_retries=0,
+        default_headers={"X-Agent-ID": "lc-cut"},
+    )
+    reply = llm.bind_tools([WEATHER_TOOL], tool_choice="get_weather").invoke(ask[0]["content"])
+    assert reply.response_metadata["finish_reason"] == "length" and not reply.tool_calls
+    assert [(c["name"], c["args"]) for c in reply.invalid_tool_calls] == [("get_weather", args)]
+
+
 def test_json_schema_response_format_parses(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
