@@ -92,8 +92,6 @@ class Engine(AgentAdmin):
             cfg.quant,
             cfg.attention,
         )
-        for layer in self.spec.layers:
-            self.quant.check_dims(layer.k_head_dim, layer.v_head_dim)
         self.fingerprint = model_fingerprint(
             self.lm.path, self.spec, self.quant, get_settings().cache_dir / "models"
         )

@@ -68,7 +68,9 @@ def clone_with_format(caches: list[Any], quant: Any, serve_stored: bool = False)
 
     out = []
     for c in caches:
-        n = LayerCache(c.spec, quant, c.dtype, serve_stored=serve_stored)
+        n = LayerCache(
+            c.spec, quant.for_dims(c.spec.k_head_dim, c.spec.v_head_dim), c.dtype, serve_stored=serve_stored
+        )
         n.start, n.offset = c.start, c.offset
         n.set_pending(c.pending_k, c.pending_v)
         out.append(n)
@@ -138,7 +140,8 @@ def kv_roundtrip_errors(caches: list[Any], quant: Any) -> list[tuple[float, floa
     out = []
     for c in caches:
         errs = []
-        for x, codec in ((c.pending_k, quant.keys), (c.pending_v, quant.values)):
+        fitted = quant.for_dims(c.spec.k_head_dim, c.spec.v_head_dim)
+        for x, codec in ((c.pending_k, fitted.keys), (c.pending_v, fitted.values)):
             x = x.astype(mx.float32)
             back = codec.decode(codec.encode(x), mx.float32)
             if codec.rotate:

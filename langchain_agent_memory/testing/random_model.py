@@ -23,7 +23,7 @@ _SMALL_VOCAB = 49152  # SmolLM2's tokenizer
 
 #: Small configs, one per supported family: a few layers, the family's distinguishing
 #: features kept (GQA, biases, q/k norms, fused qkv, sliding windows, sinks, MoE, MLA).
-#: Head widths are multiples of 64 so that every KV format applies.
+#: Heads are 64 wide; ``WIDTH_CONFIGS`` has the other widths.
 SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
         "model_type": "llama",
@@ -150,6 +150,29 @@ SMALL_CONFIGS["deepseek_v3"] = {
     "model_type": "deepseek_v3",
     "q_lora_rank": 64,
     "rope_scaling": None,
+}
+
+#: The head widths of real models other than 64, each on a family that has it, for the
+#: default KV format (``TensorCodec.for_width``): 72 (no rotation block), 80 (no group
+#: tiles it: padded), 96 (Phi-3-mini: hidden 3072 over 32 heads), 128, 192 / 128 (MLA keys /
+#: values), 256 (Gemma 3).
+WIDTH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-hd72": {
+        **SMALL_CONFIGS["llama"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 72,
+    },
+    "llama-hd80": {
+        **SMALL_CONFIGS["llama"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 80,
+    },
+    "phi3-hd96": {**SMALL_CONFIGS["phi3"], "hidden_size": 192},
+    "qwen3-hd128": {**SMALL_CONFIGS["qwen3"], "head_dim": 128},
+    "gemma3_text-hd256": {**SMALL_CONFIGS["gemma3_text"], "head_dim": 256, "query_pre_attn_scalar": 256},
+    "deepseek_v2-mla192": {**SMALL_CONFIGS["deepseek_v2"], "qk_nope_head_dim": 128, "v_head_dim": 128},
 }
 
 #: Published shapes of the models users run at scale (from their ``config.json``), for GPU

@@ -27,7 +27,7 @@ from langchain_agent_memory.engine.model.families import UnsupportedModelError
 from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
 from langchain_agent_memory.engine.ops import device
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
+from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, WIDTH_CONFIGS, write_random_model
 
 pytestmark = pytest.mark.gpu
 
@@ -54,9 +54,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> 
                 built[family, dtype] = resolve_model_dir("smollm2-135m", weight_dtype=dtype)[0]
             else:
                 out = root / f"{family}-{dtype}"
-                built[family, dtype] = write_random_model(
-                    SMALL_CONFIGS[family], out, smollm.path, seed=7, dtype=dtype
-                )
+                config = {**SMALL_CONFIGS, **WIDTH_CONFIGS}[family]
+                built[family, dtype] = write_random_model(config, out, smollm.path, seed=7, dtype=dtype)
         return built[family, dtype]
 
     return get
@@ -102,7 +101,7 @@ def test_reload_and_diverge_equal_the_uninterrupted_and_cold_runs(
 
 
 @pytest.mark.parametrize("attention", ["stored", "copy"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + sorted(WIDTH_CONFIGS))
 def test_default_4bit_format_reloads_like_the_hot_run(
     family: str, attention: str, model_dir: Callable[[str, str], Path], tmp_path: Path
 ) -> None:

@@ -63,18 +63,67 @@ def test_rotation_reduces_the_error_of_outlier_keys() -> None:
     assert _rel(back, k) < 0.7 * err_plain
 
 
-def _attention_error(kv: KVQuant, n_queries: int) -> float:
-    """Relative error of attention over committed keys stored as ``kv`` vs float32."""
-    k, v = _kv()
-    spec = LayerSpec(kv_heads=2, k_head_dim=64, v_head_dim=64, window=None)
-    caches = [LayerCache(spec, fmt, mx.float32) for fmt in (KVQuant.uniform(None), kv)]
+def _attention_error(kv: KVQuant, n_queries: int, d: int = 64, serve_stored: bool = False) -> float:
+    """Relative error of attention over committed keys stored as ``kv`` (fitted to ``d``-wide
+    heads, as the engine fits it) vs float32."""
+    k, v = _kv(d=d)
+    spec = LayerSpec(kv_heads=2, k_head_dim=d, v_head_dim=d, window=None)
+    caches = [
+        LayerCache(spec, fmt.for_dims(d, d), mx.float32, serve_stored=serve_stored)
+        for fmt in (KVQuant.uniform(None), kv)
+    ]
     for cache in caches:
         cache.update_and_fetch(k[:, :, :-n_queries], v[:, :, :-n_queries])
         cache.commit()  # the stored part
         cache.update_and_fetch(k[:, :, -n_queries:], v[:, :, -n_queries:])
-    q = mx.random.normal((1, 6, n_queries, 64), key=mx.random.key(1)) * 3
+    q = mx.random.normal((1, 6, n_queries, d), key=mx.random.key(1)) * 3
     want, got = (c.attend(q, 0.125) for c in caches)
     return _rel(got, want)
+
+
+#: How the default format stores each head width (``TensorCodec.for_width``). Stored caches
+#: depend on it: a change here is a format change (new fingerprint), never an accident.
+DEFAULT_BY_WIDTH = {
+    64: ("6g64h", "4g64h"),
+    72: ("6g32+pad", "4g32+pad"),  # no power-of-two block >= 16: not rotated
+    80: ("6g32h+pad", "4g32h+pad"),  # Danube, Phi-2-like: zero-padded to 96
+    96: ("6g32h", "4g32h"),  # Phi-3-mini / Phi-3.5-mini
+    128: ("6g64h", "4g64h"),
+    192: ("6g64h", "4g64h"),  # DeepSeek-V2/V3 MLA keys (128 nope + 64 rope)
+    256: ("6g64h", "4g64h"),  # Gemma 3
+}
+
+
+def test_the_default_format_fits_every_head_width_by_a_pinned_rule() -> None:
+    fmt = kv_format(4)
+    got = {}
+    for d in DEFAULT_BY_WIDTH:
+        fitted = fmt.for_dims(d, d)
+        assert fitted.label.startswith("k") and fitted.head_tokens == fmt.head_tokens
+        got[d] = tuple(c.label + ("+pad" if c.padded else "") for c in (fitted.keys, fitted.values))
+    assert got == DEFAULT_BY_WIDTH
+    assert fmt.for_dims(64, 64) == fmt  # the widths it was made for: unchanged
+    assert kv_format(None).for_dims(80, 80) == kv_format(None)
+
+
+@pytest.mark.parametrize("d", sorted(DEFAULT_BY_WIDTH))
+def test_every_head_width_round_trips_in_the_default_format(d: int) -> None:
+    fitted = kv_format(4).for_dims(d, d)
+    k, v = _kv(d=d)
+    for x, codec in ((k, fitted.keys), (v, fitted.values)):
+        parts = codec.encode(x)
+        back = codec.decode(parts, mx.float32)
+        assert back.shape == x.shape  # padding cut away
+        if codec.rotate:
+            back = back @ rotation(d).T
+        assert _rel(back, x) < (0.03 if codec.bits == 6 else 0.12)
+
+
+@pytest.mark.parametrize("serve_stored", [False, True])
+@pytest.mark.parametrize("d", [80, 96, 192])
+def test_attention_over_odd_head_widths_is_as_faithful_as_over_64(d: int, serve_stored: bool) -> None:
+    base = _attention_error(kv_format(4), 1, 64, serve_stored)
+    assert _attention_error(kv_format(4), 1, d, serve_stored) < max(2 * base, 0.02)
 
 
 @pytest.mark.parametrize("n_queries", [1, 40])  # decode path and prefill (dequantize) path

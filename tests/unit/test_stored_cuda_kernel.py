@@ -257,6 +257,10 @@ CASES = pytest.mark.parametrize(
             Case(3, 1, 1, 96, 2, 260, 1, TensorCodec(3, 32, rotate=True), TensorCodec(5, 32)),
             id="width-96-odd-bits",
         ),
+        pytest.param(  # what the default format stores Phi-3's heads in (``for_width``)
+            Case(8, 2, 1, 96, 4, 300, 3, TensorCodec(6, 32, rotate=True), TensorCodec(4, 32, rotate=True)),
+            id="width-96-default-format",
+        ),
         pytest.param(
             Case(1, 1, 1, 256, 0, 1030, 2, TensorCodec(2, 128, rotate=True), TensorCodec(6, 64, rotate=True)),
             id="width-256",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -20,6 +20,10 @@ from ..ops.runtime import mx
 SCALE_DTYPE = mx.float16
 #: Keys and values at 16 bits ("FP16 mode"): float16.
 HALF_DTYPE = mx.float16
+
+#: The smallest group mlx quantizes in (affine; 16 is refused): a head width no group tiles
+#: (80) is stored padded with zero channels up to a multiple of it (``TensorCodec.for_width``).
+MIN_GROUP = 32
 
 #: How ``rotation`` derives its signs; part of every model fingerprint (``KVQuant.identity``):
 #: stored rotated caches are only valid under the scheme that wrote them.
@@ -58,11 +62,14 @@ def rotation(dim: int) -> mx.array:
 class TensorCodec:
     """How one of K or V is stored: ``bits=None`` is float16; else affine ``bits``-bit
     groups of ``group_size`` channels with float16 scales and biases, optionally after the
-    fixed rotation of the head dimension (``rotate``)."""
+    fixed rotation of the head dimension (``rotate``). ``width``: set where the heads are
+    ``width`` wide and no group tiles them (``for_width``): they are stored padded with zero
+    channels to whole groups and cut back to ``width`` when decoded."""
 
     bits: int | None = 4
     group_size: int = 64
     rotate: bool = False
+    width: int | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (None, 2, 3, 4, 5, 6, 8):
@@ -79,12 +86,37 @@ class TensorCodec:
     def parts(self) -> tuple[str, ...]:
         return ("",) if self.bits is None else ("q", "scales", "biases")
 
+    def for_width(self, dim: int) -> TensorCodec:
+        """This codec for ``dim``-wide heads, so that every supported head width takes every
+        format: the largest of its group size, 64 and 32 that tiles ``dim`` (96-wide heads of
+        Phi-3: groups of 32); where none does (80), groups of 32 over the heads padded with
+        zero channels (``width``). The rotation stays where ``dim`` has a power-of-two block
+        of at least 16 (``rotation``) and is dropped where it has none (72: blocks of 8).
+
+        Stored caches depend on this choice (the group size and padding are in the block
+        tensors' shapes): it is a function of ``dim`` alone, pinned by a golden test."""
+        if self.bits is None:
+            return self
+        rotate = self.rotate and (dim & -dim) >= 16
+        for group in (self.group_size, 64, MIN_GROUP):
+            if group <= self.group_size and dim % group == 0:
+                return replace(self, group_size=group, rotate=rotate)
+        return replace(self, group_size=MIN_GROUP, rotate=rotate, width=dim)
+
+    @property
+    def padded(self) -> bool:
+        """Whether stored heads carry zero channels past ``width`` (see ``for_width``)."""
+        return self.width is not None
+
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
         """Full precision (B, H, N, D) -> stored form (tuple of arrays, last axis packed)."""
         if self.rotate:
             x = x.astype(mx.float32) @ rotation(x.shape[-1])
         if self.bits is None:
             return (x.astype(HALF_DTYPE),)
+        if self.width is not None:
+            pad = -self.width % self.group_size
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
         q, scales, biases = mx.quantize(x, group_size=self.group_size, bits=self.bits)
         return q, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
@@ -94,10 +126,12 @@ class TensorCodec:
             return parts[0].astype(dtype)
         q, scales, biases = parts
         if mx.default_device() == mx.cpu:
-            return unpack_affine(q, scales.astype(dtype), biases.astype(dtype), self.bits, self.group_size)
-        return mx.dequantize(
-            q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
-        )
+            x = unpack_affine(q, scales.astype(dtype), biases.astype(dtype), self.bits, self.group_size)
+        else:
+            x = mx.dequantize(
+                q, scales.astype(dtype), biases.astype(dtype), group_size=self.group_size, bits=self.bits
+            )
+        return x if self.width is None else x[..., : self.width]
 
 
 def _affine_values(
@@ -178,19 +212,10 @@ class KVQuant:
         rotated = self.keys.rotate or self.values.rotate
         return self.label + (f"+{ROTATION_SCHEME}" if rotated else "")
 
-    def check_dims(self, k_dim: int, v_dim: int) -> None:
-        """Refuse head widths this format cannot store (groups must tile the head)."""
-        for what, dim, codec in (("key", k_dim, self.keys), ("value", v_dim, self.values)):
-            if codec.bits is not None and dim % codec.group_size:
-                raise ValueError(
-                    f"KV format {self.label}: {what} heads are {dim} wide, not a multiple of its "
-                    f"{codec.group_size}-channel groups; use kv_format='fp16' or a smaller group (q4g32)"
-                )
-            if codec.rotate and (dim & -dim) < 16:
-                raise ValueError(
-                    f"KV format {self.label}: {what} heads are {dim} wide, which cannot be rotated; "
-                    "use an unrotated format (q8, q4)"
-                )
+    def for_dims(self, k_dim: int, v_dim: int) -> KVQuant:
+        """This format for one layer's key and value widths (``TensorCodec.for_width``): what
+        its ``LayerCache`` stores in. ``label`` stays the format's own."""
+        return replace(self, keys=self.keys.for_width(k_dim), values=self.values.for_width(v_dim))
 
 
 #: 16-bit and unrotated: how head tokens are stored and pending tokens are held.

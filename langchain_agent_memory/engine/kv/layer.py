@@ -405,11 +405,12 @@ def make_layer_caches(
     reserved_rows: Sequence[int] | None = None,
     serve_stored: bool = False,
 ) -> list[LayerCache]:
-    """One agent's empty layer caches (``prefill_rotated``, ``reserved_rows`` (per layer),
+    """One agent's empty layer caches, each in ``quant`` fitted to its head widths
+    (``KVQuant.for_dims``; ``prefill_rotated``, ``reserved_rows`` (per layer),
     ``serve_stored``: see ``LayerCache``)."""
     dtype = getattr(mx, spec.dtype)
     reserved = reserved_rows or [0] * spec.num_layers
     return [
-        LayerCache(s, quant, dtype, prefill_rotated, r, serve_stored)
+        LayerCache(s, quant.for_dims(s.k_head_dim, s.v_head_dim), dtype, prefill_rotated, r, serve_stored)
         for s, r in zip(spec.layers, reserved, strict=True)
     ]

@@ -169,7 +169,7 @@ CUDA_VECTOR_ROWS = 8
 def native(codec: TensorCodec, transpose: bool, rows: int = 1) -> bool:
     """Whether this device multiplies ``codec``'s stored form directly (``quantized_matmul``)
     for ``rows`` query rows."""
-    if codec.bits is None:
+    if codec.bits is None or codec.padded:  # padded heads: the decoded form is cut to width
         return False
     if mx.cuda.is_available() and mx.default_device() != mx.cpu:
         return transpose and codec.bits in CUDA_BITS and rows <= CUDA_VECTOR_ROWS
