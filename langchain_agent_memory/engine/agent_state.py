@@ -21,10 +21,12 @@ class AgentState:
     caches while it is hot (None: rebuild them from the blocks)."""
 
     tokens: TokenizedText
-    blocks: list[BlockHash]
+    blocks: list[BlockHash]  # the chain
     layers: list[LayerCache] | None
     #: The shared store's version this state is (None: a local store, or not known).
     version: int | None = None
+    #: A hybrid model's stored recurrent-state snapshots: token position -> its block.
+    states: dict[int, BlockHash] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

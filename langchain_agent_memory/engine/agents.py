@@ -21,10 +21,11 @@ from typing import Any
 
 from .agent_state import Admission, AgentState, HotPolicy, PendingSave
 from .block_cuts import blocks_of
-from .kv import KVQuant, LayerCache, ModelCacheSpec, make_layer_caches
+from .kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .restore import layers_from_blocks
 from .results import CacheSource
+from .states import keep, resume_point, snapshot_hash, state_block
 from .storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -36,6 +37,7 @@ from .storage.blocks import (
     NewerFormatError,
     block_hash,
     freeze_blocks,
+    state_block_hash,
     validate_agent_id,
 )
 from .storage.budget import EvictionReport, StorageBudget, enforce
@@ -134,7 +136,8 @@ class AgentCaches:
         tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
-        return AgentState(tokens, record.blocks, None, self.store.seen_version(agent_id)), CacheSource.HOT
+        version = self.store.seen_version(agent_id)
+        return AgentState(tokens, record.chain, None, version, record.state_blocks()), CacheSource.HOT
 
     def read_record(self, agent_id: str) -> AgentRecord | None:
         try:
@@ -158,8 +161,19 @@ class AgentCaches:
         self, agent_id: str, state: AgentState, n_tokens: int
     ) -> tuple[list[LayerCache] | None, bool, int]:
         """Layer caches holding the first ``n_tokens`` of ``state`` (fewer if a shared store
-        does not deliver every block in time: how many is the third value) and whether any
-        block came from disk; ``(None, False, 0)`` if the stored cache is unusable (logged)."""
+        does not deliver every block in time, or, on a hybrid model, back to the newest
+        state snapshot: how many is the third value) and whether any block came from disk;
+        ``(None, False, 0)`` if the stored cache is unusable (logged) or, on a hybrid model,
+        has no snapshot to resume from before ``n_tokens``."""
+        snapshot: BlockHash | None = None
+        if self.spec.hybrid:
+            stored = state.states
+            live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
+            live_at = set(live.held()) if live is not None else set()
+            n_tokens = resume_point(state.tokens, n_tokens, set(stored) | live_at)
+            if n_tokens == 0:
+                return None, False, 0
+            snapshot = stored.get(n_tokens)
         live = state.layers
         if live is not None:
             lacking = [i for i, layer in enumerate(live) if not _holds_window(layer, n_tokens)]
@@ -170,7 +184,9 @@ class AgentCaches:
                 # kept only their window and need older tokens from the blocks, the full layers
                 # (and their working copies) still hold all they need.
                 try:
-                    rebuilt, from_disk = self.from_blocks(state.blocks, n_tokens, only=lacking)
+                    rebuilt, from_disk = self.from_blocks(
+                        state.blocks, n_tokens, only=lacking, state=snapshot
+                    )
                 except (BlocksUnavailableError, CacheFormatError):
                     rebuilt = None  # the whole rebuild below says what went wrong
             if not lacking or rebuilt is not None:
@@ -183,9 +199,9 @@ class AgentCaches:
                 return live, from_disk, n_tokens
         try:
             try:
-                return (*self.from_blocks(state.blocks, n_tokens), n_tokens)
+                return (*self.from_blocks(state.blocks, n_tokens, state=snapshot), n_tokens)
             except BlocksUnavailableError as exc:
-                fewer = self._available_prefix(state, n_tokens)
+                fewer = 0 if self.spec.hybrid else self._available_prefix(state, n_tokens)
                 logger.warning(
                     "agent %r: %s; reusing the %d of %d cached tokens on this worker and prefilling the rest",
                     agent_id,
@@ -238,11 +254,16 @@ class AgentCaches:
         return moved
 
     def from_blocks(
-        self, chain: list[BlockHash], n_tokens: int, only: Collection[int] | None = None
+        self,
+        chain: list[BlockHash],
+        n_tokens: int,
+        only: Collection[int] | None = None,
+        state: BlockHash | None = None,
     ) -> tuple[list[LayerCache], bool]:
-        """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
-        from disk (``restore.layers_from_blocks``)."""
-        return layers_from_blocks(self, chain, n_tokens, only)
+        """Layer caches of the first ``n_tokens`` of ``chain`` (a hybrid model's recurrent
+        layers from the snapshot block ``state``), and whether a block was read from disk
+        (``restore.layers_from_blocks``)."""
+        return layers_from_blocks(self, chain, n_tokens, only, state)
 
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the
@@ -257,13 +278,17 @@ class AgentCaches:
                 break
             chain.append(h)
             parent = h
-        while chain and full.ends[len(chain) * BLOCK_TOKENS - 1] == NOT_A_BOUNDARY:
+        while chain and (
+            full.ends[len(chain) * BLOCK_TOKENS - 1] == NOT_A_BOUNDARY
+            or (self.spec.hybrid and not self._has(state_block_hash(chain[-1], self.fingerprint)))
+        ):
             chain.pop()
         if chain:
             n = len(chain) * BLOCK_TOKENS
             t0 = time.perf_counter()
+            snapshot = state_block_hash(chain[-1], self.fingerprint) if self.spec.hybrid else None
             try:
-                layers, from_disk = self.from_blocks(chain, n)
+                layers, from_disk = self.from_blocks(chain, n, state=snapshot)
             except (CacheFormatError, BlocksUnavailableError) as exc:
                 logger.warning("shared blocks unusable (%s); prefilling from scratch", exc)
             else:
@@ -284,16 +309,22 @@ class AgentCaches:
         kept hot. ``write`` (on the save thread) then stores them."""
         layers, old = start.layers, start.state
         n = len(known)
+        chain = self._chain_of(known, start.kept_blocks())
+        states, state_blocks, at_end = (
+            self._snapshots(start, chain, known) if self.spec.hybrid else ({}, {}, True)
+        )
         for layer in layers:
             layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=_kept_from(layer, n))
-            if layer.offset > n:
+            if layer.offset > n and not isinstance(layer, RecurrentCache):
                 layer.trim_to(n)
-        chain = self._chain_of(known, start.kept_blocks())
-        record = AgentRecord(agent_id, chain, known.ids, known.ends, known.text)
+        record = AgentRecord(
+            agent_id, chain + list(states.values()), known.ids, known.ends, known.text, states=list(states)
+        )
         # Local knowledge only (no store round trip on this thread): a block the store has
         # elsewhere is built for nothing, never written twice.
         wanted = [(b, h) for b, h in enumerate(chain) if not (self.held(h) or self.store.has_local_block(h))]
         blocks = blocks_of(self.pool, [b for b, _ in wanted], chain, known, layers)
+        blocks.update(state_blocks)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
         with self._queued_lock:
             self._queued.update(blocks)
@@ -302,10 +333,50 @@ class AgentCaches:
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(_kept_from(layer, n))
-        state = AgentState(known, chain, layers, self.store.seen_version(agent_id))
+        # A hybrid whose recurrent state is past ``n`` (a stop sequence cut the reply) is not
+        # kept live: its next request resumes from the stored snapshots.
+        state = AgentState(
+            known, chain, layers if at_end else None, self.store.seen_version(agent_id), states
+        )
         self.keep_hot(agent_id, state)
         nbytes = sum(block.nbytes for block in blocks.values())
-        return PendingSave(record, blocks, old.blocks if old else [], state, nbytes, start.lease)
+        replaced = old.blocks + list(old.states.values()) if old else []
+        return PendingSave(record, blocks, replaced, state, nbytes, start.lease)
+
+    def _snapshots(
+        self, start: Admission, chain: list[BlockHash], known: TokenizedText
+    ) -> tuple[dict[int, BlockHash], dict[BlockHash, Block], bool]:
+        """A hybrid's commit: the state snapshots its record keeps (position -> block,
+        ascending; ``states.keep``) of those this request holds (block boundaries its
+        prefill passed, the prompt's end, the token before the end) and those stored before it that it kept,
+        the blocks of the new ones the store lacks, and whether the live recurrent layers
+        stand at the end of ``known`` (not past it: a stop sequence cut the reply)."""
+        n = len(known)
+        layers = start.layers
+        first = next(c for c in layers if isinstance(c, RecurrentCache))
+        held = first.held()
+        prompt_end = start.reused + len(start.tail)
+        new = {p for p in held if p <= n and (p % BLOCK_TOKENS == 0 or p in (n - 1, prompt_end))}
+        old = start.state.states if start.state is not None else {}
+        stored = {p: h for p, h in old.items() if p <= start.reused}
+        out: dict[int, BlockHash] = {}
+        blocks: dict[BlockHash, Block] = {}
+        specs = [c.spec for c in layers]
+        for p in keep(new | set(stored), n):
+            if p in stored:
+                out[p] = stored[p]
+                continue
+            h = out[p] = snapshot_hash(chain, n, p, self.fingerprint)
+            if not self._has_local(h):
+                per_layer = [c.state_at(p) if isinstance(c, RecurrentCache) else None for c in layers]
+                blocks[h] = state_block(chain, n, p, self.fingerprint, specs, per_layer)
+        return out, blocks, first.offset == n
+
+    def _has(self, h: BlockHash) -> bool:
+        return self.held(h) or self.store.has_block(h)
+
+    def _has_local(self, h: BlockHash) -> bool:
+        return self.held(h) or self.store.has_local_block(h)
 
     def write(self, save: PendingSave) -> AgentRecord | None:
         """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then
@@ -411,8 +482,9 @@ class AgentCaches:
         """Make ``agent_id``'s cache stand for what ``source`` does (blocks shared)."""
         validate_agent_id(agent_id)
         record = AgentRecord(
-            agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text
-        )
+            agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text,
+            states=list(source.states),
+        )  # fmt: skip
         # Not under ``lock`` (the model steps'): the store's lock and a shared store's
         # lease are waited for here.
         try:
@@ -476,13 +548,15 @@ class AgentCaches:
 def _kept_from(layer: LayerCache, n_tokens: int) -> int:
     """The first position a layer keeps once an agent stands for ``n_tokens``: a sliding
     layer its window and the last (partial) block, for the next save; a full layer all."""
-    if layer.spec.window is None:
+    if layer.spec.window is None or isinstance(layer, RecurrentCache):
         return 0
     return min(max(0, n_tokens - layer.spec.window), (n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS)
 
 
 def _holds_window(layer: LayerCache, n_tokens: int) -> bool:
     """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
+    if isinstance(layer, RecurrentCache):
+        return layer.can_trim(n_tokens)
     if layer.committed_end != layer.offset or layer.offset < n_tokens:
         return False
     if layer.spec.window is None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from .kv import LayerCache
+from .kv import LayerCache, RecurrentCache
 from .ops.runtime import mx
+from .states import states_of
 from .storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheFormatError
 from .storage.pool import BlockPool
 from .storage.protocols import BlockStore
@@ -28,21 +29,32 @@ class BlockSources(Protocol):
 
 
 def layers_from_blocks(
-    caches: BlockSources, chain: list[BlockHash], n_tokens: int, only: Collection[int] | None = None
+    caches: BlockSources,
+    chain: list[BlockHash],
+    n_tokens: int,
+    only: Collection[int] | None = None,
+    state: BlockHash | None = None,
 ) -> tuple[list[LayerCache], bool]:
     """Layer caches of the first ``n_tokens`` of ``chain``, and whether a block was read
     from disk. A sliding-window layer reads only the blocks of its last window: blocks
     before every window are read for the full-attention layers' tensors alone. ``only``:
-    build these layers (the others come back empty) and read nothing for the rest."""
+    build these layers (the others come back empty) and read nothing for the rest. A
+    hybrid model's recurrent layers load the snapshot block ``state`` (their state after
+    ``n_tokens``; ``states``)."""
     layers = caches.new_layers()
-    first = [
-        0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
-        for layer in layers
-    ]
     n_blocks = -(-n_tokens // BLOCK_TOKENS)
     if len(chain) < n_blocks:
         raise CacheFormatError(f"agent record names {len(chain)} blocks for {n_tokens} tokens")
     built = sorted(only) if only is not None else list(range(len(layers)))
+    recurrent = [i for i in built if isinstance(layers[i], RecurrentCache)]
+    from_disk = _load_states(caches, layers, recurrent, n_tokens, state)
+    built = [i for i in built if i not in recurrent]
+    if not built:
+        return layers, from_disk
+    first = [
+        0 if layer.spec.window is None else max(0, n_tokens - layer.spec.window) // BLOCK_TOKENS
+        for layer in layers
+    ]
     base, every = min(first[i] for i in built), max(first[i] for i in built)
 
     def wanted(j: int) -> frozenset[int] | None:
@@ -54,7 +66,7 @@ def layers_from_blocks(
 
     needed = chain[base:n_blocks]
     runs = _sources(caches, needed, wanted)
-    from_disk = any(isinstance(src, BlockGroup) for _, src in runs)
+    from_disk = from_disk or any(isinstance(src, BlockGroup) for _, src in runs)
     for i in built:
         layer = layers[i]
         own = first[i] - base
@@ -67,6 +79,37 @@ def layers_from_blocks(
             raise CacheFormatError(str(exc)) from None
         layer.trim_to(n_tokens)
     return layers, from_disk
+
+
+def _load_states(
+    caches: BlockSources, layers: list[LayerCache], recurrent: list[int], n_tokens: int, h: BlockHash | None
+) -> bool:
+    """Load ``recurrent`` layers with the snapshot block ``h`` (their state after ``n_tokens``);
+    whether it was read from disk."""
+    if not recurrent:
+        return False
+    if n_tokens == 0:
+        for i in recurrent:
+            layers[i].load(0, None)  # type: ignore[call-arg]
+        return False
+    if h is None:
+        raise CacheFormatError(f"no recurrent-state snapshot at {n_tokens} tokens (this is a bug)")
+    block = caches.queued_block(h)
+    from_disk = False
+    if block is None:
+        block, from_disk = caches.pool.get(h)
+        from_disk = not from_disk
+    try:
+        states = states_of(block, [layer.spec for layer in layers])
+    except KeyError as exc:
+        raise CacheFormatError(
+            f"a state snapshot lacks tensor {exc}; it was written by another version"
+        ) from None
+    except ValueError as exc:
+        raise CacheFormatError(str(exc)) from None
+    for i in recurrent:
+        layers[i].load(n_tokens, states[i])  # type: ignore[call-arg]
+    return from_disk
 
 
 def _sources(

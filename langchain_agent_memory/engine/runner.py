@@ -14,11 +14,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .kv import BatchLayerCache, LayerCache, batch_layer_caches
+from .kv import BatchLayerCache, LayerCache, RecurrentCache, batch_layer_caches
+from .kv.recurrent import fed
 from .model.constrain import TokenConstraint
-from .model.forward import decode_step, logits_from_hidden, prefill_chunk
+from .model.forward import backbone, decode_step, logits_from_hidden, prefill_chunk
 from .ops import device
 from .ops.runtime import mx
+from .storage.blocks import BLOCK_TOKENS
 
 #: A decode batch member: (request key, token to feed, its layer caches).
 Member = tuple[Hashable, int | mx.array, list[LayerCache]]
@@ -146,8 +148,26 @@ class ModelRunner:
         self._merge = device.merged_batch()
 
     def prefill(self, ids: list[int], layers: list[LayerCache], last: bool) -> mx.array | None:
-        """One prefill chunk; the last position's logits if it is the ``last`` chunk."""
-        logits = prefill_chunk(self.model, ids, layers, last=last)
+        """One prefill chunk; the last position's logits if it is the ``last`` chunk. With
+        recurrent layers the chunk is run in pieces that end on block boundaries, each
+        boundary's state snapshotted (``RecurrentCache.snapshot``): the only points, besides
+        the end of a turn, a later request can resume from."""
+        recurrent = [c for c in layers if isinstance(c, RecurrentCache)]
+        logits = None
+        at, n = 0, len(ids)
+        while at < n:
+            offset = layers[0].offset
+            piece = n - at
+            if recurrent:
+                piece = min(piece, BLOCK_TOKENS - offset % BLOCK_TOKENS)
+            end = at + piece
+            logits = prefill_chunk(self.model, ids[at:end], layers, last=last and end == n)
+            at = end
+            # Block boundaries, and the prompt's end (a request that sends the same prompt
+            # again, for another reply, resumes there).
+            if recurrent and (layers[0].offset % BLOCK_TOKENS == 0 or (last and end == n)):
+                for c in recurrent:
+                    c.snapshot()
         if self._cache_bound is not None and mx.get_cache_memory() > self._cache_bound:
             mx.clear_cache()  # buffers of sizes the next chunks will not ask for (``device``)
         return logits
@@ -161,15 +181,14 @@ class ModelRunner:
         keys and values are taken out of their caches after the pass (``unfeed``). Each
         member attends over its own caches (no merged buffer: built for one pass, it would
         be a copy of every member's keys for nothing)."""
-        if len(items) == 1:
-            ids, layers = items[0]
-            logits = self.prefill(ids, layers, last=True)
-            assert logits is not None
-            return logits[None]
+        if len(items) == 1 or any(isinstance(c, RecurrentCache) for c in items[0][1]):
+            # Recurrent layers cannot take right padding back out (``unfeed``): one by one.
+            rows = [self.prefill(ids, layers, last=True) for ids, layers in items]
+            return mx.stack(rows)  # type: ignore[arg-type]
         width = max(len(ids) for ids, _ in items)
         tokens = mx.array([ids + [ids[-1]] * (width - len(ids)) for ids, _ in items])
         caches = batch_layer_caches([layers for _, layers in items], merge=False, merge_stored=False)
-        hidden = self.model.model(tokens, cache=caches)
+        hidden = backbone(self.model)(tokens, cache=caches)
         last = hidden[mx.arange(len(items)), mx.array([len(ids) - 1 for ids, _ in items])]
         logits = logits_from_hidden(self.model, last[:, None])[:, -1].astype(mx.float32)
         mx.eval(logits)
@@ -197,7 +216,8 @@ class ModelRunner:
         for (_, token, _), row in zip(members, rows, strict=True):
             by_row[row] = token if isinstance(token, mx.array) else mx.array(token)
         tokens = mx.stack([t.reshape(()).astype(mx.int32) for t in by_row])[:, None]
-        hidden = self.model.model(tokens, cache=caches)
+        hidden = backbone(self.model)(tokens, cache=caches)
+        fed(caches, 1)
         out = logits_from_hidden(self.model, hidden)[:, -1].astype(mx.float32)
         return out if rows == list(range(len(rows))) else out[mx.array(rows)]
 

@@ -23,17 +23,26 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
-from langchain_agent_memory.engine.model.families import UnsupportedModelError
+from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
 from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
 from langchain_agent_memory.engine.ops import device
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, WIDTH_CONFIGS, write_random_model
+from langchain_agent_memory.testing.random_model import (
+    HYBRID_CONFIGS,
+    SMALL_CONFIGS,
+    WIDTH_CONFIGS,
+    write_random_model,
+)
 
 pytestmark = pytest.mark.gpu
 
 #: SmolLM2's real weights: on a GPU only (on the CPU tests/integration/test_engine.py has them).
 REAL = "smollm2-real"
 FAMILIES = sorted(SMALL_CONFIGS) + ([REAL] if device.on_gpu() else [])
+#: Hybrid families (recurrent layers beside attention; ``kv.recurrent``): MoE ones run at
+#: float32 only on this CPU build (mlx's CPU ``GatherMM``). Falcon-H1 (a recurrent mixer and
+#: attention in one layer, mlx-lm's ``CacheList``) is refused.
+HYBRIDS = sorted(f for f in HYBRID_CONFIGS if f in SUPPORTED_FAMILIES)
 #: Weights of the reload / DIVERGE / 4-bit oracles, and of batched == alone (see above).
 WEIGHTS = device.weight_dtype()
 BATCH_WEIGHTS = "float32"
@@ -54,7 +63,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> 
                 built[family, dtype] = resolve_model_dir("smollm2-135m", weight_dtype=dtype)[0]
             else:
                 out = root / f"{family}-{dtype}"
-                config = {**SMALL_CONFIGS, **WIDTH_CONFIGS}[family]
+                config = {**SMALL_CONFIGS, **WIDTH_CONFIGS, **HYBRID_CONFIGS}[family]
                 built[family, dtype] = write_random_model(config, out, smollm.path, seed=7, dtype=dtype)
         return built[family, dtype]
 
@@ -101,7 +110,7 @@ def test_reload_and_diverge_equal_the_uninterrupted_and_cold_runs(
 
 
 @pytest.mark.parametrize("attention", ["stored", "copy"])
-@pytest.mark.parametrize("family", FAMILIES + sorted(WIDTH_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES + sorted(WIDTH_CONFIGS) + HYBRIDS)
 def test_default_4bit_format_reloads_like_the_hot_run(
     family: str, attention: str, model_dir: Callable[[str, str], Path], tmp_path: Path
 ) -> None:
@@ -137,7 +146,7 @@ PROMPTS = {
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + HYBRIDS)
 def test_batched_decode_equals_decode_alone(
     family: str, path: str, model_dir: Callable[[str, str], Path], tmp_path: Path, together: Any
 ) -> None:
@@ -157,9 +166,64 @@ def _config_dir(tmp_path: Path, family: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "nemotron_h", "starcoder2", "bert"])
+@pytest.mark.parametrize("family", ["falcon_h1", "mamba2", "starcoder2", "bert"])
 def test_an_unsupported_family_is_refused_when_the_engine_is_built(family: str, tmp_path: Path) -> None:
     model = _config_dir(tmp_path, family)
     with pytest.raises(UnsupportedModelError, match=f"{family}.*Supported families: deepseek_v2") as info:
         Engine(model, cache_dir=tmp_path / "kv")
-    assert ("recurrent state" in str(info.value)) is (family in {"qwen3_next", "lfm2", "nemotron_h"})
+    assert ("recurrent state" in str(info.value)) is (family in {"falcon_h1", "mamba2"})
+
+
+#: ~620 tokens: two whole blocks (state snapshots at 256 and 512), then more.
+LONG = corpus.apache_license()[:3000]
+
+
+def _cut_at_token(engine: Engine, agent: str, n: int) -> str:
+    """The stored text of ``agent`` up to the end of its ``n``-th token."""
+    state, _ = engine.agents.lookup(agent)
+    assert state is not None
+    return state.tokens.text[: state.tokens.ends[n - 1]]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
+    family: str, kv_bits: int | None, model_dir: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    """A hybrid agent reloaded from disk continues as the uninterrupted one (at 16-bit KV
+    and in the default format: the state snapshots are stored exactly), and a DIVERGE at
+    several points (on a snapshot, between two, before the first) equals a cold run."""
+    model = model_dir(family, "float32")
+
+    def engine(where: str) -> Engine:
+        return Engine(model, cache_dir=tmp_path / where, kv_bits=kv_bits)
+
+    hot = engine("a")
+    r1 = hot.generate("x", LONG, GREEDY)
+    n1 = hot.cached_tokens("x")
+    p2 = hot.cached_text("x") + "\n\nQ: and the second part?\nA:"
+    r2 = hot.generate("x", p2, GREEDY)
+    assert r2.outcome.match is MatchKind.EXTEND and r2.reused_tokens == n1  # the live state
+    engine("b").generate("x", LONG, GREEDY)
+    again = engine("b")
+    warm = again.generate("x", p2, GREEDY)
+    assert str(warm.outcome).startswith("warm") and warm.text == r2.text and r1.completion_tokens > 0
+    assert warm.reused_tokens == n1 - 1  # the stored turn's end: its last token is re-run
+    record = again.store.get_agent("x")
+    assert (
+        record is not None and record.states and len(record.blocks) == len(record.chain) + len(record.states)
+    )
+
+    # DIVERGE: on the 256-token snapshot, between 256 and 512, before the first snapshot;
+    # each from an agent that started from x's blocks and snapshots (SHARED). Equal to cold
+    # at 16-bit KV (a 4-bit format's reused keys are not the cold run's full-precision ones).
+    for n, resumes in ((256, 256), (400, 256), (150, 0)) if kv_bits is None else ():
+        agent = f"d{n}"
+        shared = hot.generate(agent, LONG, GREEDY)
+        assert shared.outcome.match is MatchKind.SHARED and shared.reused_tokens == 512
+        prompt = _cut_at_token(hot, agent, n) + " -- a different question entirely: what is a patent?"
+        diverge = hot.generate(agent, prompt, GREEDY)
+        cold = engine(f"cold{n}").generate("y", prompt, GREEDY)
+        assert str(cold.outcome) == "cold"
+        assert diverge.text == cold.text, n
+        assert diverge.reused_tokens == resumes, n

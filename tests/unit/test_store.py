@@ -12,6 +12,7 @@ import pytest
 from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.blocks import (
     FORMAT_VERSION,
+    STATES_FORMAT_VERSION,
     AgentRecord,
     Block,
     BlockMissingError,
@@ -145,7 +146,7 @@ def test_newer_agent_record_is_refused(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     store.put_agent(AgentRecord("a", [], [], [], ""))
     _edit_record(
-        store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": FORMAT_VERSION + 1})
+        store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": STATES_FORMAT_VERSION + 1})
     )
     with pytest.raises(CacheFormatError, match="newer"):
         store.get_agent("a")

@@ -17,6 +17,7 @@ from .codecs import (
     unpack_affine,
 )
 from .layer import LayerCache, make_layer_caches, positional_mask
+from .recurrent import BatchRecurrentCache, RecurrentCache
 from .spec import LayerSpec, ModelCacheSpec
 
 __all__ = [
@@ -25,10 +26,12 @@ __all__ = [
     "KV_PRESETS",
     "ROTATION_SCHEME",
     "BatchLayerCache",
+    "BatchRecurrentCache",
     "KVQuant",
     "LayerCache",
     "LayerSpec",
     "ModelCacheSpec",
+    "RecurrentCache",
     "TensorCodec",
     "batch_layer_caches",
     "kv_format",

@@ -12,6 +12,7 @@ from typing import Any
 from ..ops.runtime import mx
 from .buffers import Working, grown_rows
 from .layer import LayerCache
+from .recurrent import BatchRecurrentCache, RecurrentCache
 from .stored import attention, positional_mask
 from .stored_batch import StoredBatch
 
@@ -297,5 +298,8 @@ def batch_layer_caches(
     stored forms into one ``StoredBatch`` (both off: each agent attends over its own)."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
     return [
-        BatchLayerCache(list(layer), offsets, merge, merge_stored) for layer in zip(*per_agent, strict=True)
+        BatchRecurrentCache(list(layer), offsets)  # type: ignore[misc]
+        if isinstance(layer[0], RecurrentCache)
+        else BatchLayerCache(list(layer), offsets, merge, merge_stored)
+        for layer in zip(*per_agent, strict=True)
     ]

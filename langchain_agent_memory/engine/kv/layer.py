@@ -29,6 +29,7 @@ from .buffers import Working, grown_rows, in_space, slice_parts, with_room
 from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
 from .layer_blocks import LayerBlocks
 from .layer_work import WorkingCopy
+from .recurrent import RecurrentCache
 from .spec import LayerSpec, ModelCacheSpec
 from .stored import Parts, Segment, attention, positional_mask, stored_attention
 
@@ -407,10 +408,15 @@ def make_layer_caches(
 ) -> list[LayerCache]:
     """One agent's empty layer caches, each in ``quant`` fitted to its head widths
     (``KVQuant.for_dims``; ``prefill_rotated``, ``reserved_rows`` (per layer),
-    ``serve_stored``: see ``LayerCache``)."""
+    ``serve_stored``: see ``LayerCache``); a hybrid model's recurrent layers get a
+    ``RecurrentCache`` (typed as a layer: it has the part of the protocol they use)."""
     dtype = getattr(mx, spec.dtype)
     reserved = reserved_rows or [0] * spec.num_layers
     return [
-        LayerCache(s, quant.for_dims(s.k_head_dim, s.v_head_dim), dtype, prefill_rotated, r, serve_stored)
+        RecurrentCache(s)  # type: ignore[misc]
+        if s.recurrent
+        else LayerCache(
+            s, quant.for_dims(s.k_head_dim, s.v_head_dim), dtype, prefill_rotated, r, serve_stored
+        )
         for s, r in zip(spec.layers, reserved, strict=True)
     ]

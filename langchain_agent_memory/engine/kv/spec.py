@@ -5,17 +5,24 @@ The spec is *probed*, not parsed from config files: the model builds its own mlx
 list (``make_prompt_cache``: full layers get a ``KVCache``, sliding-window layers a
 ``RotatingKVCache(window)``) and runs one token through it; the shapes it stores are the
 truth, whatever the architecture calls its heads (MLA models such as deepseek_v2 store
-per-head keys of ``qk_nope + qk_rope`` dims and values of ``v_head_dim``: K != V).
+per-head keys of ``qk_nope + qk_rope`` dims and values of ``v_head_dim``: K != V). A
+hybrid model's recurrent layers (mlx-lm's ``ArraysCache``: a convolution window and an SSM
+or delta-rule state) keep no keys and values; their spec is the shapes of their state.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..ops.runtime import mx
+
+#: One array of a recurrent layer's state: its shape without the batch axis, and its dtype.
+StateArray = tuple[tuple[int, ...], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +31,30 @@ class LayerSpec:
     k_head_dim: int
     v_head_dim: int
     window: int | None  # None: full attention; else the sliding-window size in tokens
+    #: A recurrent layer (no keys and values; ``kv_heads`` 0): its state's arrays, in the
+    #: order of mlx-lm's ``ArraysCache`` entries. None: an attention layer.
+    state: tuple[StateArray, ...] | None = None
 
     @property
     def sliding(self) -> bool:
         return self.window is not None
+
+    @property
+    def recurrent(self) -> bool:
+        return self.state is not None
+
+    def state_bytes(self) -> int:
+        """Bytes of one snapshot of this layer's state (0 for an attention layer)."""
+        return sum(int(np.prod(shape)) * getattr(mx, dtype).size for shape, dtype in self.state or ())
+
+    def to_dict(self) -> dict[str, Any]:
+        """As hashed into the model fingerprint: an attention layer's entry is the same as
+        before recurrent layers existed (their caches keep their fingerprints)."""
+        out = {"kv_heads": self.kv_heads, "k_head_dim": self.k_head_dim, "v_head_dim": self.v_head_dim}
+        out["window"] = self.window
+        if self.state is not None:
+            out["state"] = [[list(shape), dtype] for shape, dtype in self.state]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,37 +66,64 @@ class ModelCacheSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (snapshotted, ``kv.recurrent``)."""
+        return any(s.recurrent for s in self.layers)
+
+    def state_bytes(self) -> int:
+        """Bytes of one snapshot of every recurrent layer's state."""
+        return sum(s.state_bytes() for s in self.layers)
+
     def fp16_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in all layers at 16 bits (the reference size)."""
         return sum(2 * s.kv_heads * (s.k_head_dim + s.v_head_dim) for s in self.layers)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps({"dtype": self.dtype, "layers": [s.to_dict() for s in self.layers]}, sort_keys=True)
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     @classmethod
     def from_model(cls, model: Any) -> ModelCacheSpec:
-        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
         caches = make_prompt_cache(model)
         windows: list[int | None] = []
         for c in caches:
             if isinstance(c, RotatingKVCache):
                 windows.append(int(c.max_size))
-            elif isinstance(c, KVCache):
+            elif isinstance(c, (KVCache, ArraysCache)):
                 windows.append(None)
             else:
                 raise ValueError(
                     f"unsupported cache type {type(c).__name__} in {type(model).__name__}: "
-                    "only attention layers (KVCache / RotatingKVCache) can be stored"
+                    "only attention layers (KVCache / RotatingKVCache) and recurrent ones "
+                    "(ArraysCache) can be stored"
                 )
-        out = model(mx.array([[0]]), cache=caches)
+        # Two tokens: a state every recurrent layer fills (a convolution window of 1 token
+        # would be the same shape; two make sure no entry is left None by a first step).
+        out = model(mx.array([[0, 0]]), cache=caches)
         mx.eval(out)
         layers = []
+        dtype = ""
         for c, window in zip(caches, windows, strict=True):
+            if isinstance(c, ArraysCache):
+                if any(x is None for x in c.cache):
+                    raise ValueError(
+                        f"a recurrent layer of {type(model).__name__} left part of its state unset"
+                    )
+                state = tuple((tuple(int(d) for d in x.shape[1:]), _dtype_name(x.dtype)) for x in c.cache)
+                layers.append(LayerSpec(0, 0, 0, None, state))
+                continue
             _, heads, _, k_dim = c.keys.shape
             layers.append(LayerSpec(int(heads), int(k_dim), int(c.values.shape[-1]), window))
-        dtype = str(caches[0].keys.dtype).removeprefix("mlx.core.")
+            dtype = dtype or _dtype_name(c.keys.dtype)
+        if not dtype:
+            raise ValueError(f"{type(model).__name__} has no attention layer: nothing to store keys for")
         return cls(tuple(layers), dtype)
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")

@@ -23,6 +23,13 @@ SUPPORTED_FAMILIES: dict[str, str] = {
     "gpt_oss": "gpt-oss (attention sinks, sliding window, MoE)",
     "deepseek_v2": "DeepSeek-V2 (MLA, K and V of different widths)",
     "deepseek_v3": "DeepSeek-V3 / R1 (MLA over a stored latent)",
+    "qwen3_next": "Qwen3-Next (hybrid: Gated DeltaNet + attention, MoE)",
+    "qwen3_5": "Qwen 3.5 (hybrid: Gated DeltaNet + attention)",
+    "lfm2": "Liquid LFM2 (hybrid: short convolutions + attention)",
+    "granitemoehybrid": "IBM Granite 4.0-H (hybrid: Mamba-2 + attention, MoE)",
+    "lfm2_moe": "Liquid LFM2-MoE (hybrid: short convolutions + attention, MoE)",
+    "kimi_linear": "Kimi Linear (hybrid: Kimi delta attention + MLA, MoE)",
+    "nemotron_h": "NVIDIA Nemotron-H (hybrid: Mamba-2 + attention)",
 }
 
 #: Families whose layers keep a recurrent state (SSM, linear attention) besides or instead

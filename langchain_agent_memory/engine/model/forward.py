@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..kv.recurrent import fed
 from ..ops.runtime import mx, side_streams
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -26,11 +27,13 @@ _SPLIT_BYTES = 128 << 20
 
 def logits_from_hidden(model: Any, hidden: mx.array) -> mx.array:
     """The vocabulary projection mlx-lm's decoders apply after their final norm."""
+    model = text_model(model)
     if "lm_head" in model:
         head = model.lm_head
         project, plain = head, type(head) is nn.Linear and "bias" not in head
     else:
-        head = model.model.embed_tokens
+        stack = backbone(model)
+        head = stack.embed_tokens if "embed_tokens" in stack else stack.embeddings
         project, plain = head.as_linear, type(head) is nn.Embedding
     if plain and hidden.size // hidden.shape[-1] <= _SPLIT_ROWS and head.weight.nbytes >= _SPLIT_BYTES:
         stream = side_streams()[0]
@@ -52,6 +55,19 @@ def _split_projection(hidden: mx.array, weight: mx.array, stream: Any) -> mx.arr
     return mx.concatenate([first, second], axis=-1)
 
 
+def text_model(model: Any) -> Any:
+    """The language model of a multimodal wrapper (Qwen 3.5's ``language_model``), else
+    the model itself."""
+    return getattr(model, "language_model", model)
+
+
+def backbone(model: Any) -> Any:
+    """The decoder stack without the vocabulary projection (``model.model``; Nemotron-H
+    calls it ``backbone``)."""
+    lm = text_model(model)
+    return lm.model if "model" in lm else lm.backbone
+
+
 def prefill(
     model: Any, token_ids: Sequence[int], cache: list[Any], chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> mx.array:
@@ -71,7 +87,8 @@ def prefill_chunk(model: Any, token_ids: Sequence[int], cache: list[Any], last: 
     """One chunk of a prefill; the logits of its last position if it is the ``last`` one."""
     if not token_ids:
         raise ValueError("prefill needs at least one token")
-    hidden = model.model(mx.array(token_ids)[None], cache=cache)
+    hidden = backbone(model)(mx.array(token_ids)[None], cache=cache)
+    fed(cache, len(token_ids))
     if not last:
         # Evaluated per chunk: bounds the graph and the memory of intermediate activations.
         mx.eval(hidden[:, -1:], [c.state for c in cache])
@@ -82,5 +99,6 @@ def prefill_chunk(model: Any, token_ids: Sequence[int], cache: list[Any], last: 
 def decode_step(model: Any, token_id: int | mx.array, cache: list[Any]) -> mx.array:
     """One decode step: logits (float32, ``(vocab,)``) after appending ``token_id``."""
     tok = token_id if isinstance(token_id, mx.array) else mx.array([token_id])
-    hidden = model.model(tok.reshape(1, 1), cache=cache)
+    hidden = backbone(model)(tok.reshape(1, 1), cache=cache)
+    fed(cache, 1)
     return logits_from_hidden(model, hidden)[0, -1].astype(mx.float32)

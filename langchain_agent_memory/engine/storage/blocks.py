@@ -29,7 +29,15 @@ logger = logging.getLogger(__name__)
 
 
 FORMAT_VERSION = 1
+#: Agent records of a hybrid model (``AgentRecord.states``): refused by a version that reads
+#: only ``FORMAT_VERSION``; records without state snapshots are still written as 1.
+STATES_FORMAT_VERSION = 2
 BLOCK_TOKENS = 256
+#: The token id of a recurrent-state snapshot's block, at the end of the chain block it
+#: follows: the child of that block with this one "token" (``STATE_TOKEN - d`` for a
+#: snapshot ``d`` tokens before the block's end; no vocabulary comes near), so its hash is a
+#: ``block_hash`` like any other and every store checks it the same way.
+STATE_TOKEN = 0xFFFFFFFF
 MAX_AGENT_ID_CHARS = 256
 _HASH_SEED = b"langchain-agent-memory/block/v1\x00"
 
@@ -67,6 +75,15 @@ def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: 
     h.update(b"\x00" + fingerprint.encode() + b"\x00")
     h.update(np.asarray(token_ids, dtype="<u4").tobytes())
     return BlockHash(h.hexdigest())
+
+
+def state_block_hash(h: BlockHash, fingerprint: str, before_end: int = 0) -> BlockHash:
+    """The block holding the recurrent layers' state ``before_end`` tokens before the end of
+    chain block ``h`` (a function of ``h``: the same tokens after the same prefix give the
+    same state)."""
+    if not 0 <= before_end < BLOCK_TOKENS:
+        raise ValueError(f"a state snapshot is within its block: {before_end} tokens before its end")
+    return block_hash(h, [STATE_TOKEN - before_end], fingerprint)
 
 
 #: Ids the product keeps for itself start with this (a checkpointer's snapshots,
@@ -244,7 +261,12 @@ class Block:
 
 @dataclass(slots=True)
 class AgentRecord:
-    """What an agent's cache stands for: the block chain, the text and its token ends."""
+    """What an agent's cache stands for: the block chain, the text and its token ends.
+
+    ``blocks`` is every block the record names, which is what stores count references,
+    write, upload and collect by: the chain (``chain``: block ``i`` holds tokens
+    ``[256 i, 256 (i + 1))``), then, for a hybrid model, one recurrent-state snapshot per
+    entry of ``states`` (the token positions snapshotted, ascending; ``state_block_hash``)."""
 
     agent_id: str
     blocks: list[BlockHash]
@@ -253,19 +275,29 @@ class AgentRecord:
     text: str
     updated_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
+    states: list[int] = field(default_factory=list)
+
+    @property
+    def chain(self) -> list[BlockHash]:
+        return self.blocks[: len(self.blocks) - len(self.states)]
+
+    def state_blocks(self) -> dict[int, BlockHash]:
+        """Token position -> the block of the recurrent state there."""
+        return dict(zip(self.states, self.blocks[len(self.blocks) - len(self.states) :], strict=True))
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format_version": self.format_version,
-                "agent_id": self.agent_id,
-                "blocks": self.blocks,
-                "token_ids": self.token_ids,
-                "token_ends": self.token_ends,
-                "text": self.text,
-                "updated_at": self.updated_at,
-            }
-        )
+        data: dict[str, Any] = {
+            "format_version": STATES_FORMAT_VERSION if self.states else FORMAT_VERSION,
+            "agent_id": self.agent_id,
+            "blocks": self.blocks,
+            "token_ids": self.token_ids,
+            "token_ends": self.token_ends,
+            "text": self.text,
+            "updated_at": self.updated_at,
+        }
+        if self.states:
+            data["states"] = self.states
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, raw: str) -> AgentRecord:
@@ -281,8 +313,8 @@ class AgentRecord:
     def _from_json(cls, raw: str) -> AgentRecord:
         data = json.loads(raw)
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise version_error("agent record", version)
+        if version not in (FORMAT_VERSION, STATES_FORMAT_VERSION):
+            raise version_error("agent record", version, STATES_FORMAT_VERSION)
         record = cls(
             agent_id=data["agent_id"],
             blocks=[BlockHash(b) for b in data["blocks"]],
@@ -290,7 +322,15 @@ class AgentRecord:
             token_ends=list(data["token_ends"]),
             text=data["text"],
             updated_at=float(data["updated_at"]),
+            format_version=version,
+            states=list(data.get("states", [])),
         )
+        if not (
+            len(record.states) <= len(record.blocks)
+            and all(type(p) is int and 0 < p <= len(record.token_ids) for p in record.states)
+            and record.states == sorted(set(record.states))
+        ):
+            raise CacheFormatError("agent record names state snapshots of blocks it does not have")
         # Well-formed JSON with the wrong shapes must not reach the engine.
         if not (
             isinstance(record.agent_id, str)
@@ -303,13 +343,13 @@ class AgentRecord:
         return record
 
 
-def version_error(what: str, version: Any) -> CacheFormatError:
-    if isinstance(version, int) and version > FORMAT_VERSION:
+def version_error(what: str, version: Any, newest: int = FORMAT_VERSION) -> CacheFormatError:
+    if isinstance(version, int) and version > newest:
         return NewerFormatError(
             f"{what} has format version {version}, written by a newer langchain-agent-memory; "
-            f"this version reads format {FORMAT_VERSION}: upgrade the package"
+            f"this version reads format {newest}: upgrade the package"
         )
-    return CacheFormatError(f"{what} has unknown format version {version!r} (expected {FORMAT_VERSION})")
+    return CacheFormatError(f"{what} has unknown format version {version!r} (expected {newest})")
 
 
 def parse_record(raw: str, what: str) -> AgentRecord:

@@ -40,6 +40,7 @@ from safetensors import serialize_file
 from ..ops.files import TEMP_PREFIX, DirectoryLock, atomic_write, atomic_write_bytes
 from .blocks import (
     FORMAT_VERSION,
+    STATES_FORMAT_VERSION,
     AgentRecord,
     Block,
     BlockHash,
@@ -383,8 +384,8 @@ class DiskBlockStore(DiskMaintenance):
                 "SELECT block FROM refs WHERE agent_id = ? ORDER BY pos", (agent_id,)
             ).fetchall()
         version = row[0] if row else None
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise version_error(f"agent record {agent_id!r}", version)
+        if isinstance(version, int) and version > STATES_FORMAT_VERSION:
+            raise version_error(f"agent record {agent_id!r}", version, STATES_FORMAT_VERSION)
         return [BlockHash(r[0]) for r in rows]
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:

@@ -1,0 +1,96 @@
+"""Recurrent-state snapshots of a hybrid model's agents: which to keep, their blocks, and
+where a request can resume.
+
+A snapshot is the state of every recurrent layer at one position of the agent's tokens: a
+block boundary a prefill passed, or the token before the end of a turn (an EXTEND then
+re-runs one token, an EXACT none, and the turn's last token can be re-run for its logits).
+It is stored as a block of its own (``state_block_hash``: a function of the chain block
+holding its last token, so agents with the same tokens share it, and stores write, count and
+collect it as any block), named by the agent record after its chain (``AgentRecord.states``).
+
+Why a policy: one snapshot of a large hybrid is tens of megabytes (Qwen3-Next-80B: 36
+delta-rule layers x 32 heads x 128 x 128 at 16 bits = 37.7 MB), against ~2 MB of its
+attention layers' K/V per 256-token block. Every block's would be ~16x the K/V; the
+policy keeps every snapshot within ``DENSE`` blocks of the end (a request that parts from
+the stored text a little before its end re-runs at most one block), then one near every
+doubling of the distance from the end (a DIVERGE far back re-runs at most about as much as
+it keeps), and always the newest (the end of the turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from .kv import LayerSpec
+from .kv.recurrent import State, state_from_tensors, state_tensors
+from .prefix import NOT_A_BOUNDARY, TokenizedText
+from .storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_block_hash
+
+#: Snapshots kept without thinning: those within this many blocks of the end.
+DENSE = 4
+
+
+def keep(candidates: Collection[int], n_tokens: int) -> list[int]:
+    """The positions (of ``candidates``: snapshots stored or held) an agent of ``n_tokens``
+    keeps, ascending: the newest (the end of its turn), every one within ``DENSE`` blocks
+    of the end, then the newest at or before ``n_tokens - DENSE * 256 * 2**k`` for each k."""
+    have = sorted(p for p in candidates if 0 < p <= n_tokens)
+    if not have:
+        return []
+    kept = {have[-1]} | {p for p in have if p >= n_tokens - DENSE * BLOCK_TOKENS}
+    k = 0
+    while True:
+        target = n_tokens - DENSE * BLOCK_TOKENS * (1 << k)
+        if target < have[0]:
+            break
+        kept.add(max(p for p in have if p <= target))
+        k += 1
+    return sorted(kept)
+
+
+def _where(n_tokens: int, at: int) -> tuple[int, int]:
+    """(chain index of the block holding token ``at - 1``, tokens from ``at`` to its end)."""
+    i = (at - 1) // BLOCK_TOKENS
+    return i, min((i + 1) * BLOCK_TOKENS, n_tokens) - at
+
+
+def snapshot_hash(chain: Sequence[BlockHash], n_tokens: int, at: int, fingerprint: str) -> BlockHash:
+    """The block name of the state after ``at`` tokens of an agent whose chain of ``n_tokens``
+    is ``chain`` (``state_block_hash`` of the chain block holding token ``at - 1``)."""
+    i, before_end = _where(n_tokens, at)
+    return state_block_hash(chain[i], fingerprint, before_end)
+
+
+def state_block(
+    chain: Sequence[BlockHash],
+    n_tokens: int,
+    at: int,
+    fingerprint: str,
+    specs: Sequence[LayerSpec],
+    states: Sequence[State | None],
+) -> Block:
+    """The block of the recurrent layers' ``states`` after ``at`` tokens (one per layer;
+    None for attention layers), named by ``snapshot_hash``."""
+    i, before_end = _where(n_tokens, at)
+    tensors = {}
+    for j, (spec, state) in enumerate(zip(specs, states, strict=True)):
+        if spec.recurrent:
+            assert state is not None
+            tensors.update(state_tensors(j, state))
+    h = state_block_hash(chain[i], fingerprint, before_end)
+    return Block(h, chain[i], [STATE_TOKEN - before_end], tensors)
+
+
+def states_of(block: Block, specs: Sequence[LayerSpec]) -> list[State | None]:
+    """Each layer's state from a snapshot block (None for attention layers); ``KeyError``
+    or ``ValueError`` if it is not one of this model's."""
+    return [state_from_tensors(i, s, block.tensors) if s.recurrent else None for i, s in enumerate(specs)]
+
+
+def resume_point(tokens: TokenizedText, n_tokens: int, snapshots: Collection[int]) -> int:
+    """The furthest position ``<= n_tokens`` a request can resume from: one with a snapshot
+    (token positions) that ends on a whole character (0: from the start)."""
+    for p in sorted(snapshots, reverse=True):
+        if 0 < p <= n_tokens and tokens.ends[p - 1] != NOT_A_BOUNDARY:
+            return p
+    return 0
