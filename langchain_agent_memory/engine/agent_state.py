@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .kv import LayerCache
+from .kv import LayerCache, RecurrentCache
 from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import CacheSource
 from .storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
@@ -93,3 +93,22 @@ class HotPolicy:
                 if used + layer.work_nbytes > self.work_budget_bytes:
                     layer.drop_work()
                 used += layer.work_nbytes
+
+
+def kept_from(layer: LayerCache, n_tokens: int) -> int:
+    """The first position a layer keeps once an agent stands for ``n_tokens``: a sliding
+    layer its window and the last (partial) block, for the next save; a full layer all."""
+    if layer.spec.window is None or isinstance(layer, RecurrentCache):
+        return 0
+    return min(max(0, n_tokens - layer.spec.window), (n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS)
+
+
+def holds_window(layer: LayerCache, n_tokens: int) -> bool:
+    """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
+    if isinstance(layer, RecurrentCache):
+        return layer.can_trim(n_tokens)
+    if layer.committed_end != layer.offset or layer.offset < n_tokens:
+        return False
+    if layer.spec.window is None:
+        return layer.start == 0
+    return layer.start <= max(0, n_tokens - layer.spec.window)

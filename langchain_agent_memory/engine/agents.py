@@ -19,13 +19,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection
 from typing import Any
 
-from .agent_state import Admission, AgentState, HotPolicy, PendingSave
+from .agent_state import Admission, AgentState, HotPolicy, PendingSave, holds_window, kept_from
 from .block_cuts import blocks_of
 from .kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
-from .restore import layers_from_blocks
+from .restore import available_prefix, layers_from_blocks
 from .results import CacheSource
-from .states import keep, resume_point, snapshot_hash, state_block
+from .states import commit_snapshots, resume
 from .storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -167,16 +167,12 @@ class AgentCaches:
         has no snapshot to resume from before ``n_tokens``."""
         snapshot: BlockHash | None = None
         if self.spec.hybrid:
-            stored = state.states
-            live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
-            live_at = set(live.held()) if live is not None else set()
-            n_tokens = resume_point(state.tokens, n_tokens, set(stored) | live_at)
+            n_tokens, snapshot = resume(state, n_tokens)
             if n_tokens == 0:
                 return None, False, 0
-            snapshot = stored.get(n_tokens)
         live = state.layers
         if live is not None:
-            lacking = [i for i, layer in enumerate(live) if not _holds_window(layer, n_tokens)]
+            lacking = [i for i, layer in enumerate(live) if not holds_window(layer, n_tokens)]
             rebuilt: list[LayerCache] | None = None
             from_disk = False
             if lacking and len(lacking) < len(live):
@@ -201,7 +197,9 @@ class AgentCaches:
             try:
                 return (*self.from_blocks(state.blocks, n_tokens, state=snapshot), n_tokens)
             except BlocksUnavailableError as exc:
-                fewer = 0 if self.spec.hybrid else self._available_prefix(state, n_tokens)
+                fewer = (
+                    0 if self.spec.hybrid else available_prefix(self, state.blocks, state.tokens, n_tokens)
+                )
                 logger.warning(
                     "agent %r: %s; reusing the %d of %d cached tokens on this worker and prefilling the rest",
                     agent_id,
@@ -225,19 +223,6 @@ class AgentCaches:
                 aside,
             )
             return None, False, 0
-
-    def _available_prefix(self, state: AgentState, n_tokens: int) -> int:
-        """The most of the first ``n_tokens`` of ``state`` whose blocks are here (pool or this
-        worker's disk), ending at a token boundary."""
-        k = 0
-        while k < len(state.blocks) and (
-            self.held(state.blocks[k]) or self.store.has_local_block(state.blocks[k])
-        ):
-            k += 1
-        n = min(n_tokens, k * BLOCK_TOKENS)
-        while n and state.tokens.ends[n - 1] == NOT_A_BOUNDARY:
-            n -= 1
-        return n
 
     def _quarantine_bad(self, chain: list[BlockHash]) -> int:
         """Move every unreadable block of ``chain`` aside; return how many were moved."""
@@ -310,11 +295,9 @@ class AgentCaches:
         layers, old = start.layers, start.state
         n = len(known)
         chain = self._chain_of(known, start.kept_blocks())
-        states, state_blocks, at_end = (
-            self._snapshots(start, chain, known) if self.spec.hybrid else ({}, {}, True)
-        )
+        states, new_states, at_end = commit_snapshots(start, chain, known, self.fingerprint, self._has_local)
         for layer in layers:
-            layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=_kept_from(layer, n))
+            layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=kept_from(layer, n))
             if layer.offset > n and not isinstance(layer, RecurrentCache):
                 layer.trim_to(n)
         record = AgentRecord(
@@ -324,7 +307,7 @@ class AgentCaches:
         # elsewhere is built for nothing, never written twice.
         wanted = [(b, h) for b, h in enumerate(chain) if not (self.held(h) or self.store.has_local_block(h))]
         blocks = blocks_of(self.pool, [b for b, _ in wanted], chain, known, layers)
-        blocks.update(state_blocks)
+        blocks.update(new_states)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
         with self._queued_lock:
             self._queued.update(blocks)
@@ -332,9 +315,8 @@ class AgentCaches:
             self.saving[agent_id] += 1
         for layer in layers:
             if layer.spec.window is not None:
-                layer.drop_before(_kept_from(layer, n))
-        # A hybrid whose recurrent state is past ``n`` (a stop sequence cut the reply) is not
-        # kept live: its next request resumes from the stored snapshots.
+                layer.drop_before(kept_from(layer, n))
+        # A hybrid's state past ``n`` (a stop sequence) is not kept: it resumes from snapshots.
         state = AgentState(
             known, chain, layers if at_end else None, self.store.seen_version(agent_id), states
         )
@@ -342,35 +324,6 @@ class AgentCaches:
         nbytes = sum(block.nbytes for block in blocks.values())
         replaced = old.blocks + list(old.states.values()) if old else []
         return PendingSave(record, blocks, replaced, state, nbytes, start.lease)
-
-    def _snapshots(
-        self, start: Admission, chain: list[BlockHash], known: TokenizedText
-    ) -> tuple[dict[int, BlockHash], dict[BlockHash, Block], bool]:
-        """A hybrid's commit: the state snapshots its record keeps (position -> block,
-        ascending; ``states.keep``) of those this request holds (block boundaries its
-        prefill passed, the prompt's end, the token before the end) and those stored before it that it kept,
-        the blocks of the new ones the store lacks, and whether the live recurrent layers
-        stand at the end of ``known`` (not past it: a stop sequence cut the reply)."""
-        n = len(known)
-        layers = start.layers
-        first = next(c for c in layers if isinstance(c, RecurrentCache))
-        held = first.held()
-        prompt_end = start.reused + len(start.tail)
-        new = {p for p in held if p <= n and (p % BLOCK_TOKENS == 0 or p in (n - 1, prompt_end))}
-        old = start.state.states if start.state is not None else {}
-        stored = {p: h for p, h in old.items() if p <= start.reused}
-        out: dict[int, BlockHash] = {}
-        blocks: dict[BlockHash, Block] = {}
-        specs = [c.spec for c in layers]
-        for p in keep(new | set(stored), n):
-            if p in stored:
-                out[p] = stored[p]
-                continue
-            h = out[p] = snapshot_hash(chain, n, p, self.fingerprint)
-            if not self._has_local(h):
-                per_layer = [c.state_at(p) if isinstance(c, RecurrentCache) else None for c in layers]
-                blocks[h] = state_block(chain, n, p, self.fingerprint, specs, per_layer)
-        return out, blocks, first.offset == n
 
     def _has(self, h: BlockHash) -> bool:
         return self.held(h) or self.store.has_block(h)
@@ -542,23 +495,4 @@ class AgentCaches:
                 self.pool.forget(h)
 
     def working_copy_bytes(self) -> int:
-        return sum(layer.work_nbytes for state in self.hot.values() for layer in state.layers or ())
-
-
-def _kept_from(layer: LayerCache, n_tokens: int) -> int:
-    """The first position a layer keeps once an agent stands for ``n_tokens``: a sliding
-    layer its window and the last (partial) block, for the next save; a full layer all."""
-    if layer.spec.window is None or isinstance(layer, RecurrentCache):
-        return 0
-    return min(max(0, n_tokens - layer.spec.window), (n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS)
-
-
-def _holds_window(layer: LayerCache, n_tokens: int) -> bool:
-    """Whether a live layer can serve a request that keeps its first ``n_tokens``."""
-    if isinstance(layer, RecurrentCache):
-        return layer.can_trim(n_tokens)
-    if layer.committed_end != layer.offset or layer.offset < n_tokens:
-        return False
-    if layer.spec.window is None:
-        return layer.start == 0
-    return layer.start <= max(0, n_tokens - layer.spec.window)
+        return sum(c.work_nbytes for state in self.hot.values() for c in state.layers or ())

@@ -9,8 +9,9 @@ from collections.abc import Callable, Collection
 from typing import Protocol
 
 from .kv import LayerCache, RecurrentCache
+from .kv.recurrent import states_of
 from .ops.runtime import mx
-from .states import states_of
+from .prefix import NOT_A_BOUNDARY, TokenizedText
 from .storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheFormatError
 from .storage.pool import BlockPool
 from .storage.protocols import BlockStore
@@ -100,7 +101,7 @@ def _load_states(
         block, from_disk = caches.pool.get(h)
         from_disk = not from_disk
     try:
-        states = states_of(block, [layer.spec for layer in layers])
+        states = states_of(block.tensors, [layer.spec for layer in layers])
     except KeyError as exc:
         raise CacheFormatError(
             f"a state snapshot lacks tensor {exc}; it was written by another version"
@@ -152,3 +153,17 @@ def _layer_part(index: int, source: BlockGroup | Block, skip: int) -> tuple[dict
     names = [k for k in source.names() if k.startswith(prefix)]
     tokens = sum(hd.n_tokens for hd in source.headers[skip:])
     return {k: source.tensor(k, skip) for k in names}, tokens
+
+
+def available_prefix(
+    caches: BlockSources, chain: list[BlockHash], tokens: TokenizedText, n_tokens: int
+) -> int:
+    """The most of the first ``n_tokens`` of ``chain`` (standing for ``tokens``) whose blocks
+    are here (pool or this worker's disk), ending at a token boundary."""
+    k = 0
+    while k < len(chain) and (caches.held(chain[k]) or caches.store.has_local_block(chain[k])):
+        k += 1
+    n = min(n_tokens, k * BLOCK_TOKENS)
+    while n and tokens.ends[n - 1] == NOT_A_BOUNDARY:
+        n -= 1
+    return n

@@ -19,10 +19,11 @@ it keeps), and always the newest (the end of the turn).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
-from .kv import LayerSpec
-from .kv.recurrent import State, state_from_tensors, state_tensors
+from .agent_state import Admission, AgentState
+from .kv import LayerSpec, RecurrentCache
+from .kv.recurrent import State, state_tensors
 from .prefix import NOT_A_BOUNDARY, TokenizedText
 from .storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_block_hash
 
@@ -81,12 +82,6 @@ def state_block(
     return Block(h, chain[i], [STATE_TOKEN - before_end], tensors)
 
 
-def states_of(block: Block, specs: Sequence[LayerSpec]) -> list[State | None]:
-    """Each layer's state from a snapshot block (None for attention layers); ``KeyError``
-    or ``ValueError`` if it is not one of this model's."""
-    return [state_from_tensors(i, s, block.tensors) if s.recurrent else None for i, s in enumerate(specs)]
-
-
 def resume_point(tokens: TokenizedText, n_tokens: int, snapshots: Collection[int]) -> int:
     """The furthest position ``<= n_tokens`` a request can resume from: one with a snapshot
     (token positions) that ends on a whole character (0: from the start)."""
@@ -94,3 +89,49 @@ def resume_point(tokens: TokenizedText, n_tokens: int, snapshots: Collection[int
         if 0 < p <= n_tokens and tokens.ends[p - 1] != NOT_A_BOUNDARY:
             return p
     return 0
+
+
+def resume(state: AgentState, n_tokens: int) -> tuple[int, BlockHash | None]:
+    """Where a request keeping the first ``n_tokens`` of a hybrid agent resumes: the newest
+    snapshot at or before it, stored or held by the agent's live layers (0: nowhere), and
+    the stored snapshot's block there (None: held live)."""
+    live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
+    live_at = set(live.held()) if live is not None else set()
+    at = resume_point(state.tokens, n_tokens, set(state.states) | live_at)
+    return at, state.states.get(at)
+
+
+def commit_snapshots(
+    start: Admission,
+    chain: list[BlockHash],
+    known: TokenizedText,
+    fingerprint: str,
+    has_local: Callable[[BlockHash], bool],
+) -> tuple[dict[int, BlockHash], dict[BlockHash, Block], bool]:
+    """A hybrid's commit: the snapshots its record keeps (position -> block, ascending;
+    ``keep``) of those the request holds (block boundaries its prefill passed, the prompt's
+    end, the token before the end) and those stored before it that it kept; the blocks of
+    the new ones the store lacks (``has_local``); and whether the live recurrent layers
+    stand at the end of ``known`` (not past it: a stop sequence cut the reply). Nothing for
+    a model without recurrent layers."""
+    n = len(known)
+    layers = start.layers
+    first = next((c for c in layers if isinstance(c, RecurrentCache)), None)
+    if first is None:
+        return {}, {}, True
+    prompt_end = start.reused + len(start.tail)
+    new = {p for p in first.held() if p <= n and (p % BLOCK_TOKENS == 0 or p in (n - 1, prompt_end))}
+    old = start.state.states if start.state is not None else {}
+    stored = {p: h for p, h in old.items() if p <= start.reused}
+    out: dict[int, BlockHash] = {}
+    blocks: dict[BlockHash, Block] = {}
+    specs = [c.spec for c in layers]
+    for p in keep(new | set(stored), n):
+        if p in stored:
+            out[p] = stored[p]
+            continue
+        h = out[p] = snapshot_hash(chain, n, p, fingerprint)
+        if not has_local(h):
+            per_layer = [c.state_at(p) if isinstance(c, RecurrentCache) else None for c in layers]
+            blocks[h] = state_block(chain, n, p, fingerprint, specs, per_layer)
+    return out, blocks, first.offset == n

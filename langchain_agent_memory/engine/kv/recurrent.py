@@ -18,6 +18,7 @@ layer without keys and values has: ``offset``, ``trim_to`` (to a snapshot), ``un
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -259,3 +260,9 @@ def fed(caches: Any, n: int) -> None:
     for c in caches:
         if isinstance(c, (RecurrentCache, BatchRecurrentCache)):
             c.fed(n)
+
+
+def states_of(tensors: Any, specs: Sequence[LayerSpec]) -> list[State | None]:
+    """Each layer's state from a snapshot block's tensors (None for attention layers);
+    ``KeyError`` or ``ValueError`` if it is not one of this model's."""
+    return [state_from_tensors(i, s, tensors) if s.recurrent else None for i, s in enumerate(specs)]

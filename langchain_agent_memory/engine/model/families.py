@@ -3,8 +3,10 @@
 A family is supported when its layers keep keys and values (the engine stores those) and
 the whole engine (4-bit persistence, EXACT / EXTEND / DIVERGE, batched decode, reload) has
 been shown to give the uninterrupted output on it (tests/integration/test_families.py).
-Hybrid families whose layers keep a recurrent state instead are refused for now: storing
-them needs a state snapshot per block (a layer cache of another kind).
+Hybrid families, whose recurrent layers keep a state instead, run through
+``kv.recurrent`` (state snapshots, ``engine.states``); those that run a recurrent mixer and
+attention inside one layer (Falcon-H1: mlx-lm's ``CacheList``) and pure state-space models
+are refused.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def check_family(model_dir: Path) -> str:
     supported = ", ".join(sorted(SUPPORTED_FAMILIES))
     if family in RECURRENT_FAMILIES:
         raise UnsupportedModelError(
-            f"{model_dir}: model family {family!r} keeps a recurrent state in some layers, which "
-            f"agent-memory cannot store yet. Supported families: {supported}"
+            f"{model_dir}: model family {family!r} keeps a recurrent state in a way agent-memory "
+            f"cannot store yet (hybrids with separate recurrent and attention layers can). "
+            f"Supported families: {supported}"
         )
     raise UnsupportedModelError(
         f"{model_dir}: model family {family or '(no model_type in config.json)'!r} is not supported "
