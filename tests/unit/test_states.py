@@ -1,0 +1,74 @@
+"""A hybrid model's state snapshots: the thinning policy, their block names (content
+addresses: pinned, stored caches depend on them) and the agent records that name them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from langchain_agent_memory.engine.states import keep, snapshot_hash
+from langchain_agent_memory.engine.storage.blocks import (
+    BLOCK_TOKENS,
+    FORMAT_VERSION,
+    STATES_FORMAT_VERSION,
+    AgentRecord,
+    BlockHash,
+    CacheFormatError,
+    block_hash,
+    state_block_hash,
+)
+
+FP = "f" * 64
+
+
+def test_the_policy_keeps_the_end_the_last_blocks_and_one_per_doubling() -> None:
+    n = 32 * 1024 + 100  # a 32K agent: every block end snapshotted, and the turn's end
+    candidates = {b * BLOCK_TOKENS for b in range(1, n // BLOCK_TOKENS + 1)} | {n - 1}
+    kept = keep(candidates, n)
+    assert kept[-1] == n - 1  # the end of the turn, always
+    assert {p for p in kept if p >= n - 4 * BLOCK_TOKENS} == {
+        p for p in candidates if p >= n - 4 * BLOCK_TOKENS
+    }
+    # Pinned: 10 snapshots for 128 blocks (the disk a 32K agent's states take).
+    assert kept == [16384, 24576, 28672, 30720, 31744, 32000, 32256, 32512, 32768, 32867]
+    # Every DIVERGE re-runs at most about as many tokens as lie between it and the end.
+    for t in range(BLOCK_TOKENS, n, 97):
+        resume = max((p for p in kept if p <= t), default=0)
+        assert t - resume <= max(BLOCK_TOKENS, n - t), t
+
+
+def test_the_policy_only_picks_from_its_candidates() -> None:
+    assert keep([], 1000) == []
+    assert keep([300, 999, 2000], 1000) == [300, 999]
+    assert keep([5], 5) == [5]
+
+
+def test_snapshot_names_are_pinned() -> None:
+    """A snapshot's block is the child of the chain block holding its last token, with a
+    sentinel "token" saying how far before that block's end it is."""
+    h = block_hash(None, list(range(BLOCK_TOKENS)), FP)
+    assert state_block_hash(h, FP) == block_hash(h, [0xFFFFFFFF], FP)
+    assert state_block_hash(h, FP, 1) == block_hash(h, [0xFFFFFFFE], FP)
+    assert state_block_hash(h, FP) == "1ebccb5f65879687d01bad6732310f6bdeb4290da7984c0588f3b61b7519a648"
+    chain = [h, block_hash(h, [1, 2, 3], FP)]
+    assert snapshot_hash(chain, 259, 256, FP) == state_block_hash(h, FP)
+    assert snapshot_hash(chain, 259, 258, FP) == state_block_hash(chain[1], FP, 1)
+    with pytest.raises(ValueError, match="within its block"):
+        state_block_hash(h, FP, BLOCK_TOKENS)
+
+
+def test_records_with_snapshots_are_format_2_and_checked() -> None:
+    chain = [BlockHash("a" * 64), BlockHash("b" * 64)]
+    snap = BlockHash("c" * 64)
+    ids = list(range(300))
+    record = AgentRecord("x", [*chain, snap], ids, ids, "t", states=[299])
+    raw = record.to_json()
+    assert json.loads(raw)["format_version"] == STATES_FORMAT_VERSION
+    back = AgentRecord.from_json(raw)
+    assert back.chain == chain and back.state_blocks() == {299: snap}
+    plain = AgentRecord("y", chain, ids, ids, "t").to_json()
+    assert json.loads(plain)["format_version"] == FORMAT_VERSION and "states" not in json.loads(plain)
+    for bad in ([301], [5, 5], [10, 3], [0]):
+        with pytest.raises(CacheFormatError, match="state snapshots"):
+            AgentRecord.from_json(json.dumps({**json.loads(raw), "states": bad}))
