@@ -322,27 +322,6 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 128000,
     },
-    "lfm2_moe": {
-        "model_type": "lfm2_moe",
-        "hidden_size": 128,
-        "num_hidden_layers": 5,
-        "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "conv_L_cache": 3,
-        "conv_bias": False,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "num_dense_layers": 1,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "use_expert_bias": True,
-        "norm_eps": 1e-5,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 128000,
-    },
     # Every layer runs a Mamba-2 mixer and attention side by side (one ``CacheList`` each).
     "falcon_h1": {
         "model_type": "falcon_h1",
@@ -401,6 +380,19 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
         "pad_token_id": 2,
     },
+}
+
+# The same layers, MoE after one dense layer (LFM2-MoE).
+HYBRID_CONFIGS["lfm2_moe"] = {
+    **{k: v for k, v in HYBRID_CONFIGS["lfm2"].items() if not k.startswith("block_")},
+    "model_type": "lfm2_moe",
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_dense_layers": 1,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "use_expert_bias": True,
 }
 
 #: Published shapes of the models users run at scale (from their ``config.json``), for GPU
