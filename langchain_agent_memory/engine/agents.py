@@ -259,7 +259,7 @@ class AgentCaches:
         # Whole blocks only, and never the last token (its logits must be computed).
         for b in range((len(full) - 1) // BLOCK_TOKENS):
             h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
-            if not (self.held(h) or self.store.has_block(h)):
+            if not self._has(h):
                 break
             chain.append(h)
             parent = h
@@ -295,7 +295,7 @@ class AgentCaches:
         layers, old = start.layers, start.state
         n = len(known)
         chain = self._chain_of(known, start.kept_blocks())
-        states, new_states, at_end = commit_snapshots(start, chain, known, self.fingerprint, self._has_local)
+        states, new_states, at_end = commit_snapshots(start, chain, known, self.fingerprint, self.has_local)
         for layer in layers:
             layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=kept_from(layer, n))
             if layer.offset > n and not isinstance(layer, RecurrentCache):
@@ -305,7 +305,7 @@ class AgentCaches:
         )
         # Local knowledge only (no store round trip on this thread): a block the store has
         # elsewhere is built for nothing, never written twice.
-        wanted = [(b, h) for b, h in enumerate(chain) if not (self.held(h) or self.store.has_local_block(h))]
+        wanted = [(b, h) for b, h in enumerate(chain) if not self.has_local(h)]
         blocks = blocks_of(self.pool, [b for b, _ in wanted], chain, known, layers)
         blocks.update(new_states)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
@@ -328,7 +328,8 @@ class AgentCaches:
     def _has(self, h: BlockHash) -> bool:
         return self.held(h) or self.store.has_block(h)
 
-    def _has_local(self, h: BlockHash) -> bool:
+    def has_local(self, h: BlockHash) -> bool:
+        """Whether block ``h`` is here: in memory or on this worker's disk (no round trip)."""
         return self.held(h) or self.store.has_local_block(h)
 
     def write(self, save: PendingSave) -> AgentRecord | None:

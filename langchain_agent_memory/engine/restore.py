@@ -27,6 +27,7 @@ class BlockSources(Protocol):
     def new_layers(self) -> list[LayerCache]: ...
     def queued_block(self, h: BlockHash) -> Block | None: ...
     def held(self, h: BlockHash) -> bool: ...
+    def has_local(self, h: BlockHash) -> bool: ...
 
 
 def layers_from_blocks(
@@ -95,11 +96,10 @@ def _load_states(
         return False
     if h is None:
         raise CacheFormatError(f"no recurrent-state snapshot at {n_tokens} tokens (this is a bug)")
-    block = caches.queued_block(h)
-    from_disk = False
+    block, from_disk = caches.queued_block(h), False
     if block is None:
-        block, from_disk = caches.pool.get(h)
-        from_disk = not from_disk
+        block, in_memory = caches.pool.get(h)
+        from_disk = not in_memory
     try:
         states = states_of(block.tensors, [layer.spec for layer in layers])
     except KeyError as exc:
@@ -161,7 +161,7 @@ def available_prefix(
     """The most of the first ``n_tokens`` of ``chain`` (standing for ``tokens``) whose blocks
     are here (pool or this worker's disk), ending at a token boundary."""
     k = 0
-    while k < len(chain) and (caches.held(chain[k]) or caches.store.has_local_block(chain[k])):
+    while k < len(chain) and caches.has_local(chain[k]):
         k += 1
     n = min(n_tokens, k * BLOCK_TOKENS)
     while n and tokens.ends[n - 1] == NOT_A_BOUNDARY:

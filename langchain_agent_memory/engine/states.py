@@ -9,8 +9,9 @@ holding its last token, so agents with the same tokens share it, and stores writ
 collect it as any block), named by the agent record after its chain (``AgentRecord.states``).
 
 Why a policy: one snapshot of a large hybrid is tens of megabytes (Qwen3-Next-80B: 36
-delta-rule layers x 32 heads x 128 x 128 at 16 bits = 37.7 MB), against ~2 MB of its
-attention layers' K/V per 256-token block. Every block's would be ~16x the K/V; the
+delta-rule layers x 32 heads x 128 x 128 in float32, the dtype mlx-lm keeps them in =
+75.5 MB), against ~2 MB of its attention layers' K/V per 256-token block in the default
+format. Every block's would be ~35x the K/V; the
 policy keeps every snapshot within ``DENSE`` blocks of the end (a request that parts from
 the stored text a little before its end re-runs at most one block), then one near every
 doubling of the distance from the end (a DIVERGE far back re-runs at most about as much as
@@ -72,13 +73,13 @@ def state_block(
 ) -> Block:
     """The block of the recurrent layers' ``states`` after ``at`` tokens (one per layer;
     None for attention layers), named by ``snapshot_hash``."""
-    i, before_end = _where(n_tokens, at)
     tensors = {}
     for j, (spec, state) in enumerate(zip(specs, states, strict=True)):
         if spec.recurrent:
             assert state is not None
             tensors.update(state_tensors(j, state))
-    h = state_block_hash(chain[i], fingerprint, before_end)
+    i, before_end = _where(n_tokens, at)
+    h = snapshot_hash(chain, n_tokens, at, fingerprint)
     return Block(h, chain[i], [STATE_TOKEN - before_end], tensors)
 
 

@@ -98,8 +98,9 @@ class RecurrentCache:
 
     def snapshot(self) -> None:
         """Keep the state as it is now (at ``offset``) for this request's commit."""
-        if not self.empty():
-            self.snapshots[self.offset] = tuple(x for x in self.cache if x is not None)
+        now = self.current()
+        if now is not None:
+            self.snapshots[self.offset] = now
 
     def current(self) -> State | None:
         """The state at ``offset`` (None before the first token)."""
@@ -197,7 +198,7 @@ def state_from_tensors(index: int, spec: LayerSpec, tensors: Any) -> State:
         if x.size != int(np.prod(shape)):
             raise ValueError(f"layer {index}: a state snapshot of {x.size} values does not fill {shape}")
         x = x.reshape(1, *shape)
-        out.append(x if str(x.dtype).removeprefix("mlx.core.") == dtype else x.astype(getattr(mx, dtype)))
+        out.append(x if x.dtype == getattr(mx, dtype) else x.astype(getattr(mx, dtype)))
     return tuple(out)
 
 

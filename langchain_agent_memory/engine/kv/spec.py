@@ -17,8 +17,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..ops.runtime import mx
 
 #: One array of a recurrent layer's state: its shape without the batch axis, and its dtype.
@@ -43,10 +41,6 @@ class LayerSpec:
     def recurrent(self) -> bool:
         return self.state is not None
 
-    def state_bytes(self) -> int:
-        """Bytes of one snapshot of this layer's state (0 for an attention layer)."""
-        return sum(int(np.prod(shape)) * getattr(mx, dtype).size for shape, dtype in self.state or ())
-
     def to_dict(self) -> dict[str, Any]:
         """As hashed into the model fingerprint: an attention layer's entry is the same as
         before recurrent layers existed (their caches keep their fingerprints)."""
@@ -70,10 +64,6 @@ class ModelCacheSpec:
     def hybrid(self) -> bool:
         """Whether some layers keep a recurrent state (snapshotted, ``kv.recurrent``)."""
         return any(s.recurrent for s in self.layers)
-
-    def state_bytes(self) -> int:
-        """Bytes of one snapshot of every recurrent layer's state."""
-        return sum(s.state_bytes() for s in self.layers)
 
     def fp16_bytes_per_token(self) -> int:
         """Bytes one token's K and V take in all layers at 16 bits (the reference size)."""
