@@ -32,17 +32,18 @@ from .storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_b
 DENSE = 4
 
 
-def keep(candidates: Collection[int], n_tokens: int) -> list[int]:
+def keep(candidates: Collection[int], n_tokens: int, dense: int = DENSE) -> list[int]:
     """The positions (of ``candidates``: snapshots stored or held) an agent of ``n_tokens``
-    keeps, ascending: the newest (the end of its turn), every one within ``DENSE`` blocks
-    of the end, then the newest at or before ``n_tokens - DENSE * 256 * 2**k`` for each k."""
+    keeps, ascending: the newest (the end of its turn), every one within ``dense`` blocks
+    of the end, then the newest at or before ``n_tokens - dense * 256 * 2**k`` for each k
+    (``benchmarks/hybrid.py`` measures other ``dense`` values)."""
     have = sorted(p for p in candidates if 0 < p <= n_tokens)
     if not have:
         return []
-    kept = {have[-1]} | {p for p in have if p >= n_tokens - DENSE * BLOCK_TOKENS}
+    kept = {have[-1]} | {p for p in have if p >= n_tokens - dense * BLOCK_TOKENS}
     k = 0
     while True:
-        target = n_tokens - DENSE * BLOCK_TOKENS * (1 << k)
+        target = n_tokens - dense * BLOCK_TOKENS * (1 << k)
         if target < have[0]:
             break
         kept.add(max(p for p in have if p <= target))

@@ -4,7 +4,9 @@
 It goes through the same persistence code as the engine (``BlockPool.save_agent`` /
 ``set_agent`` / ``delete_agent`` over ``DiskBlockStore``) with blocks of real layout (8
 layers of 4-bit K/V, ~0.4 MB each; a block's tensors follow from its hash, as content
-addressing requires), so nearly all of its time is spent saving.
+addressing requires), so nearly all of its time is spent saving. Half of its saves are a
+hybrid model's: the record also names recurrent-state snapshots (``engine.states``), blocks
+of their own written before the record.
 
 Every operation is journaled before it starts (``intent``: what the agent will stand for
 afterwards) and after it ends (``done``), so the killer knows, per agent, the old and the
@@ -21,7 +23,9 @@ import random
 import sys
 from pathlib import Path
 
+from langchain_agent_memory.engine.kv import LayerSpec
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.states import snapshot_hash, state_block
 from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord, Block, block_hash
 from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
@@ -30,12 +34,14 @@ FINGERPRINT = "crash-test"
 AGENTS = [f"thread-{i}:agent" for i in range(6)]
 MAX_TOKENS = 3000
 LAYERS, HEADS, DIM = 8, 3, 64
+#: A recurrent layer's state (a convolution window and a delta-rule matrix), in the snapshots.
+RECURRENT = LayerSpec(0, 0, 0, None, (((3, 256), "float32"), ((4, 64, 64), "float32")))
 
 
 def record_digest(record: AgentRecord | None) -> str | None:
     if record is None:
         return None
-    payload = json.dumps([record.blocks, record.token_ids, record.token_ends, record.text])
+    payload = json.dumps([record.blocks, record.token_ids, record.token_ends, record.text, record.states])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -52,6 +58,13 @@ def block_for(h: str, parent: str | None, token_ids: list[int]) -> Block:
             tensors[f"L{layer}.{kv}.scales"] = mx.ones((1, HEADS, n, 1), dtype=mx.float16)
             tensors[f"L{layer}.{kv}.biases"] = mx.zeros((1, HEADS, n, 1), dtype=mx.float16)
     return Block(h, parent, token_ids, tensors)  # type: ignore[arg-type]
+
+
+def snapshot_for(chain: list[str], n: int, at: int) -> Block:
+    """The state snapshot after ``at`` of ``n`` tokens (its arrays follow from its name)."""
+    key = mx.random.key(int(snapshot_hash(chain, n, at, FINGERPRINT)[:8], 16))  # type: ignore[arg-type]
+    state = tuple(mx.random.normal((1, *shape), key=key) for shape, _ in RECURRENT.state or ())
+    return state_block(chain, n, at, FINGERPRINT, [RECURRENT], [state])  # type: ignore[arg-type]
 
 
 def chain_of(token_ids: list[int]) -> list[str]:
@@ -85,7 +98,9 @@ def main(root: str, journal_path: str, seed: int) -> None:
             source = store.get_agent(rng.choice(AGENTS))
             if source is None:
                 continue
-            fork = AgentRecord(agent, source.blocks, source.token_ids, source.token_ends, source.text)
+            fork = AgentRecord(
+                agent, source.blocks, source.token_ids, source.token_ends, source.text, states=source.states
+            )
             log(seq=seq, agent=agent, intent=record_digest(fork))
             pool.set_agent(fork)
         else:
@@ -96,9 +111,18 @@ def main(root: str, journal_path: str, seed: int) -> None:
                 tokens = []
             tokens += [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 400))]
             chain = chain_of(tokens)
-            record = AgentRecord(agent, chain, tokens, list(range(1, len(tokens) + 1)), "t" * len(tokens))
+            n = len(tokens)
+            states = sorted({p for p in range(BLOCK_TOKENS, n, BLOCK_TOKENS) if rng.random() < 0.5} | {n})
+            states = states if rng.random() < 0.5 else []  # half of the saves: a hybrid's
+            snaps = [snapshot_hash(chain, n, p, FINGERPRINT) for p in states]
+            ends = list(range(1, n + 1))
+            record = AgentRecord(agent, chain + snaps, tokens, ends, "t" * n, states=states)  # type: ignore[arg-type]
 
-            def build(i: int, chain: list[str] = chain, tokens: list[int] = tokens) -> Block:
+            def build(
+                i: int, chain: list[str] = chain, tokens: list[int] = tokens, states: list[int] = states
+            ) -> Block:
+                if i >= len(chain):
+                    return snapshot_for(chain, len(tokens), states[i - len(chain)])
                 return block_for(
                     chain[i], chain[i - 1] if i else None, tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
                 )
