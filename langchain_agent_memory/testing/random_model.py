@@ -435,9 +435,10 @@ SCALE_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "vocab_size": 262144,
     },
-    # Qwen3-Next-80B-A3B's published shape with 128 of its 512 experts (10 active per token
-    # either way: the same work per token; 512 would be 160 GB of bf16, more than an H200).
-    "qwen3-next-80b-a3b-e128": {
+    # Qwen3-Next-80B-A3B's published shape with 64 of its 512 experts (10 active per token
+    # either way: the same work per token): 23 GB of bf16, where all 512 are 160 GB (more than
+    # an H200's memory) and 128 would leave the lent machine's 64 GB disk no room for caches.
+    "qwen3-next-80b-a3b-e64": {
         **HYBRID_CONFIGS["qwen3_next"],
         "hidden_size": 2048,
         "num_hidden_layers": 48,
@@ -450,7 +451,7 @@ SCALE_CONFIGS: dict[str, dict[str, Any]] = {
         "linear_num_value_heads": 32,
         "linear_key_head_dim": 128,
         "linear_value_head_dim": 128,
-        "num_experts": 128,
+        "num_experts": 64,
         "num_experts_per_tok": 10,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
