@@ -120,7 +120,12 @@ def run(args: argparse.Namespace) -> None:
     peer = MlxLm(model_dir, None, root / "mlx", loaded=(engine.lm.model, engine.lm.tokenizer))
     engine.generate("warm-up", _text(engine.tokenizer, 600), one)  # kernels compiled first
     peer.cold(_text(engine.tokenizer, 600))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    data = {
+        "model": args.model, "weights": f"random {dtype}", "device": "gpu" if device.on_gpu() else "cpu",
+        "kv_format": engine.quant.label, "back": BACK, "rows": rows,
+    }  # fmt: skip
+    path = out_dir / f"hybrid-{args.model}.json"
     for n in contexts:
         print(f"{n} tokens: ours ...", flush=True)
         text = _text(engine.tokenizer, n)
@@ -159,13 +164,13 @@ def run(args: argparse.Namespace) -> None:
             "snapshot_positions": record.states, "snapshot_bytes": one_snapshot,
             "policy": policy_curve(len(state.tokens), cold.prompt_tokens, one_snapshot, kv_bytes),
         })  # fmt: skip
+        # Written after every context: a run cut short by a time limit keeps what it measured.
+        path.write_text(json.dumps({**data, "rows": sorted(rows, key=lambda r: r["tokens"])}, indent=1))
+        print(
+            f"{n} tokens done ({time.perf_counter() - t0:.0f} s): {json.dumps(rows[-1]['ours'])}", flush=True
+        )
     engine.close()
-    data = {
-        "model": args.model, "weights": f"random {dtype}", "device": "gpu" if device.on_gpu() else "cpu",
-        "kv_format": engine.quant.label, "back": BACK, "rows": rows,
-    }  # fmt: skip
-    path = out_dir / f"hybrid-{args.model}.json"
-    path.write_text(json.dumps(data, indent=1))
+    data["rows"] = sorted(rows, key=lambda r: r["tokens"])
     print(f"wrote {path}")
     report(data, path.with_suffix(".png"))
 

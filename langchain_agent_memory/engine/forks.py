@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .kv import LayerCache
+from .kv import LayerCache, RecurrentCache
 from .prefix import NOT_A_BOUNDARY, TokenizedText
 
 #: Fewest tokens worth waiting for and forking (below this, prefilling them is as cheap).
@@ -29,17 +29,25 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def clean_cut(tokens: TokenizedText, n: int) -> int:
-    """The largest ``m <= n`` after which ``tokens`` can be cut (not inside a character)."""
+def clean_cut(tokens: TokenizedText, n: int, step: int = 1) -> int:
+    """The largest ``m <= n``, a multiple of ``step``, after which ``tokens`` can be cut (not
+    inside a character). A hybrid model forks at block boundaries (``step`` 256): the only
+    points where a source in mid-prefill holds its recurrent state (``ModelRunner.prefill``)."""
+    n -= n % step
     while n > 0 and tokens.ends[n - 1] == NOT_A_BOUNDARY:
-        n -= 1
-    return n
+        n -= step
+    return max(n, 0)
 
 
 def can_fork(layers: Sequence[LayerCache], n_tokens: int) -> bool:
     """Whether ``layers`` hold what a request keeping their first ``n_tokens`` needs: every
-    full layer from position 0, every sliding layer its last window before ``n_tokens``."""
+    full layer from position 0, every sliding layer its last window before ``n_tokens``,
+    every recurrent layer its state at ``n_tokens``."""
     for layer in layers:
+        if isinstance(layer, RecurrentCache):
+            if layer.state_at(n_tokens) is None:
+                return False
+            continue
         if layer.offset < n_tokens:
             return False
         window = layer.spec.window
@@ -54,6 +62,9 @@ def fork_layers(source: Sequence[LayerCache], fresh: Sequence[LayerCache], n_tok
     one a view still reads), the source request's own full-precision tokens as the fork's
     pending ones (committed with the fork's)."""
     for src, dst in zip(source, fresh, strict=True):
+        if isinstance(src, RecurrentCache):
+            dst.load(n_tokens, src.state_at(n_tokens))  # type: ignore[call-arg]
+            continue
         stored_end = min(n_tokens, src.committed_end)
         head, body = src.committed_slice(src.start, stored_end)
         dst.load(src.start, head, *(body or (None, None)))

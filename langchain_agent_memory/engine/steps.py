@@ -15,6 +15,7 @@ from typing import Any
 from .agent_state import Admission, PendingSave
 from .agents import AgentCaches
 from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
+from .kv import RecurrentCache
 from .ops.runtime import mx
 from .prefix import MatchKind, PrefixMatch, TokenizedText
 from .results import (
@@ -28,6 +29,7 @@ from .results import (
 )
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
+from .storage.blocks import BLOCK_TOKENS
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
 
@@ -153,7 +155,8 @@ class RequestSteps:
         if best is None:
             return None
         full = _joined(start.known, start.tail)
-        n = clean_cut(full, min(best_n, len(ids) - 1))  # one token at least is run: its logits
+        step = BLOCK_TOKENS if any(isinstance(c, RecurrentCache) for c in start.layers) else 1
+        n = clean_cut(full, min(best_n, len(ids) - 1), step)  # one token at least is run: its logits
         return (best, n) if n >= start.reused + MIN_SHARED_TOKENS else None
 
     def _fork(self, req: Request) -> None:

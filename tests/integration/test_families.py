@@ -227,3 +227,25 @@ def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
         assert str(cold.outcome) == "cold"
         assert diverge.text == cold.text, n
         assert diverge.reused_tokens == resumes, n
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_fan_out_forks_at_a_block_boundary_and_equals_each_alone(
+    family: str, model_dir: Callable[[str, str], Path], tmp_path: Path, together: Any
+) -> None:
+    """Three agents released at once with prompts that share ~620 tokens: the later ones
+    start from the first one's recurrent state at the last block boundary it passed (a
+    source in mid-prefill holds no other) and its K/V, and each answer equals the agent's
+    alone, cold (16-bit KV)."""
+    model = model_dir(family, "float32")
+    prompts = {f"item-{i}": f"{LONG}\n\nQ: {q}\nA:" for i, q in enumerate(["Its name?", "Who?", "Sell?"])}
+    expected = {
+        agent: Engine(model, cache_dir=tmp_path / f"alone-{agent}", kv_bits=None).generate(agent, p, GREEDY)
+        for agent, p in prompts.items()
+    }
+    engine = Engine(model, cache_dir=tmp_path / "fan-out", kv_bits=None)
+    got = together(engine, prompts, GREEDY)
+    assert sorted(str(r.outcome) for r in got.values()) == ["cold", "hot-shared", "hot-shared"]
+    for agent, result in got.items():
+        assert result.text == expected[agent].text, agent
+        assert str(result.outcome) == "cold" or result.reused_tokens == 512
