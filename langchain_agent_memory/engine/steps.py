@@ -29,6 +29,7 @@ from .results import (
 )
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
+from .states import thin_held
 from .storage.blocks import BLOCK_TOKENS
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
@@ -209,12 +210,17 @@ class RequestSteps:
                 ids = start.tail.ids[req.prefilled : req.prefilled + n]
                 req.prefilled += len(ids)
                 logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
+                thin_held(start, self._fork_points(req))
                 if logits is None:
                     req.timings.prefill_s += time.perf_counter() - t0
                     return
                 self._first_token(req, logits, t0)
         except BaseException as exc:
             self.fail(req, exc)
+
+    def _fork_points(self, source: Request) -> list[int]:
+        """Where requests waiting on ``source`` will fork it (its snapshots there are kept)."""
+        return [r.share[1] for r in self.inflight if r.share is not None and r.share[0] is source]
 
     def prefill_whole(self, reqs: list[Request]) -> None:
         """The whole remaining prefill of each of ``reqs`` (short: a fan-out's tails after
@@ -245,6 +251,7 @@ class RequestSteps:
                 )  # type: ignore[union-attr]
                 for i, (req, ids) in enumerate(zip(ready, tails, strict=True)):
                     req.prefilled += len(ids)
+                    thin_held(req.start, self._fork_points(req))  # type: ignore[arg-type]
                     try:
                         self._first_token(req, logits[i], t0)
                     except BaseException as exc:

@@ -72,3 +72,30 @@ def test_records_with_snapshots_are_format_2_and_checked() -> None:
     for bad in ([301], [5, 5], [10, 3], [0]):
         with pytest.raises(CacheFormatError, match="state snapshots"):
             AgentRecord.from_json(json.dumps({**json.loads(raw), "states": bad}))
+
+
+def test_a_long_prefill_holds_only_the_snapshots_its_commit_can_keep() -> None:
+    """After each chunk of a 32K prefill, the request keeps the snapshots ``keep`` would keep
+    at its prompt's end (and a waiting fork's point), not one per block passed."""
+    from langchain_agent_memory.engine.agent_state import Admission
+    from langchain_agent_memory.engine.kv import LayerSpec, RecurrentCache
+    from langchain_agent_memory.engine.ops.runtime import mx
+    from langchain_agent_memory.engine.prefix import MatchKind, PrefixMatch, TokenizedText
+    from langchain_agent_memory.engine.results import CacheSource
+    from langchain_agent_memory.engine.states import thin_held
+
+    n = 32 * 1024
+    layer = RecurrentCache(LayerSpec(0, 0, 0, None, (((2,), "float32"),)))
+    tail = TokenizedText("x" * n, [1] * n, list(range(1, n + 1)))
+    start = Admission(
+        None, CacheSource.COLD, PrefixMatch(MatchKind.MISS, 0, 0), [layer], TokenizedText(""), tail, 0.0, []
+    )  # type: ignore[list-item]
+    most = 0
+    for p in range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS):  # one block per chunk, as a prefill runs
+        layer.cache, layer.offset = [mx.zeros((1, 2))], p
+        layer.snapshot()
+        thin_held(start, pinned=[1024])
+        most = max(most, len(layer.snapshots))
+    assert most <= 12
+    held = sorted(layer.snapshots)
+    assert held == sorted(set(keep(range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS), n)) | {1024})
