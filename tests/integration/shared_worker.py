@@ -1,8 +1,9 @@
-"""A worker process on a shared store, for the distributed tests: one Engine (SmolLM2) with
+"""A worker process on a shared store, for the distributed tests: one Engine (SmolLM2, or
+MODEL) with
 its own local cache directory in front of PostgreSQL + an object store, driven by JSON
 commands on stdin, one per line, each answered by one JSON line on stdout.
 
-    python shared_worker.py CACHE_DIR STORE_URL BLOCKS_URL [KV_BITS]
+    python shared_worker.py CACHE_DIR STORE_URL BLOCKS_URL [KV_BITS [MODEL]]
 
 Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "delete",
 "agent": A}, {"op": "fork", "agent": A, "to": B}, {"op": "flush"}, {"op": "gc", "grace": S},
@@ -25,7 +26,8 @@ from langchain_agent_memory.engine.engine import Engine, GenerationParams
 def main() -> None:
     cache_dir, store, blocks = sys.argv[1:4]
     kv_bits = None if len(sys.argv) < 5 or sys.argv[4] == "16" else int(sys.argv[4])
-    engine = Engine("smollm2-135m", cache_dir=cache_dir, kv_bits=kv_bits, store=store, blocks=blocks)
+    model = sys.argv[5] if len(sys.argv) > 5 else "smollm2-135m"
+    engine = Engine(model, cache_dir=cache_dir, kv_bits=kv_bits, store=store, blocks=blocks)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -74,8 +74,10 @@ def workers(tmp_path: Path, shared_store: tuple[str, str]) -> Iterator[Any]:
     """``workers(name)``: a worker process on the shared store, cache directory ``name``."""
     made: list[Proc] = []
 
-    def make(name: str, script: Path = WORKER, store: tuple[str, str] = shared_store) -> Proc:
-        extra = ["16"] if script == WORKER else []
+    def make(
+        name: str, script: Path = WORKER, store: tuple[str, str] = shared_store, model: Path | None = None
+    ) -> Proc:
+        extra = ["16", *([str(model)] if model else [])] if script == WORKER else []
         made.append(Proc(script, str(tmp_path / name), *store, *extra))
         return made[-1]
 
@@ -127,6 +129,30 @@ def test_a_turn_on_one_worker_resumes_warm_on_another(workers: Any, tmp_path: Pa
     turn3 = turn2 + second["text"] + "\nUser: and three cities?\nAssistant:"
     third = a.generate("agent", turn3)
     assert third["outcome"].startswith("warm") and third["reused"] >= 0.95 * third["prompt_tokens"], third
+
+
+def test_a_hybrid_agent_resumes_warm_on_another_worker_from_the_shared_snapshots(
+    workers: Any, tmp_path: Path, shared_store: tuple[str, str], smollm: Any
+) -> None:
+    """A hybrid model's agent (random-weight Qwen3-Next: Gated DeltaNet layers among attention
+    layers) saved by one worker resumes on another from the recurrent-state snapshots in the
+    object store, as the uninterrupted run on one local engine (16-bit)."""
+    from langchain_agent_memory.testing.random_model import HYBRID_CONFIGS, write_random_model
+
+    model = write_random_model(HYBRID_CONFIGS["qwen3_next"], tmp_path / "qwen3_next", smollm.path, seed=7)
+    a, b = workers("a", model=model), workers("b", model=model)
+    turn1 = SYSTEM + "User: name three colours.\nAssistant:"
+    first = a.generate("agent", turn1)
+    turn2 = turn1 + first["text"] + "\nUser: and three animals?\nAssistant:"
+    second = b.generate("agent", turn2)
+    assert second["outcome"].startswith("warm") and second["reused"] >= 0.9 * second["prompt_tokens"], second
+    with Engine(model, cache_dir=tmp_path / "alone", kv_bits=None) as alone:
+        solo = [alone.generate("agent", t, GenerationParams(max_tokens=8)).text for t in (turn1, turn2)]
+    assert [first["text"], second["text"]] == solo
+    records = _store_is_whole(shared_store, b("stats")["fingerprint"])
+    assert any(r.states for r in records)  # the snapshots are objects the records name
+    b("gc", grace=0)  # turn 1's last block and snapshots, replaced by turn 2's, are collected
+    _objects_all_named(shared_store, b("stats")["fingerprint"])
 
 
 def test_graph_phases_alternate_between_workers(workers: Any) -> None:
