@@ -32,15 +32,20 @@ from .storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_b
 DENSE = 4
 
 
-def keep(candidates: Collection[int], n_tokens: int, dense: int = DENSE) -> list[int]:
+def keep(
+    candidates: Collection[int], n_tokens: int, dense: int = DENSE, also: Collection[int] = ()
+) -> list[int]:
     """The positions (of ``candidates``: snapshots stored or held) an agent of ``n_tokens``
-    keeps, ascending: the newest (the end of its turn), every one within ``dense`` blocks
-    of the end, then the newest at or before ``n_tokens - dense * 256 * 2**k`` for each k
-    (``benchmarks/hybrid.py`` measures other ``dense`` values)."""
+    keeps, ascending: the newest (the end of its turn), the newest in each block within
+    ``dense`` blocks of the end (an agent of many short turns keeps one per block, not two
+    per turn), then the newest at or before ``n_tokens - dense * 256 * 2**k`` for each k;
+    and ``also`` (the prompt's end of the last turn: a regenerated reply resumes there).
+    ``benchmarks/hybrid.py`` measures other ``dense`` values."""
     have = sorted(p for p in candidates if 0 < p <= n_tokens)
     if not have:
         return []
-    kept = {have[-1]} | {p for p in have if p >= n_tokens - dense * BLOCK_TOKENS}
+    per_block = {(p - 1) // BLOCK_TOKENS: p for p in have if p >= n_tokens - dense * BLOCK_TOKENS}
+    kept = {have[-1], *per_block.values()} | {p for p in also if p in have}
     k = 0
     while True:
         target = n_tokens - dense * BLOCK_TOKENS * (1 << k)
@@ -128,7 +133,7 @@ def commit_snapshots(
     out: dict[int, BlockHash] = {}
     blocks: dict[BlockHash, Block] = {}
     specs = [c.spec for c in layers]
-    for p in keep(new | set(stored), n):
+    for p in keep(new | set(stored), n, also=[prompt_end]):
         if p in stored:
             out[p] = stored[p]
             continue
@@ -150,9 +155,7 @@ def thin_held(start: Admission, pinned: Collection[int] = ()) -> None:
     end = start.reused + len(start.tail)
     held = set(recurrent[0].snapshots)
     stored = {p for p in (start.state.states if start.state is not None else ()) if p <= start.reused}
-    wanted = (
-        set(keep(held | stored, end)) | set(pinned) | {p for p in held if p >= end - DENSE * BLOCK_TOKENS}
-    )
+    wanted = set(keep(held | stored, end, also=[end])) | set(pinned)
     for c in recurrent:
         for p in held - wanted:
             del c.snapshots[p]

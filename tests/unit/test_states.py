@@ -99,3 +99,15 @@ def test_a_long_prefill_holds_only_the_snapshots_its_commit_can_keep() -> None:
     assert most <= 12
     held = sorted(layer.snapshots)
     assert held == sorted(set(keep(range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS), n)) | {1024})
+
+
+def test_an_agent_of_many_short_turns_keeps_one_snapshot_per_block() -> None:
+    """Forty turns of 50 tokens each leave a prompt's end and a reply's end per turn: the
+    policy keeps the newest of each recent block and the last prompt's end, not 80."""
+    candidates = {t * 50 + d for t in range(1, 41) for d in (-10, -1)}  # prompt end, turn end - 1
+    n = 40 * 50
+    kept = keep(candidates, n, also=[n - 10])
+    assert n - 1 in kept and n - 10 in kept
+    recent = [p for p in kept if p >= n - 4 * BLOCK_TOKENS]
+    assert len(recent) <= 4 + 2
+    assert len(kept) <= 10
