@@ -23,9 +23,10 @@ Per context (tokens of the agent's stored text), time to first token:
   trimmed: mlx-lm's ``trim_prompt_cache`` refuses every hybrid model).
 
 Disk per agent: our K/V blocks, our state snapshots (how many the policy kept), mlx-lm's
-file. The policy's cost curve: for each policy (every block end, ``dense`` 8/4/2/1, only the
-end of the turn), bytes of snapshots against the tokens a DIVERGE at a uniformly random
-point re-prefills (mean and 90th percentile), from the measured size of one snapshot.
+file. The policy's cost curve: for each policy (every block end, ``dense`` 8/4/2/1 unbounded,
+bounded to 2x, 1x (the engine's default) or 0.5x the K/V's bytes, only the end of the turn),
+bytes of snapshots against the tokens a DIVERGE at a uniformly random point re-prefills
+(mean and 90th percentile), from the measured size of one snapshot.
 
     .venv/bin/python benchmarks/hybrid.py run --model qwen3-next-small --contexts 1024,2048,4096,8192
     python3 benchmarks/hybrid.py run --model qwen3-next-80b-a3b-e64 \
@@ -51,12 +52,18 @@ from peers import MlxLm, extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACK = 1024  # a DIVERGE this many tokens before the end of the stored text
-POLICIES: dict[str, int | None] = {
-    "every block": None,
-    "dense 8": 8,
-    "dense 4": 4,
-    "dense 2": 2,
-    "dense 1": 1,
+#: name -> (``dense``: None keeps every block end; 0 only the end; ``budget``: snapshot bytes
+#: at most this many times the K/V's, None unbounded). The engine's is "default".
+POLICIES: dict[str, tuple[int | None, float | None]] = {
+    "every block": (None, None),
+    "dense 8": (8, None),
+    "dense 4": (4, None),
+    "dense 2": (2, None),
+    "dense 1": (1, None),
+    "<= 2x K/V": (4, 2.0),
+    "default": (4, 1.0),
+    "<= 0.5x K/V": (4, 0.5),
+    "end only": (0, None),
 }
 
 
@@ -74,19 +81,20 @@ def policy_curve(
     a uniformly random point re-prefills (mean, 90th percentile)."""
     import numpy as np
 
-    from langchain_agent_memory.engine.states import BLOCK_TOKENS, keep
+    from langchain_agent_memory.engine.states import BLOCK_TOKENS, FLOOR, keep
 
     candidates = set(range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS)) | {n - 1, prompt_end}
     rng = np.random.default_rng(0)  # a benchmark's sample, nothing persisted
     at = rng.integers(1, n, size=points)
     out = []
-    for name, dense in [*POLICIES.items(), ("end only", 0)]:
+    for name, (dense, budget) in POLICIES.items():
         if dense is None:
             kept = sorted(candidates)
         elif dense == 0:
             kept = [max(candidates)]
         else:
-            kept = keep(candidates, n, dense)
+            limit = None if budget is None else max(FLOOR, int(budget * kv_bytes // snapshot_bytes))
+            kept = keep(candidates, n, dense, also=[prompt_end], limit=limit)
         resume = np.array([max((p for p in kept if p <= t), default=0) for t in at])
         rerun = at - resume
         out.append({
@@ -195,7 +203,7 @@ def report(data: dict[str, Any], png: Path) -> None:
     print("policy | snapshots | MB | over K/V | re-prefill mean | p90")
     for p in last["policy"]:
         print(
-            f"{p['policy']:11s} | {p['snapshots']:3d} | {p['bytes'] / 1e6:8.1f} | {p['over_kv']:5.2f}x | "
+            f"{p['policy']:12s} | {p['snapshots']:3d} | {p['bytes'] / 1e6:8.1f} | {p['over_kv']:5.2f}x | "
             f"{p['rerun_mean']:7.0f} | {p['rerun_p90']:7.0f}"
         )
     _plot(data, png)

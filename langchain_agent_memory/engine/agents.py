@@ -1,13 +1,11 @@
 """The agent-cache manager: which cache a request starts from, and what it leaves behind.
 
-A request's agent is looked up hot (live layer caches in memory), then in the block pool's
-memory tier, then on disk; its prompt is matched to the cached text (``prefix``); the
-layer caches are built from the blocks the match keeps (``LayerCache.from_blocks``); with
-nothing of its own, whole blocks another agent stored for the same leading tokens are
-reused (``SHARED``). A damaged record or block is moved to quarantine and the request
-prefills instead (said in a log line). After the request, ``commit`` stores what it
-added and keeps the agent hot; ``HotPolicy`` decides how many stay hot and which keep
-their full-precision working copies.
+A request's agent is looked up hot (live layer caches in memory), then in the pool's memory
+tier, then on disk; its prompt is matched to the cached text (``prefix``); layer caches are
+built from the blocks the match keeps; with nothing of its own, whole blocks another agent
+stored for the same leading tokens are reused (``SHARED``). A damaged record or block is
+quarantined and the request prefills (said in a log line). ``commit`` stores what a request
+added and keeps the agent hot (``HotPolicy``: how many stay hot, which keep working copies).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from .kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
 from .restore import available_prefix, layers_from_blocks
 from .results import CacheSource
-from .states import commit_snapshots, resume
+from .states import BUDGET, commit_snapshots, resume
 from .storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -52,6 +50,8 @@ logger = logging.getLogger(__name__)
 class AgentCaches:
     """Every agent's cache of one engine: hot ones in memory, all of them in the pool and
     store. ``lock`` guards the hot table, the pool and live layer caches."""
+
+    state_budget: float | None = BUDGET  # a hybrid's snapshot bytes over its K/V's (``keep``)
 
     def __init__(
         self,
@@ -295,7 +295,8 @@ class AgentCaches:
         layers, old = start.layers, start.state
         n = len(known)
         chain = self._chain_of(known, start.kept_blocks())
-        states, new_states, at_end = commit_snapshots(start, chain, known, self.fingerprint, self.has_local)
+        fp, budget = self.fingerprint, self.state_budget
+        states, new_states, at_end = commit_snapshots(start, chain, known, fp, self.has_local, budget)
         for layer in layers:
             layer.commit(keep_work=self.policy.work_budget_bytes > 0, keep_from=kept_from(layer, n))
             if layer.offset > n and not isinstance(layer, RecurrentCache):

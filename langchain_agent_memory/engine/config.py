@@ -40,7 +40,9 @@ class EngineConfig:
     a shared store it bounds this worker's local tier. ``reserve_work`` (CPU): touch, at
     start, the working-copy memory of one agent at ``context_length``, as llama.cpp's context
     clears its KV buffer, so that a warm restore does not pay for fresh pages (``kv.reserve``).
-    ``context_length`` None: the model's trained context.
+    ``context_length`` None: the model's trained context. ``state_budget`` (hybrid models):
+    an agent's recurrent-state snapshots take at most this many times its K/V's bytes on disk
+    (beyond the two it always keeps; None: every one the policy picks, ``engine.states``).
     """
 
     cache_dir: Path
@@ -60,6 +62,7 @@ class EngineConfig:
     storage_budget: StorageBudget | None
     reserve_work: bool
     attention: str
+    state_budget: float | None = 1.0
 
     @classmethod
     def resolve(
@@ -83,6 +86,7 @@ class EngineConfig:
         cache_ttl: float | str | timedelta | None = None,
         reserve_work: bool | None = None,
         attention: str | None = None,
+        state_budget: float | None = 1.0,
     ) -> EngineConfig:
         """The ``Engine`` constructor's arguments, every default filled in; a wrong value
         is a ``ValueError`` that names it, before any model is loaded."""
@@ -92,6 +96,10 @@ class EngineConfig:
             raise ValueError(f"attention must be 'stored' or 'copy', not {chosen!r}")
         if scheduling not in POLICIES:
             raise ValueError(f"scheduling must be one of {POLICIES}, not {scheduling!r}")
+        if state_budget is not None and not state_budget > 0:
+            raise ValueError(
+                f"state_budget must be a positive multiple of the K/V bytes or None, not {state_budget}"
+            )
         if context_length is not None and context_length < 2:
             raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
         return cls(
@@ -115,4 +123,5 @@ class EngineConfig:
             ),
             reserve_work=settings.reserve_work if reserve_work is None else reserve_work,
             attention=chosen,
+            state_budget=state_budget,
         )

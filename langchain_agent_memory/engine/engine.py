@@ -114,6 +114,7 @@ class Engine(AgentAdmin):
             self.spec, self.quant, self._store, self.pool, self.tokenizer, policy,
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
         )  # fmt: skip
+        self.agents.state_budget = cfg.state_budget
         context_length = cfg.context_length or trained_context(self.lm.path) or 1 << 20
         self._reserve: WorkReserve | None = None
         if cfg.reserve_work and not device.on_gpu() and self.attention == "copy":

@@ -210,7 +210,7 @@ class RequestSteps:
                 ids = start.tail.ids[req.prefilled : req.prefilled + n]
                 req.prefilled += len(ids)
                 logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
-                thin_held(start, self._fork_points(req))
+                thin_held(start, self._fork_points(req), self.agents.state_budget)
                 if logits is None:
                     req.timings.prefill_s += time.perf_counter() - t0
                     return
@@ -251,7 +251,7 @@ class RequestSteps:
                 )  # type: ignore[union-attr]
                 for i, (req, ids) in enumerate(zip(ready, tails, strict=True)):
                     req.prefilled += len(ids)
-                    thin_held(req.start, self._fork_points(req))  # type: ignore[arg-type]
+                    thin_held(req.start, self._fork_points(req), self.agents.state_budget)  # type: ignore[arg-type]
                     try:
                         self._first_token(req, logits[i], t0)
                     except BaseException as exc:

@@ -111,3 +111,63 @@ def test_an_agent_of_many_short_turns_keeps_one_snapshot_per_block() -> None:
     recent = [p for p in kept if p >= n - 4 * BLOCK_TOKENS]
     assert len(recent) <= 4 + 2
     assert len(kept) <= 10
+
+
+def test_snapshots_take_at_most_the_bytes_of_the_agents_kv() -> None:
+    """On Qwen3-Next-80B-A3B's layers (36 delta-rule layers of 32 x 128 x 128 float32 and a
+    bfloat16 convolution window; 12 attention layers of 2 x 256-wide KV heads) in the
+    default format, a 32K agent keeps 3 snapshots (232 MB against 278 MB of K/V), where
+    the unbounded policy keeps 10: the end, then the nearest doublings. Pinned: stored
+    caches depend on it."""
+    from langchain_agent_memory.engine.kv import LayerSpec, ModelCacheSpec, kv_format
+    from langchain_agent_memory.engine.kv.layer import make_layer_caches
+    from langchain_agent_memory.engine.states import snapshot_limit
+
+    delta = LayerSpec(0, 0, 0, None, (((3, 8192), "bfloat16"), ((32, 128, 128), "float32")))
+    attention = LayerSpec(2, 256, 256, None)
+    spec = ModelCacheSpec(tuple([delta, delta, delta, attention] * 12), "bfloat16")
+    layers = make_layer_caches(spec, kv_format(4))
+    n = 32 * 1024 + 100
+    assert snapshot_limit(layers, n) == 3
+    assert snapshot_limit(layers, n, budget=None) is None
+    assert snapshot_limit(layers, 1000) == 2  # the end and one doubling, whatever they weigh
+    assert snapshot_limit(make_layer_caches(spec, kv_format(None)), n) == 10  # 16-bit K/V: all 10 fit
+    candidates = {b * BLOCK_TOKENS for b in range(1, n // BLOCK_TOKENS + 1)} | {n - 1, n - 100}
+    kept = keep(candidates, n, also=[n - 100], limit=3)
+    assert kept == [30720, 31744, 32867]
+    # A DIVERGE 1K tokens back resumes a little before its point, not from the start.
+    t = n - 1024
+    assert t - max(p for p in kept if p <= t) < BLOCK_TOKENS
+    # Raising the limit adds the far doublings, then the prompt's end, then recent blocks.
+    assert keep(candidates, n, also=[n - 100], limit=7) == [16384, 24576, 28672, 30720, 31744, 32768, 32867]
+
+
+def test_a_commit_keeps_no_snapshot_that_ends_inside_a_character() -> None:
+    """A snapshot after a token that ends inside a character (byte-level BPE splits emoji) is
+    never a resume point: the commit keeps the prompt's end and whole-character block
+    boundaries instead of it."""
+    from langchain_agent_memory.engine.agent_state import Admission
+    from langchain_agent_memory.engine.kv import LayerSpec, RecurrentCache
+    from langchain_agent_memory.engine.ops.runtime import mx
+    from langchain_agent_memory.engine.prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText
+    from langchain_agent_memory.engine.results import CacheSource
+    from langchain_agent_memory.engine.states import commit_snapshots
+
+    n, prompt_end = 600, 590
+    ends = list(range(1, n + 1))
+    ends[511] = ends[598] = NOT_A_BOUNDARY  # tokens 512 and 599 end inside a character
+    known = TokenizedText("x" * n, [1] * n, ends)
+    layer = RecurrentCache(LayerSpec(0, 0, 0, None, (((2,), "float32"),)))
+    for p in (256, 512, prompt_end, n - 1, n):
+        layer.cache, layer.offset = [mx.full((1, 2), float(p))], p
+        layer.snapshot()
+    tail = TokenizedText("x" * prompt_end, [1] * prompt_end, list(range(1, prompt_end + 1)))
+    start = Admission(
+        None, CacheSource.COLD, PrefixMatch(MatchKind.MISS, 0, 0), [layer], TokenizedText(""), tail, 0.0, []
+    )  # type: ignore[list-item]
+    chain = [block_hash(None, [1] * BLOCK_TOKENS, FP)]
+    chain += [block_hash(chain[0], [1] * BLOCK_TOKENS, FP)]
+    chain += [block_hash(chain[1], [1] * (n - 2 * BLOCK_TOKENS), FP)]
+    kept, blocks, at_end = commit_snapshots(start, chain, known, FP, lambda h: False)
+    assert sorted(kept) == [256, prompt_end] and at_end
+    assert set(blocks) == set(kept.values())

@@ -103,6 +103,14 @@ class TensorCodec:
                 return replace(self, group_size=group, rotate=rotate)
         return replace(self, group_size=MIN_GROUP, rotate=rotate, width=dim)
 
+    def row_bytes(self, dim: int) -> int:
+        """Bytes one token of one ``dim``-wide head takes stored in this codec (as fitted by
+        ``for_width``): the packed values and their float16 scales and biases."""
+        if self.bits is None:
+            return 2 * dim
+        stored = dim + -dim % self.group_size
+        return stored * self.bits // 8 + 2 * SCALE_DTYPE.size * (stored // self.group_size)
+
     @property
     def padded(self) -> bool:
         """Whether stored heads carry zero channels past ``width`` (see ``for_width``)."""
