@@ -259,6 +259,43 @@ def test_a_hybrid_agents_snapshots_weigh_no_more_than_its_kv(
     assert every > kept and all_states > kv, sizes  # unbounded, the same agent weighs more
 
 
+def test_a_disk_budget_evicts_hybrid_agents_with_their_snapshots(
+    model_dir: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    """A byte budget over hybrid agents counts their snapshot blocks: after every save the
+    cache directory is within it, an evicted agent's snapshots are deleted with its K/V
+    blocks (none left on disk), and a kept agent resumes warm from its snapshot."""
+    from langchain_agent_memory.engine.storage.budget import StorageBudget
+
+    engine = Engine(model_dir("qwen3_next", "float32"), cache_dir=tmp_path)
+    words = corpus.python_docs().split()
+
+    def prompt(i: int) -> str:  # ~700 tokens of its own: two blocks and snapshots
+        return f"Agent {i}: " + " ".join(words[i * 400 : i * 400 + 450])
+
+    engine.generate("a0", prompt(0), GREEDY)
+    engine.flush()
+    budget = 3 * engine.disk_bytes()
+    engine.storage_budget = StorageBudget(max_bytes=budget)
+    snapshots: dict[str, list[str]] = {}
+    for i in range(8):
+        engine.generate(f"a{i}", prompt(i), GREEDY)
+        engine.flush()
+        record = engine.store.get_agent(f"a{i}")
+        assert record is not None and record.states
+        snapshots[f"a{i}"] = record.blocks[len(record.chain) :]
+        assert engine.disk_bytes() <= budget
+        assert sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file()) <= budget
+    evicted = [a for a in snapshots if not engine.store.has_agent(a)]
+    assert evicted and "a7" not in evicted
+    on_disk = set(engine.store.block_hashes())
+    assert not {h for a in evicted for h in snapshots[a]} & on_disk
+    engine.agents.clear_memory()  # read from disk
+    kept = engine.generate("a7", prompt(7) + " And then?", GREEDY)
+    assert str(kept.outcome).startswith("warm") and kept.reused_tokens > 256
+    engine.close()
+
+
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_hybrid_fan_out_forks_at_a_block_boundary_and_equals_each_alone(
     family: str, model_dir: Callable[[str, str], Path], tmp_path: Path, together: Any
