@@ -6,9 +6,11 @@ is set (CI), where they fail."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -64,8 +66,34 @@ class PostgresServer:
                         str(self.root / "log"), "-w", "start"], check=True, capture_output=True)  # fmt: skip
 
     def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.thaw()  # a frozen server cannot stop
         subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"],
                        capture_output=True)  # fmt: skip
+
+    def pids(self) -> list[int]:
+        """The postmaster and its children (backends, checkpointer, WAL writer...)."""
+        main = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    stat = (proc / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == main:
+                    children.append(int(proc.name))
+        return [main, *children]
+
+    def freeze(self) -> None:
+        """SIGSTOP the whole server: what a hung host or a silent partition looks like (the
+        kernel still accepts connections and data; nothing answers, nothing times out)."""
+        for pid in self.pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.pids():
+            os.kill(pid, signal.SIGCONT)
 
     def new_database(self, name: str) -> str:
         """A fresh database; its URL."""
@@ -151,8 +179,18 @@ class SeaweedServer:
                 raise
         return f"s3://{name}/kv?endpoint={self.endpoint}"
 
+    def freeze(self) -> None:
+        """SIGSTOP the gateway (see ``PostgresServer.freeze``)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen one dies too
             self.proc.kill()
             self.proc.wait()
             self.proc = None

@@ -14,36 +14,23 @@ Consistency rests on Postgres transactions, never on a worker's clock or memory:
   locked or freshly touched: a committed cache never loses a block.
 - Timestamps (``updated_at``, ``touched_at``, lease expiry) are Postgres's ``now()``.
 
-Every call has a deadline (``connect_timeout``, ``statement_timeout``); after a failure
-the catalog answers ``RemoteUnavailableError`` at once for ``retry_s`` (a circuit breaker:
-a worker whose store is down pays one timeout, not one per request).
+Every call has a deadline the client keeps, and a circuit breaker (``pg_session``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .blocks import CacheWriteError
-from .objects import RemoteConfigError, RemoteUnavailableError
+from .objects import RemoteConfigError
+from .pg_session import CommitConflictError, PgSession
+
+__all__ = ["MIGRATIONS", "BlocksMissingError", "Catalog", "CommitConflictError", "Committed"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class CommitConflictError(CacheWriteError):
-    """Another writer committed this agent first (or holds its lease): this save lost.
-    ``leased``: another worker holds the lease (a later retry may succeed)."""
-
-    def __init__(self, message: str, *, leased: bool = False) -> None:
-        super().__init__(message)
-        self.leased = leased
 
 
 class BlocksMissingError(RuntimeError):
@@ -99,42 +86,9 @@ class Committed:
     updated_at: float  # Postgres's clock, seconds since the epoch
 
 
-class Catalog:
-    """One worker's connection to the system of record (thread-safe: one connection, one lock)."""
-
-    def __init__(self, url: str, *, timeout_s: float = 5.0, retry_s: float = 5.0) -> None:
-        import psycopg  # imported here: only a shared store needs it
-
-        if not url.startswith(("postgresql://", "postgres://")):
-            raise RemoteConfigError(
-                f"store={url!r}: expected a postgresql:// URL, e.g. postgresql://user@host/dbname"
-            )
-        self._psycopg = psycopg
-        self.url = url
-        self.timeout_s = timeout_s
-        self.retry_s = retry_s
-        self._conn: Any = None
-        self._lock = threading.RLock()
-        self._down_until = 0.0
-        self._migrated = False
-
-    # ------------------------------------------------------------------ connection
-
-    def _connect(self) -> Any:
-        if self._conn is not None and not self._conn.closed and not self._conn.broken:
-            return self._conn
-        ms = int(self.timeout_s * 1000)
-        conn = self._psycopg.connect(
-            self.url,
-            autocommit=True,
-            connect_timeout=max(1, round(self.timeout_s)),
-            options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
-        )
-        self._conn = conn
-        if not self._migrated:
-            self._migrate(conn)
-            self._migrated = True
-        return conn
+class Catalog(PgSession):
+    """One worker's connection to the system of record (thread-safe: one connection, one
+    lock, client-side deadlines: ``PgSession``)."""
 
     def _migrate(self, conn: Any) -> None:
         with conn.transaction():
@@ -154,42 +108,6 @@ class Catalog:
                 conn.execute("INSERT INTO am_schema VALUES (%s)", (len(MIGRATIONS),))
             else:
                 conn.execute("UPDATE am_schema SET version = %s", (len(MIGRATIONS),))
-
-    def _run(self, what: str, fn: Callable[[Any], T]) -> T:
-        """``fn(connection)`` under the lock; connection failures and timeouts become
-        ``RemoteUnavailableError`` (and open the circuit breaker)."""
-        errors = self._psycopg
-        with self._lock:
-            if time.monotonic() < self._down_until:
-                raise RemoteUnavailableError(f"store {self._safe_url}: unreachable (retrying in a moment)")
-            try:
-                return fn(self._connect())
-            except (errors.OperationalError, errors.errors.QueryCanceled, errors.InterfaceError) as exc:
-                if isinstance(exc, errors.errors.LockNotAvailable):
-                    raise CommitConflictError(
-                        f"{what}: another writer holds the record", leased=True
-                    ) from exc
-                self._down_until = time.monotonic() + self.retry_s
-                if self._conn is not None:
-                    with contextlib.suppress(Exception):  # already broken
-                        self._conn.close()
-                    self._conn = None
-                raise RemoteUnavailableError(f"store {self._safe_url}: could not {what}: {exc}") from exc
-
-    @property
-    def _safe_url(self) -> str:
-        """The URL without a password (for messages)."""
-        head, sep, tail = self.url.partition("@")
-        if not sep or ":" not in head.split("//", 1)[-1]:
-            return self.url
-        scheme, _, user = head.partition("//")
-        return f"{scheme}//{user.split(':', 1)[0]}:***@{tail}"
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
 
     def now(self) -> float:
         """Postgres's clock (seconds since the epoch)."""
@@ -481,9 +399,3 @@ class Catalog:
             "list the block catalog",
             lambda c: {r[0] for r in c.execute("SELECT hash FROM am_blocks WHERE fingerprint = %s", (fp,))},
         )
-
-    @contextmanager
-    def connection(self) -> Iterator[Any]:
-        """The connection, under the lock (for tables of other modules, e.g. the saver's links)."""
-        with self._lock:
-            yield self._connect()
