@@ -11,6 +11,12 @@ against real servers this script starts (PostgreSQL 15, SeaweedFS; ``tests/servi
 2. Save latency per turn: ``save_s`` of the same turns on a local and on a shared store.
 3. Throughput: turns per second of 1, 2 and 4 worker processes on one machine, each
    running turns on agents of its own (this machine has 2 cores: past 2 they contend).
+4. A frozen store: turns back to back on one worker (an agent it holds, a new agent each
+   time) before, during and after ``--frozen-s`` seconds of PostgreSQL under SIGSTOP (a
+   hung host, which enforces no server-side timeout): each turn's latency, bounded by the
+   store's deadline (5 s) once, then served from the local tier, not by the freeze.
+
+    .venv/bin/python benchmarks/distributed.py --only frozen      # part 4 alone
 
 Writes results/distributed.json and .png; prints tables. Ratios count; absolute times
 only on this shared, noisy machine.
@@ -139,6 +145,41 @@ def throughput(workers: int, seconds: float, store: tuple[str, str]) -> float:
     return sum(c1 - c0 for c0, c1 in zip(counts0, counts1, strict=True)) / elapsed
 
 
+def frozen(seconds: float, pg: PostgresServer, store: tuple[str, str]) -> list[dict[str, Any]]:
+    """Each turn's (start, phase, agent kind, wall seconds) around ``seconds`` of a frozen
+    PostgreSQL."""
+    root = Path(tempfile.mkdtemp(prefix="agent-memory-frozen-"))
+    engine = Engine("smollm2-135m", cache_dir=root / "w", store=store[0], blocks=store[1])
+    base = corpus.apache_license()[:2500]
+    turns: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+
+    def run(phase: str, until: float) -> None:
+        while time.monotonic() < until:
+            for kind in ("held", "new"):
+                agent = "held" if kind == "held" else f"new{len(turns)}"
+                prompt = (engine.cached_text(agent) or base) + f"\nQ{len(turns)}: and then?\nA:"
+                start = time.monotonic()
+                engine.generate(agent, prompt, PARAMS)
+                wall = time.monotonic() - start
+                turns.append({"t": start - t0, "phase": phase, "kind": kind, "wall_s": wall})
+                print(f"  {phase:6s} {kind:4s} {wall:6.2f} s", flush=True)
+
+    try:
+        engine.generate("held", base, PARAMS)
+        run("before", time.monotonic() + 10)
+        pg.freeze()
+        try:
+            run("frozen", time.monotonic() + seconds)
+        finally:
+            pg.thaw()
+        run("after", time.monotonic() + 15)
+        engine.flush()
+    finally:
+        engine.close()
+    return turns
+
+
 _LAST_TURN: dict[int, int] = {}  # worker pid -> the last turn count it printed
 
 
@@ -165,21 +206,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--throughput-s", type=float, default=20.0)
     ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--frozen-s", type=float, default=30.0)
+    ap.add_argument("--only", choices=["frozen"], help="run one part (results/distributed-frozen.json)")
     args = ap.parse_args()
     pg, s3 = PostgresServer(), SeaweedServer()
+    rows: dict[str, Any] = {}
+    tput: dict[str, float] = {}
     try:
-        print("latency", flush=True)
-        rows = latency([int(c) for c in args.contexts.split(",")], args.repeats,
-                       (pg.new_database("latency"), s3.new_bucket("latency")))  # fmt: skip
-        tput = {}
-        for w in (int(x) for x in args.workers.split(",")):
-            print(f"throughput: {w} workers", flush=True)
-            tput[str(w)] = throughput(
-                w, args.throughput_s, (pg.new_database(f"tput{w}"), s3.new_bucket(f"tput{w}"))
-            )
+        if args.only is None:
+            print("latency", flush=True)
+            rows = latency([int(c) for c in args.contexts.split(",")], args.repeats,
+                           (pg.new_database("latency"), s3.new_bucket("latency")))  # fmt: skip
+            for w in (int(x) for x in args.workers.split(",")):
+                print(f"throughput: {w} workers", flush=True)
+                tput[str(w)] = throughput(
+                    w, args.throughput_s, (pg.new_database(f"tput{w}"), s3.new_bucket(f"tput{w}"))
+                )
+        print(f"a frozen store: {args.frozen_s:g} s of SIGSTOP", flush=True)
+        turns = frozen(args.frozen_s, pg, (pg.new_database("frozen"), s3.new_bucket("frozen")))
     finally:
         pg.close()
         s3.close()
+    _report_frozen(turns, args.frozen_s)
+    if args.only == "frozen":
+        return
     print("\nTime to first token, s (median; SmolLM2, this CPU)")
     print(f"{'context':>8} " + " ".join(f"{k:>13}" for k in SYSTEMS) + "  other/same  cold/other")
     for n, row in rows.items():
@@ -196,6 +246,34 @@ def main() -> None:
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "distributed.json").write_text(json.dumps(out, indent=2))
     _plot(rows, tput)
+
+
+def _report_frozen(turns: list[dict[str, Any]], seconds: float) -> None:
+    print(f"\nTurn latency, s, around {seconds:g} s of a frozen PostgreSQL (SmolLM2, this CPU)")
+    print("phase   turns  median    max")
+    for phase in ("before", "frozen", "after"):
+        w = [t["wall_s"] for t in turns if t["phase"] == phase]
+        print(f"{phase:7s} {len(w):5d} {statistics.median(w):7.2f} {max(w):6.2f}")
+    out = {"frozen_s": seconds, "store_deadline_s": 5.0, "turns": turns,
+           "machine": "this CPU (2 cores), SmolLM2-135M"}  # fmt: skip
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "distributed-frozen.json").write_text(json.dumps(out, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    start = min(t["t"] for t in turns if t["phase"] == "frozen")
+    ax.axvspan(start, start + seconds, color="0.85", label="PostgreSQL frozen (SIGSTOP)")
+    for kind, style in (("held", "C0o"), ("new", "C1s")):
+        ax.plot([t["t"] for t in turns if t["kind"] == kind],
+                [t["wall_s"] for t in turns if t["kind"] == kind], style, label=f"{kind} agent")  # fmt: skip
+    ax.axhline(5.0, color="k", ls=":", lw=1, label="store deadline")
+    ax.set(xlabel="seconds", ylabel="turn, s", title="turns of one worker while its store hangs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "results" / "distributed-frozen.png", dpi=120)
 
 
 def _plot(rows: dict[str, Any], tput: dict[str, float]) -> None:

@@ -174,9 +174,14 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: all; set --api-key)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     api_key: Annotated[
-        str | None,
-        typer.Option(envvar="AGENT_MEMORY_API_KEY", help="Bearer token every /v1 request must carry"),
+        list[str] | None,
+        typer.Option(
+            envvar="AGENT_MEMORY_API_KEY",
+            help="Bearer token every /v1 request must carry; KEY:PREFIX (repeatable) limits a key "
+            "to agents whose ids start with PREFIX (one tenant's); a key holds no ':'",
+        ),
     ] = None,
+    docs: Annotated[bool, typer.Option(help="Serve /docs and /openapi.json (behind the key, if set)")] = True,
     kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
     kv_format: Annotated[
         str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
@@ -224,10 +229,20 @@ def serve(
         import uvicorn
 
         from ..server import ServerConfig, create_app
+        from ..server.agent_routes import parse_scoped_key
     except ImportError as exc:
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
     from ..config import get_settings
 
+    keys = [k for k in api_key or [] if ":" not in k]
+    if len(keys) > 1:
+        raise typer.BadParameter(
+            "one --api-key may see every agent; give the others a :PREFIX", param_hint="--api-key"
+        )
+    try:
+        scoped = dict(parse_scoped_key(k) for k in api_key or [] if ":" in k)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--api-key") from exc
     if served_model_name and len(served_model_name) != len(model or [None]):
         raise typer.BadParameter("give one --served-model-name per --model", param_hint="--served-model-name")
     config = ServerConfig(
@@ -241,7 +256,9 @@ def serve(
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,
-        api_key=api_key,
+        api_key=keys[0] if keys else None,
+        scoped_keys=scoped,
+        docs=docs,
         max_body_bytes=int(max_body_mb * (1 << 20)),
         max_tokens_limit=max_tokens_limit,
         hot_budget_mb=hot_budget_mb,
@@ -251,7 +268,7 @@ def serve(
         store=store,
         blocks=blocks,
     )
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         wide_console().print(
             f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it"
         )

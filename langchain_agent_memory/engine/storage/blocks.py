@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import time
+import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +98,13 @@ def is_internal(agent_id: str) -> bool:
 
 
 def validate_agent_id(agent_id: str) -> str:
-    """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is."""
+    """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is.
+
+    The one rule of the engine, the server and the CLI: 1 to 256 characters of any script
+    (``агент``, ``🦉 owl``), in Unicode's composed form (NFC: one spelling per id), without
+    ``/``, ``\\`` or a leading ``.`` (ids name files), control or invisible formatting
+    characters (zero-width spaces, direction marks: two ids that print alike must be one
+    id; the zero-width joiner inside an emoji is kept) or leading / trailing whitespace."""
     if not isinstance(agent_id, str) or not agent_id:
         raise ValueError("agent_id must be a non-empty string, e.g. 'researcher' or 'thread-1:planner'")
     if len(agent_id) > MAX_AGENT_ID_CHARS:
@@ -108,7 +115,26 @@ def validate_agent_id(agent_id: str) -> str:
             f"agent_id {agent_id!r} looks like a path or holds control characters; "
             "use letters, digits and separators such as ':', '|', '-', '_' (no '/', '\\', NUL, leading '.')"
         )
+    if agent_id != agent_id.strip():
+        raise ValueError(f"agent_id {agent_id!r} starts or ends with whitespace: send {agent_id.strip()!r}")
+    invisible = sorted({f"U+{ord(c):04X}" for c in agent_id if _invisible(c)})
+    if invisible:
+        raise ValueError(
+            f"agent_id {agent_id!r} holds invisible characters ({', '.join(invisible)}: zero-width "
+            "spaces, direction marks, control or unassigned code points): remove them"
+        )
+    if unicodedata.normalize("NFC", agent_id) != agent_id:
+        raise ValueError(
+            f"agent_id {agent_id!r} is not in Unicode's composed form (NFC): send "
+            f"{unicodedata.normalize('NFC', agent_id)!r}, which prints the same"
+        )
     return agent_id
+
+
+def _invisible(c: str) -> bool:
+    """Control, formatting (but the zero-width joiner of emoji), surrogate, private-use,
+    unassigned, line and paragraph separator characters."""
+    return c != "\u200d" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
 
 
 def _named_bytes(tensors: dict[str, Any]) -> list[tuple[str, Any]]:

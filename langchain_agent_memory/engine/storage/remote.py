@@ -104,6 +104,12 @@ class SharedBlockStore(SharedRecords):
             self._start_uploader()
 
     @property
+    def reachable(self) -> bool:
+        """Whether the store answered its last call (False: the circuit is open, and this
+        worker serves from its local tier)."""
+        return self.catalog.healthy
+
+    @property
     def recovery(self):
         return self.local.recovery
 

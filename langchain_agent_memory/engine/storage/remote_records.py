@@ -131,10 +131,12 @@ class SharedRecords:
             else:
                 raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
+            first = not self._said_down
             self._down(exc)
             self.stats.pending_saves = len(self.local.pending_agents())
-            if not pending:  # said once, when the save is left pending
-                logger.warning(
+            if not pending:  # said when the save is left pending: loud once per outage
+                logger.log(
+                    logging.WARNING if first else logging.INFO,
                     "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
                     "uploaded when the store answers again",
                     record.agent_id,

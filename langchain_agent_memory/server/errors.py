@@ -1,0 +1,123 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the
+request checks that answer with them (a body over the limit, a malformed body, a failure
+turned into a status code)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engine.engine import ContextLengthError
+from ..engine.storage.objects import RemoteUnavailableError
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=BaseModel)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> JSONResponse:
+    # OpenAI's shape: every client error is an ``invalid_request_error`` (a wrong key too),
+    # told apart by ``code`` (``invalid_api_key``, ``model_not_found``, ...).
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 503:  # the shared store is out of reach: a retry may succeed
+        headers = {"Retry-After": "5"}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuses request bodies over ``max_bytes`` with a 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_big = f"request body is over the server's limit of {self.max_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await error_response(413, too_big, "request_too_large")(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # a chunked body: FastAPI turns this into the 413
+                raise HTTPException(413, too_big)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """The first problem of a validation error, as one line, and the field it is in."""
+    if not errors:
+        return "malformed request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "path", "query", "header"):
+        loc = loc[1:]
+    where = ".".join(loc)
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return (f"{where}: {msg}" if where else msg) + more, where or None
+
+
+@contextmanager
+def as_api_errors() -> Iterator[None]:
+    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400, a shared
+    store out of reach into a 503, and any other failure into a 500 with its message."""
+    try:
+        yield
+    except ContextLengthError as exc:
+        raise APIError(400, str(exc), "context_length_exceeded", "messages") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    except APIError:
+        raise
+    except Exception as exc:
+        if isinstance(exc, RemoteUnavailableError) or isinstance(exc.__cause__, RemoteUnavailableError):
+            # The shared store did not answer: nothing was done, and a retry may succeed.
+            raise APIError(503, str(exc), "store_unavailable") from exc
+        # e.g. CacheWriteError (disk full), whose message says what to do. Answered here,
+        # not by an app-wide handler: Starlette re-raises those, and uvicorn then drops
+        # the client's keep-alive connection.
+        logger.exception("request failed")
+        raise APIError(500, f"generation failed: {exc}") from exc
+
+
+def parse_body(kind: type[R], raw: bytes) -> R:
+    """A request body, parsed here rather than by FastAPI: a JSON body is read whatever its
+    Content-Type (curl -d sends a form type) and errors keep OpenAI's shape."""
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise APIError(400, message, param=param) from exc
+
+
+def within_limit(max_tokens: int, limit: int) -> int:
+    if max_tokens > limit:
+        raise APIError(
+            400, f"max_tokens {max_tokens} is over this server's limit of {limit}", param="max_tokens"
+        )
+    return max_tokens
