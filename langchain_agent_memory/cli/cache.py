@@ -4,6 +4,7 @@
     agent-memory cache show AGENT           one agent's cache: tokens, blocks, text
     agent-memory cache rm AGENT...          delete agents' caches (shared blocks stay)
     agent-memory cache gc                   remove temporary files and unreferenced blocks
+    agent-memory cache verify --store --blocks   every stored block's object there, repaired
     agent-memory cache du                   disk use per model/KV format
     agent-memory cache prune --older-than 7d --max-size 5GB   evict least recently used
 
@@ -45,7 +46,7 @@ from .common import (
 )
 
 cache_app = typer.Typer(
-    help="Inspect and manage stored agent caches: ls, show, du, rm, prune, gc.",
+    help="Inspect and manage stored agent caches: ls, show, du, rm, prune, gc, verify.",
     no_args_is_help=True,
     context_settings=HELP,
 )
@@ -180,6 +181,38 @@ def gc(
             collected += done.blocks_collected + done.stray_objects_removed
     shared = f" and {collected} block object(s) from the shared store" if store else ""
     wide_console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s){shared}")
+
+
+@cache_app.command("verify")
+def verify(
+    store: Store = None,
+    blocks: Blocks = None,
+    cache_dir: CacheDir = None,
+    repair: Annotated[
+        bool, typer.Option(help="Upload what this cache directory has; mark the rest missing")
+    ] = True,
+) -> None:
+    """Shared store: check every block the catalog says is stored against the object store
+    and repair what is missing (uploaded again from this cache directory's copy, else marked
+    missing: the agents naming it prefill, and their next save uploads it). Exits 1 if any
+    reference is left to a block the store does not hold."""
+    if not (store and blocks):
+        raise typer.BadParameter(
+            "verify checks a shared store: give --store and --blocks", param_hint="--store"
+        )
+    rows, dangling = [], 0
+    for opened in stores_of(cache_dir, store, blocks):
+        if isinstance(opened, SharedBlockStore):
+            r = opened.verify(repair=repair)
+            dangling += r.dangling
+            rows.append({
+                "model": opened.fingerprint, "checked": r.checked, "missing": r.missing,
+                "uploaded": r.uploaded, "marked missing": r.marked_missing, "dangling": r.dangling,
+            })  # fmt: skip
+    columns = ["model", "checked", "missing", "uploaded", "marked missing", "dangling"]
+    emit("shared store blocks", rows, columns, "table", set(columns[1:]))
+    if dangling:
+        raise typer.Exit(1)
 
 
 @cache_app.command("du")

@@ -5,6 +5,9 @@ silent partition, which enforces no server-side timeout) rather than stop."""
 from __future__ import annotations
 
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -79,3 +82,82 @@ def test_a_frozen_postgres_does_not_stall_the_worker(tmp_path: Path, figures: di
             w.kill()
         pg.close()
         s3.close()
+
+
+GC_CHILD = Path(__file__).parent / "gc_child.py"
+
+
+def test_a_collector_killed_at_each_step_leaves_no_reference_to_a_missing_object(
+    tmp_path: Path, shared_store: tuple[str, str], figures: dict[str, str]
+) -> None:
+    """20 collectors SIGKILLed inside their protocol (10 before deleting an object, 10 after
+    it and before the catalog row): each time an agent with the same text is saved next, and
+    no record ever names an object that is gone; every agent resumes warm on a new worker."""
+    a = Proc(WORKER, str(tmp_path / "a"), *shared_store, "16")
+    fresh: Proc | None = None
+    try:
+        fp = a("stats")["fingerprint"]
+        kills = 0
+        for i in range(20):
+            step = ("before", "after")[i % 2]
+            prompt = SYSTEM + f"User: note {i} of the log.\nAssistant:"
+            assert a.generate(f"x{i}", prompt)["saved"]
+            a("delete", agent=f"x{i}")  # its blocks are unreferenced now
+            gc = subprocess.run([sys.executable, str(GC_CHILD), *shared_store, fp, step], capture_output=True)
+            kills += gc.returncode == -signal.SIGKILL
+            out = a.generate(f"y{i}", prompt)  # the same blocks again
+            assert out["saved"] is True, out
+            assert a("check")["dangling"] == 0
+        records = store_is_whole(shared_store, fp)  # every named block's object exists
+        assert kills == 20 and {r.agent_id for r in records} >= {f"y{i}" for i in range(20)}
+        fresh = Proc(WORKER, str(tmp_path / "fresh"), *shared_store, "16")
+        for record in records[:4]:
+            resumed = fresh.generate(record.agent_id, record.text, max_tokens=1)
+            assert resumed["outcome"].startswith("warm"), resumed
+        figures["GC kills"] = f"{kills} collectors SIGKILLed mid-protocol: dangling references 0"
+    finally:
+        for w in (a, fresh):
+            if w is not None:
+                w.kill()
+
+
+def test_verify_repairs_objects_an_operator_deleted(tmp_path: Path, shared_store: tuple[str, str]) -> None:
+    """Objects deleted behind the catalog's back: ``cache verify`` finds them, uploads those the
+    given cache directory holds and marks the others missing, and exits 0 once no reference
+    is left dangling; a worker without the bytes then prefills and its save repairs the rest."""
+    from typer.testing import CliRunner
+
+    from langchain_agent_memory.cli.main import app
+    from langchain_agent_memory.engine.storage.objects import ObjectBlocks
+
+    a = Proc(WORKER, str(tmp_path / "a"), *shared_store, "16")
+    b: Proc | None = None
+    try:
+        fp = a("stats")["fingerprint"]
+        for agent in ("p", "q"):
+            assert a.generate(agent, SYSTEM + f"User: I am {agent}.\nAssistant:")["saved"]
+        (rp,) = [r for r in store_is_whole(shared_store, fp) if r.agent_id == "p"]
+        objects = ObjectBlocks(shared_store[1])
+        for h in rp.blocks:
+            objects.delete(objects.key(fp, h))
+        cli = CliRunner()
+        store_args = ["--store", shared_store[0], "--blocks", shared_store[1]]
+        looked = cli.invoke(
+            app, ["cache", "verify", "--no-repair", "--cache-dir", str(tmp_path / "v"), *store_args]
+        )
+        assert looked.exit_code == 0 and f"{len(rp.blocks)}" in looked.output, (
+            looked.output
+        )  # found, not fixed
+        # From a directory without the bytes: marked missing (the references now dangle).
+        marked = cli.invoke(app, ["cache", "verify", "--cache-dir", str(tmp_path / "v"), *store_args])
+        assert marked.exit_code == 1, marked.output
+        b = Proc(WORKER, str(tmp_path / "b"), *shared_store, "16")
+        again = b.generate("p", rp.text + " And?", max_tokens=2)  # prefills, then saves the blocks again
+        assert again["saved"] is True
+        fixed = cli.invoke(app, ["cache", "verify", "--cache-dir", str(tmp_path / "v"), *store_args])
+        assert fixed.exit_code == 0, fixed.output
+        store_is_whole(shared_store, fp)
+    finally:
+        for w in (a, b):
+            if w is not None:
+                w.kill()

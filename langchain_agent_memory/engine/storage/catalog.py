@@ -10,8 +10,9 @@ Consistency rests on Postgres transactions, never on a worker's clock or memory:
   gone (collected) is reported missing: the writer uploads it again and retries.
 - Garbage collection (``collect``) takes a block's row lock (``FOR UPDATE SKIP LOCKED``),
   checks that no record names it and that it was last touched longer ago than the grace
-  period, and only then deletes the object and the row. A block a commit is naming is
-  locked or freshly touched: a committed cache never loses a block.
+  period, marks it not stored and commits, and only then deletes the object and the row
+  (a collector killed between the two leaves a row no commit trusts). A block a commit is
+  naming is locked or freshly touched: a committed cache never loses a block.
 - Timestamps (``updated_at``, ``touched_at``, lease expiry) are Postgres's ``now()``.
 
 Every call has a deadline the client keeps, and a circuit breaker (``pg_session``).
@@ -346,10 +347,18 @@ class Catalog(PgSession):
         )
 
     def collect(self, fp: str, h: str, grace_s: float, delete_object: Callable[[], None]) -> bool:
-        """Delete block ``h`` (object, then catalog row) if, under its row lock, no record
-        names it and it is older than the grace period; False if it was kept."""
+        """Delete block ``h`` if no record names it and it is older than the grace period;
+        False if it was kept. Two transactions, so that a collector killed at any point
+        leaves no row saying ``stored`` of an object that is gone:
 
-        def drop(c: Any) -> bool:
+        1. under the row's lock: still unnamed and old, so mark it not stored (committed:
+           ``has_blocks`` and a commit's check no longer trust it; a writer that needs it
+           uploads it again);
+        2. under the row's lock again: still not stored (no writer put it back meanwhile)
+           and still old: delete the object, then the row. Killed in between, the row stays
+           not stored, and the next collection finishes it."""
+
+        def mark(c: Any) -> bool:
             with c.transaction():
                 row = c.execute(
                     """
@@ -360,19 +369,34 @@ class Catalog(PgSession):
                     """,
                     (fp, h, grace_s),
                 ).fetchone()
-                if row is None:
+                # The row is locked: a commit naming it waits, then finds it not stored.
+                if row is None or self._named(c, fp, h):
                     return False
-                # The row is locked: a commit naming it waits, then finds it gone.
-                named = c.execute(
-                    "SELECT 1 FROM am_refs WHERE fingerprint = %s AND block = %s LIMIT 1", (fp, h)
+                c.execute("UPDATE am_blocks SET stored = false WHERE fingerprint = %s AND hash = %s", (fp, h))
+                return True
+
+        def drop(c: Any) -> bool:
+            with c.transaction():
+                row = c.execute(
+                    """
+                    SELECT stored FROM am_blocks
+                    WHERE fingerprint = %s AND hash = %s AND touched_at < now() - %s * interval '1 second'
+                    FOR UPDATE
+                    """,
+                    (fp, h, grace_s),
                 ).fetchone()
-                if named is not None:
-                    return False
+                if row is None or row[0] or self._named(c, fp, h):
+                    return False  # gone, put back by a writer, or touched since
                 delete_object()
                 c.execute("DELETE FROM am_blocks WHERE fingerprint = %s AND hash = %s", (fp, h))
                 return True
 
-        return self._run("collect a block", drop)
+        return self._run("mark a block for collection", mark) and self._run("collect a block", drop)
+
+    @staticmethod
+    def _named(c: Any, fp: str, h: str) -> bool:
+        row = c.execute("SELECT 1 FROM am_refs WHERE fingerprint = %s AND block = %s LIMIT 1", (fp, h))
+        return row.fetchone() is not None
 
     def dangling(self, fp: str) -> int:
         """References to blocks the store does not hold (0 in a consistent store), counted
@@ -386,6 +410,15 @@ class Catalog(PgSession):
                     (fp,),
                 ).fetchone()[0]
             ),
+        )
+
+    def stored_blocks(self, fp: str) -> set[str]:
+        """Blocks the catalog says have their object written."""
+        return self._run(
+            "list stored blocks",
+            lambda c: {
+                r[0] for r in c.execute("SELECT hash FROM am_blocks WHERE fingerprint = %s AND stored", (fp,))
+            },
         )
 
     def fingerprints(self) -> set[str]:

@@ -62,6 +62,15 @@ class SharedStats:
 
 
 @dataclass(slots=True)
+class VerifyReport:
+    checked: int = 0  # blocks the catalog says are stored
+    missing: int = 0  # of those, without an object
+    uploaded: int = 0  # repaired from this worker's copy
+    marked_missing: int = 0  # repaired in the catalog (no copy here)
+    dangling: int = 0  # references to blocks not stored, after the repair
+
+
+@dataclass(slots=True)
 class GarbageReport:
     blocks_collected: int = 0
     stray_objects_removed: int = 0  # objects with no catalog row (an upload cut short)
@@ -207,6 +216,11 @@ class SharedBlockStore(SharedRecords):
     def _download(self, h: BlockHash) -> None:
         data = self.objects.get(self.objects.key(self.fingerprint, h))
         if data is None:
+            # The catalog said stored: repair it (the next save that needs the block uploads
+            # it again; a worker that has it locally can, with ``verify``).
+            with contextlib.suppress(RemoteUnavailableError):
+                self.catalog.unstore(self.fingerprint, [h])
+            logger.warning("block %s is missing from the object store: marked missing in the catalog", h[:12])
             raise BlockMissingError(f"block {h[:12]} is missing from the object store {self.objects.url}")
         atomic_write_bytes(self.local.block_path(h), data)
         self.stats.blocks_fetched += 1
@@ -326,6 +340,28 @@ class SharedBlockStore(SharedRecords):
             if h is not None and h not in known and info.last_modified.timestamp() < now - grace:
                 self.objects.delete(info.key)
                 report.stray_objects_removed += 1
+        return report
+
+    def verify(self, repair: bool = True) -> VerifyReport:
+        """Check every block the catalog says is stored against the object store; with
+        ``repair``, upload the missing ones this worker has on disk and mark the others
+        missing (a record naming one then prefills, and its next save uploads it)."""
+        report = VerifyReport()
+        present = {self.objects.hash_of(o.key) for o in self.objects.list(self.fingerprint)}
+        for h in sorted(self.catalog.stored_blocks(self.fingerprint)):
+            report.checked += 1
+            if h in present:
+                continue
+            report.missing += 1
+            if not repair:
+                continue
+            if self.local.has_block(BlockHash(h)):
+                self._upload([BlockHash(h)], check=False)
+                report.uploaded += 1
+            else:
+                self.catalog.unstore(self.fingerprint, [h])
+                report.marked_missing += 1
+        report.dangling = self.catalog.dangling(self.fingerprint)
         return report
 
     # ------------------------------------------------------------------ health
