@@ -54,6 +54,8 @@ class Settings(BaseSettings):
     checkpoints: str | None = None  # None: {cache_dir}/checkpoints.sqlite
     store: str | None = None  # postgresql:// URL of a shared store's records
     blocks: str | None = None  # s3:// URL of a shared store's blocks
+    #: Start with a shared store out of reach (serve from the local tier) instead of failing.
+    lazy_store: bool = False
     max_disk_bytes: str | None = None  # a disk budget for each model's caches: "5GB", "500MiB", bytes
     cache_ttl: str | None = None  # evict caches unused for this long: "7d", "12h", seconds
     reserve_work: bool = True  # CPU: touch one agent's working-copy memory at engine start (kv.reserve)

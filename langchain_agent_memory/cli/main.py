@@ -4,6 +4,7 @@ and ``cache`` (``cli/cache.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -182,6 +183,12 @@ def serve(
         ),
     ] = None,
     docs: Annotated[bool, typer.Option(help="Serve /docs and /openapi.json (behind the key, if set)")] = True,
+    lazy_store: Annotated[
+        bool,
+        typer.Option(
+            help="Start even if the shared store is out of reach (serve from the local tier meanwhile)"
+        ),
+    ] = False,
     kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
     kv_format: Annotated[
         str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
@@ -234,6 +241,8 @@ def serve(
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
     from ..config import get_settings
 
+    if lazy_store:  # read by every engine the server builds (``open_store``)
+        os.environ["AGENT_MEMORY_LAZY_STORE"] = "1"
     keys = [k for k in api_key or [] if ":" not in k]
     if len(keys) > 1:
         raise typer.BadParameter(

@@ -33,7 +33,8 @@ class EngineConfig:
     return (tests, benchmarks). ``share_prefixes``: requests in flight together whose prompts
     start alike (a fan-out) prefill the common part once (``forks``). ``store`` (a
     ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
-    several hosts, ``cache_dir`` the local tier in front (``storage.shared``).
+    several hosts, ``cache_dir`` the local tier in front (``storage.shared``); checked at
+    start (a wrong one fails with its cause) unless ``lazy_store`` (default the settings').
     ``storage_budget``: what the store keeps on disk (``max_disk_bytes``: ``5GB``, ``500MiB``
     or bytes; ``cache_ttl``: ``7d``, ``12h``, seconds or a ``timedelta``): agents least
     recently used (and unused for longer than the TTL) are evicted, never one in use; with
@@ -63,6 +64,7 @@ class EngineConfig:
     reserve_work: bool
     attention: str
     state_budget: float | None = 1.0
+    lazy_store: bool | None = None
 
     @classmethod
     def resolve(
@@ -87,6 +89,7 @@ class EngineConfig:
         reserve_work: bool | None = None,
         attention: str | None = None,
         state_budget: float | None = 1.0,
+        lazy_store: bool | None = None,
     ) -> EngineConfig:
         """The ``Engine`` constructor's arguments, every default filled in; a wrong value
         is a ``ValueError`` that names it, before any model is loaded."""
@@ -124,4 +127,5 @@ class EngineConfig:
             reserve_work=settings.reserve_work if reserve_work is None else reserve_work,
             attention=chosen,
             state_budget=state_budget,
+            lazy_store=lazy_store,
         )

@@ -97,7 +97,9 @@ class Engine(AgentAdmin):
         )
         store_dir = (self.cache_dir / "kv").expanduser().resolve() / self.fingerprint
         wait_for_saves(store_dir)  # saves this process queued there (another engine's) land first
-        self._store = open_store(self.cache_dir / "kv", self.fingerprint, cfg.store, cfg.blocks)
+        self._store = open_store(
+            self.cache_dir / "kv", self.fingerprint, cfg.store, cfg.blocks, lazy=cfg.lazy_store
+        )
         self._save_queue = SaveQueue(store_dir)  # block writes, checksums, fsync, index transactions
         #: (model directory, cache directory, KV format, store, blocks): ``shared.engine_key``.
         self.key = (

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from services import PostgresServer, SeaweedServer
 from workers import SYSTEM, WORKER, Proc, solo, store_is_whole
 
@@ -161,3 +162,47 @@ def test_verify_repairs_objects_an_operator_deleted(tmp_path: Path, shared_store
         for w in (a, b):
             if w is not None:
                 w.kill()
+
+
+def test_wrong_settings_fail_at_start_with_their_cause(
+    tmp_path: Path,
+    postgres: PostgresServer,
+    seaweed: SeaweedServer,
+    shared_store: tuple[str, str],
+    figures: dict[str, str],
+) -> None:
+    """Each wrong setting fails when the engine starts, naming its cause (not as replies whose
+    saves stay pending forever); ``lazy_store=True`` starts anyway and serves from the local
+    tier; a second bucket on a database bound to another is refused."""
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+    from langchain_agent_memory.engine.storage.objects import RemoteConfigError
+
+    store, blocks = shared_store
+    host = str(postgres.root)
+    wrong = {
+        "no such database": (f"postgresql:///no_such_db?host={host}&user=postgres", blocks, "no_such_db"),
+        "no such user": (f"postgresql:///postgres?host={host}&user=nobody_here", blocks, "nobody_here"),
+        "no server there": ("postgresql:///postgres?host=/nonexistent&user=postgres", blocks, "/nonexistent"),
+        "no such bucket": (store, f"s3://no-such-bucket/kv?endpoint={seaweed.endpoint}", "does not exist"),
+        "no object store there": (store, blocks.split("?")[0] + "?endpoint=http://127.0.0.1:9", ":9"),
+    }
+    caught = 0
+    for what, (s, b, cause) in wrong.items():
+        with pytest.raises(RemoteConfigError) as err:
+            Engine("smollm2-135m", cache_dir=tmp_path / "w", store=s, blocks=b)
+        assert cause in str(err.value) and "lazy_store" in str(err.value), (what, str(err.value))
+        caught += 1
+    # The right database with another bucket than the one it was bound to: refused.
+    with Engine("smollm2-135m", cache_dir=tmp_path / "ok", store=store, blocks=blocks) as ok:
+        ok.generate("a", "Hello there.", GenerationParams(max_tokens=1))
+    other = seaweed.new_bucket("another-bucket")
+    with pytest.raises(RemoteConfigError, match="same bucket"):
+        Engine("smollm2-135m", cache_dir=tmp_path / "w2", store=store, blocks=other)
+    caught += 1
+    # Started anyway: replies come, the save waits on this worker.
+    s, b, _ = wrong["no server there"]
+    with Engine("smollm2-135m", cache_dir=tmp_path / "lazy", store=s, blocks=b, lazy_store=True) as lazy:
+        reply = lazy.generate("a", "Hello there.", GenerationParams(max_tokens=2))
+        assert reply.wait_saved() and lazy.store.stats.pending_saves == 1
+    figures["settings errors"] = f"caught at start {caught}/{len(wrong) + 1}, each naming its cause"

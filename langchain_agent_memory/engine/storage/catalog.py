@@ -78,6 +78,10 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (fingerprint, agent_id)
     );
     """,
+    # 2: what a store is bound to (the bucket of its blocks: a worker given another is refused).
+    """
+    CREATE TABLE IF NOT EXISTS am_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
 )
 
 
@@ -109,6 +113,22 @@ class Catalog(PgSession):
                 conn.execute("INSERT INTO am_schema VALUES (%s)", (len(MIGRATIONS),))
             else:
                 conn.execute("UPDATE am_schema SET version = %s", (len(MIGRATIONS),))
+
+    def bind_blocks(self, identity: str) -> None:
+        """Bind this database to the object store holding its blocks (``bucket/prefix``) on
+        first use; ``RemoteConfigError`` if it is bound to another (two workers on one
+        database with different buckets would name blocks the other cannot read)."""
+
+        def bind(c: Any) -> str:
+            c.execute("INSERT INTO am_meta VALUES ('blocks', %s) ON CONFLICT (key) DO NOTHING", (identity,))
+            return str(c.execute("SELECT value FROM am_meta WHERE key = 'blocks'").fetchone()[0])
+
+        bound = self._run("read the store's settings", bind)
+        if bound != identity:
+            raise RemoteConfigError(
+                f"store {self._safe_url} keeps its blocks in {bound!r}, not {identity!r}: every worker of "
+                "one database must use the same bucket and prefix (blocks=s3://...)"
+            )
 
     def now(self) -> float:
         """Postgres's clock (seconds since the epoch)."""

@@ -16,6 +16,7 @@ server on loopback); without credentials requests go unsigned.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -142,10 +143,35 @@ class ObjectBlocks:
         except Exception as exc:
             raise self._unavailable("list", prefix, exc) from exc
 
+    @property
+    def identity(self) -> str:
+        """Where the blocks live, whatever endpoint reaches them: ``bucket/prefix``."""
+        return f"{self.bucket}/{self.prefix}"
+
+    def check(self) -> None:
+        """Write, read back and delete a probe object: ``RemoteUnavailableError`` with the
+        full cause if the bucket is missing, the keys are wrong or the server is away."""
+        key = f"{self.prefix}/.probe/{uuid.uuid4().hex}" if self.prefix else f".probe/{uuid.uuid4().hex}"
+        try:
+            self._obs.put(self._store, key, b"probe")
+            if bytes(self._obs.get(self._store, key).bytes()) != b"probe":
+                raise RemoteUnavailableError(f"object store {self.url}: a probe object read back wrong")
+            self._obs.delete(self._store, key)
+        except RemoteUnavailableError:
+            raise
+        except Exception as exc:
+            raise self._unavailable("write a probe object", key, exc) from exc
+
     def _unavailable(self, what: str, key: str, exc: BaseException) -> RemoteUnavailableError:
-        text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        # The whole cause (the first lines of an S3 error are often generic), on one line.
+        text = " ".join(str(exc).split())[:2000] if str(exc) else type(exc).__name__
         if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
             return RemoteUnavailableError(
                 f"object store {self.url}: bucket {self.bucket!r} does not exist; create it first"
+            )
+        if "AccessDenied" in text or "lacked the necessary privileges" in text:
+            text = (
+                f"access denied: bucket {self.bucket!r} does not exist, or these credentials (AWS_* "
+                f"variables) may not use it. The server said: {text}"
             )
         return RemoteUnavailableError(f"object store {self.url}: could not {what} {key}: {text}")

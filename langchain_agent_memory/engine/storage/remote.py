@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...config import get_settings
 from ..ops.files import DirectoryLock, atomic_write_bytes
 from .blocks import (
     Block,
@@ -383,10 +384,16 @@ def open_store(
     grace_s: float = 3600.0,
     worker_id: str | None = None,
     read_only: bool = False,
+    lazy: bool | None = None,
 ) -> DiskBlockStore | SharedBlockStore:
     """The local store under ``root``, or a shared one (``store``: a postgresql:// URL for
     the records, ``blocks``: an s3:// URL for the blocks) with it as the local tier.
-    ``read_only``: a local store opened only to look (no recovery, lock or migration)."""
+    ``read_only``: a local store opened only to look (no recovery, lock or migration).
+
+    A shared store is checked first (the database answers and is bound to this bucket, a
+    probe object can be written): a wrong setting fails here with its whole cause
+    (``RemoteConfigError``), not as saves pending forever. ``lazy`` (default the settings'
+    ``AGENT_MEMORY_LAZY_STORE``): start anyway, serving from the local tier."""
     if not store and not blocks:
         return DiskBlockStore(root, fingerprint, read_only=read_only)
     if not (store and blocks):
@@ -396,6 +403,17 @@ def open_store(
         )
     catalog = Catalog(store, timeout_s=read_timeout_s)
     objects = ObjectBlocks(blocks, timeout_s=read_timeout_s)
+    if not (get_settings().lazy_store if lazy is None else lazy):
+        try:
+            objects.check()
+            catalog.bind_blocks(objects.identity)
+        except (RemoteUnavailableError, RemoteConfigError) as exc:
+            catalog.close()
+            raise RemoteConfigError(
+                f"the shared store cannot be used: {exc}. Fix the setting; or start anyway with "
+                "lazy_store=True (AGENT_MEMORY_LAZY_STORE=1, agent-memory serve --lazy-store): replies "
+                "then come from this worker's copies and saves upload once the store answers"
+            ) from exc
     local = DiskBlockStore(root, fingerprint, tier=True)
     return SharedBlockStore(
         local, catalog, objects, worker_id=worker_id, read_timeout_s=read_timeout_s, grace_s=grace_s
