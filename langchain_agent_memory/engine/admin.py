@@ -16,6 +16,7 @@ from .agent_state import PendingSave
 from .agents import AgentCaches
 from .commits import CommitFeed
 from .prefix import tokenize_prompt
+from .results import Saved
 from .saves import SaveQueue
 from .scheduler import Phase, Scheduler
 from .steps import Request
@@ -163,16 +164,18 @@ class AgentAdmin:
         self._save_queue.wait()
         self.agents.drop_hot(agent_id)
 
-    def _queue_save(self, save: PendingSave) -> Future[bool]:
+    def _queue_save(self, save: PendingSave) -> Future[Saved]:
         """A request ended (on the worker): its write goes to the save thread. The future
-        says whether the record was stored (False: another worker's save won)."""
+        says whether the record was stored: True, ``"local"`` (on this worker, its upload to
+        the shared store pending) or False (another worker's save won)."""
 
-        def write() -> bool:
+        def write() -> Saved:
             record = self.agents.write(save)
-            if record is not None:
-                self._feed.committed(record)
-                self._budget.saved()
-            return record is not None
+            if record is None:
+                return False
+            self._feed.committed(record)
+            self._budget.saved()
+            return "local" if self._store.upload_pending(record.agent_id) else True
 
         return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
 

@@ -76,6 +76,10 @@ class Timings:
     save_s: float = 0.0  # on the worker: the turn quantized into the stored form, blocks made ready
 
 
+#: Where a turn's save ended: True (stored), "local" (on this worker, upload pending), False.
+Saved = bool | Literal["local"]
+
+
 @dataclass(slots=True)
 class GenerationResult:
     text: str
@@ -90,16 +94,19 @@ class GenerationResult:
     #: "pending": the reply left before its save (blocks, record) was durable; it is written
     #: on the engine's save thread (``Engine.flush`` waits for it). False: not kept (on a
     #: shared store another worker saved the agent while this request ran).
-    saved: bool | Literal["pending"] = "pending"
+    saved: Saved | Literal["pending"] = "pending"
     #: The save's outcome once written (``wait_saved``).
-    save_done: Future[bool] | None = field(default=None, repr=False, compare=False)
+    save_done: Future[Saved] | None = field(default=None, repr=False, compare=False)
 
-    def wait_saved(self, timeout: float | None = None) -> bool:
-        """Wait for this turn's save: True once its blocks and record are durable, False if
-        it was not kept (a worker sharing the store saved the agent first); raises what made
-        it fail (``CacheWriteError``: the agent's previous cache is intact)."""
+    def wait_saved(self, timeout: float | None = None) -> Saved:
+        """Wait for this turn's save: True once its blocks and record are durable (in the
+        shared store, for a worker of one); ``"local"`` (truthy) once durable on this worker
+        with its upload pending (the store out of reach, or another worker's lease on the
+        agent: uploaded as soon as it can be); False if it was not kept (a worker sharing
+        the store saved the agent first). Raises what made it fail (``CacheWriteError``:
+        the agent's previous cache is intact)."""
         if self.save_done is None:
-            return self.saved is True
+            return True if self.saved is True else self.saved if self.saved == "local" else False
         return self.save_done.result(timeout)
 
 

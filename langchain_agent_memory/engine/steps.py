@@ -24,6 +24,7 @@ from .results import (
     ContextLengthError,
     GenerationParams,
     GenerationResult,
+    Saved,
     StreamChunk,
     Timings,
 )
@@ -95,7 +96,7 @@ class RequestSteps:
         tokenizer: Any,
         context_length: int,
         model_name: str,
-        on_commit: Callable[[PendingSave], Future[bool]],
+        on_commit: Callable[[PendingSave], Future[Saved]],
         share_prefixes: bool = True,
     ) -> None:
         self.agents, self.runner, self.tokenizer = agents, runner, tokenizer

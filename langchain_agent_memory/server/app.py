@@ -179,6 +179,23 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "models": list(models)}
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness (for a load balancer; no key): 503 while a shared store is out of reach
+        (this server then serves from its own copies), with the saves waiting to upload."""
+        out, ok = {}, True
+        for name, llm in models.items():
+            store = llm.engine.store
+            reachable = getattr(store, "reachable", True)
+            stats = getattr(store, "stats", None)
+            pending = getattr(stats, "pending_saves", 0)
+            nbytes = await asyncio.to_thread(store.pending_bytes) if hasattr(store, "pending_bytes") else 0
+            out[name] = {"shared_store": stats is not None, "reachable": reachable,
+                         "pending_saves": pending, "pending_bytes": nbytes}  # fmt: skip
+            ok = ok and reachable
+        body = {"status": "ready" if ok else "store unreachable", "models": out}
+        return JSONResponse(body, status_code=200 if ok and models else 503)
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(name) for name in models]}

@@ -150,13 +150,19 @@ def test_a_scoped_key_cannot_reach_another_tenants_agents(server: Server, figure
 
 
 def test_a_frozen_store_under_the_server(server: Server) -> None:
-    """With its database under SIGSTOP: replies come, the listing says it is this server's
-    copies only, a delete (which needs the store) is a 503 to retry, not a 500."""
+    """With its database under SIGSTOP: replies come, ``/ready`` says the store is out of
+    reach and what waits to upload, the listing says it is this server's copies only, a
+    delete (which needs the store) is a 503 to retry, not a 500."""
     assert server.chat("frozen-1").status_code == 200
+    assert server.call("GET", "/ready", key="").status_code == 200
     server.pg.freeze()
     try:
         reply = server.chat("frozen-1", messages=[{"role": "user", "content": "and now?"}])
         assert reply.status_code == 200, reply.text
+        ready = server.call("GET", "/ready", key="")
+        (state,) = ready.json()["models"].values()
+        assert ready.status_code == 503 and not state["reachable"], ready.text
+        assert state["pending_saves"] >= 1 and state["pending_bytes"] > 0, ready.text
         listing = server.agents()
         assert listing["local_only"] is True and "frozen-1" in {a["id"] for a in listing["data"]}
         gone = server.call("DELETE", "/v1/agents/frozen-1")

@@ -206,3 +206,42 @@ def test_wrong_settings_fail_at_start_with_their_cause(
         reply = lazy.generate("a", "Hello there.", GenerationParams(max_tokens=2))
         assert reply.wait_saved() and lazy.store.stats.pending_saves == 1
     figures["settings errors"] = f"caught at start {caught}/{len(wrong) + 1}, each naming its cause"
+
+
+def test_fail_over_right_after_a_worker_is_killed_mid_request(
+    tmp_path: Path, shared_store: tuple[str, str], figures: dict[str, str]
+) -> None:
+    """A worker SIGKILLed while it runs an agent leaves that agent's lease behind: the next
+    worker's turn on it resumes warm at once, its save is kept locally (not dropped as "saved
+    by another worker first") and reaches the store as soon as the dead worker's short lease
+    expires; a third worker then resumes the surviving turn."""
+    a = Proc(WORKER, str(tmp_path / "a"), *shared_store, "16")
+    b = Proc(WORKER, str(tmp_path / "b"), *shared_store, "16")
+    c: Proc | None = None
+    try:
+        turn1 = SYSTEM + "User: plan a trip to Rome.\nAssistant:"
+        first = a.generate("x", turn1)
+        assert first["saved"]
+        a.send(
+            {"op": "generate", "agent": "x", "prompt": turn1 + first["text"] + " Go on.", "max_tokens": 2000}
+        )
+        time.sleep(3.0)  # admitted and decoding: its lease is held
+        a.kill()
+        t0 = time.monotonic()
+        turn2 = turn1 + first["text"] + "\nUser: and Florence?\nAssistant:"
+        second = b.generate("x", turn2)
+        assert second["outcome"].startswith("warm") and second["saved"] is True, second
+        while b("flush")["pending"]:
+            assert time.monotonic() - t0 < 60, "the save did not reach the store after the lease expired"
+            time.sleep(0.5)
+        landed = time.monotonic() - t0
+        c = Proc(WORKER, str(tmp_path / "c"), *shared_store, "16")
+        third = c.generate("x", turn2 + second["text"] + "\nUser: thanks.\nAssistant:")
+        assert third["outcome"].startswith("warm") and third["reused"] >= 0.9 * third["prompt_tokens"], third
+        figures["fail-over"] = (
+            f"a turn on another worker right after a SIGKILL: warm, saved in the store after {landed:.1f} s"
+        )
+    finally:
+        for w in (a, b, c):
+            if w is not None:
+                w.kill()

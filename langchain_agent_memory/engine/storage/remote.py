@@ -26,6 +26,7 @@ import os
 import socket
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from .blocks import (
     CacheWriteError,
     StoreUsage,
 )
-from .catalog import Catalog
+from .catalog import Catalog, CommitConflictError
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .remote_records import SharedRecords
@@ -89,7 +90,7 @@ class SharedBlockStore(SharedRecords):
         *,
         worker_id: str | None = None,
         read_timeout_s: float = 5.0,
-        lease_s: float = 30.0,
+        lease_s: float = 10.0,
         grace_s: float = 3600.0,
         retry_s: float = 5.0,
     ) -> None:
@@ -110,8 +111,21 @@ class SharedBlockStore(SharedRecords):
         #: copy at the first is the second (this worker's own save, uploaded later).
         self._uploaded: dict[str, tuple[int | None, int]] = {}
         self._said_down = False
+        #: Agents this worker's requests hold leases on: renewed every ``lease_s / 3`` while
+        #: held (a long request keeps its agent; a dead worker's lease expires in ``lease_s``).
+        self._held: Counter[str] = Counter()
+        self._held_lock = threading.Lock()
+        self._heart: threading.Thread | None = None
         if self.local.pending_agents():
             self._start_uploader()
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
+        blocks: set[BlockHash] = set()
+        for agent_id in self.local.pending_agents():
+            with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
+                blocks.update(self.local.agent_chain(agent_id))
+        return self.local.local_bytes(blocks)
 
     @property
     def reachable(self) -> bool:
@@ -144,7 +158,30 @@ class SharedBlockStore(SharedRecords):
         except RemoteUnavailableError as exc:
             self._down(exc)
             return True
+        with self._held_lock:
+            self._held[agent_id] += 1
+            if self._heart is None or not self._heart.is_alive():
+                self._heart = threading.Thread(
+                    target=self._heartbeat, name="agent-memory-leases", daemon=True
+                )
+                self._heart.start()
         return current == version or self._uploaded.get(agent_id) == (version, current)
+
+    def _let_go(self, agent_id: str) -> None:
+        with self._held_lock:
+            if self._held[agent_id] > 1:
+                self._held[agent_id] -= 1
+            else:
+                self._held.pop(agent_id, None)
+
+    def _heartbeat(self) -> None:
+        """Renew the leases of the requests in flight (off the model's thread)."""
+        while not self._closed.wait(self.lease_s / 3):
+            with self._held_lock:
+                agents = list(self._held)
+            for agent_id in agents:
+                with contextlib.suppress(RemoteUnavailableError, CommitConflictError):
+                    self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
 
     def seen_version(self, agent_id: str) -> int | None:
         state = self.local.sync_state(agent_id)
@@ -152,6 +189,7 @@ class SharedBlockStore(SharedRecords):
 
     def end(self, agent_id: str) -> None:
         """Give the lease back after a request that did not commit."""
+        self._let_go(agent_id)
         with contextlib.suppress(RemoteUnavailableError):
             self.catalog.end(self.fingerprint, agent_id, self.worker_id)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -40,8 +41,12 @@ class SharedRecords:
     _uploaded: dict[str, tuple[int | None, int]]
     _uploader: threading.Thread | None
     _closed: threading.Event
+    lease_s: float
 
     def _down(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def _let_go(self, agent_id: str) -> None:
         raise NotImplementedError
 
     def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
@@ -73,6 +78,9 @@ class SharedRecords:
         self.local.put_agent(record, sync=(version, False))
         return record
 
+    def upload_pending(self, agent_id: str) -> bool:
+        return self.local.upload_pending(agent_id)
+
     def has_agent(self, agent_id: str) -> bool:
         try:
             return self.catalog.has(self.fingerprint, agent_id)
@@ -101,11 +109,14 @@ class SharedRecords:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        with self._pushing:
-            state = self.local.sync_state(record.agent_id)
-            base = state[0] if state else None
-            written = self.local.put_agent(record, sync=(base, True))
-            self._push(record, base)
+        try:
+            with self._pushing:
+                state = self.local.sync_state(record.agent_id)
+                base = state[0] if state else None
+                written = self.local.put_agent(record, sync=(base, True))
+                self._push(record, base)
+        finally:
+            self._let_go(record.agent_id)  # the request's lease: given back by the commit
         return written
 
     def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
@@ -113,7 +124,12 @@ class SharedRecords:
         or, for a ``pending`` save, another worker holds the agent's lease (retried later)."""
         try:
             self._upload(record.blocks)
-            for _ in range(4):
+            # Another worker's lease: its request is running (it commits, or gives the lease
+            # back, soon) or it died (its lease expires within ``lease_s``, no heartbeat
+            # renews it): a save waits that long, on the save thread, for a true outcome.
+            lease_wait = time.monotonic() + (0.0 if pending else self.lease_s + 1.0)
+            attempts = 0
+            while True:
                 try:
                     done = self.catalog.commit(
                         self.fingerprint, record.agent_id,
@@ -124,12 +140,16 @@ class SharedRecords:
                 except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
                     self._upload([BlockHash(h) for h in exc.missing], check=False)
                 except CommitConflictError as exc:
+                    if exc.leased and time.monotonic() < lease_wait:
+                        time.sleep(0.25)
+                        continue
                     rebased = None if exc.leased else self._rebase(record)
                     if rebased is None:
                         raise
                     base = rebased
-            else:
-                raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
+                attempts += 1
+                if attempts >= 4:
+                    raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
             first = not self._said_down
             self._down(exc)
@@ -145,7 +165,14 @@ class SharedRecords:
             self._start_uploader()
             return False
         except CommitConflictError as exc:
-            if pending and exc.leased:  # another worker is running the agent: try again later
+            if exc.leased:  # another worker holds the agent: kept here, uploaded once it is free
+                if not pending:
+                    logger.warning(
+                        "agent %r: another worker is running it (%s; its lease is still renewed after "
+                        "%g s); this save is kept on this worker and uploaded once the lease is free",
+                        record.agent_id, exc, self.lease_s,
+                    )  # fmt: skip
+                self.stats.pending_saves = len(self.local.pending_agents())
                 self._start_uploader()
                 return False
             self.stats.conflicts += 1

@@ -359,6 +359,11 @@ class DiskBlockStore(DiskMaintenance):
                 for r in self._db.execute("SELECT agent_id FROM remote_sync WHERE pending = 1 ORDER BY rowid")
             ]
 
+    def upload_pending(self, agent_id: str) -> bool:
+        """Whether the agent's record waits to be uploaded to a shared store (this tier's)."""
+        state = self.sync_state(agent_id)
+        return bool(state and state[1])
+
     def has_agent(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
         with self._db_lock:
