@@ -64,6 +64,8 @@ class AgentAdmin:
     @storage_budget.setter
     def storage_budget(self, budget: StorageBudget | None) -> None:
         self._budget.budget = budget
+        if hasattr(self._store, "max_pending_bytes"):  # a shared store's saves waiting to upload
+            self._store.max_pending_bytes = budget.max_bytes if budget is not None else None
 
     @property
     def store(self) -> Any:

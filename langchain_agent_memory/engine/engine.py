@@ -138,7 +138,7 @@ class Engine(AgentAdmin):
         self._budget = BudgetKeeper(
             self._store, self.agents.evict, self._in_use, lambda: self.pool.stats.bytes_written
         )
-        self._budget.budget = cfg.storage_budget
+        self.storage_budget = cfg.storage_budget  # also bounds a shared store's saves waiting to upload
 
     @property
     def context_length(self) -> int:

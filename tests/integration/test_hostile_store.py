@@ -245,3 +245,41 @@ def test_fail_over_right_after_a_worker_is_killed_mid_request(
         for w in (a, b, c):
             if w is not None:
                 w.kill()
+
+
+def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
+    tmp_path: Path, seaweed: SeaweedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """16 saves while the database is down, with a local budget of about three agents: the
+    oldest waiting saves are dropped here with an error line (the newest always kept), the
+    waiting bytes stay within the budget, and what is kept uploads once the store is back."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+    from langchain_agent_memory.engine.storage.budget import StorageBudget
+
+    pg = PostgresServer()  # stopped mid-test: a server of its own
+    try:
+        store = (pg.new_database("pending"), seaweed.new_bucket("pending"))
+        one = GenerationParams(max_tokens=1)
+        with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store[0], blocks=store[1]) as engine:
+            engine.generate("a0", SYSTEM + "User: agent 0.\nAssistant:", one)
+            engine.flush()
+            budget = 3 * engine.disk_bytes()
+            engine.storage_budget = StorageBudget(max_bytes=budget)
+            pg.stop()
+            largest = 0
+            for i in range(1, 17):
+                reply = engine.generate(f"a{i}", SYSTEM + f"User: agent {i}.\nAssistant:", one)
+                assert reply.wait_saved() == "local"
+                largest = max(largest, engine.store.pending_bytes())
+            stats = engine.store.stats
+            assert stats.pending_dropped >= 1 and largest <= budget, (largest, budget)
+            assert "dropped here" in caplog.text
+            assert engine.store.upload_pending("a16")  # the newest is kept
+            pg.start()
+            deadline = time.monotonic() + 60
+            while engine.store.flush_pending():
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+            assert engine.store.has_agent("a16")
+    finally:
+        pg.close()

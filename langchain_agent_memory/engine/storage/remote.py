@@ -60,6 +60,7 @@ class SharedStats:
     commits: int = 0
     conflicts: int = 0
     pending_saves: int = 0  # saved here while the store was unreachable, not yet uploaded
+    pending_dropped: int = 0  # waiting saves dropped here past ``max_pending_bytes``
     remote_failures: int = 0
 
 
@@ -118,14 +119,6 @@ class SharedBlockStore(SharedRecords):
         self._heart: threading.Thread | None = None
         if self.local.pending_agents():
             self._start_uploader()
-
-    def pending_bytes(self) -> int:
-        """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
-        blocks: set[BlockHash] = set()
-        for agent_id in self.local.pending_agents():
-            with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
-                blocks.update(self.local.agent_chain(agent_id))
-        return self.local.local_bytes(blocks)
 
     @property
     def reachable(self) -> bool:

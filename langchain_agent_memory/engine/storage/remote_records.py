@@ -42,6 +42,8 @@ class SharedRecords:
     _uploader: threading.Thread | None
     _closed: threading.Event
     lease_s: float
+    #: Bytes of saves waiting to upload this worker keeps at most (None: no bound).
+    max_pending_bytes: int | None = None
 
     def _down(self, exc: BaseException) -> None:
         raise NotImplementedError
@@ -77,6 +79,33 @@ class SharedRecords:
             raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
         self.local.put_agent(record, sync=(version, False))
         return record
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
+        blocks: set[BlockHash] = set()
+        for agent_id in self.local.pending_agents():
+            with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
+                blocks.update(self.local.agent_chain(agent_id))
+        return self.local.local_bytes(blocks)
+
+    def _bound_pending(self) -> None:
+        """Past ``max_pending_bytes`` of saves waiting to upload, drop the oldest of them from
+        this worker (never the newest, never a committed record: the store keeps the last
+        version uploaded), loudly: a store that stays away must not fill the disk."""
+        limit = self.max_pending_bytes
+        if limit is None:
+            return
+        waiting = self.local.pending_agents()  # least recently saved first
+        while len(waiting) > 1 and self.pending_bytes() > limit:
+            victim = waiting.pop(0)
+            self.local.evict_agents([victim])
+            self.stats.pending_dropped += 1
+            logger.error(
+                "agent %r: its save could not be uploaded and this worker's saves waiting to upload "
+                "are over %d bytes: dropped here (the shared store keeps its last uploaded version)",
+                victim, limit,
+            )  # fmt: skip
+        self.stats.pending_saves = len(self.local.pending_agents())
 
     def upload_pending(self, agent_id: str) -> bool:
         return self.local.upload_pending(agent_id)
@@ -153,7 +182,7 @@ class SharedRecords:
         except RemoteUnavailableError as exc:
             first = not self._said_down
             self._down(exc)
-            self.stats.pending_saves = len(self.local.pending_agents())
+            self._bound_pending()
             if not pending:  # said when the save is left pending: loud once per outage
                 logger.log(
                     logging.WARNING if first else logging.INFO,
@@ -172,7 +201,7 @@ class SharedRecords:
                         "%g s); this save is kept on this worker and uploaded once the lease is free",
                         record.agent_id, exc, self.lease_s,
                     )  # fmt: skip
-                self.stats.pending_saves = len(self.local.pending_agents())
+                self._bound_pending()
                 self._start_uploader()
                 return False
             self.stats.conflicts += 1
