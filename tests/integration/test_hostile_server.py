@@ -159,9 +159,14 @@ def test_a_frozen_store_under_the_server(server: Server) -> None:
     try:
         reply = server.chat("frozen-1", messages=[{"role": "user", "content": "and now?"}])
         assert reply.status_code == 200, reply.text
-        ready = server.call("GET", "/ready", key="")
-        (state,) = ready.json()["models"].values()
-        assert ready.status_code == 503 and not state["reachable"], ready.text
+        deadline = time.monotonic() + 60
+        while True:  # the turn's save runs after its reply: until it waits to upload
+            ready = server.call("GET", "/ready", key="")
+            (state,) = ready.json()["models"].values()
+            assert ready.status_code == 503 and not state["reachable"], ready.text
+            if state["pending_saves"] >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert state["pending_saves"] >= 1 and state["pending_bytes"] > 0, ready.text
         listing = server.agents()
         assert listing["local_only"] is True and "frozen-1" in {a["id"] for a in listing["data"]}

@@ -283,3 +283,36 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
             assert engine.store.has_agent("a16")
     finally:
         pg.close()
+
+
+def test_a_frozen_object_store_does_not_stall_the_workers(tmp_path: Path, postgres: PostgresServer) -> None:
+    """SIGSTOP the S3 gateway: a worker that must fetch an agent's blocks gives up at the read
+    deadline and prefills (same text as one worker alone), a save's upload gives up at its
+    deadline and waits on the worker; after the thaw the waiting save uploads."""
+    s3 = SeaweedServer()  # frozen mid-test: a server of its own
+    made: list[Proc] = []
+    try:
+        store = (postgres.new_database("s3frozen"), s3.new_bucket("s3frozen"))
+        a = Proc(WORKER, str(tmp_path / "a"), *store, "16")
+        b = Proc(WORKER, str(tmp_path / "b"), *store, "16")
+        made += [a, b]
+        turn1 = SYSTEM + "User: tell me about owls.\nAssistant:"
+        first = a.generate("owls", turn1)
+        turn2 = turn1 + first["text"] + "\nUser: go on.\nAssistant:"
+        s3.freeze()
+        try:
+            second = _call(b, "generate", agent="owls", prompt=turn2, max_tokens=8)  # blocks out of reach
+            new = _call(a, "generate", agent="bees", prompt=SYSTEM + "User: bees?\nAssistant:", max_tokens=8)
+        finally:
+            s3.thaw()
+        assert [first["text"], second["text"]] == solo(tmp_path / "owls", [turn1, turn2])
+        assert second["saved"] and new["saved"]
+        deadline = time.monotonic() + 60
+        while a("flush")["pending"] or b("flush")["pending"]:
+            assert time.monotonic() < deadline, "the waiting saves did not upload after the thaw"
+            time.sleep(1)
+        store_is_whole(store, a("stats")["fingerprint"])
+    finally:
+        for w in made:
+            w.kill()
+        s3.close()

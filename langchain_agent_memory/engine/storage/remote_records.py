@@ -93,10 +93,8 @@ class SharedRecords:
         this worker (never the newest, never a committed record: the store keeps the last
         version uploaded), loudly: a store that stays away must not fill the disk."""
         limit = self.max_pending_bytes
-        if limit is None:
-            return
         waiting = self.local.pending_agents()  # least recently saved first
-        while len(waiting) > 1 and self.pending_bytes() > limit:
+        while limit is not None and len(waiting) > 1 and self.pending_bytes() > limit:
             victim = waiting.pop(0)
             self.local.evict_agents([victim])
             self.stats.pending_dropped += 1
@@ -105,7 +103,7 @@ class SharedRecords:
                 "are over %d bytes: dropped here (the shared store keeps its last uploaded version)",
                 victim, limit,
             )  # fmt: skip
-        self.stats.pending_saves = len(self.local.pending_agents())
+        self.stats.pending_saves = len(waiting)
 
     def upload_pending(self, agent_id: str) -> bool:
         return self.local.upload_pending(agent_id)
