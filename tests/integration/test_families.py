@@ -14,18 +14,22 @@ one row's: 3 of 9 families drift within 8 tokens at bf16, none at float32)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.engine import Engine as _Engine
+from langchain_agent_memory.engine.engine import GenerationParams
 from langchain_agent_memory.engine.model.families import SUPPORTED_FAMILIES, UnsupportedModelError
-from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir
+from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir, unload_models
 from langchain_agent_memory.engine.ops import device
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.prefix import MatchKind
 from langchain_agent_memory.testing.random_model import (
     HYBRID_CONFIGS,
@@ -51,9 +55,32 @@ GREEDY = GenerationParams(max_tokens=8)
 SYSTEM = corpus.apache_license()[:1500]
 
 
+class Engine(_Engine):
+    """The engine, each one a test makes closed after it (``_close_engines``): dozens of
+    engines over random models would otherwise hold their memory for later modules."""
+
+    made: ClassVar[list[_Engine]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        Engine.made.append(self)
+
+
+@pytest.fixture(autouse=True)
+def _close_engines() -> Iterator[None]:
+    yield
+    while Engine.made:
+        engine = Engine.made.pop()
+        with contextlib.suppress(Exception):  # a test that closed it, or one that failed
+            engine.close()
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> Callable[[str, str], Path]:
-    """A family's model directory at a weight dtype (built once per module)."""
+def model_dir(
+    tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel
+) -> Iterator[Callable[[str, str], Path]]:
+    """A family's model directory at a weight dtype (built once per module; the models
+    loaded from them are let go at its end: later modules need the memory)."""
     root = tmp_path_factory.mktemp("families")
     built: dict[tuple[str, str], Path] = {}
 
@@ -67,7 +94,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> 
                 built[family, dtype] = write_random_model(config, out, smollm.path, seed=7, dtype=dtype)
         return built[family, dtype]
 
-    return get
+    yield get
+    unload_models(root)
+    gc.collect()
+    mx.clear_cache()
 
 
 #: How requests attend: on the stored form (``kv.stored``), over a full-precision working

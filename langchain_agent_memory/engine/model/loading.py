@@ -201,6 +201,17 @@ def load_model(
         return loaded
 
 
+def unload_models(under: Path) -> int:
+    """Forget the loaded models whose directories are under ``under`` (a process that is
+    done with them: test modules of random-weight models); their memory goes once nothing
+    else holds them. Returns how many were forgotten."""
+    with _LOAD_LOCK:
+        gone = [k for k in _LOADED if k[0].is_relative_to(under)]
+        for key in gone:
+            del _LOADED[key]
+    return len(gone)
+
+
 def _mlx_lm_version() -> str:
     try:
         return importlib.metadata.version("mlx-lm")
