@@ -6,7 +6,6 @@ h11, as in production), real PostgreSQL and SeaweedFS of this module's own."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +13,7 @@ from urllib.parse import quote, unquote
 
 import httpx
 import pytest
-import uvicorn
-from services import PostgresServer, SeaweedServer
+from services import PostgresServer, SeaweedServer, app_on_loopback
 
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.server import ServerConfig, create_app
@@ -67,18 +65,10 @@ def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
         store=pg.new_database("hostile"),
         blocks=s3.new_bucket("hostile"),
     )
-    uv = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
     try:
-        yield Server(f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}", pg)
+        with app_on_loopback(create_app(config)) as url:
+            yield Server(url, pg)
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
         pg.close()
         s3.close()
 

@@ -12,7 +12,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +20,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
+from services import app_on_loopback
 
 from langchain_agent_memory import ChatAgentMemory
 from langchain_agent_memory.engine.model.loading import LoadedModel
@@ -59,17 +58,8 @@ def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
     config = ServerConfig(
         models=[MODEL], cache_dir=str(cache_dir), api_key=KEY, max_body_bytes=BODY_LIMIT, max_tokens_limit=512
     )
-    uv = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", cache_dir
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with app_on_loopback(create_app(config)) as url:
+        yield url, cache_dir
 
 
 @pytest.fixture
