@@ -1,7 +1,8 @@
 """The administration side of the engine facade (``Engine`` inherits it): agents' stored
 caches (records, forks, deletes, prefetch, what they hold), saves (``flush``) and the disk
 budget. Everything here goes through the engine's save thread or its store, never the
-model's thread, except ``prefetch`` (which yields to requests)."""
+model's thread, except ``prefetch`` (which yields to requests; a shared store's part of it
+runs before, on ``admissions``' threads)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from .admissions import StoreAdmissions
 from .agent_state import PendingSave
 from .agents import AgentCaches
 from .commits import CommitFeed
@@ -50,6 +52,7 @@ class AgentAdmin:
     _budget: BudgetKeeper
     _worker: Worker
     _scheduler: Scheduler
+    _admissions: StoreAdmissions | None
     fingerprint: str
     pool: BlockPool
 
@@ -107,7 +110,12 @@ class AgentAdmin:
         gives how many were loaded."""
         self._check_open()
         done: Future[int] = Future()
-        self._worker.submit(self._prefetch_some, list(agent_ids), 0, done)
+        wanted = list(agent_ids)
+        if self._admissions is None:
+            self._worker.submit(self._prefetch_some, wanted, 0, done)
+        else:  # a shared store's records and blocks first, off the model's thread
+            fetched = self._admissions.prefetch(wanted)
+            fetched.add_done_callback(lambda _: self._worker.submit(self._prefetch_some, wanted, 0, done))
         return done
 
     def _prefetch_some(self, wanted: list[str], loaded: int, done: Future[int]) -> None:
@@ -188,7 +196,8 @@ class AgentAdmin:
             for r in self._scheduler.in_flight()
             if isinstance(r, Request) and r.phase is not Phase.DONE
         }
-        return self.agents.saving_agents() | running
+        preparing = self._admissions.busy() if self._admissions is not None else set()
+        return self.agents.saving_agents() | running | preparing
 
     def stats(self) -> dict[str, Any]:
         shared = getattr(self._store, "stats", None)  # a shared store's traffic

@@ -10,6 +10,7 @@ added and keeps the agent hot (``HotPolicy``: how many stay hot, which keep work
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -33,8 +34,9 @@ from .storage.blocks import (
     CacheFormatError,
     CacheWriteError,
     NewerFormatError,
-    block_hash,
+    chain_hashes,
     freeze_blocks,
+    prompt_hashes,
     state_block_hash,
     validate_agent_id,
 )
@@ -42,7 +44,7 @@ from .storage.budget import EvictionReport, StorageBudget, enforce
 from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
-from .storage.protocols import BlockStore, take_lease
+from .storage.protocols import BlockStore, Lease, take_lease
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +94,14 @@ class AgentCaches:
 
     # ------------------------------------------------------------------ a request's start
 
-    def admit(self, agent_id: str, prompt: str) -> Admission:
-        """The caches a request for ``prompt`` starts from, loaded, and what to prefill."""
+    def admit(self, agent_id: str, prompt: str, lease: Lease | None = None) -> Admission:
+        """The caches a request for ``prompt`` starts from, loaded, and what to prefill.
+        ``lease``: the agent's, taken already (off this thread: ``admissions``)."""
         with self.lock:
             hot = self.hot.get(agent_id)
             # A shared store: take the agent's lease; another worker saved it since: reread.
-            lease = take_lease(self.store, agent_id, hot.version if hot else None)
+            if lease is None:
+                lease = take_lease(self.store, agent_id, hot.version if hot else None)
             if not lease.current and hot is not None:
                 self.hot.pop(agent_id, None)
             with lease:  # given back if the admission fails
@@ -254,15 +258,7 @@ class AgentCaches:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the
         same leading tokens (a shared system prompt), else start empty."""
         full = tokenize_prompt(self.tokenizer, prompt)
-        chain: list[BlockHash] = []
-        parent: BlockHash | None = None
-        # Whole blocks only, and never the last token (its logits must be computed).
-        for b in range((len(full) - 1) // BLOCK_TOKENS):
-            h = block_hash(parent, full.ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS], self.fingerprint)
-            if not self._has(h):
-                break
-            chain.append(h)
-            parent = h
+        chain = list(itertools.takewhile(self._has, prompt_hashes(full.ids, self.fingerprint)))
         while chain and (
             full.ends[len(chain) * BLOCK_TOKENS - 1] == NOT_A_BOUNDARY
             or (self.spec.hybrid and not self._has(state_block_hash(chain[-1], self.fingerprint)))
@@ -389,12 +385,7 @@ class AgentCaches:
     def _chain_of(self, known: TokenizedText, kept: list[BlockHash]) -> list[BlockHash]:
         """The block chain of ``known``; ``kept``: the hashes of its first whole blocks,
         already known (a commit hashes only what the request added)."""
-        chain = list(kept)
-        parent = chain[-1] if chain else None
-        for a in range(len(chain) * BLOCK_TOKENS, len(known), BLOCK_TOKENS):
-            parent = block_hash(parent, known.ids[a : a + BLOCK_TOKENS], self.fingerprint)
-            chain.append(parent)
-        return chain
+        return [*kept, *chain_hashes(known.ids, self.fingerprint, kept[-1] if kept else None, len(kept))]
 
     def keep_hot(self, agent_id: str, state: AgentState) -> None:
         self.hot[agent_id] = state
@@ -470,17 +461,21 @@ class AgentCaches:
         return self.pool.delete_agent(agent_id)
 
     def cached_tokens(self, agent_id: str) -> int:
+        return len(self.cached(agent_id))
+
+    def cached_text(self, agent_id: str) -> str:
+        return self.cached(agent_id).text
+
+    def cached(self, agent_id: str) -> TokenizedText:
+        """The text and tokens the agent's cache stands for (empty: none)."""
         with self.lock:
             state = self.hot.get(agent_id)
             if state is not None:
-                return len(state.tokens)
-            record = self.read_record(agent_id)
-            return len(record.token_ids) if record else 0
-
-    def cached_text(self, agent_id: str) -> str:
-        with self.lock:
-            state, _ = self.lookup(agent_id)
-            return state.tokens.text if state else ""
+                return state.tokens
+        record = self.read_record(agent_id)  # not under the model steps' lock: a store round trip
+        if record is None:
+            return TokenizedText("")
+        return TokenizedText(record.text, record.token_ids, record.token_ends)
 
     def drop_hot(self, agent_id: str | None = None) -> None:
         with self.lock:

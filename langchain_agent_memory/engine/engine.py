@@ -26,6 +26,7 @@ from typing import Any
 
 from ..config import get_settings
 from .admin import AgentAdmin, AgentInfo
+from .admissions import StoreAdmissions
 from .agent_state import HotPolicy
 from .agents import AgentCaches
 from .commits import BeforeRequest, CommitFeed, OnCommit, Subscription
@@ -54,7 +55,7 @@ from .steps import Request, RequestSteps
 from .storage.blocks import validate_agent_id
 from .storage.budget import BudgetKeeper
 from .storage.pool import BlockPool
-from .storage.remote import open_store
+from .storage.remote import SharedBlockStore, open_store
 from .worker import Sink, Start, Worker
 
 __all__ = [
@@ -134,6 +135,12 @@ class Engine(AgentAdmin):
         self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler
+        self._admissions: StoreAdmissions | None = None
+        if isinstance(self._store, SharedBlockStore):
+            # The model's thread never waits on the network: a request's store work is done
+            # before it gets there (``admissions``).
+            self._worker.submit(self._store.stay_local).result()
+            self._admissions = StoreAdmissions(self.agents, self._store, self._to_scheduler)
         self._closed = False
         self._budget = BudgetKeeper(
             self._store, self.agents.evict, self._in_use, lambda: self.pool.stats.bytes_written
@@ -214,9 +221,16 @@ class Engine(AgentAdmin):
 
         def start(cancel: threading.Event, sink: Sink) -> None:  # on the worker
             self._arrivals += 1
-            self._scheduler.submit(Request(agent_id, prompt, checked, cancel, sink, self._arrivals))
+            request = Request(agent_id, prompt, checked, cancel, sink, self._arrivals)
+            if self._admissions is None:
+                self._scheduler.submit(request)
+            else:
+                self._admissions.submit(request)  # then ``_to_scheduler``
 
         return start
+
+    def _to_scheduler(self, request: Request) -> None:
+        self._worker.submit(self._scheduler.submit, request)
 
     def subscribe(
         self, on_commit: OnCommit | None = None, before_request: BeforeRequest | None = None
@@ -236,8 +250,10 @@ class Engine(AgentAdmin):
         """Free this engine's memory (hot agents, working copies, the in-memory block tier)
         and close its index; what is stored stays on disk. Call it when no request is in
         progress. Without it an engine lives as long as the process (its worker holds it)."""
-        if self._worker.has_waiting:
+        if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
             raise RuntimeError("close() while requests are in progress: let them finish first")
+        if self._admissions is not None:
+            self._admissions.close()
         self._save_queue.close()  # every reply's save written (a failure was logged)
         with self.agents.lock:
             self.agents.clear_memory()

@@ -32,6 +32,7 @@ from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
 from .states import thin_held
 from .storage.blocks import BLOCK_TOKENS
+from .storage.protocols import Lease
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
 
@@ -64,6 +65,9 @@ class Request:
     #: (request, tokens): start from a copy of that in-flight request's first ``tokens``
     #: once it holds them (``forks``), instead of prefilling them again.
     share: tuple[Request, int] | None = None
+    #: The agent's lease in a shared store, taken before the request reached the model's
+    #: thread (``admissions``); None: ``admit`` takes it (a local store's holds nothing).
+    lease: Lease | None = None
 
     @property
     def holds(self) -> int:
@@ -115,7 +119,7 @@ class RequestSteps:
     def admit(self, req: Request) -> None:
         """Find and load the agent's cache, tokenize what it lacks: ready to prefill."""
         try:
-            start = self.agents.admit(req.agent_id, req.prompt)
+            start = self.agents.admit(req.agent_id, req.prompt, req.lease)
             req.start, req.timings.load_s = start, start.load_s
             prompt_tokens = start.reused + len(start.tail)
             p = req.params

@@ -4,6 +4,7 @@ silent partition, which enforces no server-side timeout) rather than stop."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import signal
 import subprocess
@@ -316,3 +317,93 @@ def test_a_frozen_object_store_does_not_stall_the_workers(tmp_path: Path, postgr
         for w in made:
             w.kill()
         s3.close()
+
+
+MODEL_THREAD = "agent-memory-mlx"
+
+
+def _spy_on_the_store(store: Any, calls: list[tuple[str, str]]) -> None:
+    """Record the thread of every call ``store`` makes to the database and the object store
+    (the real calls go through: this wraps one store instance's own objects)."""
+
+    def spied(what: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append((what, threading.current_thread().name))
+            return fn(*args, **kwargs)
+
+        return call
+
+    store.catalog._run = spied("database", store.catalog._run)
+    for name in ("get", "put_new", "delete", "list"):
+        setattr(store.objects, name, spied(f"objects.{name}", getattr(store.objects, name)))
+
+
+def test_the_model_thread_never_waits_on_the_store(
+    tmp_path: Path, seaweed: SeaweedServer, figures: dict[str, str]
+) -> None:
+    """Two workers hand agents back and forth (a warm fetch, a stale live copy re-read, a
+    shared system prompt, a prefetch): every call to the database and the object store is
+    made off the engine's model thread. Then the database is frozen while one agent decodes
+    and another one arrives: the first decodes on while the second's lease waits for its
+    deadline (no step of the model waits on it)."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    pg = PostgresServer()  # frozen mid-test: a server of its own
+    calls: list[tuple[str, str]] = []
+    short = GenerationParams(max_tokens=4)
+    try:
+        store = {"store": pg.new_database("offthread"), "blocks": seaweed.new_bucket("offthread")}
+        with (
+            Engine("smollm2-135m", cache_dir=tmp_path / "a", **store) as a,
+            Engine("smollm2-135m", cache_dir=tmp_path / "b", **store) as b,
+        ):
+            _spy_on_the_store(a.store, calls)
+            _spy_on_the_store(b.store, calls)
+            turn1 = SYSTEM + "User: tell me about owls.\nAssistant:"
+            first = a.generate("owls", turn1, short)
+            a.generate("cats", SYSTEM + "User: and cats?\nAssistant:", short)
+            a.flush()
+            turn2 = turn1 + first.text + "\nUser: go on.\nAssistant:"
+            second = b.generate("owls", turn2, short)  # fetched from the store
+            b.flush()
+            third = a.generate("owls", turn2 + second.text + "\nUser: more.\nAssistant:", short)  # stale here
+            shared = b.generate("bees", SYSTEM + "User: bees?\nAssistant:", short)  # A's system prompt
+            assert b.prefetch(["cats"]).result(timeout=60) == 1
+            cats = b.generate("cats", SYSTEM + "User: and cats?\nAssistant:" + "x", short)
+            a.flush()
+            b.flush()
+            assert str(second.outcome).startswith("warm") and str(third.outcome).startswith("warm")
+            assert shared.outcome.match.value == "shared" and cats.outcome.source.value == "hot"
+            on_model = [c for c in calls if c[1] == MODEL_THREAD]
+            assert calls and not on_model, on_model
+
+            # Frozen: an agent decodes while another's lease waits for the database's deadline.
+            stamps: list[float] = []
+            started = threading.Event()
+
+            def decode() -> None:
+                counting = SYSTEM + "User: count to 100.\nAssistant: 1, 2, 3, 4,"
+                for _ in a.stream("counter", counting, GenerationParams(max_tokens=64)):
+                    stamps.append(time.monotonic())
+                    started.set()
+
+            runner = threading.Thread(target=decode)
+            runner.start()
+            assert started.wait(60)
+            pg.freeze()
+            try:
+                t0 = time.monotonic()
+                late = a.generate("wasps", SYSTEM + "User: wasps?\nAssistant:", short)
+                waited = time.monotonic() - t0
+                runner.join(HUNG_S)
+            finally:
+                pg.thaw()
+            assert not runner.is_alive() and late.text
+            gaps = [later - sooner for sooner, later in itertools.pairwise(stamps)]
+            assert not [c for c in calls if c[1] == MODEL_THREAD]
+        figures["store calls on the model thread"] = (
+            f"0 of {len(calls)}; with the database frozen, a new agent's turn took {waited:.1f} s "
+            f"while another agent decoded on (longest gap between its tokens {max(gaps):.2f} s)"
+        )
+    finally:
+        pg.close()

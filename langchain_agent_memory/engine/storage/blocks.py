@@ -78,6 +78,22 @@ def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: 
     return BlockHash(h.hexdigest())
 
 
+def chain_hashes(
+    token_ids: Sequence[int], fingerprint: str, parent: BlockHash | None = None, first: int = 0
+) -> Iterator[BlockHash]:
+    """The hashes of the blocks of ``token_ids`` from block ``first`` on (``parent``: the hash
+    of the block before it), in order; the last block may be partial."""
+    for a in range(first * BLOCK_TOKENS, len(token_ids), BLOCK_TOKENS):
+        parent = block_hash(parent, token_ids[a : a + BLOCK_TOKENS], fingerprint)
+        yield parent
+
+
+def prompt_hashes(token_ids: Sequence[int], fingerprint: str) -> Iterator[BlockHash]:
+    """The hashes of a prompt's whole blocks that a cold start may reuse: never the block of
+    its last token (that token's logits must be computed)."""
+    return chain_hashes(token_ids[: (len(token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS], fingerprint)
+
+
 def state_block_hash(h: BlockHash, fingerprint: str, before_end: int = 0) -> BlockHash:
     """The block holding the recurrent layers' state ``before_end`` tokens before the end of
     chain block ``h`` (a function of ``h``: the same tokens after the same prefix give the

@@ -15,6 +15,9 @@ in S3-compatible object storage (``objects``), this worker's disk in front of bo
   pending: a background thread uploads it when the store answers again.
 - A request takes the agent's lease (``begin``: one round trip, which also says whether
   this worker's live copy is still the newest); the commit gives it back.
+- The engine's model thread never waits on the store (``stay_local``): the store's work of
+  a request (lease, record, blocks) is done before it reaches that thread
+  (``engine.admissions``); there, calls read this worker's tier only.
 - Nothing here deletes a block object except ``collect_garbage`` (grace period, row lock).
 """
 
@@ -46,6 +49,7 @@ from .catalog import Catalog, CommitConflictError
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .remote_records import SharedRecords
+from .remote_upkeep import SharedUpkeep
 from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
@@ -64,22 +68,7 @@ class SharedStats:
     remote_failures: int = 0
 
 
-@dataclass(slots=True)
-class VerifyReport:
-    checked: int = 0  # blocks the catalog says are stored
-    missing: int = 0  # of those, without an object
-    uploaded: int = 0  # repaired from this worker's copy
-    marked_missing: int = 0  # repaired in the catalog (no copy here)
-    dangling: int = 0  # references to blocks not stored, after the repair
-
-
-@dataclass(slots=True)
-class GarbageReport:
-    blocks_collected: int = 0
-    stray_objects_removed: int = 0  # objects with no catalog row (an upload cut short)
-
-
-class SharedBlockStore(SharedRecords):
+class SharedBlockStore(SharedRecords, SharedUpkeep):
     """Blocks and records shared through PostgreSQL and an object store, with this
     worker's directory (a ``DiskBlockStore``) as the tier in front."""
 
@@ -117,6 +106,8 @@ class SharedBlockStore(SharedRecords):
         self._held: Counter[str] = Counter()
         self._held_lock = threading.Lock()
         self._heart: threading.Thread | None = None
+        #: Threads whose calls never wait on the store (``stay_local``).
+        self._local_threads: set[int] = set()
         if self.local.pending_agents():
             self._start_uploader()
 
@@ -125,6 +116,14 @@ class SharedBlockStore(SharedRecords):
         """Whether the store answered its last call (False: the circuit is open, and this
         worker serves from its local tier)."""
         return self.catalog.healthy
+
+    def stay_local(self) -> None:
+        """From now on, calls made on the calling thread never wait on the store: they read
+        this worker's tier only, and what must still reach the store (a lease given back, a
+        bad object replaced) goes to a thread of the store's. The engine registers its model
+        thread, so that a hung store stalls no model step (``engine.admissions`` takes the
+        lease, reads the record and fetches the blocks before a request reaches it)."""
+        self._local_threads.add(threading.get_ident())
 
     @property
     def recovery(self):
@@ -145,7 +144,10 @@ class SharedBlockStore(SharedRecords):
 
     def begin(self, agent_id: str, version: int | None) -> bool:
         """Take the agent's lease for a request; False if a live copy at ``version`` is stale
-        (another worker committed since). Unreachable: True (work from what is here)."""
+        (another worker committed since). Unreachable, or on a ``stay_local`` thread: True,
+        no lease (work from what is here)."""
+        if self._here_only:
+            return True
         try:
             _, current = self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
         except RemoteUnavailableError as exc:
@@ -183,6 +185,12 @@ class SharedBlockStore(SharedRecords):
     def end(self, agent_id: str) -> None:
         """Give the lease back after a request that did not commit."""
         self._let_go(agent_id)
+        if self._here_only:
+            self._io.submit(self._end_remote, agent_id)
+        else:
+            self._end_remote(agent_id)
+
+    def _end_remote(self, agent_id: str) -> None:
         with contextlib.suppress(RemoteUnavailableError):
             self.catalog.end(self.fingerprint, agent_id, self.worker_id)
 
@@ -198,13 +206,29 @@ class SharedBlockStore(SharedRecords):
         return self.local.has_block(h)
 
     def has_block(self, h: BlockHash) -> bool:
-        if self.local.has_block(h):
-            return True
+        return h in self.stored([h])
+
+    def stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """Which of ``hashes`` are on this worker's disk or in the store (one round trip;
+        this worker's alone on a ``stay_local`` thread or while the store is unreachable)."""
+        here = {h for h in hashes if self.local.has_block(h)}
+        rest = [h for h in hashes if h not in here]
+        if rest and not self._here_only:
+            try:
+                here.update(self.catalog.has_blocks(self.fingerprint, rest))
+            except RemoteUnavailableError as exc:
+                self._down(exc)
+        return here
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> bool:
+        """Bring ``hashes`` to this worker's disk ahead of the request that reads them;
+        False if the store did not deliver them all in time (that request reuses the leading
+        ones that came and prefills the rest)."""
         try:
-            return h in self.catalog.has_blocks(self.fingerprint, [h])
-        except RemoteUnavailableError as exc:
-            self._down(exc)
+            self._fetch(hashes)
+        except (BlocksUnavailableError, BlockMissingError):
             return False
+        return True
 
     def put_block(self, block: Block) -> int:
         """Written to this worker's disk; uploaded when a record naming it commits."""
@@ -226,6 +250,12 @@ class SharedBlockStore(SharedRecords):
         missing = [h for h in hashes if not self.local.has_block(h)]
         if not missing:
             return
+        if self._here_only:
+            available = next(i for i, h in enumerate(hashes) if not self.local.has_block(h))
+            raise BlocksUnavailableError(
+                f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
+                available,
+            )
         futures = {h: self._io.submit(self._download, h) for h in missing}
         done, _ = wait(futures.values(), timeout=self.read_timeout_s)
         failed: BaseException | None = None
@@ -292,6 +322,14 @@ class SharedBlockStore(SharedRecords):
         too, delete it there (its catalog row unmarked): the next save that needs the block
         uploads a sound one, as a local store's next save rewrites a quarantined file."""
         moved = self.local.quarantine_block(h)
+        if self._here_only:
+            self._io.submit(self._replace_bad, h)
+        else:
+            self._replace_bad(h)
+        return moved
+
+    def _replace_bad(self, h: BlockHash) -> None:
+        """Fetch block ``h`` again; if the store's copy is bad too, delete it there."""
         try:
             self._fetch([h])
             self.local.get_block(h)
@@ -303,14 +341,13 @@ class SharedBlockStore(SharedRecords):
                 self.catalog.unstore(self.fingerprint, [h])
                 self.objects.delete(self.objects.key(self.fingerprint, h))
             except RemoteUnavailableError:
-                return moved
+                return
             logger.warning(
                 "block %s is unusable in the object store too (%s): deleted there; the next save that "
                 "needs it uploads a sound copy",
                 h[:12],
                 exc,
             )
-        return moved
 
     def block_hashes(self) -> Iterator[BlockHash]:
         return self.local.block_hashes()
@@ -352,49 +389,6 @@ class SharedBlockStore(SharedRecords):
 
     def clear_quarantine(self) -> int:
         return self.local.clear_quarantine()
-
-    # ------------------------------------------------------------------ garbage
-
-    def collect_garbage(self, grace_s: float | None = None) -> GarbageReport:
-        """Delete block objects no record names, untouched for ``grace_s`` (default: the
-        store's), each under its catalog row lock; then objects without a catalog row
-        older than the grace period (uploads cut short)."""
-        grace = self.grace_s if grace_s is None else grace_s
-        report = GarbageReport()
-        for h in self.catalog.collectable(self.fingerprint, grace):
-            key = self.objects.key(self.fingerprint, BlockHash(h))
-            if self.catalog.collect(self.fingerprint, h, grace, lambda key=key: self.objects.delete(key)):
-                report.blocks_collected += 1
-        now = self.catalog.now()
-        known = self.catalog.cataloged(self.fingerprint)
-        for info in self.objects.list(self.fingerprint):
-            h = self.objects.hash_of(info.key)
-            if h is not None and h not in known and info.last_modified.timestamp() < now - grace:
-                self.objects.delete(info.key)
-                report.stray_objects_removed += 1
-        return report
-
-    def verify(self, repair: bool = True) -> VerifyReport:
-        """Check every block the catalog says is stored against the object store; with
-        ``repair``, upload the missing ones this worker has on disk and mark the others
-        missing (a record naming one then prefills, and its next save uploads it)."""
-        report = VerifyReport()
-        present = {self.objects.hash_of(o.key) for o in self.objects.list(self.fingerprint)}
-        for h in sorted(self.catalog.stored_blocks(self.fingerprint)):
-            report.checked += 1
-            if h in present:
-                continue
-            report.missing += 1
-            if not repair:
-                continue
-            if self.local.has_block(BlockHash(h)):
-                self._upload([BlockHash(h)], check=False)
-                report.uploaded += 1
-            else:
-                self.catalog.unstore(self.fingerprint, [h])
-                report.marked_missing += 1
-        report.dangling = self.catalog.dangling(self.fingerprint)
-        return report
 
     # ------------------------------------------------------------------ health
 

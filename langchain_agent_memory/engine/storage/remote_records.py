@@ -38,6 +38,7 @@ class SharedRecords:
     retry_s: float
     stats: Any
     _pushing: threading.RLock
+    _local_threads: set[int]
     _uploaded: dict[str, tuple[int | None, int]]
     _uploader: threading.Thread | None
     _closed: threading.Event
@@ -48,6 +49,11 @@ class SharedRecords:
     def _down(self, exc: BaseException) -> None:
         raise NotImplementedError
 
+    @property
+    def _here_only(self) -> bool:
+        """Whether this call is on a ``stay_local`` thread (it must not wait on the store)."""
+        return threading.get_ident() in self._local_threads
+
     def _let_go(self, agent_id: str) -> None:
         raise NotImplementedError
 
@@ -56,8 +62,10 @@ class SharedRecords:
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
-        is unreachable."""
+        is unreachable or this is a ``stay_local`` thread."""
         validate_agent_id(agent_id)
+        if self._here_only:
+            return self.local.get_agent(agent_id)
         try:
             self._push_pending(agent_id)
             got = self.catalog.get(self.fingerprint, agent_id)

@@ -1,0 +1,152 @@
+"""A shared store's part of a request, done before the request reaches the model's thread.
+
+With a shared store, finding an agent's cache takes round trips (``storage.remote``): the
+agent's lease, which also says whether this worker's live copy is still the newest; its
+record, where another worker saved it since; the blocks this worker's disk lacks. Made on
+the model's thread, they stalled every agent of the worker for as long as the store took
+to answer: a hung database held every decode step for its deadline. ``StoreAdmissions``
+makes them on threads of its own and then hands the request to the model's thread, whose
+calls read this worker's tier only (``SharedBlockStore.stay_local``). A store that does not
+answer in time costs that request a longer prefill, never another agent a step.
+
+The requests of one agent reach the scheduler in the order they came (each waits for the
+one before it); those of different agents do not wait for each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .agents import AgentCaches
+from .prefix import MatchKind, TokenizedText, match, tokenize_prompt
+from .states import resume_point
+from .steps import Request
+from .storage.blocks import BLOCK_TOKENS, BlockHash, prompt_hashes, state_block_hash
+from .storage.protocols import Lease, take_lease
+from .storage.remote import SharedBlockStore
+
+logger = logging.getLogger(__name__)
+
+#: Requests prepared at once: each mostly waits on the network (a lease, a record, a
+#: fetch that runs on the store's own download threads).
+THREADS = 4
+
+
+class StoreAdmissions:
+    """Takes each request's lease and brings its record and blocks to this worker, then
+    queues it for the model's thread (``queue``)."""
+
+    def __init__(
+        self, caches: AgentCaches, store: SharedBlockStore, queue: Callable[[Request], object]
+    ) -> None:
+        self.caches, self.store, self._queue = caches, store, queue
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent-memory-admit")
+        self._lock = threading.Lock()
+        #: agent -> its latest request's preparation (the next one waits for it)
+        self._last: dict[str, Future[None]] = {}
+        self._preparing: Counter[str] = Counter()
+
+    def submit(self, request: Request) -> None:
+        agent_id = request.agent_id
+        with self._lock:
+            before = self._last.get(agent_id)
+            future = self._pool.submit(self._prepare, request, before)
+            self._last[agent_id] = future
+            self._preparing[agent_id] += 1
+        future.add_done_callback(lambda done: self._settled(agent_id, done))
+
+    def _settled(self, agent_id: str, future: Future[None]) -> None:
+        with self._lock:
+            self._preparing -= Counter([agent_id])
+            if self._last.get(agent_id) is future:
+                del self._last[agent_id]
+
+    def busy(self) -> set[str]:
+        """Agents with a request being prepared (not in the scheduler yet)."""
+        with self._lock:
+            return set(self._preparing)
+
+    def prefetch(self, agent_ids: Sequence[str]) -> Future[None]:
+        """Bring these agents' newest records and blocks to this worker (for
+        ``Engine.prefetch``, which then loads them on the model's thread)."""
+
+        def fetch_all() -> None:
+            for agent_id in agent_ids:
+                self._fetch(agent_id, None, current=False)
+
+        return self._pool.submit(fetch_all)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _prepare(self, request: Request, before: Future[None] | None) -> None:
+        try:
+            request.lease = self.lease(request.agent_id, request.prompt)
+        except BaseException as exc:  # admitted all the same, from what this worker has
+            logger.warning("agent %r: the shared store could not be asked (%s)", request.agent_id, exc)
+        if before is not None:
+            before.exception()  # the agent's request before this one is queued first
+        self._queue(request)
+
+    def lease(self, agent_id: str, prompt: str) -> Lease:
+        """The agent's lease, with its record and the blocks ``prompt`` reuses brought here."""
+        store = self.store
+        # Fresh unless another worker committed since the live copy's version (none live:
+        # since what this worker knows; a request of its own may make one live meanwhile).
+        hot = self.caches.hot.get(agent_id)
+        lease = take_lease(store, agent_id, hot.version if hot is not None else store.seen_version(agent_id))
+        try:
+            self._fetch(agent_id, prompt, lease.current)
+        except Exception as exc:  # an optimisation: the model's thread prefills what is not here
+            logger.warning(
+                "agent %r: its cache could not be brought here (%s); it prefills what this worker lacks",
+                agent_id,
+                exc,
+            )
+        return lease
+
+    def _fetch(self, agent_id: str, prompt: str | None, current: bool) -> None:
+        """The blocks a request for ``prompt`` (None: the whole cache) reads, fetched to this
+        worker's disk within the store's deadline; the record re-read unless the live copy
+        is ``current``."""
+        caches = self.caches
+        hot = caches.hot.get(agent_id)
+        if hot is not None and current:
+            tokens, chain, states = hot.tokens, hot.blocks, hot.states
+        else:
+            record = caches.read_record(agent_id)  # the newest, mirrored here
+            if record is None:
+                tokens, chain, states = None, [], {}
+            else:
+                tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
+                chain, states = record.chain, record.state_blocks()
+        wanted: list[BlockHash] = []
+        m = match(tokens, prompt) if tokens is not None and prompt is not None else None
+        if tokens is not None and (m is None or m.kind is not MatchKind.MISS):
+            n = len(tokens) if m is None else m.reuse_tokens
+            if caches.spec.hybrid:
+                n = resume_point(tokens, n, states)
+                wanted += [states[n]] if n in states else []
+            wanted += chain[: -(-n // BLOCK_TOKENS)]
+        elif prompt is not None:
+            wanted += self._shared(prompt)
+        wanted = [h for h in wanted if not caches.held(h)]
+        if wanted and not self.store.prefetch(wanted):
+            logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
+
+    def _shared(self, prompt: str) -> list[BlockHash]:
+        """The leading whole blocks of ``prompt`` some agent stored (a shared system prompt:
+        ``AgentCaches.cold_start`` reuses those on this worker's disk)."""
+        fp = self.caches.fingerprint
+        full = tokenize_prompt(self.caches.tokenizer, prompt)
+        hashes = list(prompt_hashes(full.ids, fp))
+        snapshots = [state_block_hash(h, fp) for h in hashes] if self.caches.spec.hybrid else []
+        stored = self.store.stored(hashes + snapshots)
+        held = self.caches.held
+        lead = list(itertools.takewhile(lambda h: h in stored or held(h), hashes))
+        return lead + [s for s in snapshots[: len(lead)] if s in stored]

@@ -1,0 +1,82 @@
+"""The upkeep side of ``SharedBlockStore`` (it inherits ``SharedUpkeep``): garbage
+collection of block objects no record names, and ``verify``, which checks every block the
+catalog says is stored against the object store and repairs what it finds missing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .blocks import BlockHash
+from .catalog import Catalog
+from .objects import ObjectBlocks
+from .store import DiskBlockStore
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    checked: int = 0  # blocks the catalog says are stored
+    missing: int = 0  # of those, without an object
+    uploaded: int = 0  # repaired from this worker's copy
+    marked_missing: int = 0  # repaired in the catalog (no copy here)
+    dangling: int = 0  # references to blocks not stored, after the repair
+
+
+@dataclass(slots=True)
+class GarbageReport:
+    blocks_collected: int = 0
+    stray_objects_removed: int = 0  # objects with no catalog row (an upload cut short)
+
+
+class SharedUpkeep:
+    """Upkeep of a shared store (its attributes are the store's)."""
+
+    local: DiskBlockStore
+    catalog: Catalog
+    objects: ObjectBlocks
+    fingerprint: str
+    grace_s: float
+
+    def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
+        raise NotImplementedError
+
+    def collect_garbage(self, grace_s: float | None = None) -> GarbageReport:
+        """Delete block objects no record names, untouched for ``grace_s`` (default: the
+        store's), each under its catalog row lock; then objects without a catalog row
+        older than the grace period (uploads cut short)."""
+        grace = self.grace_s if grace_s is None else grace_s
+        report = GarbageReport()
+        for h in self.catalog.collectable(self.fingerprint, grace):
+            key = self.objects.key(self.fingerprint, BlockHash(h))
+            if self.catalog.collect(self.fingerprint, h, grace, lambda key=key: self.objects.delete(key)):
+                report.blocks_collected += 1
+        now = self.catalog.now()
+        known = self.catalog.cataloged(self.fingerprint)
+        for info in self.objects.list(self.fingerprint):
+            h = self.objects.hash_of(info.key)
+            if h is not None and h not in known and info.last_modified.timestamp() < now - grace:
+                self.objects.delete(info.key)
+                report.stray_objects_removed += 1
+        return report
+
+    def verify(self, repair: bool = True) -> VerifyReport:
+        """Check every block the catalog says is stored against the object store; with
+        ``repair``, upload the missing ones this worker has on disk and mark the others
+        missing (a record naming one then prefills, and its next save uploads it)."""
+        report = VerifyReport()
+        present = {self.objects.hash_of(o.key) for o in self.objects.list(self.fingerprint)}
+        for h in sorted(self.catalog.stored_blocks(self.fingerprint)):
+            report.checked += 1
+            if h in present:
+                continue
+            report.missing += 1
+            if not repair:
+                continue
+            if self.local.has_block(BlockHash(h)):
+                self._upload([BlockHash(h)], check=False)
+                report.uploaded += 1
+            else:
+                self.catalog.unstore(self.fingerprint, [h])
+                report.marked_missing += 1
+        report.dangling = self.catalog.dangling(self.fingerprint)
+        return report
