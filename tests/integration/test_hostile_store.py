@@ -181,19 +181,39 @@ def test_wrong_settings_fail_at_start_with_their_cause(
 
     store, blocks = shared_store
     host = str(postgres.root)
-    wrong = {
-        "no such database": (f"postgresql:///no_such_db?host={host}&user=postgres", blocks, "no_such_db"),
-        "no such user": (f"postgresql:///postgres?host={host}&user=nobody_here", blocks, "nobody_here"),
-        "no server there": ("postgresql:///postgres?host=/nonexistent&user=postgres", blocks, "/nonexistent"),
-        "no such bucket": (store, f"s3://no-such-bucket/kv?endpoint={seaweed.endpoint}", "does not exist"),
-        "no object store there": (store, blocks.split("?")[0] + "?endpoint=http://127.0.0.1:9", ":9"),
-    }
-    caught = 0
-    for what, (s, b, cause) in wrong.items():
-        with pytest.raises(RemoteConfigError) as err:
-            Engine("smollm2-135m", cache_dir=tmp_path / "w", store=s, blocks=b)
-        assert cause in str(err.value) and "lazy_store" in str(err.value), (what, str(err.value))
-        caught += 1
+    # A database that asks for a password over TCP, an object store that checks its keys.
+    pg, s3 = PostgresServer(password="pg-Secret-1"), SeaweedServer(keys=("AKWORKER", "s3-Secret-1"))
+    try:
+        tcp = pg.new_database("tcp") and pg.tcp_url("tcp", "pg-Secret-1")
+        signed = s3.new_bucket("signed") + "&access_key_id=AKWORKER&secret_access_key="
+        right = {"store": tcp, "blocks": signed + "s3-Secret-1"}
+        with Engine("smollm2-135m", cache_dir=tmp_path / "tcp", **right) as works:
+            works.generate("a", "Hello there.", GenerationParams(max_tokens=1))  # the right ones work
+        closed_port = f"postgresql://worker:pg-Secret-1@127.0.0.1:{pg.port + 1}/tcp"
+        local = "postgresql:///{}?host={}&user={}".format
+        unknown_key = signed.replace("AKWORKER", "AKNOBODY") + "s3-Secret-1"
+        wrong = {
+            "no such database": (local("no_such_db", host, "postgres"), blocks, "no_such_db"),
+            "no such user": (local("postgres", host, "nobody_here"), blocks, "nobody_here"),
+            "no server there": (local("postgres", "/nonexistent", "postgres"), blocks, "/nonexistent"),
+            "wrong password": (pg.tcp_url("tcp", "pg-Wrong-2"), blocks, "password authentication failed"),
+            "wrong port": (closed_port, blocks, "refused"),
+            "no such bucket": (store, f"s3://no-such-bucket/kv?endpoint={seaweed.endpoint}", "not exist"),
+            "no object store there": (store, blocks.split("?")[0] + "?endpoint=http://127.0.0.1:9", ":9"),
+            "wrong S3 secret": (tcp, signed + "s3-Wrong-2", "secret key does not match"),
+            "unknown S3 key": (tcp, unknown_key, "no such access key"),
+        }
+        caught = 0
+        for what, (s, b, cause) in wrong.items():
+            with pytest.raises(RemoteConfigError) as err:
+                Engine("smollm2-135m", cache_dir=tmp_path / "w", store=s, blocks=b)
+            said = str(err.value)
+            assert cause in said and "lazy_store" in said, (what, said)
+            assert not any(secret in said for secret in ("Secret-1", "Wrong-2")), (what, said)  # masked
+            caught += 1
+    finally:
+        pg.close()
+        s3.close()
     # The right database with another bucket than the one it was bound to: refused.
     with Engine("smollm2-135m", cache_dir=tmp_path / "ok", store=store, blocks=blocks) as ok:
         ok.generate("a", "Hello there.", GenerationParams(max_tokens=1))

@@ -104,7 +104,7 @@ class Catalog(PgSession):
             found = row[0] if row else 0
             if found > len(MIGRATIONS):
                 raise RemoteConfigError(
-                    f"store {self.url} has schema {found}, written by a newer langchain-agent-memory "
+                    f"store {self._safe_url} has schema {found}, written by a newer langchain-agent-memory "
                     f"(this version reads {len(MIGRATIONS)}): upgrade the package"
                 )
             for step in MIGRATIONS[found:]:

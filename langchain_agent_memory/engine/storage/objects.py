@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .blocks import BlockHash
+from .urls import redacted
 
 
 class RemoteUnavailableError(ConnectionError):
@@ -36,6 +37,17 @@ class BlocksUnavailableError(RemoteUnavailableError):
     def __init__(self, message: str, available: int) -> None:
         super().__init__(message)
         self.available = available
+
+
+#: S3 error codes of wrong credentials -> what to fix.
+KEY_ERRORS = {
+    "InvalidAccessKeyId": "the server knows no such access key: check AWS_ACCESS_KEY_ID (or access_key_id=)",
+    "SignatureDoesNotMatch": (
+        "the secret key does not match the access key: check AWS_SECRET_ACCESS_KEY (or secret_access_key=)"
+    ),
+    "ExpiredToken": "the session token has expired: renew AWS_SESSION_TOKEN",
+    "InvalidToken": "the session token is not valid: check AWS_SESSION_TOKEN",
+}
 
 
 class RemoteConfigError(ValueError):
@@ -60,10 +72,10 @@ class ObjectBlocks:
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc:
             raise RemoteConfigError(
-                f"blocks={url!r}: expected s3://bucket[/prefix][?endpoint=http://host:port], "
+                f"blocks={redacted(url)!r}: expected s3://bucket[/prefix][?endpoint=http://host:port], "
                 "e.g. s3://agent-memory/kv?endpoint=http://127.0.0.1:8333"
             )
-        self.url = url
+        self.url = redacted(url)  # for messages: the keys' secrets masked
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         config: dict[str, Any] = dict(parse_qsl(parts.query))
@@ -94,7 +106,7 @@ class ObjectBlocks:
         try:
             self._store = S3Store(self.bucket, config=config, client_options=client, retry_config=retry)
         except Exception as exc:  # obstore's configuration errors
-            raise RemoteConfigError(f"blocks={url!r}: {exc}") from exc
+            raise RemoteConfigError(f"blocks={self.url!r}: {exc}") from exc
 
     def key(self, fingerprint: str, h: BlockHash) -> str:
         name = f"{fingerprint}/{h[:2]}/{h}.safetensors"
@@ -163,12 +175,16 @@ class ObjectBlocks:
             raise self._unavailable("write a probe object", key, exc) from exc
 
     def _unavailable(self, what: str, key: str, exc: BaseException) -> RemoteUnavailableError:
-        # The whole cause (the first lines of an S3 error are often generic), on one line.
-        text = " ".join(str(exc).split())[:2000] if str(exc) else type(exc).__name__
+        # The whole cause (the first lines of an S3 error are often generic), on one line,
+        # without obstore's debug dump of the same response.
+        text = " ".join(str(exc).split(" Debug source:")[0].split())[:2000] or type(exc).__name__
         if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
             return RemoteUnavailableError(
                 f"object store {self.url}: bucket {self.bucket!r} does not exist; create it first"
             )
+        for code, hint in KEY_ERRORS.items():
+            if code in text:
+                return RemoteUnavailableError(f"object store {self.url}: {hint}. The server said: {text}")
         if "AccessDenied" in text or "lacked the necessary privileges" in text:
             text = (
                 f"access denied: bucket {self.bucket!r} does not exist, or these credentials (AWS_* "

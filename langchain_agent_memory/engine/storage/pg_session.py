@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from .blocks import CacheWriteError
 from .objects import RemoteConfigError, RemoteUnavailableError
+from .urls import redacted
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,7 +48,7 @@ class PgSession:
 
         if not url.startswith(("postgresql://", "postgres://")):
             raise RemoteConfigError(
-                f"store={url!r}: expected a postgresql:// URL, e.g. postgresql://user@host/dbname"
+                f"store={redacted(url)!r}: expected a postgresql:// URL, e.g. postgresql://user@host/dbname"
             )
         self._psycopg = psycopg
         self.url = url
@@ -164,12 +165,8 @@ class PgSession:
 
     @property
     def _safe_url(self) -> str:
-        """The URL without a password (for messages)."""
-        head, sep, tail = self.url.partition("@")
-        if not sep or ":" not in head.split("//", 1)[-1]:
-            return self.url
-        scheme, _, user = head.partition("//")
-        return f"{scheme}//{user.split(':', 1)[0]}:***@{tail}"
+        """The URL without its password (for messages)."""
+        return redacted(self.url)
 
     def close(self) -> None:
         self._closed.set()

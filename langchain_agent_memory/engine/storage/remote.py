@@ -51,6 +51,7 @@ from .reader import BlockGroup
 from .remote_records import SharedRecords
 from .remote_upkeep import SharedUpkeep
 from .store import DiskBlockStore
+from .urls import redacted
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +425,7 @@ def open_store(
     if not (store and blocks):
         raise RemoteConfigError(
             "a shared store needs both store='postgresql://...' (records) and blocks='s3://...' (blocks); "
-            f"got store={store!r}, blocks={blocks!r}"
+            f"got store={redacted(store or '')!r}, blocks={redacted(blocks or '')!r}"
         )
     catalog = Catalog(store, timeout_s=read_timeout_s)
     objects = ObjectBlocks(blocks, timeout_s=read_timeout_s)
