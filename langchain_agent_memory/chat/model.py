@@ -101,7 +101,7 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
     Per call (``invoke(..., **kwargs)`` or ``bind``): ``agent_id``, ``model``,
     ``temperature``, ``max_tokens``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``tools``, ``tool_choice``,
     ``chat_template_kwargs``, ``max_string_chars``, ``repetition_penalty``, ``presence_penalty``,
-    ``frequency_penalty``.
+    ``frequency_penalty``, ``wait_for_save``.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
@@ -146,6 +146,10 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
     #: ``invoke`` streams (callbacks' ``on_llm_new_token`` fire for each piece), as for
     #: LangChain's other chat models.
     streaming: bool = False
+    #: Return each reply once its cache is saved: ``response_metadata["cache_saved"]`` is
+    #: then True (stored), ``"local"`` (saved on this worker, its upload to the shared store
+    #: pending) or False (not kept), rather than ``"pending"``. Off: the reply leaves first.
+    wait_for_save: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -340,6 +344,7 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
             timeout_s=self.timeout,
             # a LangGraph run resumed from an older checkpoint: a checkpointer rewinds to it
             metadata={"checkpoint_id": metadata["checkpoint_id"]} if metadata.get("checkpoint_id") else {},
+            wait_for_save=kwargs.get("wait_for_save", self.wait_for_save),
         )
         thinks = self.reasoning and not forced and schema is None  # constrained replies do not think
         opened = thinks and reasoning.prompt_opens_thinking(text)

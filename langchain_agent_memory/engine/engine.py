@@ -46,6 +46,8 @@ from .results import (
     GenerationResult,
     StreamChunk,
     Timings,
+    asettled,
+    settled,
 )
 from .runner import ModelRunner
 from .saves import SaveQueue
@@ -203,13 +205,13 @@ class Engine(AgentAdmin):
         """Text chunks as they are decoded; the last one carries the ``GenerationResult``.
         Runs on the engine's worker thread; closing the iterator early stops decoding (what
         was generated is kept in the cache, ``finish_reason == "cancelled"``)."""
-        return self._worker.iterate(self._start(agent_id, prompt, params))
+        return settled(self._worker.iterate(self._start(agent_id, prompt, params)), params)
 
     def astream(
         self, agent_id: str, prompt: str, params: GenerationParams | None = None
     ) -> AsyncIterator[StreamChunk]:
         """``stream`` for an event loop: the loop never blocks on MLX work."""
-        return self._worker.aiterate(self._start(agent_id, prompt, params))
+        return asettled(self._worker.aiterate(self._start(agent_id, prompt, params)), params)
 
     def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
         self._check_open()

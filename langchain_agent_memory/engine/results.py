@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -9,6 +13,8 @@ from typing import Any, Literal
 
 from .model.constrain import TokenConstraint
 from .prefix import MatchKind
+
+logger = logging.getLogger(__name__)
 
 
 class CacheSource(str, Enum):
@@ -65,6 +71,11 @@ class GenerationParams:
     #: none of it): the chat model passes its run's ``checkpoint_id`` (a LangGraph run resumed
     #: from an older checkpoint), which a checkpointer's hook rewinds the thread's agents to.
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: The result waits for this turn's save before it is returned (the last chunk of a
+    #: stream, after the text): ``saved`` is then True, ``"local"`` or False, never
+    #: ``"pending"``. Off by default: a reply leaves before its save (other agents decode on
+    #: meanwhile either way; only this caller waits).
+    wait_for_save: bool = False
 
 
 @dataclass(slots=True)
@@ -109,6 +120,17 @@ class GenerationResult:
             return True if self.saved is True else self.saved if self.saved == "local" else False
         return self.save_done.result(timeout)
 
+    def settle(self) -> Saved:
+        """Wait for this turn's save and set ``saved`` to its outcome; a save that failed is
+        False (said in a log line: the agent's previous cache is intact, and ``flush``
+        raises the error)."""
+        try:
+            self.saved = self.wait_saved()
+        except Exception as exc:
+            logger.warning("this turn's cache was not saved: %s", exc)
+            self.saved = False
+        return self.saved
+
 
 @dataclass(slots=True)
 class StreamChunk:
@@ -116,3 +138,43 @@ class StreamChunk:
 
     text: str
     result: GenerationResult | None = None
+
+
+def settled(
+    chunks: Generator[StreamChunk, None, None], params: GenerationParams | None
+) -> Generator[StreamChunk, None, None]:
+    """``chunks``, the last one's result waiting for its save where ``params`` ask
+    (``GenerationParams.wait_for_save``)."""
+    if params is None or not params.wait_for_save:
+        return chunks
+
+    def wait() -> Generator[StreamChunk, None, None]:
+        with contextlib.closing(chunks):  # a consumer that stops early stops the request
+            for chunk in chunks:
+                if chunk.result is not None:
+                    chunk.result.settle()
+                yield chunk
+
+    return wait()
+
+
+def asettled(
+    chunks: AsyncGenerator[StreamChunk, None], params: GenerationParams | None
+) -> AsyncGenerator[StreamChunk, None]:
+    """``settled`` for an event loop (the save is awaited: the loop is not blocked)."""
+    if params is None or not params.wait_for_save:
+        return chunks
+
+    async def wait() -> AsyncGenerator[StreamChunk, None]:
+        try:
+            async for chunk in chunks:
+                result = chunk.result
+                if result is not None:
+                    if result.save_done is not None:
+                        await asyncio.wait([asyncio.wrap_future(result.save_done)])
+                    result.settle()
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    return wait()

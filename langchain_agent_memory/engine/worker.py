@@ -16,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -112,7 +112,7 @@ class Worker:
     def on_worker(self) -> bool:
         return threading.get_ident() == self._thread_id
 
-    def iterate(self, start: Start) -> Iterator[Any]:
+    def iterate(self, start: Start) -> Generator[Any, None, None]:
         """The items of the stream ``start`` opens on the worker, on the calling thread."""
         if self.on_worker:
             raise RuntimeError(
@@ -132,7 +132,7 @@ class Worker:
             if yielded and not ended:  # decoding: it stops within a step (see ``_settled``)
                 _settled(lambda: items.get(timeout=SETTLE_S))
 
-    async def aiterate(self, start: Start) -> AsyncIterator[Any]:
+    async def aiterate(self, start: Start) -> AsyncGenerator[Any, None]:
         """Async twin of ``iterate``: the event loop only awaits a queue."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()

@@ -237,6 +237,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             stop=body.stops or [],
             exact_text=True,
             **{**llm.penalties(), **penalty_kwargs(body)},
+            wait_for_save=body.wait_for_save,
         )
         engine, headers, cid = llm.engine, {"X-Agent-ID": agent_header(agent)}, replies.new_id("cmpl-")
         if not body.stream:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from ..chat.prompt import text_of
 
@@ -120,6 +120,9 @@ class SampledRequest(_Lenient):
     agent_id: str | None = None
     prompt_cache_key: str | None = None
     user: str | None = None
+    #: Reply once the turn's cache is saved: ``agent_memory.cache_saved`` is then true,
+    #: "local" (its upload to the shared store pending) or false, not "pending".
+    wait_for_save: StrictBool = False
     # refused unless left at their no-op values (see the module docstring)
     n: int = 1
     logprobs: bool | int | None = None
@@ -241,6 +244,8 @@ def call_kwargs(req: ChatCompletionRequest, agent_id: str, max_tokens: int) -> d
         kwargs["min_p"] = req.min_p
     if req.seed is not None:
         kwargs["seed"] = req.seed
+    if req.wait_for_save:
+        kwargs["wait_for_save"] = True
     kwargs.update(penalty_kwargs(req))
     if req.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]

@@ -20,7 +20,15 @@ from ..engine.results import GenerationResult, StreamChunk
 #: Engine finish reasons -> OpenAI's (a timeout ends the reply early, as a length limit does).
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
 #: response_metadata keys copied into ``agent_memory``.
-_META = ("agent_id", "cache", "cached_tokens", "time_to_first_token_s", "prefill_s", "decode_s")
+_META = (
+    "agent_id",
+    "cache",
+    "cached_tokens",
+    "cache_saved",
+    "time_to_first_token_s",
+    "prefill_s",
+    "decode_s",
+)
 
 
 def new_id(prefix: str = "chatcmpl-") -> str:
@@ -158,6 +166,7 @@ def text_completion(cid: str, model: str, result: GenerationResult) -> dict[str,
         "agent_memory": {
             "cache": str(result.outcome),
             "cached_tokens": result.reused_tokens,
+            "cache_saved": result.saved,
             "time_to_first_token_s": round(result.timings.ttft_s, 4),
         },
     }

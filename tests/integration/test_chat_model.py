@@ -36,6 +36,33 @@ def test_second_turn_reads_the_first_from_the_cache(smollm: LoadedModel, tmp_pat
     )
 
 
+def test_wait_for_save_replies_with_the_saves_outcome(smollm: LoadedModel, tmp_path: Path) -> None:
+    """By default a reply leaves before its save ("pending"); with ``wait_for_save`` each
+    reply (invoke, ainvoke, stream, astream) says how its save ended, and the agent's record
+    holds the turn by then."""
+    import asyncio
+
+    quick = ChatAgentMemory(cache_dir=str(tmp_path), agent_id="quick", max_tokens=2)
+    assert quick.invoke("Hello.").response_metadata["cache_saved"] == "pending"
+    quick.flush()
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=2, wait_for_save=True)
+    replies = {"invoke": llm.invoke("Hello.", agent_id="a1")}
+    streamed = list(llm.stream("Hello.", agent_id="a2"))
+    replies["stream"] = sum(streamed[1:], start=streamed[0])
+
+    async def async_calls() -> None:
+        replies["ainvoke"] = await llm.ainvoke("Hello.", agent_id="a3")
+        chunks = [c async for c in llm.astream("Hello.", agent_id="a4")]
+        replies["astream"] = sum(chunks[1:], start=chunks[0])
+
+    asyncio.run(async_calls())
+    for how, reply in replies.items():
+        assert reply.response_metadata["cache_saved"] is True, how
+    for agent in ("a1", "a2", "a3", "a4"):
+        record = llm.engine.agent_record(agent)
+        assert record is not None and "Hello." in record.text, agent
+
+
 class _State(TypedDict):
     log: Annotated[list[str], operator.add]
 

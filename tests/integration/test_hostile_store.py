@@ -282,8 +282,8 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
         store = (pg.new_database("pending"), seaweed.new_bucket("pending"))
         one = GenerationParams(max_tokens=1)
         with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store[0], blocks=store[1]) as engine:
-            engine.generate("a0", SYSTEM + "User: agent 0.\nAssistant:", one)
-            engine.flush()
+            wait = GenerationParams(max_tokens=1, wait_for_save=True)  # the reply says where its save is
+            assert engine.generate("a0", SYSTEM + "User: agent 0.\nAssistant:", wait).saved is True
             budget = 3 * engine.disk_bytes()
             engine.storage_budget = StorageBudget(max_bytes=budget)
             pg.stop()
@@ -292,6 +292,7 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
                 reply = engine.generate(f"a{i}", SYSTEM + f"User: agent {i}.\nAssistant:", one)
                 assert reply.wait_saved() == "local"
                 largest = max(largest, engine.store.pending_bytes())
+            assert engine.generate("late", SYSTEM + "User: late.\nAssistant:", wait).saved == "local"
             stats = engine.store.stats
             assert stats.pending_dropped >= 1 and largest <= budget, (largest, budget)
             assert "dropped here" in caplog.text

@@ -119,6 +119,16 @@ def test_openai_client_reply_then_followup_reuses_the_agents_cache(client: opena
         model=MODEL, messages=followup, max_tokens=4, temperature=0, extra_body={"agent_id": "oa-memory"}
     )
     assert third.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    # A reply leaves before its save ("pending") unless asked to wait for it.
+    assert third.model_extra["agent_memory"]["cache_saved"] == "pending"
+    waited = client.chat.completions.create(
+        model=MODEL, messages=followup, max_tokens=2, temperature=0,
+        extra_body={"agent_id": "oa-memory", "wait_for_save": True},
+    )  # fmt: skip
+    assert waited.model_extra["agent_memory"]["cache_saved"] is True
+    wait = {"wait_for_save": True}
+    text = client.completions.create(model=MODEL, prompt="Once", max_tokens=2, extra_body=wait)
+    assert text.model_extra["agent_memory"]["cache_saved"] is True
 
 
 def test_streaming_gives_the_same_reply_as_non_streaming(client: openai.OpenAI) -> None:
