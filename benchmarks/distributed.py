@@ -14,7 +14,10 @@ against real servers this script starts (PostgreSQL 15, SeaweedFS; ``tests/servi
 4. A frozen store: turns back to back on one worker (an agent it holds, a new agent each
    time) before, during and after ``--frozen-s`` seconds of PostgreSQL under SIGSTOP (a
    hung host, which enforces no server-side timeout): each turn's latency, bounded by the
-   store's deadline (5 s) once, then served from the local tier, not by the freeze.
+   store's deadline (5 s) once, then served from the local tier, not by the freeze. An
+   agent decodes all along on the same worker (its replies streamed back to back): the
+   longest gap between its tokens shows whether the others' waits on the store reach the
+   model's thread (they must not: ``engine/admissions.py``).
 
     .venv/bin/python benchmarks/distributed.py --only frozen      # part 4 alone
 
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -145,16 +149,35 @@ def throughput(workers: int, seconds: float, store: tuple[str, str]) -> float:
     return sum(c1 - c0 for c0, c1 in zip(counts0, counts1, strict=True)) / elapsed
 
 
-def frozen(seconds: float, pg: PostgresServer, store: tuple[str, str]) -> list[dict[str, Any]]:
+def frozen(
+    seconds: float, pg: PostgresServer, store: tuple[str, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each turn's (start, phase, agent kind, wall seconds) around ``seconds`` of a frozen
-    PostgreSQL."""
+    PostgreSQL, and each gap between two tokens of the agent decoding meanwhile."""
     root = Path(tempfile.mkdtemp(prefix="agent-memory-frozen-"))
     engine = Engine("smollm2-135m", cache_dir=root / "w", store=store[0], blocks=store[1])
     base = corpus.apache_license()[:2500]
     turns: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    now = {"phase": "before"}
+    done = threading.Event()
+
+    def decode_on() -> None:
+        """Replies streamed back to back; each gap between two tokens of one reply."""
+        counting = base + "\nCount to 300: 1, 2, 3, 4,"
+        while not done.is_set():
+            last = None
+            for _ in engine.stream("decoder", counting, GenerationParams(max_tokens=48)):
+                stamp = time.monotonic()
+                if last is not None:
+                    gaps.append({"t": stamp - t0, "phase": now["phase"], "gap_s": stamp - last})
+                last = stamp
+
+    gaps: list[dict[str, Any]] = []
+    decoder = threading.Thread(target=decode_on, daemon=True)
 
     def run(phase: str, until: float) -> None:
+        now["phase"] = phase
         while time.monotonic() < until:
             for kind in ("held", "new"):
                 agent = "held" if kind == "held" else f"new{len(turns)}"
@@ -167,6 +190,7 @@ def frozen(seconds: float, pg: PostgresServer, store: tuple[str, str]) -> list[d
 
     try:
         engine.generate("held", base, PARAMS)
+        decoder.start()
         run("before", time.monotonic() + 10)
         pg.freeze()
         try:
@@ -174,10 +198,12 @@ def frozen(seconds: float, pg: PostgresServer, store: tuple[str, str]) -> list[d
         finally:
             pg.thaw()
         run("after", time.monotonic() + 15)
+        done.set()
+        decoder.join()
         engine.flush()
     finally:
         engine.close()
-    return turns
+    return turns, gaps
 
 
 _LAST_TURN: dict[int, int] = {}  # worker pid -> the last turn count it printed
@@ -223,11 +249,11 @@ def main() -> None:
                     w, args.throughput_s, (pg.new_database(f"tput{w}"), s3.new_bucket(f"tput{w}"))
                 )
         print(f"a frozen store: {args.frozen_s:g} s of SIGSTOP", flush=True)
-        turns = frozen(args.frozen_s, pg, (pg.new_database("frozen"), s3.new_bucket("frozen")))
+        turns, gaps = frozen(args.frozen_s, pg, (pg.new_database("frozen"), s3.new_bucket("frozen")))
     finally:
         pg.close()
         s3.close()
-    _report_frozen(turns, args.frozen_s)
+    _report_frozen(turns, gaps, args.frozen_s)
     if args.only == "frozen":
         return
     print("\nTime to first token, s (median; SmolLM2, this CPU)")
@@ -248,13 +274,15 @@ def main() -> None:
     _plot(rows, tput)
 
 
-def _report_frozen(turns: list[dict[str, Any]], seconds: float) -> None:
+def _report_frozen(turns: list[dict[str, Any]], gaps: list[dict[str, Any]], seconds: float) -> None:
     print(f"\nTurn latency, s, around {seconds:g} s of a frozen PostgreSQL (SmolLM2, this CPU)")
-    print("phase   turns  median    max")
+    print("phase   turns  median    max   decoding agent: tokens  median gap  longest gap")
     for phase in ("before", "frozen", "after"):
         w = [t["wall_s"] for t in turns if t["phase"] == phase]
-        print(f"{phase:7s} {len(w):5d} {statistics.median(w):7.2f} {max(w):6.2f}")
-    out = {"frozen_s": seconds, "store_deadline_s": 5.0, "turns": turns,
+        g = [t["gap_s"] for t in gaps if t["phase"] == phase] or [0.0]
+        print(f"{phase:7s} {len(w):5d} {statistics.median(w):7.2f} {max(w):6.2f}   "
+              f"{len(g):22d} {statistics.median(g):11.3f} {max(g):12.3f}")  # fmt: skip
+    out = {"frozen_s": seconds, "store_deadline_s": 5.0, "turns": turns, "decode_gaps": gaps,
            "machine": "this CPU (2 cores), SmolLM2-135M"}  # fmt: skip
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "distributed-frozen.json").write_text(json.dumps(out, indent=2))
@@ -269,6 +297,8 @@ def _report_frozen(turns: list[dict[str, Any]], seconds: float) -> None:
     for kind, style in (("held", "C0o"), ("new", "C1s")):
         ax.plot([t["t"] for t in turns if t["kind"] == kind],
                 [t["wall_s"] for t in turns if t["kind"] == kind], style, label=f"{kind} agent")  # fmt: skip
+    ax.plot([t["t"] for t in gaps], [t["gap_s"] for t in gaps], "C2.", ms=2,
+            label="gap between tokens of a decoding agent")  # fmt: skip
     ax.axhline(5.0, color="k", ls=":", lw=1, label="store deadline")
     ax.set(xlabel="seconds", ylabel="turn, s", title="turns of one worker while its store hangs")
     ax.legend(fontsize=8)
