@@ -37,7 +37,7 @@ from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
 from .model.loading import LoadedModel, load_model, trained_context
 from .ops import device
-from .ops.runtime import mx
+from .ops.runtime import release_memory
 from .results import (
     CacheOutcome,
     CacheSource,
@@ -249,9 +249,10 @@ class Engine(AgentAdmin):
             raise RuntimeError("this Engine was closed; create a new one")
 
     def close(self) -> None:
-        """Free this engine's memory (hot agents, working copies, the in-memory block tier)
-        and close its index; what is stored stays on disk. Call it when no request is in
-        progress. Without it an engine lives as long as the process (its worker holds it)."""
+        """Free this engine's memory (hot agents, working copies, the in-memory block tier;
+        given back to the system, ``runtime.release_memory``) and close its index; what is
+        stored stays on disk. Call it when no request is in progress. Without it an engine
+        lives as long as the process (its worker holds it)."""
         if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
             raise RuntimeError("close() while requests are in progress: let them finish first")
         if self._admissions is not None:
@@ -265,7 +266,7 @@ class Engine(AgentAdmin):
         self._store.close()
         if self._reserve is not None:
             self._reserve.release()
-        self._worker.submit(mx.clear_cache).result()  # freed buffers back to the system, on the worker
+        self._worker.submit(release_memory).result()  # freed buffers back to the system, on the worker
 
     def __enter__(self) -> Engine:
         return self

@@ -8,6 +8,7 @@ shipped inside a PyPI package (converted once into the cache directory).
 from __future__ import annotations
 
 import base64
+import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -22,7 +23,7 @@ from typing import Any
 
 from ...config import get_settings
 from ..ops import device
-from ..ops.runtime import mx
+from ..ops.runtime import mx, release_memory
 from .adapters import adapt_model
 from .families import check_family
 from .fingerprint import sha256_file
@@ -209,6 +210,8 @@ def unload_models(under: Path) -> int:
         gone = [k for k in _LOADED if k[0].is_relative_to(under)]
         for key in gone:
             del _LOADED[key]
+    gc.collect()  # a model's modules hold cycles: free them now, then give the memory back
+    release_memory()
     return len(gone)
 
 

@@ -24,6 +24,9 @@ changes belongs to one engine or one loaded model instance):
 - On a GPU, between prefill chunks: ``mx.clear_cache()`` when mlx's buffer cache holds more
   than ``device.prefill_cache_bound()`` (a long prefill's freed buffers of sizes nothing
   reuses filled an H200). Other mlx users of the process lose cached buffers, not data.
+- On ``Engine.close()`` and ``loading.unload_models``, with glibc: ``malloc_trim(0)``, so
+  the C heap's free pages go back to the system (a closed engine's freed arrays stayed in
+  the process: 2.3 GB of 5.0 GB after the random-weight model tests). Nothing else changes.
 - Threads: each engine runs one model thread, one save thread and a notifier; block
   checksums use a shared pool of ``READ_THREADS`` (storage/reader.py).
 
@@ -135,4 +138,23 @@ def side_streams() -> tuple[Any, Any] | tuple[None, None]:
     return pair
 
 
-__all__ = ["BLAS", "mx", "side_streams"]
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only (not musl, not macOS)
+    except (AttributeError, OSError):
+        return None
+
+
+_TRIM = _malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def release_memory() -> None:
+    """Freed memory back to the system: mlx's buffer cache, then the C heap's free pages
+    (glibc keeps them in the process otherwise: freed arrays are allocated with malloc on
+    the CPU). For after an engine closed or models were unloaded, not per step."""
+    mx.clear_cache()
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+__all__ = ["BLAS", "mx", "release_memory", "side_streams"]
