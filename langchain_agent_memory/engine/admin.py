@@ -208,6 +208,8 @@ class AgentAdmin:
             "working_copy_bytes": self.agents.working_copy_bytes(),  # kept for the next request
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
+            # agents whose requests wait on the shared store's part of their admission
+            **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
             **({"disk": disk} if disk is not None else {}),
             **self._scheduler.stats(),
         }

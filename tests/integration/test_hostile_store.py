@@ -414,7 +414,13 @@ def test_the_model_thread_never_waits_on_the_store(
             pg.freeze()
             try:
                 t0 = time.monotonic()
-                late = a.generate("wasps", SYSTEM + "User: wasps?\nAssistant:", short)
+                replies: queue.Queue[Any] = queue.Queue()
+                wasps = SYSTEM + "User: wasps?\nAssistant:"
+                threading.Thread(target=lambda: replies.put(a.generate("wasps", wasps, short))).start()
+                while not a.stats()["admitting"]:  # its lease waits on the frozen database
+                    assert replies.empty(), "the new agent's turn never waited on the frozen database"
+                    time.sleep(0.05)
+                late = replies.get(timeout=HUNG_S)
                 waited = time.monotonic() - t0
                 runner.join(HUNG_S)
             finally:
