@@ -22,8 +22,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from .agent_state import AgentState, record_tokens
 from .agents import AgentCaches
-from .prefix import MatchKind, TokenizedText, match, tokenize_prompt
+from .prefix import MatchKind, match, tokenize_prompt
 from .states import resume_point
 from .steps import Request
 from .storage.blocks import BLOCK_TOKENS, BlockHash, prompt_hashes, state_block_hash
@@ -77,7 +78,7 @@ class StoreAdmissions:
 
         def fetch_all() -> None:
             for agent_id in agent_ids:
-                self._fetch(agent_id, None, current=False)
+                self._fetch(agent_id, None, None)
 
         return self._pool.submit(fetch_all)
 
@@ -101,7 +102,7 @@ class StoreAdmissions:
         hot = self.caches.hot.get(agent_id)
         lease = take_lease(store, agent_id, hot.version if hot is not None else store.seen_version(agent_id))
         try:
-            self._fetch(agent_id, prompt, lease.current)
+            self._fetch(agent_id, prompt, hot if lease.current else None)
         except Exception as exc:  # an optimisation: the model's thread prefills what is not here
             logger.warning(
                 "agent %r: its cache could not be brought here (%s); it prefills what this worker lacks",
@@ -110,21 +111,19 @@ class StoreAdmissions:
             )
         return lease
 
-    def _fetch(self, agent_id: str, prompt: str | None, current: bool) -> None:
+    def _fetch(self, agent_id: str, prompt: str | None, live: AgentState | None) -> None:
         """The blocks a request for ``prompt`` (None: the whole cache) reads, fetched to this
-        worker's disk within the store's deadline; the record re-read unless the live copy
-        is ``current``."""
+        worker's disk within the store's deadline; from ``live`` (the agent's live copy, if
+        it is still the newest), else from the record, read again."""
         caches = self.caches
-        hot = caches.hot.get(agent_id)
-        if hot is not None and current:
-            tokens, chain, states = hot.tokens, hot.blocks, hot.states
+        if live is not None:
+            tokens, chain, states = live.tokens, live.blocks, live.states
         else:
             record = caches.read_record(agent_id)  # the newest, mirrored here
             if record is None:
                 tokens, chain, states = None, [], {}
             else:
-                tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
-                chain, states = record.chain, record.state_blocks()
+                tokens, chain, states = record_tokens(record), record.chain, record.state_blocks()
         wanted: list[BlockHash] = []
         m = match(tokens, prompt) if tokens is not None and prompt is not None else None
         if tokens is not None and (m is None or m.kind is not MatchKind.MISS):

@@ -15,6 +15,11 @@ from .storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
 from .storage.protocols import Lease
 
 
+def record_tokens(record: AgentRecord) -> TokenizedText:
+    """The text and tokens a stored record stands for."""
+    return TokenizedText(record.text, record.token_ids, record.token_ends)
+
+
 @dataclass(slots=True)
 class AgentState:
     """An agent's committed cache: the text it stands for, its blocks, and live layer

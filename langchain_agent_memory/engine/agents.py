@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection
 from typing import Any
 
-from .agent_state import Admission, AgentState, HotPolicy, PendingSave, holds_window, kept_from
+from .agent_state import Admission, AgentState, HotPolicy, PendingSave, holds_window, kept_from, record_tokens
 from .block_cuts import blocks_of
 from .kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize, tokenize_prompt
@@ -137,7 +137,7 @@ class AgentCaches:
         record = self.read_record(agent_id)
         if record is None:
             return None, CacheSource.COLD
-        tokens = TokenizedText(record.text, record.token_ids, record.token_ends)
+        tokens = record_tokens(record)
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
         version = self.store.seen_version(agent_id)
@@ -473,9 +473,7 @@ class AgentCaches:
             if state is not None:
                 return state.tokens
         record = self.read_record(agent_id)  # not under the model steps' lock: a store round trip
-        if record is None:
-            return TokenizedText("")
-        return TokenizedText(record.text, record.token_ids, record.token_ends)
+        return record_tokens(record) if record is not None else TokenizedText("")
 
     def drop_hot(self, agent_id: str | None = None) -> None:
         with self.lock:

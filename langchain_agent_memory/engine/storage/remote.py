@@ -30,7 +30,7 @@ import socket
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +126,14 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         lease, reads the record and fetches the blocks before a request reaches it)."""
         self._local_threads.add(threading.get_ident())
 
+    def _store_side(self, call: Callable[[str], None], arg: str) -> None:
+        """``call(arg)``, a call to the store: here, or on the store's threads where this is
+        a ``stay_local`` one (nothing waits on its outcome)."""
+        if self._here_only:
+            self._io.submit(call, arg)
+        else:
+            call(arg)
+
     @property
     def recovery(self):
         return self.local.recovery
@@ -186,10 +194,7 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
     def end(self, agent_id: str) -> None:
         """Give the lease back after a request that did not commit."""
         self._let_go(agent_id)
-        if self._here_only:
-            self._io.submit(self._end_remote, agent_id)
-        else:
-            self._end_remote(agent_id)
+        self._store_side(self._end_remote, agent_id)
 
     def _end_remote(self, agent_id: str) -> None:
         with contextlib.suppress(RemoteUnavailableError):
@@ -252,10 +257,9 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         if not missing:
             return
         if self._here_only:
-            available = next(i for i, h in enumerate(hashes) if not self.local.has_block(h))
             raise BlocksUnavailableError(
                 f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
-                available,
+                self._leading_here(hashes),
             )
         futures = {h: self._io.submit(self._download, h) for h in missing}
         done, _ = wait(futures.values(), timeout=self.read_timeout_s)
@@ -270,11 +274,15 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         if failed is None:
             self.local.note_blocks(missing)  # counted in this worker's disk use
             return
-        available = next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
+        available = self._leading_here(hashes)
         if isinstance(failed, BlockMissingError):
             raise failed
         self._down(failed)
         raise BlocksUnavailableError(f"shared store: {failed}", available)
+
+    def _leading_here(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` are on this worker's disk."""
+        return next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
 
     def _download(self, h: BlockHash) -> None:
         data = self.objects.get(self.objects.key(self.fingerprint, h))
@@ -323,10 +331,7 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         too, delete it there (its catalog row unmarked): the next save that needs the block
         uploads a sound one, as a local store's next save rewrites a quarantined file."""
         moved = self.local.quarantine_block(h)
-        if self._here_only:
-            self._io.submit(self._replace_bad, h)
-        else:
-            self._replace_bad(h)
+        self._store_side(self._replace_bad, h)
         return moved
 
     def _replace_bad(self, h: BlockHash) -> None:
