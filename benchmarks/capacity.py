@@ -42,9 +42,8 @@ LENGTHS = (4096, 8192, 16384)
 
 def fp16_formula_bytes(model: str, n: int) -> int:
     from langchain_agent_memory import load_model
-    from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 
-    spec = ModelCacheSpec.from_model(load_model(model).model)
+    spec = load_model(model).structure.spec
     return sum(
         layer.kv_heads * (layer.k_head_dim + layer.v_head_dim) * 2 * min(n, layer.window or n)
         for layer in spec.layers

@@ -236,7 +236,6 @@ def main() -> None:
 
     from langchain_agent_memory import load_model
     from langchain_agent_memory.engine.kv import KV_PRESETS
-    from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
     from langchain_agent_memory.testing.quality import stored_perplexity
 
     names = ["fp16", *[n for n in (a.formats or KV_PRESETS) if n != "fp16"]]
@@ -256,7 +255,7 @@ def main() -> None:
             results = json.loads((out / f"{stem}.json").read_text())
         for model_name in a.models:
             lm = load_model(model_name)
-            spec = ModelCacheSpec.from_model(lm.model)
+            spec = lm.structure.spec
             ids = text_ids(lm.tokenizer, max(*a.contexts, 2048) + 528)  # speeds reads 2,576
             if a.speeds_only:
                 r = results[model_name]

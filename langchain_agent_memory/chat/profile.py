@@ -17,14 +17,16 @@ from typing import Any
 
 from langchain_core.language_models.model_profile import ModelProfile
 
+from ..engine.model.hub import cached_snapshot, parse_repo_id
 from ..engine.model.loading import SHIPPED_MODELS, trained_context
 
 
 def model_profile(model: str) -> ModelProfile:
-    """The profile of ``model`` (a shipped name, an mlx-lm directory or a ``.gguf``); what
-    cannot be read cheaply is left out."""
-    context, template = _context_and_template(model)
-    chat = template is not None
+    """The profile of ``model`` (a shipped name, an mlx-lm directory, a ``.gguf`` or a Hugging
+    Face repo id); what cannot be read cheaply is left out (a repo not downloaded yet: its
+    context length and whether it calls tools)."""
+    known = _context_and_template(model)
+    context, template = known or (None, None)
     profile = ModelProfile(
         name=model,
         open_weights=True,
@@ -37,13 +39,14 @@ def model_profile(model: str) -> ModelProfile:
         image_outputs=False,
         audio_outputs=False,
         video_outputs=False,
-        # Any model can be offered tools (in its template's format, else Hermes); a model
-        # without a chat template (a base model) is not trained to call them.
-        tool_calling=chat,
         tool_choice=True,  # forced calls are decoded under the tool's schema
         structured_output=True,  # decoded under the JSON schema: replies always parse
         temperature=True,
     )
+    if known is not None:
+        # Any model can be offered tools (in its template's format, else Hermes); a model
+        # without a chat template (a base model) is not trained to call them.
+        profile["tool_calling"] = template is not None
     if context:
         profile["max_input_tokens"] = context
     if template:  # a template that knows thinking: its reasoning is split out (``reasoning``)
@@ -51,13 +54,17 @@ def model_profile(model: str) -> ModelProfile:
     return profile
 
 
-def _context_and_template(model: str) -> tuple[int | None, str | None]:
+def _context_and_template(model: str) -> tuple[int | None, str | None] | None:
     """The trained context length and the chat template ("" where it is not read here;
-    None: no template, a base model)."""
+    None: no template, a base model); None where the model's files cannot be read here."""
     shipped = SHIPPED_MODELS.get(model)
     if shipped is not None:
         return shipped.context_length, "" if shipped.chat else None
     path = Path(model).expanduser()
+    repo = None if path.exists() else parse_repo_id(model)
+    if repo is not None:
+        # Read from the Hugging Face cache only: constructing a chat model downloads nothing.
+        path = cached_snapshot(*repo) or path
     try:
         if path.is_dir():
             return trained_context(path), _template(path)
@@ -65,7 +72,7 @@ def _context_and_template(model: str) -> tuple[int | None, str | None]:
             return _gguf_context_and_template(path)
     except (OSError, ValueError, KeyError):  # unreadable here: the engine says why on first use
         pass
-    return None, ""
+    return None
 
 
 def _template(model_dir: Path) -> str | None:

@@ -31,7 +31,6 @@ from .agent_state import HotPolicy
 from .agents import AgentCaches
 from .commits import BeforeRequest, CommitFeed, OnCommit, Subscription
 from .config import EngineConfig
-from .kv import ModelCacheSpec
 from .kv.reserve import WorkReserve, reserve_rows
 from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
@@ -91,7 +90,7 @@ class Engine(AgentAdmin):
             cfg.model, cpu_kernels=cfg.cpu_kernels
         )  # refuses unsupported families
         self.spec, self.quant, self.attention = (
-            ModelCacheSpec.from_model(self.lm.model),
+            self.lm.structure.spec,
             cfg.quant,
             cfg.attention,
         )

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .kv import BatchLayerCache, LayerCache, RecurrentCache, batch_layer_caches
-from .kv.recurrent import fed
 from .model.constrain import TokenConstraint
-from .model.forward import backbone, decode_step, logits_from_hidden, prefill_chunk
+from .model.forward import decode_step, forward_of, prefill_chunk
 from .ops import device
 from .ops.runtime import mx
 from .storage.blocks import BLOCK_TOKENS
@@ -188,9 +187,8 @@ class ModelRunner:
         width = max(len(ids) for ids, _ in items)
         tokens = mx.array([ids + [ids[-1]] * (width - len(ids)) for ids, _ in items])
         caches = batch_layer_caches([layers for _, layers in items], merge=False, merge_stored=False)
-        hidden = backbone(self.model)(tokens, cache=caches)
-        last = hidden[mx.arange(len(items)), mx.array([len(ids) - 1 for ids, _ in items])]
-        logits = logits_from_hidden(self.model, last[:, None])[:, -1].astype(mx.float32)
+        lasts = mx.array([len(ids) - 1 for ids, _ in items])
+        logits = forward_of(self.model)(tokens, caches, lasts)[:, -1].astype(mx.float32)
         mx.eval(logits)
         if self._cache_bound is not None and mx.get_cache_memory() > self._cache_bound:
             mx.clear_cache()  # as after a prefill chunk (``device.prefill_cache_bound``)
@@ -216,9 +214,7 @@ class ModelRunner:
         for (_, token, _), row in zip(members, rows, strict=True):
             by_row[row] = token if isinstance(token, mx.array) else mx.array(token)
         tokens = mx.stack([t.reshape(()).astype(mx.int32) for t in by_row])[:, None]
-        hidden = backbone(self.model)(tokens, cache=caches)
-        fed(caches, 1)
-        out = logits_from_hidden(self.model, hidden)[:, -1].astype(mx.float32)
+        out = forward_of(self.model)(tokens, caches, None)[:, -1].astype(mx.float32)
         return out if rows == list(range(len(rows))) else out[mx.array(rows)]
 
     def _batch_for(self, members: list[Member]) -> list[BatchLayerCache]:

@@ -84,7 +84,7 @@ def stored_context_nll(
     committed first, i.e. stored in its KV format), fed ``score_chunk`` tokens at a time
     with a commit after each: every scored token attends to stored keys for all but the
     < ``score_chunk`` tokens before it in its own chunk, as in a conversation."""
-    from ..engine.model.forward import logits_from_hidden
+    from ..engine.model.forward import forward_of
 
     for c in caches:
         c.commit()
@@ -92,8 +92,7 @@ def stored_context_nll(
     ids = list(targets)
     for start in range(0, len(ids) - 1, score_chunk):
         chunk = ids[start : start + score_chunk + 1]
-        hidden = model.model(mx.array(chunk[:-1])[None], cache=caches)
-        logits = logits_from_hidden(model, hidden)[0].astype(mx.float32)
+        logits = forward_of(model)(mx.array(chunk[:-1])[None], caches, None)[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         lp = mx.take_along_axis(logprobs, mx.array(chunk[1:])[:, None], axis=-1)
         nll -= float(lp.sum().item())

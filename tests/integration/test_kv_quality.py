@@ -8,7 +8,6 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.kv import KV_PRESETS, kv_format
-from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.testing.quality import stored_perplexity
 
@@ -20,6 +19,6 @@ def test_default_kv_format_keeps_perplexity(model_fixture: str, request: pytest.
     lm: LoadedModel = request.getfixturevalue(model_fixture)
     formats = {"fp16": KV_PRESETS["fp16"], "default": kv_format(4), "q4": KV_PRESETS["q4"]}
     ids = lm.tokenizer.encode(corpus.python_docs())[: (WINDOWS + 1) * 256]
-    ppl = stored_perplexity(lm.model, ModelCacheSpec.from_model(lm.model), formats, ids, WINDOWS)
+    ppl = stored_perplexity(lm.model, lm.structure.spec, formats, ids, WINDOWS)
     assert ppl["default"] / ppl["fp16"] < 1.03, ppl
     assert ppl["default"] < ppl["q4"], ppl

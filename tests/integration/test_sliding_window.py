@@ -10,7 +10,6 @@ import pytest
 
 from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
-from langchain_agent_memory.engine.kv.spec import ModelCacheSpec
 from langchain_agent_memory.engine.model.forward import decode_step, prefill
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.runtime import mx
@@ -35,7 +34,7 @@ def reference(gemma: LoadedModel) -> tuple[list[int], mx.array, mx.array]:
 def _ours(
     gemma: LoadedModel, ids: list[int], bits: int | None, ignore_window: bool
 ) -> tuple[mx.array, mx.array]:
-    spec = ModelCacheSpec.from_model(gemma.model)
+    spec = gemma.structure.spec
     layers = make_layer_caches(spec, KVQuant.uniform(bits))
     if ignore_window:  # the bug this test exists for: a causal-only mask on sliding layers
         for layer in layers:
@@ -79,7 +78,7 @@ def test_a_sliding_layers_working_copy_stays_about_a_window_long(gemma: LoadedMo
     a full layer's holds every token."""
     from langchain_agent_memory.engine.kv.buffers import WORK_STEP
 
-    spec = ModelCacheSpec.from_model(gemma.model)
+    spec = gemma.structure.spec
     layers = make_layer_caches(spec, KVQuant.uniform(4))
     ids = gemma.tokenizer.encode(corpus.python_docs())[:N_TOKENS]
     prefill(gemma.model, ids, layers, chunk_tokens=256)

@@ -301,7 +301,7 @@ def test_vocabulary_projection_split_across_streams_gives_the_same_logits(
     cores) where the weight is large: the same bits as the model's own projection."""
     from mlx_lm.models import llama
 
-    from langchain_agent_memory.engine.model import forward
+    from langchain_agent_memory.engine.model import adapters
 
     args = llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
@@ -311,12 +311,13 @@ def test_vocabulary_projection_split_across_streams_gives_the_same_logits(
     model = llama.Model(args)
     mx.eval(model.parameters())
     hidden = mx.random.normal((1, 1, 64), key=mx.random.key(9))
-    calls = []
-    split = forward._split_projection
-    monkeypatch.setattr(forward, "_SPLIT_BYTES", 0)
-    monkeypatch.setattr(forward, "_split_projection", lambda *a: calls.append(1) or split(*a))
-    ours = forward.logits_from_hidden(model, hidden)
     theirs = model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden)
+    calls = []
+    split = adapters._split_projection
+    monkeypatch.setattr(adapters, "_SPLIT_BYTES", 0)
+    monkeypatch.setattr(adapters, "_split_projection", lambda *a: calls.append(1) or split(*a))
+    adapters.adapt_model(model)
+    ours = model.model.embed_tokens.as_linear(hidden) if tied else model.lm_head(hidden)
     assert calls and ours.shape == theirs.shape == (1, 1, 5001)
     assert mx.array_equal(ours, theirs).item()
 

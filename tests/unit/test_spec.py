@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from langchain_agent_memory.engine.kv.spec import LayerSpec, ModelCacheSpec
+from langchain_agent_memory.engine.kv.spec import LayerSpec
+from langchain_agent_memory.engine.model.structure import describe
 
 
 def test_deepseek_v2_mla_has_different_k_and_v_dims() -> None:
@@ -29,7 +30,7 @@ def test_deepseek_v2_mla_has_different_k_and_v_dims() -> None:
         moe_layer_freq=1,
         rope_scaling={"factor": 1.0},
     )
-    spec = ModelCacheSpec.from_model(deepseek_v2.Model(args))
+    spec = describe(deepseek_v2.Model(args)).spec
     # MLA decompresses the latent into per-head K (nope + rope dims) and V (v_head_dim).
     assert spec.layers == (LayerSpec(kv_heads=4, k_head_dim=48, v_head_dim=24, window=None),) * 3
     assert spec.fp16_bytes_per_token() == 3 * 2 * 4 * (48 + 24)
@@ -50,8 +51,8 @@ def test_gemma3_layout_from_a_small_config() -> None:
         sliding_window=16,
         sliding_window_pattern=6,
     )
-    spec = ModelCacheSpec.from_model(gemma3_text.Model(args))
+    spec = describe(gemma3_text.Model(args)).spec
     windows = [layer.window for layer in spec.layers]
     assert windows == [16, 16, 16, 16, 16, None, 16]
     assert {(s.kv_heads, s.k_head_dim, s.v_head_dim) for s in spec.layers} == {(1, 32, 32)}
-    assert spec.digest() == ModelCacheSpec.from_model(gemma3_text.Model(args)).digest()
+    assert spec.digest() == describe(gemma3_text.Model(args)).spec.digest()

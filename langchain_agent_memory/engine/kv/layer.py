@@ -318,6 +318,11 @@ class LayerCache(LayerBlocks, WorkingCopy):
         out = attention(q, f.k, f.v, scale, mask, sinks)
         return out @ rotation(out.shape[-1]).T if f.vrot else out
 
+    def held_kv(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Every key and value held, positions ``[start, offset)``, at full precision in the
+        model's space (the self-check compares them with mlx-lm's)."""
+        return self._decoded(self.start, dtype, False, False)
+
     # ---------------------------------------------------------------- lifecycle
 
     def commit(self, keep_work: bool = False, keep_from: int = 0) -> None:

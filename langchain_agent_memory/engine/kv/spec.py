@@ -1,13 +1,12 @@
 """What a model's KV cache looks like, per layer: the shape contract between a model and
 the stored blocks.
 
-The spec is *probed*, not parsed from config files: the model builds its own mlx-lm cache
-list (``make_prompt_cache``: full layers get a ``KVCache``, sliding-window layers a
-``RotatingKVCache(window)``) and runs one token through it; the shapes it stores are the
-truth, whatever the architecture calls its heads (MLA models such as deepseek_v2 store
-per-head keys of ``qk_nope + qk_rope`` dims and values of ``v_head_dim``: K != V). A
-hybrid model's recurrent layers (mlx-lm's ``ArraysCache``: a convolution window and an SSM
-or delta-rule state) keep no keys and values; their spec is the shapes of their state.
+The spec is *probed* from the loaded model (``model.structure.describe``), not parsed from
+config files: the shapes its own caches store are the truth, whatever the architecture
+calls its heads (MLA models such as deepseek_v2 store per-head keys of ``qk_nope +
+qk_rope`` dims and values of ``v_head_dim``: K != V). A hybrid model's recurrent layers
+(mlx-lm's ``ArraysCache``: a convolution window and an SSM or delta-rule state) keep no
+keys and values; their spec is the shapes of their state.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
-
-from ..ops.runtime import mx
 
 #: One array of a recurrent layer's state: its shape without the batch axis, and its dtype.
 StateArray = tuple[tuple[int, ...], str]
@@ -74,46 +71,3 @@ class ModelCacheSpec:
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
-
-    @classmethod
-    def from_model(cls, model: Any) -> ModelCacheSpec:
-        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-
-        caches = make_prompt_cache(model)
-        windows: list[int | None] = []
-        for c in caches:
-            if isinstance(c, RotatingKVCache):
-                windows.append(int(c.max_size))
-            elif isinstance(c, (KVCache, ArraysCache)):
-                windows.append(None)
-            else:
-                raise ValueError(
-                    f"unsupported cache type {type(c).__name__} in {type(model).__name__}: "
-                    "only attention layers (KVCache / RotatingKVCache) and recurrent ones "
-                    "(ArraysCache) can be stored"
-                )
-        # Two tokens: a state every recurrent layer fills (a convolution window of 1 token
-        # would be the same shape; two make sure no entry is left None by a first step).
-        out = model(mx.array([[0, 0]]), cache=caches)
-        mx.eval(out)
-        layers = []
-        dtype = ""
-        for c, window in zip(caches, windows, strict=True):
-            if isinstance(c, ArraysCache):
-                if any(x is None for x in c.cache):
-                    raise ValueError(
-                        f"a recurrent layer of {type(model).__name__} left part of its state unset"
-                    )
-                state = tuple((tuple(int(d) for d in x.shape[1:]), _dtype_name(x.dtype)) for x in c.cache)
-                layers.append(LayerSpec(0, 0, 0, None, state))
-                continue
-            _, heads, _, k_dim = c.keys.shape
-            layers.append(LayerSpec(int(heads), int(k_dim), int(c.values.shape[-1]), window))
-            dtype = dtype or _dtype_name(c.keys.dtype)
-        if not dtype:
-            raise ValueError(f"{type(model).__name__} has no attention layer: nothing to store keys for")
-        return cls(tuple(layers), dtype)
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).removeprefix("mlx.core.")

@@ -1,12 +1,10 @@
-"""Which mlx-lm model families the engine runs, and a clear refusal for the others.
+"""The model families agent-memory refuses, and why: the rest is decided by structure.
 
-A family is supported when its layers keep keys and values (the engine stores those) and
-the whole engine (4-bit persistence, EXACT / EXTEND / DIVERGE, batched decode, reload) has
-been shown to give the uninterrupted output on it (tests/integration/test_families.py).
-Hybrid families, whose recurrent layers keep a state instead, run through
-``kv.recurrent`` (state snapshots, ``engine.states``); those that run a recurrent mixer and
-attention inside one layer (Falcon-H1: mlx-lm's ``CacheList``) and pure state-space models
-are refused.
+Whether the engine runs a model is decided from the loaded model (``structure``: the kinds
+of its caches) and checked on it (``self_check``: the engine's logits against mlx-lm's own),
+not from a list of names. This table only answers early, before any weight is read, for the
+families the test matrix (tests/integration/test_model_matrix.py) found refused on every
+config: the same verdict the structure or the self-check would give, with its reason.
 """
 
 from __future__ import annotations
@@ -14,48 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-#: config.json ``model_type`` -> what it stands for.
-SUPPORTED_FAMILIES: dict[str, str] = {
-    "llama": "Llama 2 / 3.x, SmolLM2 (GQA)",
-    "mistral": "Mistral (llama architecture)",
-    "qwen2": "Qwen 2 / 2.5 (q/k/v biases)",
-    "qwen3": "Qwen 3 (q/k norms)",
-    "gemma3_text": "Gemma 3 text (sliding window)",
-    "phi3": "Phi-3 / Phi-4 (fused qkv)",
-    "gpt_oss": "gpt-oss (attention sinks, sliding window, MoE)",
-    "deepseek_v2": "DeepSeek-V2 (MLA, K and V of different widths)",
-    "deepseek_v3": "DeepSeek-V3 / R1 (MLA over a stored latent)",
-    "qwen3_next": "Qwen3-Next (hybrid: Gated DeltaNet + attention, MoE)",
-    "qwen3_5": "Qwen 3.5 (hybrid: Gated DeltaNet + attention)",
-    "lfm2": "Liquid LFM2 (hybrid: short convolutions + attention)",
-    "granitemoehybrid": "IBM Granite 4.0-H (hybrid: Mamba-2 + attention, MoE)",
-    "lfm2_moe": "Liquid LFM2-MoE (hybrid: short convolutions + attention, MoE)",
-    "kimi_linear": "Kimi Linear (hybrid: Kimi delta attention + MLA, MoE)",
-    "nemotron_h": "NVIDIA Nemotron-H (hybrid: Mamba-2 + attention)",
-}
+from .structure import UnsupportedModelError
 
-#: Families whose layers keep a recurrent state (SSM, linear attention) besides or instead
-#: of keys and values.
-RECURRENT_FAMILIES = frozenset(
-    {
-        "qwen3_5",
-        "qwen3_next",
-        "nemotron_h",
-        "falcon_h1",
-        "lfm2",
-        "mamba",
-        "mamba2",
-        "jamba",
-        "recurrent_gemma",
-        "granitemoehybrid",
-        "plamo2",
-        "rwkv7",
-    }
-)
+#: config.json ``model_type`` -> why agent-memory refuses it.
+REFUSED: dict[str, str] = {}
 
-
-class UnsupportedModelError(ValueError):
-    """The model's family is not one the engine can store caches for."""
+__all__ = ["REFUSED", "UnsupportedModelError", "check_refused", "model_type"]
 
 
 def model_type(model_dir: Path) -> str:
@@ -64,19 +26,9 @@ def model_type(model_dir: Path) -> str:
     return str(config.get("model_type", ""))
 
 
-def check_family(model_dir: Path) -> str:
-    """The directory's model family, or ``UnsupportedModelError`` naming the supported ones."""
+def check_refused(model_dir: Path) -> None:
+    """``UnsupportedModelError`` with the reason when the directory's family is one the
+    engine refuses (``REFUSED``)."""
     family = model_type(model_dir)
-    if family in SUPPORTED_FAMILIES:
-        return family
-    supported = ", ".join(sorted(SUPPORTED_FAMILIES))
-    if family in RECURRENT_FAMILIES:
-        raise UnsupportedModelError(
-            f"{model_dir}: model family {family!r} keeps a recurrent state in a way agent-memory "
-            f"cannot store yet (hybrids with separate recurrent and attention layers can). "
-            f"Supported families: {supported}"
-        )
-    raise UnsupportedModelError(
-        f"{model_dir}: model family {family or '(no model_type in config.json)'!r} is not supported "
-        f"by agent-memory. Supported families: {supported}"
-    )
+    if family in REFUSED:
+        raise UnsupportedModelError(f"{model_dir}: model family {family!r} is refused: {REFUSED[family]}")

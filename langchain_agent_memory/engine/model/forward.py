@@ -1,9 +1,15 @@
-"""Forward passes of an mlx-lm decoder, split the way an engine needs them.
+"""Forward passes of an mlx-lm model over the engine's caches, split the way an engine
+needs them.
 
-mlx-lm's ``model(tokens)`` projects *every* position onto the vocabulary. A prefill needs
-the logits of the last position only: for Gemma 3 (262K vocabulary, 640 wide) the
-full projection of a 512-token chunk is 172 GFLOP, more than the rest of the model. So a
-prefill runs the backbone (``model.model``) chunk by chunk and projects one position.
+The model runs its own ``__call__``: whatever its head does after the decoder stack
+(tied embeddings, Gemma 2's logit soft-capping, Granite's logit scaling, Cohere's logit
+scale) is mlx-lm's code, not a copy of it. But mlx-lm's ``model(tokens)`` projects *every*
+position onto the vocabulary, and a prefill needs the logits of its last position only:
+for Gemma 3 (262K vocabulary, 640 wide) the full projection of a 512-token chunk is 172
+GFLOP, more than the rest of the model. So this model instance's decoder stack
+(``structure.decoder_stack``) gets a subclass of its own class that cuts its output to the
+rows asked for (``adapters.select_stack_rows``) before the head sees it; where no one module runs the
+stack, the logits are cut after the model instead (as correct, slower).
 """
 
 from __future__ import annotations
@@ -11,61 +17,54 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.nn as nn
-
 from ..kv.recurrent import fed
-from ..ops.runtime import mx, side_streams
+from ..ops.runtime import mx
+from .adapters import STACK_ROWS, cut_rows, select_stack_rows
+from .structure import CacheLayout, decoder_stack, layout_of
 
 DEFAULT_CHUNK_TOKENS = 512
-#: A projection of this few rows onto a vocabulary of this many bytes of weights or more is
-#: split across two CPU streams (``_split_projection``). Measured in the engine (A/B, one
-#: process): Gemma 3's 671 MB decode 15.9 -> 18.9 tok/s, a hot turn's first token 122 -> 99
-#: ms; SmolLM2's 113 MB no faster (24.1 vs 23.4 tok/s): the threshold is between.
-_SPLIT_ROWS = 8
-_SPLIT_BYTES = 128 << 20
+
+#: Which rows of the decoder stack's output the head gets: ``LAST`` (each sequence's last
+#: position), an array of one position per sequence, or None (every position).
+Rows = str | mx.array | None
+LAST = "last"
 
 
-def logits_from_hidden(model: Any, hidden: mx.array) -> mx.array:
-    """The vocabulary projection mlx-lm's decoders apply after their final norm."""
-    model = text_model(model)
-    if "lm_head" in model:
-        head = model.lm_head
-        project, plain = head, type(head) is nn.Linear and "bias" not in head
-    else:
-        stack = backbone(model)
-        head = stack.embed_tokens if "embed_tokens" in stack else stack.embeddings
-        project, plain = head.as_linear, type(head) is nn.Embedding
-    if plain and hidden.size // hidden.shape[-1] <= _SPLIT_ROWS and head.weight.nbytes >= _SPLIT_BYTES:
-        stream = side_streams()[0]
-        if stream is not None:
-            return _split_projection(hidden, head.weight, stream)
-    return project(hidden)
+class ModelForward:
+    """One loaded model run over the engine's flat list of layer caches (``CacheLayout``
+    assembles the model's own list from it: a ``CacheList`` where a layer keeps two)."""
+
+    def __init__(self, model: Any, layout: CacheLayout) -> None:
+        self.model = model
+        self.layout = layout
+        stack = decoder_stack(model)
+        if stack is not None:
+            select_stack_rows(stack)
+        self._cuts_stack = stack is not None
+
+    def __call__(self, tokens: mx.array, caches: Sequence[Any], rows: Rows) -> mx.array:
+        """Logits (the model's dtype) of ``tokens`` (batch, length) at ``rows``, appended to
+        ``caches`` (the engine's flat list; recurrent layers are told how many tokens ran)."""
+        cache = self.layout.assemble(caches)
+        if not self._cuts_stack:
+            out = cut_rows(self.model(tokens, cache=cache), rows)
+        else:
+            reset = STACK_ROWS.set(rows)
+            try:
+                out = self.model(tokens, cache=cache)
+            finally:
+                STACK_ROWS.reset(reset)
+        fed(caches, tokens.shape[1])
+        return out
 
 
-def _split_projection(hidden: mx.array, weight: mx.array, stream: Any) -> mx.array:
-    """``hidden @ weight.T``, the weight's two row halves on two CPU streams: the same bits
-    (each logit is one row's dot product either way). Why: one GEMV runs on one core (MKL
-    does not thread a one-row product), and a decode step or a turn's first token reads the
-    whole vocabulary projection for one row: Gemma 3's tied embedding (671 MB of float32)
-    30.4-30.9 -> 20.3-22.8 ms alone."""
-    half = weight.shape[0] // 2
-    first = hidden @ weight[:half].T
-    with mx.stream(stream):
-        second = hidden @ weight[half:].T
-    return mx.concatenate([first, second], axis=-1)
-
-
-def text_model(model: Any) -> Any:
-    """The language model of a multimodal wrapper (Qwen 3.5's ``language_model``), else
-    the model itself."""
-    return getattr(model, "language_model", model)
-
-
-def backbone(model: Any) -> Any:
-    """The decoder stack without the vocabulary projection (``model.model``; Nemotron-H
-    calls it ``backbone``)."""
-    lm = text_model(model)
-    return lm.model if "model" in lm else lm.backbone
+def forward_of(model: Any) -> ModelForward:
+    """The ``ModelForward`` of a loaded model instance (made once, kept on the instance)."""
+    made = model.__dict__.get("_agent_memory_forward")
+    if made is None:
+        made = ModelForward(model, layout_of(model)[0])
+        model._agent_memory_forward = made
+    return made
 
 
 def prefill(
@@ -87,18 +86,15 @@ def prefill_chunk(model: Any, token_ids: Sequence[int], cache: list[Any], last: 
     """One chunk of a prefill; the logits of its last position if it is the ``last`` one."""
     if not token_ids:
         raise ValueError("prefill needs at least one token")
-    hidden = backbone(model)(mx.array(token_ids)[None], cache=cache)
-    fed(cache, len(token_ids))
+    logits = forward_of(model)(mx.array(token_ids)[None], cache, LAST)
     if not last:
         # Evaluated per chunk: bounds the graph and the memory of intermediate activations.
-        mx.eval(hidden[:, -1:], [c.state for c in cache])
+        mx.eval(logits, [c.state for c in cache])
         return None
-    return logits_from_hidden(model, hidden[:, -1:])[0, -1].astype(mx.float32)
+    return logits[0, -1].astype(mx.float32)
 
 
 def decode_step(model: Any, token_id: int | mx.array, cache: list[Any]) -> mx.array:
     """One decode step: logits (float32, ``(vocab,)``) after appending ``token_id``."""
     tok = token_id if isinstance(token_id, mx.array) else mx.array([token_id])
-    hidden = backbone(model)(tok.reshape(1, 1), cache=cache)
-    fed(cache, 1)
-    return logits_from_hidden(model, hidden)[0, -1].astype(mx.float32)
+    return forward_of(model)(tok.reshape(1, 1), cache, None)[0, -1].astype(mx.float32)

@@ -24,10 +24,13 @@ from typing import Any
 from ...config import get_settings
 from ..ops import device
 from ..ops.runtime import mx, release_memory
+from . import self_check as checks
 from .adapters import adapt_model
-from .families import check_family
+from .families import check_refused, model_type
 from .fingerprint import sha256_file
 from .gguf_convert import CONVERTER_VERSION, convert_gguf, upgrade_tokenizer_files
+from .hub import parse_repo_id, snapshot_dir
+from .structure import ModelStructure, UnsupportedModelError, describe, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,8 @@ class LoadedModel:
     path: Path  # the mlx-lm directory it came from
     name: str  # shipped name, or the directory / file it was given as
     load_seconds: float
+    structure: ModelStructure  # what it keeps per layer, as the engine stores it
+    check: checks.CheckResult | None = None  # its self-check (None: not run)
 
 
 def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
@@ -111,13 +116,34 @@ def converted_dir(cache_dir: Path, label: str, sha256: str, dtype: str) -> Path:
 
 
 def resolve_model_dir(
-    model: str | Path | None = None, *, cache_dir: Path | None = None, weight_dtype: str | None = None
+    model: str | Path | None = None,
+    *,
+    cache_dir: Path | None = None,
+    weight_dtype: str | None = None,
+    revision: str | None = None,
 ) -> tuple[Path, str]:
-    """The mlx-lm directory for ``model`` (converting a GGUF on first use) and its display name."""
+    """The mlx-lm directory for ``model`` (converting a GGUF on first use) and its display name.
+
+    ``model``: a shipped name (``SHIPPED_MODELS``), an mlx-lm model directory, a ``.gguf``
+    file, or a Hugging Face repo id ``org/name`` / ``org/name@revision`` (resolved as
+    ``mlx_lm.load`` does: downloaded into the Hugging Face cache, ``HF_HOME``; offline under
+    ``HF_HUB_OFFLINE=1``; see ``hub.py``). An existing path wins over a repo id of the same
+    spelling. ``revision``: a repo's branch, tag or commit, for a repo id only.
+    ``cache_dir`` holds this package's GGUF conversions, not Hugging Face downloads.
+    """
     settings = get_settings()
     cache_dir = Path(cache_dir or settings.cache_dir)
     dtype = weight_dtype or settings.weight_dtype or device.weight_dtype()
     name = str(model or settings.model)
+    path = Path(name).expanduser()
+    repo = None if isinstance(model, Path) or path.exists() else parse_repo_id(name)
+    if revision is not None and (repo is None or repo[1] not in (None, revision)):
+        raise ValueError(
+            f"revision={revision!r} does not apply to model {name!r}: give it with a Hugging Face "
+            "repo id (org/name) that names no other revision (org/name@revision)"
+        )
+    if repo is not None:
+        return snapshot_dir(repo[0], revision or repo[1]), name
 
     if name in SHIPPED_MODELS:
         shipped = SHIPPED_MODELS[name]
@@ -129,7 +155,6 @@ def resolve_model_dir(
             ) from exc
         label = name
     else:
-        path = Path(name).expanduser()
         if path.is_dir():
             if not (path / "config.json").exists():
                 raise ValueError(f"{path} is not an mlx-lm model directory (no config.json)")
@@ -139,7 +164,8 @@ def resolve_model_dir(
         else:
             raise ValueError(
                 f"unknown model {name!r}: give one of {sorted(SHIPPED_MODELS)}, "
-                "an mlx-lm model directory or a .gguf file"
+                "an mlx-lm model directory, a .gguf file or a Hugging Face repo id "
+                "(org/name or org/name@revision)"
             )
 
     target = converted_dir(cache_dir, label, digest, dtype)
@@ -175,31 +201,99 @@ def load_model(
     cache_dir: Path | None = None,
     weight_dtype: str | None = None,
     cpu_kernels: bool = True,
+    self_check: bool = True,
 ) -> LoadedModel:
     """Load (once per process) the mlx-lm model and tokenizer named by ``model``.
 
-    ``model``: a shipped name (see ``SHIPPED_MODELS``), an mlx-lm model directory or a
-    ``.gguf`` file; default from settings (``AGENT_MEMORY_MODEL``, else ``smollm2-135m``).
-    A model of a family the engine cannot run is refused here, before its weights are read
-    (``families.UnsupportedModelError``). ``cpu_kernels``: on the CPU, run this instance's
-    attention and MLP on the fused kernels of ``fast_ops`` (``adapters.adapt_model``; only
-    this instance changes). False gives mlx-lm's own model (benchmarks compare the two).
+    ``model``: a shipped name (see ``SHIPPED_MODELS``), an mlx-lm model directory, a
+    ``.gguf`` file or a Hugging Face repo id; default from settings (``AGENT_MEMORY_MODEL``,
+    else ``smollm2-135m``). A model the engine cannot store caches for is refused
+    (``UnsupportedModelError``, naming the layer and its cache kind) before its weights are
+    read; one that passes is checked against mlx-lm's own forward (``self_check``: a pass
+    is remembered under ``<cache_dir>/models``; ``self_check=False`` skips it).
+    ``cpu_kernels``: on the CPU, run this instance's attention and MLP on the fused kernels
+    of ``fast_ops`` (``adapters.adapt_model``; only this instance changes). False gives
+    mlx-lm's own model (benchmarks compare the two).
     """
     with _LOAD_LOCK:
         path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
         if (path, cpu_kernels) in _LOADED:
             return _LOADED[(path, cpu_kernels)]
-        check_family(path)
+        check_refused(path)
         from mlx_lm.utils import load as mlx_load
 
         t0 = time.perf_counter()
-        mdl, tok = mlx_load(str(path))
+        _check_mlx_lm_has(path)
+        mdl, tok = mlx_load(str(path), lazy=True)
+        layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
         mx.eval(mdl.parameters())
+        structure = describe(mdl)
+        memo = Path(cache_dir or get_settings().cache_dir) / "models"
+        check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo) if self_check else None
+        if check is not None:
+            check.before_adapting()
         if cpu_kernels:
             adapt_or_say(mdl, name)
-        loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0)
+        result = check.after_adapting() if check is not None else None
+        loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
+
+
+def _check_mlx_lm_has(path: Path) -> None:
+    """``UnsupportedModelError`` where the installed mlx-lm has no model class for the
+    directory's family (its own lookup, remappings included)."""
+    from mlx_lm.utils import _get_classes, load_config
+
+    try:
+        _get_classes(load_config(path))
+    except ValueError as exc:
+        raise UnsupportedModelError(
+            f"{path}: model family {model_type(path)!r} is not one mlx-lm {_mlx_lm_version()} runs "
+            "(no module of that name in mlx_lm.models): a newer mlx-lm may have it"
+        ) from exc
+
+
+class _SelfCheck:
+    """A freshly loaded model's self-check (``self_check``), or its remembered pass: the
+    engine's runs before the instance is adapted (mlx-lm's attention code over the engine's
+    caches) and after (the CPU kernels), each with a working copy and on the stored form."""
+
+    def __init__(
+        self, model: Any, structure: ModelStructure, path: Path, name: str, cpu_kernels: bool, memo: Path
+    ) -> None:
+        self.model, self.structure, self.name, self.memo = model, structure, name, memo
+        self.key = checks.check_key(path, f"{mx.default_device()}/kernels={cpu_kernels}", memo)
+        entry = checks.remembered(memo, self.key)
+        self.result: checks.CheckResult | None = None
+        if entry is not None:
+            error, tolerance = float(entry.get("max_error", 0.0)), checks.tolerance(structure)
+            self.result = checks.CheckResult(True, error, tolerance, remembered=True)
+        self._ref: checks.Reference | None = None
+
+    def before_adapting(self) -> None:
+        if self.result is None:
+            self._ref = checks.reference(self.model, self.structure)
+            first = checks.check(self.model, self.structure, self._ref, checks.MLX_RUNS)
+            self.result = self._refused_unless(first)
+
+    def after_adapting(self) -> checks.CheckResult:
+        assert self.result is not None
+        if self._ref is None:
+            return self.result  # remembered
+        from .adapters import is_adapted
+
+        if is_adapted(self.model):
+            more = checks.check(self.model, self.structure, self._ref, checks.KERNEL_RUNS)
+            self.result = self._refused_unless(self.result.merged(more))
+        logger.info("%s: self-check %s in %.1f s", self.name, self.result.summary(), self.result.seconds)
+        checks.remember(self.memo, self.key, self.name, self.result)
+        return self.result
+
+    def _refused_unless(self, result: checks.CheckResult) -> checks.CheckResult:
+        if not result.passed:
+            raise checks.refusal(self.name, result)
+        return result
 
 
 def unload_models(under: Path) -> int:
