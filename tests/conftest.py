@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,6 +9,7 @@ from services import PostgresServer, SeaweedServer
 
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
 from langchain_agent_memory.engine.model.loading import LoadedModel, load_model
+from langchain_agent_memory.testing.model_matrix import run_together
 
 
 @pytest.fixture(scope="session")
@@ -22,29 +22,6 @@ def smollm() -> LoadedModel:
 def gemma() -> LoadedModel:
     """Gemma 3 270M, the base model with sliding-window attention."""
     return load_model("gemma3-270m")
-
-
-def run_together(
-    engine: Engine, prompts: dict[str, str], params: GenerationParams | dict[str, GenerationParams]
-) -> dict[str, GenerationResult]:
-    """Each agent's prompt on its own thread (with its own parameters where ``params`` maps
-    agents to them), all released at once (a barrier): the engine runs them concurrently,
-    their decode steps batched."""
-    results: dict[str, GenerationResult] = {}
-    barrier = threading.Barrier(len(prompts))
-
-    def run(agent: str) -> None:
-        barrier.wait()
-        results[agent] = engine.generate(
-            agent, prompts[agent], params[agent] if isinstance(params, dict) else params
-        )
-
-    threads = [threading.Thread(target=run, args=(a,)) for a in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 @pytest.fixture(scope="session")

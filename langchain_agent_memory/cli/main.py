@@ -3,14 +3,12 @@ and ``cache`` (``cli/cache.py``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from ..config import get_settings
 from ..engine.storage.budget import parse_age, parse_size
@@ -20,6 +18,7 @@ if TYPE_CHECKING:
 
 from .cache import cache_app
 from .common import HELP, Blocks, CacheDir, Store, checked, kv_bits_of, size_text, wide_console
+from .models import models
 
 app = typer.Typer(no_args_is_help=True, context_settings=HELP, rich_markup_mode="markdown")
 
@@ -47,8 +46,10 @@ def _options(
     notes "Summarise"`), `serve` (OpenAI-compatible /v1/chat/completions and /v1/completions,
     an agent per `prompt_cache_key`, `user` or X-Agent-ID; /v1/agents to list, fork, delete).
 
-    **Models**: `models` lists the shipped ones (smollm2-135m, gemma3-270m) and converted
-    ones; `convert FILE.gguf` converts a GGUF; `--model` also takes an mlx-lm directory.
+    **Models**: `models` lists the shipped ones (smollm2-135m, gemma3-270m), converted ones,
+    those in the Hugging Face cache, and which mlx-lm families run; `models --check MODEL`
+    checks one; `convert FILE.gguf` converts a GGUF; `--model` also takes an mlx-lm
+    directory or a Hugging Face repo id (`mlx-community/...`).
 
     **Caches**: `cache ls | show | du` look (never change anything); `cache rm` deletes by
     id, --prefix or --thread; `cache prune --older-than 7d --max-size 5GB` evicts least
@@ -239,7 +240,6 @@ def serve(
         from ..server.agent_routes import parse_scoped_key
     except ImportError as exc:
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
-    from ..config import get_settings
 
     if lazy_store:  # read by every engine the server builds (``open_store``)
         os.environ["AGENT_MEMORY_LAZY_STORE"] = "1"
@@ -284,47 +284,7 @@ def serve(
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
 
 
-@app.command("models")
-def models(
-    cache_dir: CacheDir = None,
-    format: Annotated[str, typer.Option("--format", help="table or json")] = "table",
-) -> None:
-    """List the shipped models (usable by name) and the models converted into the cache
-    directory (GGUF conversions, usable by their directory)."""
-    from ..engine.model.loading import SHIPPED_MODELS
-
-    rows = [
-        {
-            "name": m.name,
-            "kind": "shipped",
-            "context": m.context_length,
-            "chat": m.chat,
-            "about": m.description,
-        }
-        for m in SHIPPED_MODELS.values()
-    ]
-    converted = Path(cache_dir or get_settings().cache_dir).expanduser() / "models"
-    for d in sorted(p for p in converted.glob("*") if (p / "config.json").exists()):
-        try:
-            config = json.loads((d / "config.json").read_text())
-        except ValueError:
-            continue
-        context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-            "max_position_embeddings"
-        )
-        rows.append({"name": str(d), "kind": "converted", "context": context, "chat": None,
-                     "about": config.get("model_type", "")})  # fmt: skip
-    if format == "json":
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    if format != "table":
-        raise typer.BadParameter("give table or json", param_hint="--format")
-    table = Table(title="models")
-    for col in ("name", "kind", "context", "about"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], r["kind"], str(r["context"] or "?"), r["about"])
-    wide_console().print(table)
+app.command("models")(models)
 
 
 def main() -> None:

@@ -125,9 +125,10 @@ class Engine(AgentAdmin):
             rows = reserve_rows(self.spec, context_length, cfg.alone_chunk_tokens, cfg.work_budget_bytes)
             self._reserve, self.agents.reserved_rows = WorkReserve(self.spec, rows), rows
         self._feed = CommitFeed()
+        runner = ModelRunner(self.lm.model, self.lm.batches)
         self._steps = steps = RequestSteps(
-            self.agents, ModelRunner(self.lm.model), self.tokenizer, context_length, self.lm.name,
-            self._queue_save, cfg.share_prefixes,
+            self.agents, runner, self.tokenizer, context_length, self.lm.name, self._queue_save,
+            cfg.share_prefixes,
         )  # fmt: skip
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=cfg.scheduling, chunk_tokens=cfg.chunk_tokens,
@@ -266,6 +267,7 @@ class Engine(AgentAdmin):
         if self._reserve is not None:
             self._reserve.release()
         self._worker.submit(release_memory).result()  # freed buffers back to the system, on the worker
+        self._worker.stop()
 
     def __enter__(self) -> Engine:
         return self

@@ -139,8 +139,11 @@ class Sampler:
 class ModelRunner:
     """Runs one model for the engine's requests (on the worker thread)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, batches: bool = True) -> None:
         self.model = model
+        #: Several requests' steps in one forward pass; False: one at a time (a model whose
+        #: attention cannot take the batch's mask: ``self_check.batch_agrees``).
+        self.batches = batches
         self._members: list[Hashable] = []  # the decode batch, in row order
         self._caches: list[BatchLayerCache] | None = None
         self._cache_bound = device.prefill_cache_bound()
@@ -180,7 +183,7 @@ class ModelRunner:
         keys and values are taken out of their caches after the pass (``unfeed``). Each
         member attends over its own caches (no merged buffer: built for one pass, it would
         be a copy of every member's keys for nothing)."""
-        if len(items) == 1 or any(isinstance(c, RecurrentCache) for c in items[0][1]):
+        if len(items) == 1 or not self.batches or any(isinstance(c, RecurrentCache) for c in items[0][1]):
             # Recurrent layers cannot take right padding back out (``unfeed``): one by one.
             rows = [self.prefill(ids, layers, last=True) for ids, layers in items]
             return mx.stack(rows)  # type: ignore[arg-type]
@@ -203,10 +206,9 @@ class ModelRunner:
         logits rows (float32), in the order given. A token may be a lazy array (the last
         step's draw, not yet evaluated). One member decodes alone; several as one batched
         forward pass over the batch kept from the previous step."""
-        if len(members) == 1:
+        if len(members) == 1 or not self.batches:
             self.leave_all()
-            _, token, layers = members[0]
-            return decode_step(self.model, token, layers)[None]
+            return mx.stack([decode_step(self.model, token, layers) for _, token, layers in members])
         caches = self._batch_for(members)
         order = {key: row for row, key in enumerate(self._members)}
         rows = [order[key] for key, _, _ in members]

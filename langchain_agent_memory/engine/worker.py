@@ -57,6 +57,9 @@ class Sink:
 Start = Callable[[threading.Event, Sink], None]
 
 
+_STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
+
+
 class Worker:
     """A daemon thread fed by a queue. Why not a ``ThreadPoolExecutor``, and why no stop at
     exit: a thread that has run MLX work and *ends* during interpreter shutdown makes MLX
@@ -86,7 +89,10 @@ class Worker:
                     logger.exception("engine step failed")
                 continue
             stepper = None  # not held while parked: a closed engine can then be freed
-            self._run(*self._jobs.get())
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            self._run(*job)
 
     @staticmethod
     def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -102,6 +108,13 @@ class Worker:
         """Whether work waits behind the running job: queued jobs, or requests in progress
         (background work such as a prefetch yields to either)."""
         return not self._jobs.empty() or (self.stepper is not None and self.stepper.has_work())
+
+    def stop(self) -> None:
+        """End the thread once the jobs queued before this have run (its engine was closed:
+        at run time, not during interpreter shutdown, where an ending MLX thread aborts)."""
+        self._jobs.put(_STOP)  # type: ignore[arg-type]
+        if not self.on_worker:
+            self._thread.join()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()

@@ -42,11 +42,18 @@ pytestmark = pytest.mark.gpu
 
 #: SmolLM2's real weights: on a GPU only (on the CPU tests/integration/test_engine.py has them).
 REAL = "smollm2-real"
-FAMILIES = sorted(SMALL_CONFIGS) + ([REAL] if device.on_gpu() else [])
+#: Every family of mlx-lm runs the engine's default path in the model matrix
+#: (test_model_matrix.py); here one family of each kind also takes the other paths (the
+#: stored form, mlx-lm's own attention over the engine's caches), on a GPU every one.
+FAMILIES = (
+    [*sorted(SMALL_CONFIGS), REAL] if device.on_gpu() else ["deepseek_v2", "gemma3_text", "gpt_oss", "llama"]
+)
 #: Hybrid families (recurrent layers beside attention; ``kv.recurrent``): MoE ones run at
 #: float32 only on this CPU build (mlx's CPU ``GatherMM``). Falcon-H1 keeps a recurrent
 #: mixer and attention in one layer (mlx-lm's ``CacheList``): two slots of the engine's.
-HYBRIDS = sorted(HYBRID_CONFIGS)
+HYBRIDS = (
+    sorted(HYBRID_CONFIGS) if device.on_gpu() else ["falcon_h1", "granitemoehybrid", "lfm2", "qwen3_next"]
+)
 #: Weights of the reload / DIVERGE / 4-bit oracles, and of batched == alone (see above).
 WEIGHTS = device.weight_dtype()
 BATCH_WEIGHTS = "float32"
@@ -103,7 +110,7 @@ def model_dir(
 #: How requests attend: on the stored form (``kv.stored``), over a full-precision working
 #: copy through the engine's attention (the default: the CPU kernels there, mlx's fused one
 #: on a GPU), or mlx-lm's own attention code on the arrays the caches return.
-PATHS = ["stored", "copy", "mlx-attention"]
+PATHS = ["stored", "copy", "mlx-attention"] if device.on_gpu() else ["stored", "mlx-attention"]
 
 
 def _engine(model: Path, cache_dir: Path, kv_bits: int | None, path: str) -> Engine:

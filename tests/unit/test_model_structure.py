@@ -115,12 +115,27 @@ def test_the_self_check_refuses_a_model_that_keeps_state_outside_its_cache() -> 
     with pytest.raises(UnsupportedModelError, match="differs from mlx-lm's own"):
         raise checks.refusal("remembers", result)
 
-    class KeepsNothing(original):  # type: ignore[misc, valid-type]
-        def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-            return super().__call__(x, mask, None)
 
-    attention.__class__ = KeepsNothing
-    with pytest.raises(UnsupportedModelError, match="layer 1's KVCache holds nothing after a forward pass"):
+def test_a_cache_the_model_never_fills_is_no_slot_of_the_engines() -> None:
+    """A layer that attends without its cache (as Nemotron-NAS's layers without attention
+    leave theirs empty) gets no slot: the engine stores the other layers, and the model
+    computes over its caches what it computes over mlx-lm's; a model that fills none of
+    its caches keeps its keys elsewhere: refused."""
+    model = _llama(3)
+    for layer in (1, 2):
+        attention = model.model.layers[layer].self_attn
+
+        class KeepsNothing(type(attention)):  # type: ignore[misc]
+            def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+                return super().__call__(x, "causal" if x.shape[1] > 1 else None, None)
+
+        attention.__class__ = KeepsNothing
+        if layer == 1:
+            structure = describe(model)
+            assert structure.layout.entries == (0, None, 1) and structure.spec.num_layers == 2
+            assert structure.layout.summary() == "KVCache ×2, unused"
+    model.model.layers[0].self_attn.__class__ = type(model.model.layers[1].self_attn)
+    with pytest.raises(UnsupportedModelError, match="no cache holds anything after a forward pass"):
         describe(model)
 
 

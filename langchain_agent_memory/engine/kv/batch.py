@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops.runtime import mx
+from . import fetches
 from .buffers import Working, grown_rows
 from .layer import LayerCache
 from .recurrent import BatchRecurrentCache, RecurrentCache
@@ -57,6 +58,11 @@ class BatchLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append each agent's new keys and values; return every agent's visible ones,
         left-padded to one length (``make_mask`` marks the padding)."""
+        fetched = self._update_and_fetch(keys, values)
+        fetches.note(fetched[0], self)
+        return fetched
+
+    def _update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._fetched = None  # as in ``LayerCache``: its views would stop an in-place append
         sb = self._batch_stored()
         if sb is not None:  # one write for all agents; ``attend`` reads the stored batch
@@ -103,7 +109,7 @@ class BatchLayerCache:
         masks = []
         for c in self.caches:
             lo = c._first_visible(c.offset)
-            masks.append(positional_mask(c.offset, N, lo, c.spec.window, True))
+            masks.append(positional_mask(c.offset, N, lo, c.spec.window, True, c.spec.chunk))
         width = max(mask.shape[-1] for mask in masks)
         return mx.stack([_left_pad(mask, width, False) for mask in masks])[:, None]
 

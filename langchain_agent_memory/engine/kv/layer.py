@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops.runtime import mx
+from . import fetches
 from .buffers import Working, grown_rows, in_space, slice_parts, with_room
 from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
 from .layer_blocks import LayerBlocks
@@ -203,6 +204,7 @@ class LayerCache(LayerBlocks, WorkingCopy):
                 lo = self._first_visible(self.offset - L)
                 out_k, out_v = self._decoded(lo, keys.dtype, False, False)
             self._fetched = _Fetched(out_k, out_v, out_k, out_v, False, False)
+            fetches.note(out_k, self)
             return out_k, out_v
         if self._work is not None and self._work.end == self.offset:
             self._append_work(keys, values)
@@ -212,6 +214,7 @@ class LayerCache(LayerBlocks, WorkingCopy):
         # Lazy: where ``attend`` is called instead (adapted model), these are never computed.
         out_k, out_v = in_space(k, krot, False), in_space(v, vrot, False)
         self._fetched = _Fetched(out_k, out_v, k, v, krot, vrot)
+        fetches.note(out_k, self)
         return out_k, out_v
 
     def fetched(self, keys: Any, values: Any) -> bool:
@@ -253,12 +256,24 @@ class LayerCache(LayerBlocks, WorkingCopy):
         (this layer's own window; mlx-lm's ``window_size`` names the same one)."""
         first_q = self.offset
         lo = self._first_visible(first_q)
-        return positional_mask(first_q, N, lo, self.spec.window, return_array)
+        return positional_mask(first_q, N, lo, self.spec.window, return_array, self.spec.chunk)
 
     def _first_visible(self, first_q: int) -> int:
         """The first position a query at ``first_q`` or later can see (and is held)."""
-        window = self.spec.window
+        window, chunk = self.spec.window, self.spec.chunk
+        if chunk is not None:
+            return max(self.start, first_q // chunk * chunk)
         return self.start if window is None else max(self.start, first_q - window + 1)
+
+    @property
+    def start_position(self) -> int:
+        """mlx-lm's ``ChunkedKVCache.start_position``: the first key the next fetch returns
+        (Llama 4 makes its chunk mask from it)."""
+        return self._first_visible(self.offset)
+
+    def maybe_trim_front(self) -> None:
+        """mlx-lm's ``ChunkedKVCache`` drops keys before the chunk here; the engine keeps them
+        (stored in blocks like any layer's: a DIVERGE may go back into an earlier chunk)."""
 
     def is_trimmable(self) -> bool:
         return True
@@ -314,7 +329,9 @@ class LayerCache(LayerBlocks, WorkingCopy):
             )
         q = queries @ rotation(queries.shape[-1]) if f.krot else queries
         n_keys = f.k.shape[2]
-        mask = positional_mask(self.offset - L, L, self.offset - n_keys, self.spec.window, False)
+        mask = positional_mask(
+            self.offset - L, L, self.offset - n_keys, self.spec.window, False, self.spec.chunk
+        )
         out = attention(q, f.k, f.v, scale, mask, sinks)
         return out @ rotation(out.shape[-1]).T if f.vrot else out
 
@@ -322,6 +339,19 @@ class LayerCache(LayerBlocks, WorkingCopy):
         """Every key and value held, positions ``[start, offset)``, at full precision in the
         model's space (the self-check compares them with mlx-lm's)."""
         return self._decoded(self.start, dtype, False, False)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """mlx-lm's ``KVCache.keys_and_values``, for layers of the model that attend over
+        another layer's keys and values (Gemma 3n's KV-shared layers, AFM's KV-reuse ones):
+        what the last ``update_and_fetch`` returned (the positions the model's mask is made
+        for; the engine's attention knows them by identity), else all that is held."""
+        f = self._fetched
+        if f is None:
+            return self.held_kv(self.dtype)
+        if self._direct:  # placeholders of the stored form: the real ones (AFM reads their length)
+            lo = self._first_visible(self.offset - f.keys.shape[2])
+            return self._decoded(lo, f.keys.dtype, False, False)
+        return f.keys, f.values
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -9,11 +9,12 @@ the snapshots a policy keeps (``engine.states``) beside the attention layers' bl
 request resumes from the newest snapshot at or before the point where its prompt parts
 from the stored text, and prefills the rest.
 
-``RecurrentCache`` satisfies what mlx-lm's recurrent layers use of ``ArraysCache``
-(``cache[i]`` read and written, ``lengths`` / ``left_padding`` / ``advance`` /
-``make_mask`` for batched prompts), and the part of the engine's layer protocol that a
-layer without keys and values has: ``offset``, ``trim_to`` (to a snapshot), ``unfeed``
-(one step back: the decode that runs one step ahead), no blocks of its own.
+``RecurrentCache`` is an ``ArraysCache`` (Mamba's layers write their state only into one)
+with what mlx-lm's recurrent layers use of it overridden (``cache[i]`` read and written,
+``lengths`` / ``left_padding`` / ``advance`` / ``make_mask`` for batched prompts), and
+the part of the engine's layer protocol that a layer without keys and values has:
+``offset``, ``trim_to`` (to a snapshot), ``unfeed`` (one step back: the decode that runs
+one step ahead), no blocks of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from ..ops.runtime import mx
 from .spec import LayerSpec
@@ -30,7 +32,7 @@ from .spec import LayerSpec
 State = tuple[mx.array, ...]
 
 
-class RecurrentCache:
+class RecurrentCache(ArraysCache):  # type: ignore[misc]
     """One recurrent layer of one agent: its state after ``offset`` tokens, and snapshots
     of it at earlier positions (``snapshots``, this request's, until its commit)."""
 
@@ -202,7 +204,7 @@ def state_from_tensors(index: int, spec: LayerSpec, tensors: Any) -> State:
     return tuple(out)
 
 
-class BatchRecurrentCache:
+class BatchRecurrentCache(ArraysCache):  # type: ignore[misc]
     """One recurrent layer of several agents, stepped together (a decode step: one token
     each, no padding): each entry read as the members' rows stacked, written back as each
     member's row, so every member's own cache is current after every step (it can leave,

@@ -29,6 +29,9 @@ class LayerSpec:
     #: A recurrent layer (no keys and values; ``kv_heads`` 0): its state's arrays, in the
     #: order of mlx-lm's ``ArraysCache`` entries. None: an attention layer.
     state: tuple[StateArray, ...] | None = None
+    #: Chunked attention (Llama 4's ``ChunkedKVCache``): a query sees the keys of its own
+    #: ``chunk``-token chunk only. None: not chunked.
+    chunk: int | None = None
 
     @property
     def sliding(self) -> bool:
@@ -45,6 +48,8 @@ class LayerSpec:
         out["window"] = self.window
         if self.state is not None:
             out["state"] = [[list(shape), dtype] for shape, dtype in self.state]
+        if self.chunk is not None:
+            out["chunk"] = self.chunk
         return out
 
 

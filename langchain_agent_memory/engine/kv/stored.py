@@ -70,13 +70,16 @@ def decode_segment(parts: Parts, codec: TensorCodec, dtype: mx.Dtype) -> mx.arra
 
 
 def positional_mask(
-    first_q: int, L: int, first_k: int, window: int | None, return_array: bool
+    first_q: int, L: int, first_k: int, window: int | None, return_array: bool, chunk: int | None = None
 ) -> mx.array | str | None:
     """Queries at ``[first_q, first_q + L)`` over keys ``[first_k, first_q + L)``: causal and,
-    with a ``window``, ``query - key < window``. None where every query sees every key;
-    ``"causal"`` (bottom-right aligned, mlx's fused form) where that is all, unless an array
-    is asked for."""
+    with a ``window``, ``query - key < window``; with a ``chunk``, a key of the query's own
+    chunk only. None where every query sees every key; ``"causal"`` (bottom-right aligned,
+    mlx's fused form) where that is all, unless an array is asked for."""
     end = first_q + L
+    if chunk is not None:
+        q_pos, k_pos = mx.arange(first_q, end)[:, None], mx.arange(first_k, end)[None]
+        return (k_pos <= q_pos) & (k_pos // chunk == q_pos // chunk)
     if L == 1 and (window is None or end - first_k <= window):
         return mx.ones((1, end - first_k), dtype=mx.bool_) if return_array else None
     if window is None and first_k == 0 and not return_array:

@@ -43,7 +43,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..kv import BatchLayerCache, LayerCache
+from ..kv import BatchLayerCache, LayerCache, fetches
 from ..ops import cpu_attention, fast_ops
 from ..ops.runtime import mx, side_streams
 from .structure import decoder_stack, text_model
@@ -75,8 +75,13 @@ class _Attention:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if isinstance(cache, (LayerCache, BatchLayerCache)) and cache.fetched(keys, values):
+        if isinstance(cache, LayerCache) and cache.spec.chunk is not None:
+            pass  # chunked attention: the model's own mask over the real keys it fetched
+        elif isinstance(cache, (LayerCache, BatchLayerCache)) and cache.fetched(keys, values):
             return cache.attend(queries, scale, sinks)
+        owner = fetches.owner(keys, values) if cache is None else None
+        if owner is not None:  # another layer's keys and values (Gemma 4's KV-shared layers)
+            return owner.attend(queries, scale, sinks)
         if not self.kernels or hasattr(cache, "bits") or sinks is not None:
             # mlx-lm's quantized caches hand over (packed, scales, biases); sinks: mx.fast.
             return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -209,14 +214,9 @@ def _adapt_head(model: Any) -> int:
     heads += [m for m in (stack.children().values() if stack is not None else ()) if type(m) is nn.Embedding]
     n = 0
     for head in heads:
-        if head.weight.nbytes < _SPLIT_BYTES or "bias" in head:
+        if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head or head.weight.nbytes < _SPLIT_BYTES:
             continue
-        if type(head) is nn.Linear:
-            head.__class__ = _SplitHead
-        elif type(head) is nn.Embedding:
-            head.__class__ = _SplitEmbedding
-        else:
-            continue
+        head.__class__ = _SplitHead if type(head) is nn.Linear else _SplitEmbedding
         n += 1
     return n
 
@@ -306,10 +306,10 @@ def _rebound(call: types.FunctionType, kernels: bool) -> types.FunctionType | No
     at ours; None if it uses neither."""
     names = set(call.__code__.co_names)
     replace: dict[str, Any] = {}
-    if "scaled_dot_product_attention" in names:
+    if "scaled_dot_product_attention" in names and "scaled_dot_product_attention" in call.__globals__:
         original = call.__globals__["scaled_dot_product_attention"]
         replace["scaled_dot_product_attention"] = _Attention(original, kernels)
-    if "swiglu" in names and kernels:
+    if "swiglu" in names and "swiglu" in call.__globals__ and kernels:
         replace["swiglu"] = fast_ops.fast_swiglu
     if not replace:
         return None

@@ -1,23 +1,45 @@
-"""The model families agent-memory refuses, and why: the rest is decided by structure.
+"""What the test matrix found about each of mlx-lm's model families, and the families
+refused before any weight is read.
 
 Whether the engine runs a model is decided from the loaded model (``structure``: the kinds
 of its caches) and checked on it (``self_check``: the engine's logits against mlx-lm's own),
-not from a list of names. This table only answers early, before any weight is read, for the
-families the test matrix (tests/integration/test_model_matrix.py) found refused on every
-config: the same verdict the structure or the self-check would give, with its reason.
+not from a list of names. ``family_verdicts.json`` records what the test matrix
+(``testing.model_matrix``) found for every family of the mlx-lm it ran on: the caches of a
+small config of it and the verdict, for ``agent-memory models`` and the docs' table; it
+decides nothing. ``REFUSED`` answers early for families whose every config is refused.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .structure import UnsupportedModelError
 
-#: config.json ``model_type`` -> why agent-memory refuses it.
+#: config.json ``model_type`` -> why agent-memory refuses it, whatever the config.
 REFUSED: dict[str, str] = {}
 
-__all__ = ["REFUSED", "UnsupportedModelError", "check_refused", "model_type"]
+#: The test matrix's verdicts (``testing.model_matrix`` writes it).
+VERDICTS_FILE = Path(__file__).with_name("family_verdicts.json")
+
+__all__ = [
+    "REFUSED",
+    "VERDICTS_FILE",
+    "UnsupportedModelError",
+    "check_refused",
+    "model_type",
+    "recorded_verdicts",
+]
+
+
+def recorded_verdicts() -> dict[str, Any]:
+    """``{"mlx_lm": version, "families": {family: {"kinds", "verdict", "reason"}}}`` as the
+    test matrix recorded them (empty families if the file is missing)."""
+    try:
+        return json.loads(VERDICTS_FILE.read_text())
+    except (OSError, ValueError):
+        return {"mlx_lm": "?", "families": {}}
 
 
 def model_type(model_dir: Path) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from ..kv.recurrent import fed
 from ..ops.runtime import mx
 from .adapters import STACK_ROWS, cut_rows, select_stack_rows
-from .structure import CacheLayout, decoder_stack, layout_of
+from .structure import CacheLayout, decoder_stack, describe
 
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -62,7 +62,7 @@ def forward_of(model: Any) -> ModelForward:
     """The ``ModelForward`` of a loaded model instance (made once, kept on the instance)."""
     made = model.__dict__.get("_agent_memory_forward")
     if made is None:
-        made = ModelForward(model, layout_of(model)[0])
+        made = ModelForward(model, describe(model).layout)
         model._agent_memory_forward = made
     return made
 

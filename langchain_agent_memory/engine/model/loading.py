@@ -103,6 +103,12 @@ class LoadedModel:
     structure: ModelStructure  # what it keeps per layer, as the engine stores it
     check: checks.CheckResult | None = None  # its self-check (None: not run)
 
+    @property
+    def batches(self) -> bool:
+        """Whether several agents' decode steps run as one batch (the self-check found a
+        batched step equal to one alone, or did not run)."""
+        return self.check is None or not self.check.unbatched
+
 
 def conversion_progress(items: Iterable[Any], total: int, desc: str) -> Iterable[Any]:
     from tqdm.auto import tqdm
@@ -202,6 +208,7 @@ def load_model(
     weight_dtype: str | None = None,
     cpu_kernels: bool = True,
     self_check: bool = True,
+    recheck: bool = False,
 ) -> LoadedModel:
     """Load (once per process) the mlx-lm model and tokenizer named by ``model``.
 
@@ -210,14 +217,15 @@ def load_model(
     else ``smollm2-135m``). A model the engine cannot store caches for is refused
     (``UnsupportedModelError``, naming the layer and its cache kind) before its weights are
     read; one that passes is checked against mlx-lm's own forward (``self_check``: a pass
-    is remembered under ``<cache_dir>/models``; ``self_check=False`` skips it).
+    is remembered under ``<cache_dir>/models``; ``self_check=False`` skips it, ``recheck``
+    runs it again on a model loaded before).
     ``cpu_kernels``: on the CPU, run this instance's attention and MLP on the fused kernels
     of ``fast_ops`` (``adapters.adapt_model``; only this instance changes). False gives
     mlx-lm's own model (benchmarks compare the two).
     """
     with _LOAD_LOCK:
         path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
-        if (path, cpu_kernels) in _LOADED:
+        if (path, cpu_kernels) in _LOADED and not recheck:
             return _LOADED[(path, cpu_kernels)]
         check_refused(path)
         from mlx_lm.utils import load as mlx_load
@@ -229,7 +237,7 @@ def load_model(
         mx.eval(mdl.parameters())
         structure = describe(mdl)
         memo = Path(cache_dir or get_settings().cache_dir) / "models"
-        check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo) if self_check else None
+        check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
         if check is not None:
             check.before_adapting()
         if cpu_kernels:
@@ -260,15 +268,23 @@ class _SelfCheck:
     caches) and after (the CPU kernels), each with a working copy and on the stored form."""
 
     def __init__(
-        self, model: Any, structure: ModelStructure, path: Path, name: str, cpu_kernels: bool, memo: Path
+        self,
+        model: Any,
+        structure: ModelStructure,
+        path: Path,
+        name: str,
+        cpu_kernels: bool,
+        memo: Path,
+        recheck: bool = False,
     ) -> None:
         self.model, self.structure, self.name, self.memo = model, structure, name, memo
         self.key = checks.check_key(path, f"{mx.default_device()}/kernels={cpu_kernels}", memo)
-        entry = checks.remembered(memo, self.key)
+        entry = None if recheck else checks.remembered(memo, self.key)
         self.result: checks.CheckResult | None = None
         if entry is not None:
             error, tolerance = float(entry.get("max_error", 0.0)), checks.tolerance(structure)
-            self.result = checks.CheckResult(True, error, tolerance, remembered=True)
+            unbatched = str(entry.get("unbatched", ""))
+            self.result = checks.CheckResult(True, error, tolerance, remembered=True, unbatched=unbatched)
         self._ref: checks.Reference | None = None
 
     def before_adapting(self) -> None:
@@ -287,6 +303,11 @@ class _SelfCheck:
             more = checks.check(self.model, self.structure, self._ref, checks.KERNEL_RUNS)
             self.result = self._refused_unless(self.result.merged(more))
         logger.info("%s: self-check %s in %.1f s", self.name, self.result.summary(), self.result.seconds)
+        if self.result.unbatched:
+            logger.warning(
+                "%s: its agents decode one at a time, not batched (a batched step differs from "
+                "one alone: %s)", self.name, self.result.unbatched,
+            )  # fmt: skip
         checks.remember(self.memo, self.key, self.name, self.result)
         return self.result
 

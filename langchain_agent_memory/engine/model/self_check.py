@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..kv import KVQuant, LayerCache, RecurrentCache, make_layer_caches
+from ..kv import KVQuant, LayerCache, RecurrentCache, batch_layer_caches, make_layer_caches
+from ..ops import device
 from ..ops.files import atomic_write_bytes
 from ..ops.runtime import mx
 from .fingerprint import weights_digest
@@ -71,6 +72,8 @@ class CheckResult:
     runs: dict[str, float] = field(default_factory=dict)  # run -> its worst error
     seconds: float = 0.0
     remembered: bool = False
+    #: Why the model's agents decode one at a time ("": they batch; ``batch_agrees``).
+    unbatched: str = ""
 
     def merged(self, other: CheckResult) -> CheckResult:
         """Both checks' runs: passed if both did, the worse error and where it was."""
@@ -78,6 +81,7 @@ class CheckResult:
         return CheckResult(
             self.passed and other.passed, worst.max_error, self.tolerance, worst.worst,
             self.differs or other.differs, {**self.runs, **other.runs}, self.seconds + other.seconds,
+            unbatched=self.unbatched or other.unbatched,
         )  # fmt: skip
 
     def summary(self) -> str:
@@ -204,8 +208,61 @@ def check(
         if errors[worst] > tol and result.passed:
             result.passed = False
             result.differs = _first_difference(flat, ref, structure, tol)
+    if result.passed:
+        result.unbatched = batch_agrees(model, structure, ref, runs)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def batch_agrees(
+    model: Any, structure: ModelStructure, ref: Reference, runs: dict[str, tuple[bool, bool]]
+) -> str:
+    """Whether one decode step of two agents of different lengths, batched, gives each the
+    logits it gets alone ("" where it does; else what differed). A model whose attention
+    code shapes the batch's mask its own way (Gemma 2's grouped queries) cannot take the
+    engine's: its agents then decode one at a time."""
+    forward = forward_of(model)
+    token = mx.array([[ref.decoded[0]], [ref.decoded[0]]])
+    for name, (rotated, stored) in runs.items():
+
+        def filled(n: int, rotated: bool = rotated, stored: bool = stored) -> list[Any]:
+            flat = make_layer_caches(
+                structure.spec, KVQuant.uniform(None), prefill_rotated=rotated, serve_stored=stored
+            )
+            forward(mx.array(ref.ids[:n])[None], flat, LAST)
+            return flat
+
+        a, b = filled(16), filled(24)
+        alone = [forward(token[:1], filled(n), None)[0, -1].astype(mx.float32) for n in (16, 24)]
+        try:
+            batch = batch_layer_caches([a, b], merge=device.merged_batch())
+            together = forward(token, batch, None)[:, -1].astype(mx.float32)
+            error = max(_error(together[i], alone[i]) for i in (0, 1))
+            if not structure.spec.hybrid:  # two whole prompts in one pass, right-padded
+                error = max(error, _prefill_error(forward, structure, ref, rotated, stored))
+        except Exception as exc:
+            return f"{name}: {type(exc).__name__}: {exc}"
+        if error > tolerance(structure):
+            return f"{name}: a batched row differs by {error:.2e}"
+    return ""
+
+
+def _prefill_error(
+    forward: Any, structure: ModelStructure, ref: Reference, rotated: bool, stored: bool
+) -> float:
+    """Two prompts (16 and 24 tokens) prefilled in one pass, the shorter padded on the right
+    (``ModelRunner.prefill_whole``), against each alone: the largest relative difference."""
+
+    def fresh() -> list[Any]:
+        return make_layer_caches(
+            structure.spec, KVQuant.uniform(None), prefill_rotated=rotated, serve_stored=stored
+        )
+
+    alone = [forward(mx.array(ref.ids[:n])[None], fresh(), LAST)[0, -1].astype(mx.float32) for n in (16, 24)]
+    tokens = mx.array([ref.ids[:16] + ref.ids[15:16] * 8, ref.ids[:24]])
+    batch = batch_layer_caches([fresh(), fresh()], merge=False, merge_stored=False)
+    rows = forward(tokens, batch, mx.array([15, 23]))[:, -1].astype(mx.float32)
+    return max(_error(rows[i], alone[i]) for i in (0, 1))
 
 
 def refusal(name: str, result: CheckResult) -> UnsupportedModelError:
@@ -255,6 +312,7 @@ def remember(memo_dir: Path | None, key: str, model: str, result: CheckResult) -
     data[key] = {
         "model": model,
         "max_error": result.max_error,
+        "unbatched": result.unbatched,
         "checked": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     # Only a memo: a failed write costs a second check later, nothing else.

@@ -21,6 +21,7 @@ and values through these caches is what ``self_check`` then verifies on the load
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,10 @@ class UnsupportedModelError(ValueError):
     engine's caches than over mlx-lm's own (``self_check``)."""
 
 
-#: A model cache entry: an index into the engine's flat list, or a ``CacheList`` of them.
-Entry = int | tuple[int, ...]
+#: A model cache entry: an index into the engine's flat list, None for a cache the model
+#: never fills (it gets a fresh one of mlx-lm's each call), or a ``CacheList`` of those.
+Slot = int | None
+Entry = Slot | tuple[Slot, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +52,56 @@ class CacheLayout:
     kinds: tuple[str, ...]
 
     @property
-    def nested(self) -> bool:
-        return any(isinstance(e, tuple) for e in self.entries)
+    def plain(self) -> bool:
+        """Whether the model's list is the engine's list itself (one cache per entry, all used)."""
+        return self.entries == tuple(range(len(self.kinds)))
 
     def assemble(self, flat: Sequence[Any]) -> list[Any]:
         """The model's cache list over the engine's ``flat`` caches (the same objects)."""
-        if not self.nested:
+        if self.plain:
             return list(flat)
-        from mlx_lm.models.cache import CacheList
+        from mlx_lm.models.cache import CacheList, KVCache
 
-        return [flat[e] if isinstance(e, int) else CacheList(*(flat[i] for i in e)) for e in self.entries]
+        def slot(i: Slot) -> Any:
+            return KVCache() if i is None else flat[i]
+
+        return [CacheList(*map(slot, e)) if isinstance(e, tuple) else slot(e) for e in self.entries]
+
+    def summary(self) -> str:
+        """``KVCache ×2, RotatingKVCache(48) ×2``; a layer that keeps two as ``CacheList(a+b)``;
+        a cache the model never fills as ``unused``."""
+
+        def kind(i: Slot) -> str:
+            return "unused" if i is None else self.kinds[i]
+
+        names = [
+            f"CacheList({'+'.join(map(kind, e))})" if isinstance(e, tuple) else kind(e) for e in self.entries
+        ]
+        return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in Counter(names).items())
+
+    def without(self, unused: set[int]) -> CacheLayout:
+        """This layout with the slots in ``unused`` taken out of the engine's list."""
+        renumber = {}
+        for i in range(len(self.kinds)):
+            if i not in unused:
+                renumber[i] = len(renumber)
+
+        def slot(i: Slot) -> Slot:
+            return None if i is None else renumber.get(i)
+
+        entries = tuple(tuple(map(slot, e)) if isinstance(e, tuple) else slot(e) for e in self.entries)
+        return CacheLayout(entries, tuple(k for i, k in enumerate(self.kinds) if i not in unused))
 
     def leaves(self, caches: Sequence[Any]) -> list[Any]:
-        """The flat list of a model's cache list (``CacheList`` entries opened)."""
-        out: list[Any] = []
+        """The caches of a model's cache list that stand for the engine's slots, in order
+        (``CacheList`` entries opened, unused ones left out)."""
+        out: list[Any] = [None] * len(self.kinds)
         for entry, cache in zip(self.entries, caches, strict=True):
-            out.extend(cache.caches if isinstance(entry, tuple) else [cache])
+            for i, part in (
+                zip(entry, cache.caches, strict=True) if isinstance(entry, tuple) else [(entry, cache)]
+            ):
+                if i is not None:
+                    out[i] = part
         return out
 
 
@@ -111,8 +148,8 @@ def _kind(cache: Any) -> str:
 
 
 def _window(cache: Any, where: str) -> int | str | None:
-    """A leaf cache's window (None: all tokens), ``"state"`` for a recurrent one; refuses the
-    kinds the engine cannot store."""
+    """A leaf cache's window (None: all tokens), ``"state"`` for a recurrent one,
+    ``"chunk:N"`` for chunked attention; refuses the kinds the engine cannot store."""
     from mlx_lm.models import cache as mc
 
     kind = type(cache)
@@ -127,9 +164,12 @@ def _window(cache: Any, where: str) -> int | str | None:
         return int(cache.max_size)
     if issubclass(kind, mc.ArraysCache) and kind.__module__ == mc.__name__:
         return "state"
+    if kind is mc.ChunkedKVCache:
+        return f"chunk:{int(cache.chunk_size)}"
     raise UnsupportedModelError(
         f"{where} is a {kind.__module__}.{kind.__qualname__}, a cache kind agent-memory cannot "
-        "store (it stores KVCache, RotatingKVCache, ArraysCache / MambaCache and CacheList of those)"
+        "store (it stores KVCache, RotatingKVCache, ChunkedKVCache, ArraysCache / MambaCache and "
+        "CacheList of those)"
     )
 
 
@@ -165,12 +205,25 @@ def describe(model: Any) -> ModelStructure:
     """The model's structure, probed: its own cache list, then two tokens through the model
     over it, so that every slot's shapes are the ones it really stores (an MLA layer's keys
     and values differ in width; a recurrent layer's state has the shapes of its arrays).
-    Two tokens: a state every recurrent layer fills (one could leave a convolution window's
-    entry unset on a first step)."""
+    Sixteen tokens: a state every recurrent layer fills and holds at its full size (one
+    could leave a convolution window's entry unset; LongCat-Flash-NGram's token history
+    grows to its n-gram's length). A cache the pass left empty is one the model never uses
+    (Nemotron-NAS's layers without attention): no slot of the engine's."""
     layout, caches, windows = layout_of(model)
-    mx.eval(model(mx.array([[0, 0]]), cache=caches))
+    mx.eval(model(mx.array([[0] * 16]), cache=caches))
     name = type(model).__module__.removeprefix("mlx_lm.models.")
-    return ModelStructure(layout, _spec(name, layout.leaves(caches), windows))
+    leaves = layout.leaves(caches)
+    unused = {
+        i for i, (c, w) in enumerate(zip(leaves, windows, strict=True)) if w != "state" and c.keys is None
+    }
+    if len(unused) == len(leaves):
+        raise UnsupportedModelError(
+            f"{name}: no cache holds anything after a forward pass: the model keeps its keys "
+            "and values outside the caches it is given"
+        )
+    kept = [i for i in range(len(leaves)) if i not in unused]
+    spec = _spec(name, [leaves[i] for i in kept], [windows[i] for i in kept])
+    return ModelStructure(layout.without(unused), spec)
 
 
 def _spec(name: str, leaves: list[Any], windows: list[int | str | None]) -> ModelCacheSpec:
@@ -183,14 +236,10 @@ def _spec(name: str, leaves: list[Any], windows: list[int | str | None]) -> Mode
             state = tuple((tuple(int(d) for d in x.shape[1:]), _dtype_name(x.dtype)) for x in cache.cache)
             layers.append(LayerSpec(0, 0, 0, None, state))
             continue
-        if cache.keys is None:
-            raise UnsupportedModelError(
-                f"{name}: layer {i}'s {_kind(cache)} holds nothing after a forward pass: the "
-                "model does not keep its keys and values in it"
-            )
         _, heads, _, k_dim = cache.keys.shape
-        assert window is None or isinstance(window, int)
-        layers.append(LayerSpec(int(heads), int(k_dim), int(cache.values.shape[-1]), window))
+        chunk = int(window.removeprefix("chunk:")) if isinstance(window, str) else None
+        span = window if isinstance(window, int) else None
+        layers.append(LayerSpec(int(heads), int(k_dim), int(cache.values.shape[-1]), span, chunk=chunk))
         dtype = dtype or _dtype_name(cache.keys.dtype)
     if not dtype:  # a pure state-space model: the activations' dtype is its states'
         dtype = next(s for spec in layers if spec.state for _, s in spec.state)

@@ -55,6 +55,9 @@ _DTYPES: dict[str, tuple[mx.Dtype, Any]] = {
     "I32": (mx.int32, np.uint32),
     "U8": (mx.uint8, np.uint8),
     "U16": (mx.uint16, np.uint16),
+    # Recurrent states kept as integers (LongCat-Flash-NGram's n-gram token history).
+    "I64": (mx.int64, np.uint64),
+    "U64": (mx.uint64, np.uint64),
 }
 #: Header size above which a file is not ours (ours are a few KB).
 _MAX_HEADER = 16 << 20

@@ -1,0 +1,345 @@
+"""The model matrix: every text family of the installed mlx-lm, built from a small config
+(``family_configs``, random weights), run through the whole engine and compared with
+mlx-lm itself. tests/integration/test_model_matrix.py runs it; its verdicts are recorded in
+``engine/model/family_verdicts.json``, which ``agent-memory models`` and the docs' model
+table are made from (``python -m langchain_agent_memory.testing.model_matrix`` writes both).
+
+Per family, one set of engines over one model directory, each check an oracle:
+
+- ``loads``: the structure is one the engine stores and the self-check passes;
+- ``mlx-lm``: greedy text at 16-bit KV == mlx-lm's own ``generate_step`` on the same ids
+  (an instance of mlx-lm's own, not adapted: the engine must not change the model's math);
+- ``reload``: a new engine reading the agent from disk == the uninterrupted run;
+- ``diverge``: a DIVERGE from the stored text == a cold run of the same prompt;
+- ``batched``: three agents decoding together == each alone;
+- ``fork``: three agents released together over a shared prefix (forks) == each alone, cold;
+- ``4-bit``: the default KV format reloads like the hot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..engine.engine import Engine, GenerationParams, GenerationResult
+from ..engine.model.families import VERDICTS_FILE
+from ..engine.model.loading import unload_models
+from ..engine.model.structure import UnsupportedModelError
+from ..engine.ops.runtime import mx
+from ..engine.prefix import MatchKind
+from . import corpus
+from .family_configs import family_config, text_families, unbuildable
+from .random_model import write_random_model
+
+CHECKS = ("loads", "mlx-lm", "reload", "diverge", "batched", "fork", "4-bit")
+GREEDY = GenerationParams(max_tokens=8)
+
+
+def _texts() -> tuple[str, dict[str, str], dict[str, str]]:
+    # ~620 tokens: two whole blocks (a hybrid's snapshots, forks), past the 48-token windows.
+    long = corpus.apache_license()[:3000]
+    prompts = {
+        "lawyer": long[:1100] + "\n\nQ: Its name?\nA:",
+        "tutor": "You teach Python.\n\n" + corpus.python_docs_topic("while")[:600] + "\n\nQ: while?\nA:",
+        "poet": "Write a short poem about the sea.\n",
+    }
+    fan = {f"item-{i}": f"{long}\n\nQ: {q}\nA:" for i, q in enumerate(["Its name?", "Who?", "Sell?"])}
+    return long, prompts, fan
+
+
+def run_together(
+    engine: Engine, prompts: dict[str, str], params: GenerationParams | dict[str, GenerationParams]
+) -> dict[str, GenerationResult]:
+    """Each agent's prompt on its own thread (with its own parameters where ``params`` maps
+    agents to them), all released at once (a barrier): the engine runs them concurrently,
+    their decode steps batched."""
+    results: dict[str, GenerationResult] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def run(agent: str) -> None:
+        barrier.wait()
+        try:
+            results[agent] = engine.generate(
+                agent, prompts[agent], params[agent] if isinstance(params, dict) else params
+            )
+        except BaseException as exc:  # raised in the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@dataclass(slots=True)
+class FamilyReport:
+    """One family's row: its cache kinds, verdict, and each check's outcome (None: not run)."""
+
+    family: str
+    kinds: str = ""
+    verdict: str = "runs"  # "runs", "refused" (structure or self-check), "not built"
+    reason: str = ""
+    checks: dict[str, bool | None] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # check -> what differed
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        ran = self.verdict == "runs" and all(self.checks.get(c) for c in CHECKS)
+        return ran or self.verdict == "refused"
+
+
+class _Engines:
+    """The engines of one family's checks (closed at the end: their memory goes)."""
+
+    def __init__(self, model: Path, root: Path) -> None:
+        self.model, self.root, self.made = model, root, []
+
+    def __call__(self, where: str, **options: Any) -> Engine:
+        options.setdefault("kv_bits", None)
+        engine = Engine(self.model, cache_dir=self.root / where, **options)
+        self.made.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self.made:
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.made.clear()
+
+
+def _mlx_lm_greedy(model_dir: Path, ids: list[int], n: int) -> tuple[list[int], str]:
+    """mlx-lm's own greedy tokens after ``ids`` (its own load, not the engine's instance)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(model_dir))
+    tokens = []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
+        tokens.append(int(token))
+    del model
+    return tokens, tokenizer.decode(tokens)
+
+
+def check_family(family: str, model_dir: Path, root: Path) -> FamilyReport:
+    """Every check of ``CHECKS`` on one family's model directory (cache dirs under ``root``)."""
+    report = FamilyReport(family)
+    t0 = time.perf_counter()
+    engines = _Engines(model_dir, root)
+    try:
+        _run_checks(report, model_dir, engines)
+    finally:
+        engines.close()
+        unload_models(model_dir)  # a matrix of a hundred models would otherwise hold them all
+        report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> None:
+    long, prompts, fan = _texts()
+    try:
+        # Every state snapshot the policy picks (a hybrid's DIVERGE below resumes at one).
+        hot = engines("hot", state_budget=None)
+    except UnsupportedModelError as exc:
+        report.verdict, report.reason, report.checks["loads"] = "refused", str(exc), False
+        return
+    layout = hot.lm.structure.layout
+    report.kinds = layout.summary()
+    report.checks["loads"] = True
+    if not hot.lm.batches:  # served, its agents decoding one at a time
+        report.reason = "its agents decode one at a time (its attention shapes a batch's mask its own way)"
+
+    def verdict(check: str, ok: bool, detail: Callable[[], str]) -> None:
+        report.checks[check] = ok
+        if not ok:
+            report.failures[check] = detail()
+
+    # mlx-lm's own greedy tokens on the ids the engine ran.
+    r1 = hot.generate("x", long, GREEDY)
+    hot.flush()
+    record = hot.store.get_agent("x")
+    assert record is not None
+    ids, reply = record.token_ids[: r1.prompt_tokens], record.token_ids[r1.prompt_tokens :]
+    theirs, text = _mlx_lm_greedy(model_dir, ids, r1.completion_tokens)
+    verdict(
+        "mlx-lm",
+        theirs[: len(reply)] == reply and text.strip() == r1.text.strip(),
+        lambda: f"mlx-lm {theirs} {text!r} / engine {reply} {r1.text!r}",
+    )
+
+    # Reload == uninterrupted; DIVERGE == cold.
+    p2 = long + r1.text + "\n\nQ: and the second part?\nA:"
+    r2 = hot.generate("x", p2, GREEDY)
+    engines("b").generate("x", long, GREEDY)
+    warm = engines("b").generate("x", p2, GREEDY)
+    verdict(
+        "reload",
+        # A hybrid's stored turn may resume at the snapshot one token before its end.
+        str(warm.outcome).startswith("warm")
+        and warm.text == r2.text
+        and r2.reused_tokens - hot.spec.hybrid <= warm.reused_tokens <= r2.reused_tokens,
+        lambda: f"{warm.outcome} {warm.text!r} ({warm.reused_tokens}) / hot {r2.text!r} ({r2.reused_tokens})",
+    )
+    # Past the first block: a hybrid resumes from its snapshot there.
+    p3 = long[:2000] + " -- a different question entirely: what is a patent?"
+    diverge = hot.generate("x", p3, GREEDY)
+    cold = engines("c").generate("y", p3, GREEDY)
+    verdict(
+        "diverge",
+        diverge.outcome.match is MatchKind.DIVERGE and diverge.text == cold.text,
+        lambda: f"{diverge.outcome} {diverge.text!r} / cold {cold.text!r}",
+    )
+
+    # Batched == alone.
+    alone = {agent: hot.generate(agent, p, GREEDY).text for agent, p in prompts.items()}
+    batched = engines("batched")
+    got = {a: r.text for a, r in run_together(batched, prompts, GREEDY).items()}
+    verdict(
+        "batched",
+        got == alone and batched.stats()["max_decode_batch"] >= 2,
+        lambda: f"batched {got} / alone {alone} (max batch {batched.stats()['max_decode_batch']})",
+    )
+
+    # Fan-out: forks over a shared prefix == each alone, cold.
+    expected = {agent: engines(f"alone-{agent}").generate(agent, p, GREEDY).text for agent, p in fan.items()}
+    forked = run_together(engines("fan-out"), fan, GREEDY)
+    shared = sorted(str(r.outcome) for r in forked.values())
+    verdict(
+        "fork",
+        {a: r.text for a, r in forked.items()} == expected and shared.count("hot-shared") == 2,
+        lambda: f"{shared}: {[r.text for r in forked.values()]} / alone {list(expected.values())}",
+    )
+
+    # The default 4-bit-class format: a reload equals the hot run.
+    four = engines("4bit-hot", kv_bits=4)
+    q1 = four.generate("x", long, GREEDY)
+    q2 = four.generate("x", long + q1.text + " Next:", GREEDY)
+    engines("4bit-b", kv_bits=4).generate("x", long, GREEDY)
+    q_warm = engines("4bit-b", kv_bits=4).generate("x", long + q1.text + " Next:", GREEDY)
+    verdict(
+        "4-bit",
+        str(q_warm.outcome).startswith("warm") and q_warm.text == q2.text,
+        lambda: f"{q_warm.outcome} {q_warm.text!r} / hot {q2.text!r}",
+    )
+
+
+def build(family: str, root: Path, tokenizer_dir: Path) -> Path:
+    """The family's small random-weight model directory (float32: this CPU's fast path)."""
+    return write_random_model(family_config(family), root / family, tokenizer_dir, seed=7)
+
+
+def families() -> list[str]:
+    """The families the matrix runs: every one of mlx-lm's that a config can build."""
+    skip = unbuildable()
+    return [f for f in text_families() if f not in skip]
+
+
+# ------------------------------------------------------------------ the recorded verdicts
+
+
+def record(reports: dict[str, FamilyReport]) -> dict[str, Any]:
+    """What ``family_verdicts.json`` holds: each family's kinds, verdict and reason."""
+    import importlib.metadata
+
+    rows = {
+        f: {"kinds": r.kinds, "verdict": r.verdict, "reason": r.reason} for f, r in sorted(reports.items())
+    }
+    for family, why in sorted(unbuildable().items()):
+        rows[family] = {"kinds": "", "verdict": "not built", "reason": why}
+    return {"mlx_lm": importlib.metadata.version("mlx-lm"), "families": dict(sorted(rows.items()))}
+
+
+def table(recorded: dict[str, Any]) -> str:
+    """The docs' page of model families (Markdown), from the recorded verdicts."""
+    rows = recorded["families"].items()
+    runs = sum(1 for _, row in rows if row["verdict"] == "runs")
+    lines = [
+        "<!-- generated by `python -m langchain_agent_memory.testing.model_matrix`: do not edit -->",
+        "# Model families",
+        "",
+        f"Every text family of mlx-lm {recorded['mlx_lm']}'s `models/`, as the test matrix found it",
+        f"({runs} of {len(recorded['families'])} run): a small random-weight config of each family runs",
+        "the whole engine, and every check must hold — greedy text at 16-bit KV equal to mlx-lm's own",
+        "`generate_step` on the same ids, a reload equal to the uninterrupted run, a DIVERGE equal",
+        "to a cold run, batched decode equal to decode alone, fan-out forks equal to each agent",
+        "alone, the default 4-bit format reloading like the hot run. *Caches* are what the",
+        "model's own `make_cache()` returns, as the engine stores them. A model of a family not",
+        "listed, or of a newer mlx-lm, is decided the same way when it loads: by its caches and",
+        "its self-check ([Models](../guides/models.md)).",
+        "",
+        "| family | caches | verdict |",
+        "|---|---|---|",
+    ]
+    for family, row in rows:
+        verdict = row["verdict"] if not row["reason"] else f"{row['verdict']}: {row['reason']}"
+        lines.append(f"| `{family}` | {row['kinds']} | {verdict.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(reports: dict[str, FamilyReport], docs: Path) -> None:
+    """Write the recorded verdicts and the docs' table from ``reports``."""
+    recorded = record(reports)
+    VERDICTS_FILE.write_text(json.dumps(recorded, indent=1, ensure_ascii=False) + "\n")
+    docs.write_text(table(recorded))
+
+
+@contextlib.contextmanager
+def _workspace() -> Iterator[tuple[Path, Path]]:
+    import tempfile
+
+    from ..engine.model.loading import resolve_model_dir
+
+    with tempfile.TemporaryDirectory(prefix="model-matrix-") as tmp:
+        yield Path(tmp), resolve_model_dir("smollm2-135m")[0]
+        unload_models(Path(tmp))
+
+
+def _rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main(argv: list[str]) -> int:
+    """Run the matrix (all families, or those named) and write the verdicts and the table;
+    ``--docs``: only render the table again from the recorded verdicts."""
+    docs = Path(__file__).resolve().parents[2] / "docs" / "models" / "families.md"
+    if argv == ["--docs"]:
+        from ..engine.model.families import recorded_verdicts
+
+        docs.write_text(table(recorded_verdicts()))
+        return 0
+    wanted = argv or families()
+    reports = {}
+    with _workspace() as (root, tokenizer):
+        for i, family in enumerate(wanted, 1):
+            try:
+                model = build(family, root / "models", tokenizer)
+                report = check_family(family, model, root / "caches" / family)
+            except Exception as exc:  # a family that breaks the engine: say so, go on
+                report = FamilyReport(family, verdict="error", reason=f"{type(exc).__name__}: {exc}")
+            reports[family] = report
+            said = f"{report.verdict} {report.kinds} {report.seconds:.1f} s"
+            said += f" (peak RSS {_rss_gb():.2f} GB, {threading.active_count()} threads)"
+            print(f"[{i}/{len(wanted)}] {family}: {said} {report.failures or report.reason}", flush=True)
+            gc.collect()
+    if not argv:
+        write(reports, docs)
+    return 0 if all(r.passed for r in reports.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

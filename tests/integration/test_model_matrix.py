@@ -1,0 +1,141 @@
+"""The model matrix, generated from the installed mlx-lm: every text family in its
+``models/`` that a small config builds (``testing.family_configs``; random weights,
+SmolLM2's tokenizer) runs the whole engine, each check an oracle (``testing.model_matrix``):
+greedy text at 16-bit == mlx-lm's own ``generate_step``, reload == uninterrupted, DIVERGE
+== cold, batched == alone, fan-out forks == alone, the default 4-bit format reloads. A
+family the engine refuses says why (the layer and cache kind, or what the self-check
+found). The recorded verdicts (``engine/model/family_verdicts.json``) and the docs' model
+table are what this run found: ``python -m langchain_agent_memory.testing.model_matrix``
+writes both."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from langchain_agent_memory.engine.model.families import recorded_verdicts
+from langchain_agent_memory.engine.model.loading import LoadedModel, unload_models
+from langchain_agent_memory.testing.model_matrix import (
+    CHECKS,
+    FamilyReport,
+    build,
+    check_family,
+    families,
+    record,
+    table,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = families()
+#: The families users pick for local agents that must run (issue 52's list).
+MUST_RUN = {
+    "gemma3", "gemma4", "qwen3_moe", "qwen3_5_moe", "glm4_moe", "mistral3", "ministral3",
+    "smollm3", "olmo3", "granite", "granitemoe", "mixtral", "qwen2_moe", "olmoe", "phimoe",
+    "exaone4", "cohere2", "gemma2", "starcoder2", "llama4_text", "falcon_h1", "jamba", "olmo_hybrid",
+}  # fmt: skip
+MOST_REFUSED = 10
+REPORTS: dict[str, FamilyReport] = {}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory, smollm: LoadedModel) -> Iterator[tuple[Path, Path]]:
+    """Where the families' models and caches go, and the tokenizer they copy; the models
+    loaded from there are let go at the module's end."""
+    root = tmp_path_factory.mktemp("matrix")
+    yield root, smollm.path
+    unload_models(root)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_the_engine_as_mlx_lm_does_or_is_refused_with_its_reason(
+    family: str, workspace: tuple[Path, Path]
+) -> None:
+    root, tokenizer = workspace
+    model = build(family, root / "models", tokenizer)
+    report = check_family(family, model, root / "caches" / family)
+    report.reason = report.reason.replace(str(model), family)
+    REPORTS[family] = report
+    if report.verdict == "refused":
+        assert family not in MUST_RUN, report.reason
+        # What to do about it: the layer and its cache kind, or what the self-check found.
+        assert re.search(r"layer \d+|differs from mlx-lm's own", report.reason), report.reason
+        return
+    assert report.failures == {}, report.failures
+    assert set(report.checks) == set(CHECKS) and all(report.checks.values())
+
+
+def _comparable(recorded: dict[str, object]) -> dict[str, object]:
+    # Figures in a reason (a logit error) vary with the machine: the words must not.
+    families = recorded["families"]
+    assert isinstance(families, dict)
+    return {f: {**row, "reason": re.sub(r"[\d.e+-]{3,}", "#", row["reason"])} for f, row in families.items()}
+
+
+def test_the_recorded_verdicts_and_the_docs_table_are_what_the_matrix_found() -> None:
+    if set(REPORTS) != set(FAMILIES):
+        pytest.skip("the whole matrix did not run in this session")
+    found = record(REPORTS)
+    runs = [f for f, row in found["families"].items() if row["verdict"] == "runs"]
+    refused = [f for f, row in found["families"].items() if row["verdict"] == "refused"]
+    assert len(runs) >= 45 and set(runs) >= MUST_RUN, sorted(MUST_RUN - set(runs))
+    assert len(refused) <= MOST_REFUSED, refused
+    recorded = recorded_verdicts()
+    assert recorded["mlx_lm"] == found["mlx_lm"], (
+        "run `python -m langchain_agent_memory.testing.model_matrix`"
+    )
+    assert _comparable(recorded) == _comparable(found), (
+        "run `python -m langchain_agent_memory.testing.model_matrix`"
+    )
+    docs = (ROOT / "docs" / "models" / "families.md").read_text()
+    assert docs == table(recorded), "the docs' table is generated: run the module above"
+
+
+#: Checkpoints as mlx-community ships them: mlx-lm's own ``convert`` quantizes a family's
+#: small model (4-bit affine in groups of 64, 8-bit, mxfp4), as a user downloads it.
+QUANTIZED = [
+    ("llama", "affine", 4),
+    ("qwen3_moe", "affine", 8),
+    ("gemma3", "mxfp4", 4),
+    ("qwen3_5_moe", "affine", 4),
+]
+
+
+@pytest.mark.parametrize(("family", "mode", "bits"), QUANTIZED)
+def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
+    family: str, mode: str, bits: int, workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """mlx-lm's quantized weights (its ``convert``: the quantization config and ``sanitize``
+    honoured) load, pass the self-check, and give mlx-lm's own greedy tokens."""
+    from mlx_lm.convert import convert
+
+    from langchain_agent_memory.engine.engine import Engine
+    from langchain_agent_memory.testing.model_matrix import GREEDY, _mlx_lm_greedy, _texts
+
+    root, tokenizer = workspace
+    source = build(family, root / "models", tokenizer)
+    quantized = tmp_path / f"{family}-{mode}{bits}"
+    convert(
+        str(source),
+        str(quantized),
+        quantize=True,
+        q_bits=bits,
+        q_mode=mode,
+        q_group_size=None if mode != "affine" else 64,
+    )
+    engine = Engine(quantized, cache_dir=tmp_path / "kv", kv_bits=None)
+    try:
+        assert engine.lm.check is not None and engine.lm.check.passed
+        prompt = _texts()[0]
+        result = engine.generate("x", prompt, GREEDY)
+        engine.flush()
+        record = engine.store.get_agent("x")
+        assert record is not None
+        ids, reply = record.token_ids[: result.prompt_tokens], record.token_ids[result.prompt_tokens :]
+        theirs, text = _mlx_lm_greedy(quantized, ids, result.completion_tokens)
+        assert theirs[: len(reply)] == reply and text.strip() == result.text.strip()
+    finally:
+        engine.close()
+        unload_models(quantized)
