@@ -251,8 +251,10 @@ class Engine(AgentAdmin):
     def close(self) -> None:
         """Free this engine's memory (hot agents, working copies, the in-memory block tier;
         given back to the system, ``runtime.release_memory``) and close its index; what is
-        stored stays on disk. Call it when no request is in progress. Without it an engine
-        lives as long as the process (its worker holds it)."""
+        stored stays on disk. Call it when no request is in progress (closing it again does
+        nothing). Without it an engine lives as long as the process (its worker holds it)."""
+        if self._closed:
+            return
         if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
             raise RuntimeError("close() while requests are in progress: let them finish first")
         if self._admissions is not None:

@@ -71,6 +71,7 @@ class Worker:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
         self.stepper: Stepper | None = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread_id: int | None = None
         self._thread.start()
@@ -112,11 +113,14 @@ class Worker:
     def stop(self) -> None:
         """End the thread once the jobs queued before this have run (its engine was closed:
         at run time, not during interpreter shutdown, where an ending MLX thread aborts)."""
+        self._stopped = True
         self._jobs.put(_STOP)  # type: ignore[arg-type]
         if not self.on_worker:
             self._thread.join()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._stopped:  # a job no thread would run: its caller would wait forever
+            raise RuntimeError("this Engine was closed; create a new one")
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         return future

@@ -154,7 +154,8 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
         # Every state snapshot the policy picks (a hybrid's DIVERGE below resumes at one).
         hot = engines("hot", state_budget=None)
     except UnsupportedModelError as exc:
-        report.verdict, report.reason, report.checks["loads"] = "refused", str(exc), False
+        reason = str(exc).replace(str(model_dir), report.family)  # no temporary path in the record
+        report.verdict, report.reason, report.checks["loads"] = "refused", reason, False
         return
     layout = hot.lm.structure.layout
     report.kinds = layout.summary()
@@ -330,6 +331,9 @@ def main(argv: list[str]) -> int:
                 model = build(family, root / "models", tokenizer)
                 report = check_family(family, model, root / "caches" / family)
             except Exception as exc:  # a family that breaks the engine: say so, go on
+                import traceback
+
+                traceback.print_exc()
                 report = FamilyReport(family, verdict="error", reason=f"{type(exc).__name__}: {exc}")
             reports[family] = report
             said = f"{report.verdict} {report.kinds} {report.seconds:.1f} s"

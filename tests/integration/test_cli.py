@@ -72,7 +72,33 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     assert "deleted 1 agent cache" in _run("cache", "rm", "--prefix", "t2:", "-y", "--cache-dir", d)
     assert engine.store.get_agent("t2:lawyer") is None
     listed = json.loads(_run("models", "--format", "json", "--cache-dir", d))
-    assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed if m["kind"] == "shipped"}
+    assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed["models"] if m["kind"] == "shipped"}
+    families = {f["family"]: f for f in listed["families"]}
+    assert families["gemma3"]["verdict"] == families["qwen3_moe"]["verdict"] == "runs"
+
+
+def test_models_check_says_what_a_model_keeps_and_whether_it_runs(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """``models --check DIR``: the caches the model keeps and its self-check against mlx-lm's
+    own forward; a family mlx-lm does not have is refused (exit 1) with what to do."""
+    from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
+
+    model = write_random_model(SMALL_CONFIGS["gemma3_text"], tmp_path / "gemma", smollm.path, seed=3)
+    d = str(tmp_path / "kv")
+    checked = json.loads(_run("models", "--check", str(model), "--format", "json", "--cache-dir", d))
+    assert checked["verdict"] == "runs" and checked["caches"] == "RotatingKVCache(48) ×2, KVCache ×2"
+    assert set(checked["self_check"]["runs"]) >= {
+        "mlx-lm attention, working copy",
+        "mlx-lm attention, stored form",
+    }
+    assert max(checked["self_check"]["runs"].values()) < checked["self_check"]["tolerance"]
+    shown = _run("models", "--check", str(model), "--cache-dir", d)
+    assert "self-check against mlx-lm's own forward: passed" in shown
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    refused = CliRunner().invoke(app, ["models", "--check", str(tmp_path / "bert"), "--cache-dir", d])
+    assert refused.exit_code == 1 and "'bert' is not one mlx-lm" in refused.output
 
 
 @pytest.mark.parametrize(
@@ -90,6 +116,7 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
         ["chat"],
         ["run"],
         ["convert"],
+        ["models"],
     ],
 )
 def test_every_command_has_help(command: list[str]) -> None:

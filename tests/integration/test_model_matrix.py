@@ -56,7 +56,6 @@ def test_every_family_runs_the_engine_as_mlx_lm_does_or_is_refused_with_its_reas
     root, tokenizer = workspace
     model = build(family, root / "models", tokenizer)
     report = check_family(family, model, root / "caches" / family)
-    report.reason = report.reason.replace(str(model), family)
     REPORTS[family] = report
     if report.verdict == "refused":
         assert family not in MUST_RUN, report.reason
@@ -139,3 +138,50 @@ def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
     finally:
         engine.close()
         unload_models(quantized)
+
+
+def test_a_self_check_pass_is_remembered_and_a_new_mlx_lm_checks_again(
+    workspace: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load of a model runs its self-check; a later load (another process: the
+    model let go here) finds the pass remembered under the cache directory and skips it;
+    what the pass is valid for includes the versions of mlx-lm (a new one checks again)."""
+    import importlib.metadata
+
+    from langchain_agent_memory.engine.model.loading import load_model
+
+    model = build("qwen3", tmp_path / "models", workspace[1])
+    first = load_model(model, cache_dir=tmp_path)
+    assert first.check is not None and first.check.passed and not first.check.remembered
+    assert first.check.runs and max(first.check.runs.values()) < first.check.tolerance
+    unload_models(model)
+    again = load_model(model, cache_dir=tmp_path)
+    assert again.check is not None and again.check.remembered
+    unload_models(model)
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda d: "9.9.9" if d == "mlx-lm" else version(d))
+    upgraded = load_model(model, cache_dir=tmp_path)
+    assert upgraded.check is not None and not upgraded.check.remembered
+    unload_models(model)
+
+
+def test_a_model_loaded_on_one_thread_runs_on_the_engines_worker(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Gemma 3n makes arrays in its constructor that are no parameters; a lazy array made
+    on one thread cannot be evaluated on another ("There is no Stream(cpu, 0) in current
+    thread", mlx-lm's own model fails so). Loaded here without a self-check (as when a pass is
+    remembered: nothing evaluates them on this thread), its first request on the engine's
+    worker thread runs."""
+    from langchain_agent_memory.engine.engine import Engine
+    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.testing.model_matrix import GREEDY
+
+    model = build("gemma3n", tmp_path / "models", workspace[1])
+    load_model(model, cache_dir=tmp_path, self_check=False)
+    engine = Engine(model, cache_dir=tmp_path / "kv")
+    try:
+        assert engine.generate("x", "Hello there, how are you?", GREEDY).completion_tokens > 0
+    finally:
+        engine.close()
+        unload_models(model)

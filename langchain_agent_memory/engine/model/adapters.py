@@ -388,5 +388,6 @@ def is_adapted(model: Any) -> bool:
 
 
 def attends_through_caches(model: Any) -> bool:
-    """Whether this instance's attention calls ``LayerCache.attend`` (``adapt_model``)."""
+    """Whether this instance's attention calls ``LayerCache.attend`` (``adapt_model``: the
+    CPU kernels, or only the attention call on a GPU)."""
     return any(getattr(type(m), ADAPTED, None) for m in model.modules())

@@ -6,8 +6,13 @@ written as one safetensors file next to a `config.json`. The tokenizer is rebuil
 the GGUF metadata by transformers' own GGUF tokenizer builders and saved as
 `tokenizer.json` + `tokenizer_config.json` (with the chat template, when the file has one).
 
-Supported: the ``llama`` and ``gemma3`` architectures; tensors in F32/F16/BF16 and every
-block quantization `gguf.quants` can dequantize (Q4_0 ... Q8_0, the K-quants, IQ*).
+Supported architectures, each onto mlx-lm's family of the same design: ``llama``, ``gemma3``
+(mlx-lm's ``gemma3_text``), ``qwen2``, ``qwen3``, ``qwen3moe`` (``qwen3_moe``), ``phi3`` and
+``gemma2``; their tables (tensor names, config builders) are in ``gguf_archs``. What
+llama.cpp's converter did on the way in is undone: llama's Q/K row permutation, Gemma's
+``1 + w`` norm storage; Qwen's linear / YaRN RoPE scaling (metadata) and Phi-3's LongRoPE
+factors (tensors) become ``rope_scaling``. Tensors in F32/F16/BF16 and every block
+quantization `gguf.quants` can dequantize (Q4_0 ... Q8_0, the K-quants, IQ*).
 """
 
 from __future__ import annotations
@@ -26,15 +31,12 @@ import numpy as np
 
 from ..ops.files import atomic_write, atomic_write_bytes
 from ..ops.runtime import mx
+from .gguf_archs import ARCHITECTURES, GLOBAL_NAMES, Tensors, UnsupportedGGUFError, config_for
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 CONVERTER_VERSION = 1  # bump when the output of a conversion changes
-
-
-class UnsupportedGGUFError(ValueError):
-    """The GGUF holds an architecture or tensor type this converter cannot turn into mlx-lm."""
 
 
 def _supported_tensor_types() -> frozenset[str]:
@@ -45,32 +47,6 @@ def _supported_tensor_types() -> frozenset[str]:
 
 # ---------------------------------------------------------------------------- names
 
-_COMMON_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES_SHARED = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-}
-_LAYER_NAMES = {
-    "llama": {**_LAYER_NAMES_SHARED, "ffn_norm": "post_attention_layernorm"},
-    "gemma3": {
-        **_LAYER_NAMES_SHARED,
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-    },
-}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -81,18 +57,21 @@ def mlx_name(architecture: str, gguf_name: str) -> str:
     'model.layers.3.self_attn.q_proj.weight'
     >>> mlx_name("gemma3", "blk.0.ffn_norm.weight")
     'model.layers.0.pre_feedforward_layernorm.weight'
+    >>> mlx_name("qwen3moe", "blk.1.ffn_up_exps.weight")
+    'model.layers.1.mlp.switch_mlp.up_proj.weight'
     """
-    if gguf_name in _COMMON_NAMES:
-        return _COMMON_NAMES[gguf_name]
+    spec = ARCHITECTURES[architecture]
+    base, _, kind = gguf_name.partition(".")
+    if base in spec.globals and kind == "weight":
+        return f"{GLOBAL_NAMES[base]}.weight"
     m = _BLOCK_RE.match(gguf_name)
-    names = _LAYER_NAMES[architecture]
-    if m is None or m.group(2) not in names:
+    if m is None or m.group(2) not in spec.layers:
         raise UnsupportedGGUFError(
-            f"tensor {gguf_name!r} has no counterpart in mlx-lm's {architecture} model; "
-            "this GGUF is not a plain llama/gemma3 checkpoint"
+            f"tensor {gguf_name!r} has no counterpart in mlx-lm's {spec.model_type} model; "
+            f"this GGUF is not a plain {architecture} checkpoint"
         )
     layer, part, kind = m.groups()
-    return f"model.layers.{layer}.{names[part]}.{kind}"
+    return f"model.layers.{layer}.{spec.layers[part]}.{kind}"
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -115,46 +94,6 @@ def _fields(reader: Any, prefix: str = "") -> dict[str, Any]:
         if key.startswith(prefix):
             out[key] = field.contents()
     return out
-
-
-def _config_for(arch: str, meta: dict[str, Any], tensor_names: set[str], vocab: int) -> dict[str, Any]:
-    def g(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
-
-    heads = int(g("attention.head_count"))
-    common = {
-        "hidden_size": int(g("embedding_length")),
-        "num_hidden_layers": int(g("block_count")),
-        "intermediate_size": int(g("feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(g("vocab_size", vocab)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 2048)),
-    }
-    if g("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedGGUFError(f"RoPE scaling {g('rope.scaling.type')!r} is not supported yet")
-    if arch == "llama":
-        head_dim = int(g("attention.key_length", common["hidden_size"] // heads))
-        return {
-            "model_type": "llama",
-            **common,
-            "head_dim": head_dim,
-            "tie_word_embeddings": "output.weight" not in tensor_names,
-        }
-    # gemma3: the GGUF lacks the sliding-window pattern, the local RoPE base and the query
-    # scale; these are the values of every released Gemma 3 text model of <=12B (head_dim 256).
-    head_dim = int(g("attention.key_length", 256))
-    return {
-        "model_type": "gemma3_text",
-        **common,
-        "head_dim": head_dim,
-        "query_pre_attn_scalar": head_dim,
-        "sliding_window": int(g("attention.sliding_window", 512)),
-        "sliding_window_pattern": 6,
-        "rope_local_base_freq": 10000.0,
-    }
 
 
 def _tokenizer_files(arch: str, meta: dict[str, Any], out: Path) -> list[int]:
@@ -197,8 +136,10 @@ def _tokenizer_files(arch: str, meta: dict[str, Any], out: Path) -> list[int]:
     _save_tokenizer(backend, tok_config, out)
 
     eos = [int(special["eos_token"])] if special["eos_token"] is not None else []
-    if arch == "gemma3" and "<end_of_turn>" in tokens:
-        eos.append(tokens.index("<end_of_turn>"))  # Gemma ends a turn with 106, text with 1
+    # A chat turn ends with its own token (Gemma's 106, where text ends with 1; Qwen's <|im_end|>)
+    end_of_turn = ARCHITECTURES[arch].end_of_turn
+    if end_of_turn in tokens and tokens.index(end_of_turn) not in eos:
+        eos.append(tokens.index(end_of_turn))
     return eos
 
 
@@ -287,9 +228,11 @@ def convert_gguf(
             f"supported: {', '.join(sorted(supported))}"
         )
 
+    spec = ARCHITECTURES[arch]
     names = {t.name for t in reader.tensors}
+    values = {t.name: _tensor_array(t) for t in reader.tensors if t.name in spec.config_tensors}
     vocab = len(meta.get("tokenizer.ggml.tokens", []))
-    config = _config_for(arch, meta, names, vocab)
+    config = config_for(arch, meta, Tensors(names, values), vocab)
     mx_dtype = getattr(mx, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -300,12 +243,14 @@ def convert_gguf(
         if progress is not None:
             tensors = progress(tensors, len(reader.tensors), f"converting {src.name}")
         for t in tensors:
+            if t.name in spec.config_tensors:  # already in config.json
+                continue
             arr = _tensor_array(t)
-            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if spec.permuted_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
                 key = "num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"
                 arr = unpermute_qk(arr, config[key])
-            if arch == "gemma3" and t.name.endswith("norm.weight"):
-                arr = arr - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+            if spec.norm_offset and t.name.endswith("norm.weight"):
+                arr = arr - spec.norm_offset  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
             weights[mlx_name(arch, t.name)] = mx.array(arr).astype(mx_dtype)
         config["eos_token_id"] = _tokenizer_files(arch, meta, tmp)
         config["converted_from"] = {"file": src.name, "converter_version": CONVERTER_VERSION, "dtype": dtype}

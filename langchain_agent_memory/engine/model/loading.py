@@ -234,7 +234,7 @@ def load_model(
         _check_mlx_lm_has(path)
         mdl, tok = mlx_load(str(path), lazy=True)
         layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
-        mx.eval(mdl.parameters())
+        mx.eval(mdl.parameters(), _private_arrays(mdl))
         structure = describe(mdl)
         memo = Path(cache_dir or get_settings().cache_dir) / "models"
         check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
@@ -246,6 +246,18 @@ def load_model(
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
+
+
+def _private_arrays(model: Any) -> list[mx.array]:
+    """The arrays a model's modules keep outside their parameters (Gemma 3n's
+    ``_std_multiplier``, computed in its constructor). Evaluated here, on the loading thread:
+    a lazy array made on one thread cannot be evaluated on another ("There is no
+    Stream(cpu, 0) in current thread"), and the model runs on the engine's worker."""
+    out = []
+    for module in model.modules():
+        values = [*vars(module).values(), *(v for k, v in module.items() if k.startswith("_"))]
+        out += [v for v in values if isinstance(v, mx.array)]
+    return out
 
 
 def _check_mlx_lm_has(path: Path) -> None:
@@ -277,7 +289,7 @@ class _SelfCheck:
         memo: Path,
         recheck: bool = False,
     ) -> None:
-        self.model, self.structure, self.name, self.memo = model, structure, name, memo
+        self.model, self.structure, self.name, self.memo, self.path = model, structure, name, memo, path
         self.key = checks.check_key(path, f"{mx.default_device()}/kernels={cpu_kernels}", memo)
         entry = None if recheck else checks.remembered(memo, self.key)
         self.result: checks.CheckResult | None = None
@@ -297,10 +309,11 @@ class _SelfCheck:
         assert self.result is not None
         if self._ref is None:
             return self.result  # remembered
-        from .adapters import is_adapted
+        from .adapters import attends_through_caches, is_adapted
 
-        if is_adapted(self.model):
-            more = checks.check(self.model, self.structure, self._ref, checks.KERNEL_RUNS)
+        if attends_through_caches(self.model):  # the CPU kernels, or the stored form's kernels on a GPU
+            runs = checks.adapted_runs(rotated=is_adapted(self.model))
+            more = checks.check(self.model, self.structure, self._ref, runs)
             self.result = self._refused_unless(self.result.merged(more))
         logger.info("%s: self-check %s in %.1f s", self.name, self.result.summary(), self.result.seconds)
         if self.result.unbatched:
@@ -308,7 +321,7 @@ class _SelfCheck:
                 "%s: its agents decode one at a time, not batched (a batched step differs from "
                 "one alone: %s)", self.name, self.result.unbatched,
             )  # fmt: skip
-        checks.remember(self.memo, self.key, self.name, self.result)
+        checks.remember(self.memo, self.key, self.name, self.path, self.result)
         return self.result
 
     def _refused_unless(self, result: checks.CheckResult) -> checks.CheckResult:

@@ -51,9 +51,16 @@ TOLERANCE = {"float32": 0.01, "float16": 0.04, "bfloat16": 0.08}
 _MEMO_FILE = "self-checks.json"
 #: The engine's runs, by name: (prefill in the rotated space, attend on the stored form).
 #: ``MLX_RUNS`` before the instance is adapted (mlx-lm's attention code over the engine's
-#: caches), ``KERNEL_RUNS`` after (the CPU kernels).
+#: caches), ``adapted_runs`` after (its attention through the engine's caches: the CPU
+#: kernels, or on a GPU the stored form's kernels).
 MLX_RUNS = {"mlx-lm attention, working copy": (False, False), "mlx-lm attention, stored form": (False, True)}
-KERNEL_RUNS = {"CPU kernels, working copy": (True, False), "CPU kernels, stored form": (True, True)}
+
+
+def adapted_runs(rotated: bool) -> dict[str, tuple[bool, bool]]:
+    """The runs after adapting; ``rotated``: its prefill works in the codec's rotated space
+    (the CPU kernels: ``Engine``'s ``prefill_rotated``)."""
+    where = "CPU kernels" if rotated else "engine attention"
+    return {f"{where}, working copy": (rotated, False), f"{where}, stored form": (rotated, True)}
 
 
 def tolerance(structure: ModelStructure) -> float:
@@ -159,6 +166,12 @@ def engine_run(
     return out, flat
 
 
+def _said(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _error(mine: mx.array, ref: mx.array) -> float:
     scale = max(float(mx.abs(ref).max().item()), 1e-6)
     return float(mx.abs(mine - ref).max().item()) / scale
@@ -198,7 +211,7 @@ def check(
             got, flat = engine_run(model, structure, ref, rotated, stored)
         except Exception as exc:  # the model's code cannot run over the engine's caches
             result.passed, result.max_error, result.worst = False, float("inf"), name
-            result.differs = f"it fails over the engine's caches: {type(exc).__name__}: {exc}"
+            result.differs = f"it fails over the engine's caches: {_said(exc)}"
             break
         errors = [_error(g, r) for g, r in zip(got, ref.logits, strict=True)]
         worst = max(range(len(errors)), key=errors.__getitem__)
@@ -241,7 +254,7 @@ def batch_agrees(
             if not structure.spec.hybrid:  # two whole prompts in one pass, right-padded
                 error = max(error, _prefill_error(forward, structure, ref, rotated, stored))
         except Exception as exc:
-            return f"{name}: {type(exc).__name__}: {exc}"
+            return f"{name}: {_said(exc)}"
         if error > tolerance(structure):
             return f"{name}: a batched row differs by {error:.2e}"
     return ""
@@ -300,7 +313,8 @@ def remembered(memo_dir: Path | None, key: str) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) else None
 
 
-def remember(memo_dir: Path | None, key: str, model: str, result: CheckResult) -> None:
+def remember(memo_dir: Path | None, key: str, model: str, model_dir: Path, result: CheckResult) -> None:
+    """Keep a pass under ``key`` (and forget those of models whose directory is gone)."""
     if memo_dir is None:
         return
     path = memo_dir / _MEMO_FILE
@@ -309,8 +323,10 @@ def remember(memo_dir: Path | None, key: str, model: str, result: CheckResult) -
         data = data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         data = {}
+    data = {k: e for k, e in data.items() if isinstance(e, dict) and Path(str(e.get("path", ""))).exists()}
     data[key] = {
         "model": model,
+        "path": str(model_dir.resolve()),
         "max_error": result.max_error,
         "unbatched": result.unbatched,
         "checked": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
