@@ -56,7 +56,7 @@ CONTEXTS = (4096, 16384, 32768, 65536)
 DECODE_TOKENS = 64
 SYSTEMS = ("ours-4bit", "ours-16bit", "mlx-lm")
 #: Where the ``gpu`` marker is (named: the other test modules need the dev extras).
-GPU_TESTS = ["tests/integration/test_families.py"]
+GPU_TESTS = ["tests/integration/test_families.py", "tests/integration/test_model_matrix.py"]
 
 
 def log(msg: str) -> None:

@@ -33,6 +33,7 @@ from ..engine.engine import Engine, GenerationParams, GenerationResult
 from ..engine.model.families import VERDICTS_FILE
 from ..engine.model.loading import unload_models
 from ..engine.model.structure import UnsupportedModelError
+from ..engine.ops import device
 from ..engine.ops.runtime import mx
 from ..engine.prefix import MatchKind
 from . import corpus
@@ -238,8 +239,10 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
 
 
 def build(family: str, root: Path, tokenizer_dir: Path) -> Path:
-    """The family's small random-weight model directory (float32: this CPU's fast path)."""
-    return write_random_model(family_config(family), root / family, tokenizer_dir, seed=7)
+    """The family's small random-weight model directory, in the device's weight dtype
+    (float32 on the CPU: its fast path; bfloat16 on a GPU, as users run models there)."""
+    dtype = device.weight_dtype()
+    return write_random_model(family_config(family), root / family, tokenizer_dir, seed=7, dtype=dtype)
 
 
 def families() -> list[str]:
