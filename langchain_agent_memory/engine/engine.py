@@ -125,10 +125,9 @@ class Engine(AgentAdmin):
             rows = reserve_rows(self.spec, context_length, cfg.alone_chunk_tokens, cfg.work_budget_bytes)
             self._reserve, self.agents.reserved_rows = WorkReserve(self.spec, rows), rows
         self._feed = CommitFeed()
-        runner = ModelRunner(self.lm.model, self.lm.batches)
         self._steps = steps = RequestSteps(
-            self.agents, runner, self.tokenizer, context_length, self.lm.name, self._queue_save,
-            cfg.share_prefixes,
+            self.agents, ModelRunner(self.lm.model, self.lm.batches), self.tokenizer, context_length,
+            self.lm.name, self._queue_save, cfg.share_prefixes,
         )  # fmt: skip
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=cfg.scheduling, chunk_tokens=cfg.chunk_tokens,
@@ -249,10 +248,9 @@ class Engine(AgentAdmin):
             raise RuntimeError("this Engine was closed; create a new one")
 
     def close(self) -> None:
-        """Free this engine's memory (hot agents, working copies, the in-memory block tier;
-        given back to the system, ``runtime.release_memory``) and close its index; what is
-        stored stays on disk. Call it when no request is in progress (closing it again does
-        nothing). Without it an engine lives as long as the process (its worker holds it)."""
+        """Free this engine's memory (hot agents, working copies, the in-memory block tier,
+        given back to the system), its index and its thread; what is stored stays on disk.
+        Call it when no request is in progress (again: nothing happens)."""
         if self._closed:
             return
         if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
