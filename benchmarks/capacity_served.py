@@ -94,26 +94,12 @@ class OursAgents:
 
     def _together(self, max_tokens: int) -> None:
         from langchain_agent_memory.engine.engine import GenerationParams
+        from langchain_agent_memory.testing.model_matrix import run_together
 
         self.turns += 1
         texts = [self.engine.cached_text(f"a{i}") + extension(self.turns) for i in range(self.n)]
-        barrier = threading.Barrier(self.n)
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            barrier.wait()
-            try:
-                self.engine.generate(f"a{i}", texts[i], GenerationParams(max_tokens=max_tokens))
-            except BaseException as exc:  # reported after the join
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(self.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        prompts = {f"a{i}": text for i, text in enumerate(texts)}
+        run_together(self.engine, prompts, GenerationParams(max_tokens=max_tokens))
 
     def round(self, n: int) -> dict[str, Any]:
         import mlx.core as mx

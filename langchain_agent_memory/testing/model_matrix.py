@@ -135,6 +135,20 @@ def _mlx_lm_greedy(model_dir: Path, ids: list[int], n: int) -> tuple[list[int], 
     return tokens, tokenizer.decode(tokens)
 
 
+def against_mlx_lm(engine: Engine, model_dir: Path, prompt: str) -> tuple[GenerationResult, str]:
+    """Agent ``x``'s greedy turn on ``prompt``, and "" where its tokens (those stored) and
+    text are mlx-lm's own ``generate_step``'s on the same ids, else what differed."""
+    result = engine.generate("x", prompt, GREEDY)
+    engine.flush()
+    record = engine.store.get_agent("x")
+    assert record is not None
+    ids, reply = record.token_ids[: result.prompt_tokens], record.token_ids[result.prompt_tokens :]
+    theirs, text = _mlx_lm_greedy(model_dir, ids, result.completion_tokens)
+    if theirs[: len(reply)] == reply and text.strip() == result.text.strip():
+        return result, ""
+    return result, f"mlx-lm {theirs} {text!r} / engine {reply} {result.text!r}"
+
+
 def check_family(family: str, model_dir: Path, root: Path) -> FamilyReport:
     """Every check of ``CHECKS`` on one family's model directory (cache dirs under ``root``)."""
     report = FamilyReport(family)
@@ -170,17 +184,8 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
             report.failures[check] = detail()
 
     # mlx-lm's own greedy tokens on the ids the engine ran.
-    r1 = hot.generate("x", long, GREEDY)
-    hot.flush()
-    record = hot.store.get_agent("x")
-    assert record is not None
-    ids, reply = record.token_ids[: r1.prompt_tokens], record.token_ids[r1.prompt_tokens :]
-    theirs, text = _mlx_lm_greedy(model_dir, ids, r1.completion_tokens)
-    verdict(
-        "mlx-lm",
-        theirs[: len(reply)] == reply and text.strip() == r1.text.strip(),
-        lambda: f"mlx-lm {theirs} {text!r} / engine {reply} {r1.text!r}",
-    )
+    r1, differs = against_mlx_lm(hot, model_dir, long)
+    verdict("mlx-lm", not differs, lambda: differs)
 
     # Reload == uninterrupted; DIVERGE == cold.
     p2 = long + r1.text + "\n\nQ: and the second part?\nA:"

@@ -117,7 +117,7 @@ def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
     from mlx_lm.convert import convert
 
     from langchain_agent_memory.engine.engine import Engine
-    from langchain_agent_memory.testing.model_matrix import GREEDY, _mlx_lm_greedy, _texts
+    from langchain_agent_memory.testing.model_matrix import _texts, against_mlx_lm
 
     root, tokenizer = workspace
     source = build(family, root / "models", tokenizer)
@@ -133,14 +133,8 @@ def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
     engine = Engine(quantized, cache_dir=tmp_path / "kv", kv_bits=None)
     try:
         assert engine.lm.check is not None and engine.lm.check.passed
-        prompt = _texts()[0]
-        result = engine.generate("x", prompt, GREEDY)
-        engine.flush()
-        record = engine.store.get_agent("x")
-        assert record is not None
-        ids, reply = record.token_ids[: result.prompt_tokens], record.token_ids[result.prompt_tokens :]
-        theirs, text = _mlx_lm_greedy(quantized, ids, result.completion_tokens)
-        assert theirs[: len(reply)] == reply and text.strip() == result.text.strip()
+        _, differs = against_mlx_lm(engine, quantized, _texts()[0])
+        assert not differs, differs
     finally:
         engine.close()
         unload_models(quantized)
