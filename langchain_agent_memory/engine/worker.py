@@ -60,21 +60,65 @@ Start = Callable[[threading.Event, Sink], None]
 _STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
 
 
+class _MlxThreads:
+    """The process's threads for MLX work, each lent to one worker at a time and taken
+    back when that worker stops. Why not a thread per worker: mlx gives every thread that
+    evaluates on the CPU a native thread per stream (its default one, the side streams of
+    ``runtime.side_streams``), and MKL an OpenMP team, none of which ends with the thread
+    (mlx 0.32: not with ``mx.clear_streams`` either); a process that opened and closed
+    engines by the hundred (a test suite, a server swapping models) would pile up idle
+    native threads and slow down. Threads are daemons and never end (see ``Worker``)."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self.started = 0
+
+    def lend(self, loop: Callable[[], None], name: str) -> None:
+        """Run ``loop`` on an idle thread, or a new one where none is idle."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+            if inbox is None:
+                self.started += 1
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        inbox.put(loop)
+
+    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+THREADS = _MlxThreads()
+
+
 class Worker:
-    """A daemon thread fed by a queue. Why not a ``ThreadPoolExecutor``, and why no stop at
-    exit: a thread that has run MLX work and *ends* during interpreter shutdown makes MLX
-    abort ("terminate called without an active exception", exit code 134); a daemon thread
-    that is still waiting when the process ends does not. Interrupted saves are safe (see
-    ``store``)."""
+    """One engine's MLX work, run in order on a thread lent by ``THREADS``. Why not a
+    ``ThreadPoolExecutor``, and why no stop at exit: a thread that has run MLX work and
+    *ends* during interpreter shutdown makes MLX abort ("terminate called without an active
+    exception", exit code 134); a daemon thread that is still waiting when the process ends
+    does not. Interrupted saves are safe (see ``store``)."""
 
     def __init__(self, name: str = "agent-memory-mlx") -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
         self.stepper: Stepper | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._ended = threading.Event()
         self._thread_id: int | None = None
-        self._thread.start()
+        self._name = name
+        THREADS.lend(self._run_loop, name)
+
+    def _run_loop(self) -> None:
+        threading.current_thread().name = self._name
+        try:
+            self._loop()
+        finally:
+            self._thread_id = None
+            self._ended.set()
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
@@ -116,7 +160,7 @@ class Worker:
         self._stopped = True
         self._jobs.put(_STOP)  # type: ignore[arg-type]
         if not self.on_worker:
-            self._thread.join()
+            self._ended.wait()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._stopped:  # a job no thread would run: its caller would wait forever

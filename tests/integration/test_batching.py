@@ -184,8 +184,10 @@ def test_langgraph_fan_out_branches_run_concurrently(
 @pytest.mark.parametrize("policy", ["interleave", "fcfs"])
 def test_a_warm_agent_does_not_wait_for_a_cold_prefill(smollm: object, tmp_path: Path, policy: str) -> None:
     """B (a warm cache, a few new tokens) arrives while A's long cold prefill runs: under the
-    engine's policy B's first token comes first; first-come-first-served makes it wait."""
-    engine = Engine("smollm2-135m", cache_dir=tmp_path, scheduling=policy)
+    engine's policy B's first token comes first; first-come-first-served makes it wait.
+    A's prefill runs in 32-token chunks (~50 of them): B arrives while most of it is left
+    however slow the machine is, rather than in its last chunk (where both finish at once)."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path, scheduling=policy, chunk_tokens=32)
     history = PROMPTS["lawyer"]
     engine.generate("b", history, GenerationParams(max_tokens=2))
     long_prompt = "Read this.\n\n" + corpus.apache_license()[:7000] + "\nQ: Its name?\nA:"
