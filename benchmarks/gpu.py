@@ -397,7 +397,7 @@ def device_main(args: argparse.Namespace) -> None:
 
     tok_dir = load_model("smollm2-135m").path
     root = Path(tempfile.mkdtemp(prefix="gpu-bench-"))
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         if time.time() > deadline:
             break
         t0 = time.perf_counter()
@@ -423,6 +423,7 @@ def device_main(args: argparse.Namespace) -> None:
 DEVICE_WHEELS = [
     "mlx-lm==0.32.2", "transformers>=5.20,<6", "pydantic", "pydantic-settings", "langchain-core",
     "langgraph", "langgraph-checkpoint-sqlite", "gguf", "llguidance", "pytest-asyncio", "hypothesis",
+    "huggingface-hub>=2.4,<3",
 ]  # fmt: skip
 DEVICE_HAS = ("numpy", "hf_xet", "sqlite_vec", "pytest-", "rich", "tqdm", "regex", "typer", "tokenizers",
               "safetensors", "pygments", "markdown_it", "mdurl", "click", "shellingham", "sentencepiece",
