@@ -16,6 +16,10 @@ Environment variables (prefix ``AGENT_MEMORY_``):
   several hosts: records in PostgreSQL (``postgresql://...``), blocks in S3-compatible
   storage (``s3://bucket/prefix?endpoint=...``; credentials from ``AWS_*``). Both or neither
   (default: neither; the cache directory alone, no server needed).
+- ``AGENT_MEMORY_HANDOFF_WAIT_S``: how long a worker whose request finds another worker's
+  save of the agent in flight (its lease held) waits for that save's commit, to resume warm
+  from it, before it goes on from what it has (default 10 s: a dead worker's lease expires
+  within 10 s; a 48 MB save commits in ~1.3 s).
 - ``AGENT_MEMORY_MAX_DISK_BYTES`` / ``AGENT_MEMORY_CACHE_TTL``: bound what each model's
   caches keep on disk (``5GB``; ``7d``): least recently used agents are evicted (default:
   unbounded; ``storage.budget``).
@@ -56,6 +60,8 @@ class Settings(BaseSettings):
     blocks: str | None = None  # s3:// URL of a shared store's blocks
     #: Start with a shared store out of reach (serve from the local tier) instead of failing.
     lazy_store: bool = False
+    #: Seconds a request waits for another worker's save of its agent in flight (hand-off).
+    handoff_wait_s: float = Field(default=10.0, ge=0)
     max_disk_bytes: str | None = None  # a disk budget for each model's caches: "5GB", "500MiB", bytes
     cache_ttl: str | None = None  # evict caches unused for this long: "7d", "12h", seconds
     reserve_work: bool = True  # CPU: touch one agent's working-copy memory at engine start (kv.reserve)

@@ -49,8 +49,10 @@ class Proc:
         self.send({"op": op, **args})
         return self.receive()
 
-    def generate(self, agent: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
-        return self("generate", agent=agent, prompt=prompt, max_tokens=max_tokens)
+    def generate(
+        self, agent: str, prompt: str, max_tokens: int = 8, *, wait_saved: bool = True
+    ) -> dict[str, Any]:
+        return self("generate", agent=agent, prompt=prompt, max_tokens=max_tokens, wait_saved=wait_saved)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

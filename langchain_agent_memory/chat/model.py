@@ -86,6 +86,9 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
             (``store="postgresql://..."``), blocks in S3-compatible storage
             (``blocks="s3://bucket/prefix?endpoint=..."``), ``cache_dir`` the local tier in
             front; default ``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS`` (none: local only).
+        lazy_store: a shared store that does not answer at start: serve from ``cache_dir``
+            and upload once it answers (True), or fail with the cause (False); default
+            ``AGENT_MEMORY_LAZY_STORE``.
         hot_budget_mb: memory for the in-memory block tier (shared per engine); default by
             device (512 on the CPU, 1/16 of a GPU's memory).
         max_disk_bytes, cache_ttl: bound the model's stored caches (``"5GB"``; ``"7d"``):
@@ -130,6 +133,7 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
     cache_dir: str | None = None
     store: str | None = None
     blocks: str | None = None
+    lazy_store: bool | None = None
     hot_budget_mb: int | None = Field(default=None, ge=0)
     max_disk_bytes: int | str | None = None
     cache_ttl: float | str | timedelta | None = None
@@ -299,6 +303,7 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
             blocks=self.blocks,
             max_disk_bytes=self.max_disk_bytes,
             cache_ttl=self.cache_ttl,
+            lazy_store=self.lazy_store,
         )
 
     # ------------------------------------------------------------------ one call

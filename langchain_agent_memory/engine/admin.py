@@ -91,7 +91,7 @@ class AgentAdmin:
         """Bring the store within ``storage_budget`` now (it is also kept after every save);
         None without a budget, or when nothing had to go."""
         self._check_open()
-        return self._save_queue.submit(lambda: self._budget.keep(force=True), "the disk budget").result()
+        return self._save_queue.call(lambda: self._budget.keep(force=True))
 
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
@@ -153,14 +153,20 @@ class AgentAdmin:
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
         restore (blocks shared, no tensor copied), after the saves queued before it."""
-        self._save_queue.submit(
-            lambda: self.agents.set_agent(agent_id, source), f"agent {agent_id!r}"
-        ).result()
+        self._save_queue.call(lambda: self.agents.set_agent(agent_id, source))
+
+    def fork(self, agent_id: str, to: str) -> AgentRecord:
+        """Make agent ``to``'s cache stand for what ``agent_id``'s stored one does when the
+        fork runs (after the saves queued before it; blocks shared, no tensor copied): a
+        save or delete racing it cannot leave ``to`` naming freed blocks. Returns the
+        source's record; ``AgentNotFoundError`` if ``agent_id`` has none (then, or deleted
+        first by a racing request)."""
+        return self._save_queue.call(lambda: self.agents.fork(agent_id, to))
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents.
         Runs after the saves queued before it (on the save thread)."""
-        return self._save_queue.submit(lambda: self.agents.delete(agent_id), f"agent {agent_id!r}").result()
+        return self._save_queue.call(lambda: self.agents.delete(agent_id))
 
     def cached_tokens(self, agent_id: str) -> int:
         return self.agents.cached_tokens(agent_id)

@@ -15,8 +15,8 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
 from .agent_state import Admission, AgentState, HotPolicy, PendingSave, holds_window, kept_from, record_tokens
 from .block_cuts import blocks_of
@@ -45,6 +45,8 @@ from .storage.catalog import CommitConflictError
 from .storage.objects import BlocksUnavailableError
 from .storage.pool import BlockPool
 from .storage.protocols import BlockStore, Lease, take_lease
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -426,19 +428,24 @@ class AgentCaches:
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does (blocks shared)."""
+        self._point(agent_id, lambda: self.pool.set_agent(source.named(agent_id)))
+
+    def fork(self, source_id: str, agent_id: str) -> AgentRecord:
+        """``agent_id`` stands for what ``source_id``'s stored cache does now (its record read
+        with the write: ``BlockPool.fork``); returns that record."""
+        validate_agent_id(source_id)
+        return self._point(agent_id, lambda: self.pool.fork(source_id, lambda src: src.named(agent_id)))
+
+    def _point(self, agent_id: str, write: Callable[[], T]) -> T:
+        """``write()`` a new record for ``agent_id`` under its lease; its live copy dropped."""
         validate_agent_id(agent_id)
-        record = AgentRecord(
-            agent_id, list(source.blocks), list(source.token_ids), list(source.token_ends), source.text,
-            states=list(source.states),
-        )  # fmt: skip
-        # Not under ``lock`` (the model steps'): the store's lock and a shared store's
-        # lease are waited for here.
-        try:
+        try:  # not under ``lock`` (the model steps'): the store's lock and lease are waited for
             with take_lease(self.store, agent_id, self.store.seen_version(agent_id)) as lease:
                 if not lease.current:
                     self.read_record(agent_id)  # a shared store's newer version: this replaces that one
-                self.pool.set_agent(record)
+                done = write()
                 lease.committed()
+                return done
         finally:
             with self.lock:
                 self.hot.pop(agent_id, None)  # a live copy would stand for the old text

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,16 +54,20 @@ from .saves import SaveQueue
 from .saves import wait_for as wait_for_saves
 from .scheduler import Scheduler
 from .steps import Request, RequestSteps
-from .storage.blocks import validate_agent_id
+from .storage.blocks import AgentNotFoundError, CacheWriteError, validate_agent_id
 from .storage.budget import BudgetKeeper
+from .storage.catalog import CommitConflictError
 from .storage.pool import BlockPool
 from .storage.remote import SharedBlockStore, open_store
 from .worker import Sink, Start, Worker
 
 __all__ = [
     "AgentInfo",
+    "AgentNotFoundError",
     "CacheOutcome",
     "CacheSource",
+    "CacheWriteError",
+    "CommitConflictError",
     "ContextLengthError",
     "Engine",
     "EngineConfig",
@@ -136,6 +141,8 @@ class Engine(AgentAdmin):
         self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler
+        # Dropped without close(): its thread goes back (not at exit: ``ops.threads``).
+        weakref.finalize(self, self._worker.stop, False).atexit = False
         self._admissions: StoreAdmissions | None = None
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done

@@ -50,10 +50,11 @@ def engine_key(
     kv_format: str | KVQuant | None = None,
     store: str | None = None,
     blocks: str | None = None,
+    lazy_store: bool | None = None,
 ) -> tuple[Path, Path, str, str | None, str | None]:
     """Which shared engine these arguments name (``Engine.key``): model directory, cache
-    directory, KV format and shared store. Resolving the model converts a GGUF on first
-    use, like loading it."""
+    directory, KV format and shared store (not ``lazy_store``: how the store starts).
+    Resolving the model converts a GGUF on first use, like loading it."""
     path, _ = resolve_model_dir(model)
     settings = get_settings()
     root = Path(cache_dir or settings.cache_dir).expanduser().resolve()
@@ -72,12 +73,15 @@ def shared_engine(
     blocks: str | None = None,
     max_disk_bytes: int | str | None = None,
     cache_ttl: float | str | timedelta | None = None,
+    lazy_store: bool | None = None,
 ) -> Engine:
     """The process's one engine for (model, cache directory, KV format, shared store): every
     chat model and checkpointer naming the same shares its caches, pool and worker thread. A
     larger ``hot_budget_bytes`` than the engine's raises it; a smaller one leaves it.
     ``store`` / ``blocks``: a shared store's URLs (default: the settings'). A disk budget
-    (``max_disk_bytes`` / ``cache_ttl``) given replaces the engine's (the latest wins)."""
+    (``max_disk_bytes`` / ``cache_ttl``) given replaces the engine's (the latest wins).
+    ``lazy_store``: a shared store that does not answer at start leaves the engine serving
+    from its own directory (default: the settings'); read when the engine is built."""
     home = _home()
     if not home.on_worker:
         # Built on a long-lived daemon thread, not the caller's: the first call often comes
@@ -86,7 +90,7 @@ def shared_engine(
         build = functools.partial(
             shared_engine, model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format,
             hot_budget_bytes=hot_budget_bytes, store=store, blocks=blocks,
-            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl,
+            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl, lazy_store=lazy_store,
         )  # fmt: skip
         return home.submit(build).result()
     lm = load_model(model)
@@ -105,7 +109,8 @@ def shared_engine(
             return engine
         engine = Engine(
             model, cache_dir=root, kv_format=quant, store=key[3], blocks=key[4],
-            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl, **_budget(hot_budget_bytes),
+            max_disk_bytes=max_disk_bytes, cache_ttl=cache_ttl, lazy_store=lazy_store,
+            **_budget(hot_budget_bytes),
         )  # fmt: skip
         watchers = [w() for w in _WATCHERS]
     for watcher in watchers:  # before anyone uses it (outside the lock: they may ask for engines)

@@ -18,13 +18,19 @@ queued so far and raises the first that failed since the last ``flush``.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any, TypeVar
 from weakref import WeakSet
+
+from .ops.threads import SerialThread
+from .storage.remote import upload_before_exit
 
 T = TypeVar("T")
 
@@ -41,7 +47,7 @@ class SaveQueue:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-saves")
+        self._thread = SerialThread("agent-memory-saves")
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
         self._failed: BaseException | None = None
@@ -61,17 +67,28 @@ class SaveQueue:
                     self._failed = self._failed or exc
                 raise
 
+        return self._queue(run)
+
+    def call(self, op: Callable[[], T]) -> T:
+        """Run ``op`` after every save submitted before it and return what it returns (a
+        fork, a delete: its caller waits and gets its error; nothing is kept for ``flush``)."""
+        return self._queue(op).result()
+
+    def _queue(self, run: Callable[[], T]) -> Future[T]:
         with self._lock:
-            self._last = future = self._pool.submit(run)
+            self._last = future = self._thread.submit(run)
         return future
 
-    def wait(self) -> None:
-        """Until every save submitted so far has ended (failed or not)."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every save submitted so far has ended (failed or not); False if some had
+        not within ``timeout`` seconds."""
         with self._lock:
             last = self._last
         if last is not None:
             # A later one ends after every earlier one (one thread, in order).
-            last.exception()
+            done, _ = futures_wait([last], timeout)
+            return bool(done)
+        return True
 
     def flush(self) -> None:
         """``wait``, then raise the first save that failed since the last ``flush``."""
@@ -88,7 +105,7 @@ class SaveQueue:
 
     def close(self) -> None:
         self.wait()
-        self._pool.shutdown(wait=True)
+        self._thread.stop()
         with _QUEUES_LOCK:
             _QUEUES.discard(self)
 
@@ -100,3 +117,26 @@ def wait_for(directory: Path) -> None:
         queues = [q for q in _QUEUES if q.directory == directory]
     for q in queues:
         q.wait()
+
+
+#: Seconds the process's exit waits for the saves queued (and then for the uploads of saves
+#: kept locally) before it gives up on them and says which.
+EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _save_at_exit() -> None:
+    """A script that ends without ``close()`` loses nothing: its replies' saves (queued on
+    daemon threads, which run on during exit) finish first, then what stayed local is
+    uploaded to a shared store (``upload_before_exit``), each for at most ``EXIT_WAIT_S``."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    with _QUEUES_LOCK:
+        queues = list(_QUEUES)
+    for q in queues:
+        if not q.wait(max(0.0, deadline - time.monotonic())):
+            logger.warning(
+                "saves into %s were still running after %g s at exit; the agents' previous caches "
+                "stand for them",
+                q.directory, EXIT_WAIT_S,
+            )  # fmt: skip
+    upload_before_exit(time.monotonic() + EXIT_WAIT_S)

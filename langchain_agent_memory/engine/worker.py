@@ -16,9 +16,12 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
+
+from .ops.threads import THREADS, run_job
 
 logger = logging.getLogger(__name__)
 
@@ -60,41 +63,6 @@ Start = Callable[[threading.Event, Sink], None]
 _STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
 
 
-class _MlxThreads:
-    """The process's threads for MLX work, each lent to one worker at a time and taken
-    back when that worker stops. Why not a thread per worker: mlx gives every thread that
-    evaluates on the CPU a native thread per stream (its default one, the side streams of
-    ``runtime.side_streams``), and MKL an OpenMP team, none of which ends with the thread
-    (mlx 0.32: not with ``mx.clear_streams`` either); a process that opened and closed
-    engines by the hundred (a test suite, a server swapping models) would pile up idle
-    native threads and slow down. Threads are daemons and never end (see ``Worker``)."""
-
-    def __init__(self) -> None:
-        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
-        self._lock = threading.Lock()
-        self.started = 0
-
-    def lend(self, loop: Callable[[], None], name: str) -> None:
-        """Run ``loop`` on an idle thread, or a new one where none is idle."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-            if inbox is None:
-                self.started += 1
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
-        inbox.put(loop)
-
-    def _serve(self, inbox: queue.SimpleQueue[Callable[[], None]]) -> None:
-        while True:
-            inbox.get()()
-            with self._lock:
-                self._idle.append(inbox)
-
-
-THREADS = _MlxThreads()
-
-
 class Worker:
     """One engine's MLX work, run in order on a thread lent by ``THREADS``. Why not a
     ``ThreadPoolExecutor``, and why no stop at exit: a thread that has run MLX work and
@@ -105,15 +73,24 @@ class Worker:
     def __init__(self, name: str = "agent-memory-mlx") -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
-        self.stepper: Stepper | None = None
+        self._stepper: weakref.ref[Stepper] | None = None
         self._stopped = False
         self._ended = threading.Event()
         self._thread_id: int | None = None
-        self._name = name
         THREADS.lend(self._run_loop, name)
 
+    @property
+    def stepper(self) -> Stepper | None:
+        """What the thread steps while requests are in progress (the engine's scheduler).
+        Held weakly: the thread is a root, and an engine dropped without ``close()`` must
+        still be freed (its finalizer then stops this worker: ``Engine``)."""
+        return self._stepper() if self._stepper is not None else None
+
+    @stepper.setter
+    def stepper(self, stepper: Stepper | None) -> None:
+        self._stepper = weakref.ref(stepper) if stepper is not None else None
+
     def _run_loop(self) -> None:
-        threading.current_thread().name = self._name
         try:
             self._loop()
         finally:
@@ -138,15 +115,9 @@ class Worker:
             if job is _STOP:
                 return
             self._run(*job)
+            del job  # not held while parked either (its closure may reach the engine)
 
-    @staticmethod
-    def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
+    _run = staticmethod(run_job)
 
     @property
     def has_waiting(self) -> bool:
@@ -154,12 +125,14 @@ class Worker:
         (background work such as a prefetch yields to either)."""
         return not self._jobs.empty() or (self.stepper is not None and self.stepper.has_work())
 
-    def stop(self) -> None:
-        """End the thread once the jobs queued before this have run (its engine was closed:
-        at run time, not during interpreter shutdown, where an ending MLX thread aborts)."""
+    def stop(self, wait: bool = True) -> None:
+        """Give the thread back once the jobs queued before this have run (its engine was
+        closed, or freed); ``wait``: until then."""
+        if self._stopped:
+            return
         self._stopped = True
         self._jobs.put(_STOP)  # type: ignore[arg-type]
-        if not self.on_worker:
+        if wait and not self.on_worker:
             self._ended.wait()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:

@@ -153,6 +153,7 @@ class CacheLinker:
             built = shared_engine(
                 model, cache_dir=self.cache_dir, kv_format=kv,
                 store=self._engine_args["store"], blocks=self._engine_args["blocks"],
+                lazy_store=self._engine_args["lazy_store"],
             )  # fmt: skip
         except (ValueError, OSError, ImportError):
             return None

@@ -91,6 +91,9 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             each engine of the directory that has none of its own: agents and snapshots
             least recently used are evicted (their checkpoints stay; a thread resumed from
             one prefills).
+        store, blocks, lazy_store: a shared store (as for ``ChatAgentMemory``); with
+            ``lazy_store`` its engines start serving from this worker's directory when the
+            store does not answer at start (its checkpoints still need the database).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         blocks: str | None = None,
         max_disk_bytes: int | str | None = None,
         cache_ttl: float | str | timedelta | None = None,
+        lazy_store: bool | None = None,
     ) -> None:
         settings = get_settings()
         self.storage_budget = StorageBudget.of(max_disk_bytes, cache_ttl)
@@ -125,6 +129,7 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
             "kv_format": kv_format,
             "store": store,
             "blocks": blocks,
+            "lazy_store": lazy_store,
         }
         # Links beside the caches they name: in the shared store's database when workers
         # share one (every worker sees every link), else in the cache directory.

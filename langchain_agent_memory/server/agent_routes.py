@@ -228,14 +228,15 @@ def add_agent_routes(
         valid_agent(agent_id, caller)
         valid_agent(target, caller, "to")
         with as_api_errors():
-            source = await asyncio.to_thread(engine.agent_record, agent_id)
-        if source is None:
-            raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
-        with as_api_errors():
+            found = await asyncio.to_thread(engine.has_agent, agent_id)
             exists = await asyncio.to_thread(engine.has_agent, target)
+        if not found:
+            raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
         if not replace and exists:
             raise APIError(409, f'agent {target!r} exists: send "replace": true to overwrite it', param="to")
         with as_api_errors():
-            await asyncio.to_thread(engine.set_agent, target, source)
+            # The source's record is read with the write (a racing save or delete of it is
+            # ordered before or after, never between); deleted meanwhile: a 404.
+            source = await asyncio.to_thread(engine.fork, agent_id, target)
         card = _agent_card(engine, model or next(iter(models)), source)
         return {**card, "id": target, "forked_from": agent_id}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.engine import ContextLengthError
+from ..engine.engine import AgentNotFoundError, CacheWriteError, CommitConflictError, ContextLengthError
 from ..engine.storage.objects import RemoteUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,14 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
         return "malformed request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+        said = first.get("ctx", {}).get("error", first["msg"])
+        if "hex escape" in said and _lone_surrogate(first.get("input")):
+            return (
+                "request body holds a lone UTF-16 surrogate escape (e.g. \\ud800 without its pair) in a "
+                f"string: that is no Unicode text. Send the text as UTF-8, or escape both halves of the "
+                f"pair ({said})"
+            ), None
+        return f"request body is not valid JSON: {said}", None
     loc = [str(p) for p in first.get("loc", ())]
     if loc and loc[0] in ("body", "path", "query", "header"):
         loc = loc[1:]
@@ -90,10 +97,18 @@ def as_api_errors() -> Iterator[None]:
         yield
     except ContextLengthError as exc:
         raise APIError(400, str(exc), "context_length_exceeded", "messages") from exc
+    except AgentNotFoundError as exc:
+        raise APIError(404, f"{exc}: no cache here", "agent_not_found", "agent_id") from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     except APIError:
         raise
+    except CommitConflictError as exc:  # another worker holds or just saved the agent
+        raise APIError(409, f"{exc}; retry", "conflict") from exc
+    except CacheWriteError as exc:
+        # The disk refused a write (full, permissions): the previous cache is intact and the
+        # message says what to free or fix; 507 Insufficient Storage, not a server bug.
+        raise APIError(507, str(exc), "insufficient_storage") from exc
     except Exception as exc:
         if isinstance(exc, RemoteUnavailableError) or isinstance(exc.__cause__, RemoteUnavailableError):
             # The shared store did not answer: nothing was done, and a retry may succeed.
@@ -121,3 +136,15 @@ def within_limit(max_tokens: int, limit: int) -> int:
             400, f"max_tokens {max_tokens} is over this server's limit of {limit}", param="max_tokens"
         )
     return max_tokens
+
+
+def _lone_surrogate(body: object) -> bool:
+    """Whether a JSON body's text escapes half of a UTF-16 surrogate pair on its own (JSON's
+    grammar allows it; no Unicode text holds one)."""
+    import re
+
+    if not isinstance(body, bytes | str):
+        return False
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    pairs = r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    return re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", re.sub(pairs, "", text)) is not None

@@ -5,7 +5,9 @@ commands on stdin, one per line, each answered by one JSON line on stdout.
 
     python shared_worker.py CACHE_DIR STORE_URL BLOCKS_URL [KV_BITS [MODEL]]
 
-Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N}, {"op": "delete",
+Commands: {"op": "generate", "agent": A, "prompt": P, "max_tokens": N[, "wait_saved": false]}
+(answered once the save is durable, as an orchestrator handing the agent on would; false:
+at once, as a server replies), {"op": "delete",
 "agent": A}, {"op": "fork", "agent": A, "to": B}, {"op": "flush"}, {"op": "gc", "grace": S},
 {"op": "stats"}, {"op": "check"}, {"op": "record", "agent": A}, {"op": "quit"}, and loops for
 the crash and race tests:
@@ -52,7 +54,7 @@ def run(engine: Engine, cmd: dict) -> dict:
             "outcome": str(result.outcome),
             "reused": result.reused_tokens,
             "prompt_tokens": result.prompt_tokens,
-            "saved": result.wait_saved(),  # as an orchestrator handing the agent on would
+            "saved": result.wait_saved() if cmd.get("wait_saved", True) else "pending",
             "ttft_s": result.timings.ttft_s,
         }
     if op == "record":  # the store's record of an agent (read through this worker)
@@ -69,7 +71,9 @@ def run(engine: Engine, cmd: dict) -> dict:
     if op == "gc":
         return dataclasses.asdict(store.collect_garbage(cmd.get("grace")))
     if op == "stats":
-        return {**dataclasses.asdict(store.stats), "fingerprint": engine.fingerprint}
+        leases = getattr(store, "leases", None)
+        waits = {"handoff_waits": leases.waits, "handoff_waited_s": leases.waited_s} if leases else {}
+        return {**dataclasses.asdict(store.stats), **waits, "fingerprint": engine.fingerprint}
     if op == "check":
         return {"dangling": store.catalog.dangling(engine.fingerprint), "agents": len(list(store.agents()))}
     if op == "turns":  # until killed: every turn extends one of N agents' caches

@@ -86,6 +86,55 @@ def test_a_frozen_postgres_does_not_stall_the_worker(tmp_path: Path, figures: di
         s3.close()
 
 
+def test_with_the_database_frozen_one_stuck_call_does_not_hold_up_other_agents(
+    tmp_path: Path, figures: dict[str, str]
+) -> None:
+    """Three agents' turns on one worker while PostgreSQL is frozen: the first one's call is
+    stuck until its deadline; the other two do not queue behind it on the connection (nor,
+    once it timed out, wait at all: the circuit is open for every call): their replies come
+    first, from the local tier."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    pg, s3 = PostgresServer(), SeaweedServer()  # servers of its own: this test freezes one
+    try:
+        store, blocks = pg.new_database("stuck"), s3.new_bucket("stuck")
+        with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store, blocks=blocks) as engine:
+            params = GenerationParams(max_tokens=2)
+            for agent in ("y", "z", "w"):
+                engine.generate(agent, SYSTEM + f"User: I am {agent}.\nAssistant:", params).wait_saved()
+            prompts = {a: engine.cached_text(a) + "\nUser: and then?\nAssistant:" for a in ("y", "z", "w")}
+            done: list[tuple[str, float, float]] = []
+            t0 = time.monotonic()
+
+            def turn(agent: str) -> None:
+                result = engine.generate(agent, prompts[agent], params)
+                done.append((agent, time.monotonic() - t0, result.timings.ttft_s))
+
+            pg.freeze()
+            try:
+                y = threading.Thread(target=turn, args=("y",))
+                y.start()
+                time.sleep(0.3)  # y's call is on the connection, stuck
+                others = [threading.Thread(target=turn, args=(a,)) for a in ("z", "w")]
+                for t in others:
+                    t.start()
+                for t in [y, *others]:
+                    t.join(timeout=HUNG_S)
+                after = engine.generate("v", SYSTEM + "User: I am new.\nAssistant:", params)  # circuit open
+            finally:
+                pg.thaw()
+        order = [agent for agent, _, _ in done]
+        assert sorted(order) == ["w", "y", "z"] and order[-1] == "y", done
+        figures["stuck call, other agents"] = (
+            "PostgreSQL frozen: "
+            + ", ".join(f"{a} replied at {at:.2f} s (TTFT {ttft:.2f} s)" for a, at, ttft in done)
+            + f"; a new agent after the timeout: TTFT {after.timings.ttft_s:.2f} s"
+        )
+    finally:
+        pg.close()
+        s3.close()
+
+
 GC_CHILD = Path(__file__).parent / "gc_child.py"
 
 
@@ -199,7 +248,7 @@ def test_wrong_settings_fail_at_start_with_their_cause(
             "wrong password": (pg.tcp_url("tcp", "pg-Wrong-2"), blocks, "password authentication failed"),
             "wrong port": (closed_port, blocks, "refused"),
             "no such bucket": (store, f"s3://no-such-bucket/kv?endpoint={seaweed.endpoint}", "not exist"),
-            "no object store there": (store, blocks.split("?")[0] + "?endpoint=http://127.0.0.1:9", ":9"),
+            "no object store there": (store, blocks.split("?")[0] + "?endpoint=http://127.0.0.1:9", "answer"),
             "wrong S3 secret": (tcp, signed + "s3-Wrong-2", "secret key does not match"),
             "unknown S3 key": (tcp, unknown_key, "no such access key"),
         }
@@ -226,6 +275,14 @@ def test_wrong_settings_fail_at_start_with_their_cause(
     with Engine("smollm2-135m", cache_dir=tmp_path / "lazy", store=s, blocks=b, lazy_store=True) as lazy:
         reply = lazy.generate("a", "Hello there.", GenerationParams(max_tokens=2))
         assert reply.wait_saved() and lazy.store.stats.pending_saves == 1
+    # The same from the chat model, as the start-up error suggests.
+    from langchain_agent_memory import ChatAgentMemory
+
+    chat = ChatAgentMemory(
+        cache_dir=str(tmp_path / "lazy-chat"), store=s, blocks=b, lazy_store=True, max_tokens=2
+    )
+    assert chat.invoke("Hello there.").content
+    assert chat.engine.store.stats.pending_saves <= 1
     figures["settings errors"] = f"caught at start {caught}/{len(wrong) + 1}, each naming its cause"
 
 

@@ -331,6 +331,7 @@ def _ok(**extra: Any) -> dict[str, Any]:
     ("body", "headers", "status", "says"),
     [
         (b'{"model": ', {}, 400, "not valid JSON"),
+        (json.dumps(_ok()).replace('"hi"', '"\\ud800 hi"'), {}, 400, "lone UTF-16 surrogate"),
         ({"messages": [{"role": "user", "content": "hi"}]}, {}, 400, "model: Field required"),
         ({"model": MODEL, "messages": []}, {}, 400, "messages"),
         (_ok(messages=[{"role": "wizard", "content": "hi"}]), {}, 400, "messages.0"),
@@ -672,3 +673,56 @@ def test_plain_completions_on_the_gemma3_base_model(gemma: LoadedModel, tmp_path
         second = http.post("/v1/completions", json=more, headers={"X-Agent-ID": "base"}).json()
         usage = second["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 3
+
+
+def test_a_storm_of_chats_forks_and_deletes_answers_each_with_its_true_cause(
+    server: tuple[str, Path], figures: dict[str, str]
+) -> None:
+    """20 clients at once chat with one agent, fork it and delete it and its forks: a fork of
+    an agent that exists succeeds (its record is read with the write: a save racing it can
+    no longer free the blocks it names), a fork or delete that loses a race with a delete is
+    a 404, a fork onto an existing agent a 409; never a 400 or a 5xx."""
+    import random
+    import threading
+
+    url, _ = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    first = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=120, json={
+        "model": MODEL, "agent_id": "storm", "max_tokens": 2, "messages": COLORS,
+    })  # fmt: skip
+    assert first.status_code == 200, first.text
+    statuses: list[tuple[str, int, str]] = []
+
+    def client(n: int) -> None:
+        rng = random.Random(n)  # fixed per client: the same storm every run
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+            for i in range(4):
+                op = rng.choice(["chat", "chat", "fork", "fork", "delete-fork", "delete"])
+                if op == "chat":
+                    turn = [*COLORS, {"role": "user", "content": f"Client {n}, turn {i}: one more?"}]
+                    body = {"model": MODEL, "agent_id": "storm", "max_tokens": 2, "messages": turn}
+                    reply = http.post("/v1/chat/completions", json=body)
+                elif op == "fork":
+                    reply = http.post("/v1/agents/storm/fork", json={"to": f"storm-{n}", "replace": True})
+                elif op == "delete-fork":
+                    reply = http.delete(f"/v1/agents/storm-{rng.randrange(20)}")
+                else:
+                    reply = http.delete("/v1/agents/storm")
+                statuses.append((op, reply.status_code, reply.text[:200]))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wrong = [s for s in statuses if s[1] not in (200, 404, 409) or (s[0] == "chat" and s[1] != 200)]
+    assert not wrong, wrong
+    for op, status, text in statuses:
+        if status == 404:
+            assert op != "chat" and "no cache here" in text, (op, text)
+    counts: dict[str, int] = {}
+    for op, status, _ in statuses:
+        counts[f"{op} {status}"] = counts.get(f"{op} {status}", 0) + 1
+    figures["request storm"] = f"20 clients, {len(statuses)} requests: " + ", ".join(
+        f"{k}: {v}" for k, v in sorted(counts.items())
+    )

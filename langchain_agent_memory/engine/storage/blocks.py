@@ -64,6 +64,10 @@ def raise_if_vanished(exc: BlockFileError, where: Path) -> None:
         raise BlockMissingError(f"a block file in {where} was deleted while read: {exc.__cause__}") from exc
 
 
+class AgentNotFoundError(LookupError):
+    """The agent named has no stored cache (never saved, or deleted)."""
+
+
 class CacheWriteError(RuntimeError):
     """A cache could not be saved (disk full, permissions...); the previous one is intact."""
 
@@ -322,6 +326,14 @@ class AgentRecord:
     @property
     def chain(self) -> list[BlockHash]:
         return self.blocks[: len(self.blocks) - len(self.states)]
+
+    def named(self, agent_id: str) -> AgentRecord:
+        """A record of ``agent_id`` that stands for what this one does (the same blocks: a
+        fork, a snapshot, a restore)."""
+        return AgentRecord(
+            agent_id, list(self.blocks), list(self.token_ids), list(self.token_ends), self.text,
+            states=list(self.states),
+        )  # fmt: skip
 
     def state_blocks(self) -> dict[int, BlockHash]:
         """Token position -> the block of the recurrent state there."""

@@ -196,11 +196,12 @@ class Catalog(PgSession):
 
     def commit(
         self, fp: str, agent_id: str, record: Callable[[float], str], blocks: list[str],
-        expected: int | None, holder: str,
+        expected: int | None, holder: str, *, release: bool = True,
     ) -> Committed:  # fmt: skip
         """Store a record naming ``blocks`` if the stored version is still ``expected``
         (None: no record) and no other worker holds the agent's lease; ``record(now)``
-        renders it with Postgres's clock. Raises ``CommitConflictError`` or
+        renders it with Postgres's clock; ``release``: delete the lease (False: another
+        request of ``holder`` holds it). Raises ``CommitConflictError`` or
         ``BlocksMissingError`` (nothing written)."""
 
         def write(c: Any) -> Committed:
@@ -253,10 +254,11 @@ class Catalog(PgSession):
                         "INSERT INTO am_refs VALUES (%s, %s, %s, %s)",
                         [(fp, agent_id, i, h) for i, h in enumerate(blocks)],
                     )
-                c.execute(
-                    "DELETE FROM am_leases WHERE fingerprint = %s AND agent_id = %s AND holder = %s",
-                    (fp, agent_id, holder),
-                )
+                if release:
+                    c.execute(
+                        "DELETE FROM am_leases WHERE fingerprint = %s AND agent_id = %s AND holder = %s",
+                        (fp, agent_id, holder),
+                    )
                 return Committed(version, now)
 
         try:

@@ -26,6 +26,13 @@ from urllib.parse import parse_qsl, urlsplit
 from .blocks import BlockHash
 from .urls import redacted
 
+#: What the S3 client says when no server answered (connection refused, no route, a name
+#: that does not resolve, a timeout), as opposed to a server's own error.
+UNREACHABLE = (
+    "error sending request", "Connection refused", "connection refused", "dns error", "timed out",
+    "operation timed out", "No route to host", "tcp connect error",
+)  # fmt: skip
+
 
 class RemoteUnavailableError(ConnectionError):
     """The shared store (PostgreSQL or the object store) did not answer in time."""
@@ -185,6 +192,12 @@ class ObjectBlocks:
         for code, hint in KEY_ERRORS.items():
             if code in text:
                 return RemoteUnavailableError(f"object store {self.url}: {hint}. The server said: {text}")
+        if any(sign in text for sign in UNREACHABLE):
+            return RemoteUnavailableError(
+                f"object store {self.url}: could not {what}: no answer from its endpoint. Check that the "
+                "S3 server runs and that the URL's endpoint (scheme http/https, host, port) reaches it "
+                f"from this host. The client said: {text}"
+            )
         if "AccessDenied" in text or "lacked the necessary privileges" in text:
             text = (
                 f"access denied: bucket {self.bucket!r} does not exist, or these credentials (AWS_* "

@@ -8,7 +8,10 @@ and a caller waits for the connection's lock no longer than ``timeout_s`` either
 failure the circuit opens: every call answers ``RemoteUnavailableError`` at once (the
 engine serves from its local tier) while a background probe retries every ``retry_s`` and
 closes the circuit when the store answers again: a worker whose store hangs pays one
-deadline, not one per request.
+deadline, not one per request. Nor does a call queue behind one that has held the
+connection for longer than ``stuck_s`` (a call takes milliseconds; one that has not returned
+after a second most likely waits on a hung server): it answers ``RemoteUnavailableError``
+at once, and its request goes on from the local tier, while the first one's deadline runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -28,6 +32,11 @@ from .urls import redacted
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Seconds a call may hold the connection before the calls behind it stop waiting for it.
+STUCK_S = 1.0
+#: Seconds between two looks at the circuit and at the call ahead, while waiting for it.
+_WAIT_SLICE_S = 0.05
 
 
 class CommitConflictError(CacheWriteError):
@@ -43,7 +52,9 @@ class PgSession:
     """One connection under one lock, with client-side deadlines and a circuit breaker
     (thread-safe). ``_migrate(conn)``: what a subclass runs once on its first connection."""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, retry_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 5.0, retry_s: float = 5.0, stuck_s: float = STUCK_S
+    ) -> None:
         import psycopg  # imported here: only a shared store needs it
 
         if not url.startswith(("postgresql://", "postgres://")):
@@ -54,8 +65,11 @@ class PgSession:
         self.url = url
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.stuck_s = stuck_s
         self._conn: Any = None
         self._lock = threading.RLock()
+        self._since: float | None = None  # when the call holding the connection started
+        self._depth = 0  # how deep its thread holds the (re-entrant) lock
         self._open = threading.Event()  # the circuit: set while the store is unhealthy
         self._closed = threading.Event()
         self._probe: threading.Thread | None = None
@@ -136,12 +150,7 @@ class PgSession:
         ``RemoteUnavailableError`` (and open the circuit breaker)."""
         errors = self._psycopg
         down = f"store {self._safe_url}: unreachable (a probe retries every {self.retry_s:g} s)"
-        if self._open.is_set():
-            raise RemoteUnavailableError(down)
-        # A call stuck on a hung server holds the lock until its watchdog fires: wait no
-        # longer than that for it.
-        if not self._lock.acquire(timeout=self.timeout_s + 2.0):
-            raise RemoteUnavailableError(f"store {self._safe_url}: could not {what}: another call is stuck")
+        self._acquire(what)
         try:
             if self._open.is_set():
                 raise RemoteUnavailableError(down)
@@ -161,7 +170,34 @@ class PgSession:
                     self._conn = None
                 raise RemoteUnavailableError(f"store {self._safe_url}: could not {what}: {exc}") from exc
         finally:
-            self._lock.release()
+            self._release()
+
+    def _acquire(self, what: str) -> None:
+        """Take the connection, or raise ``RemoteUnavailableError`` at once when the circuit
+        is open, or as soon as the call holding it has done so for ``stuck_s`` (a call
+        stuck on a hung server holds it until its watchdog fires: nobody waits for that)."""
+        while True:
+            if self._open.is_set():
+                raise RemoteUnavailableError(
+                    f"store {self._safe_url}: unreachable (a probe retries every {self.retry_s:g} s)"
+                )
+            if self._lock.acquire(timeout=_WAIT_SLICE_S):
+                self._depth += 1
+                if self._depth == 1:
+                    self._since = time.monotonic()
+                return
+            since = self._since
+            if since is not None and time.monotonic() - since > self.stuck_s:
+                raise RemoteUnavailableError(
+                    f"store {self._safe_url}: could not {what}: the call before it has waited on the "
+                    f"store for {time.monotonic() - since:.1f} s (hung?); not queuing behind it"
+                )
+
+    def _release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._since = None
+        self._lock.release()
 
     @property
     def _safe_url(self) -> str:
@@ -184,14 +220,13 @@ class PgSession:
     def connection(self) -> Iterator[Any]:
         """The connection, under the lock and the deadline (for tables of other modules, e.g.
         the saver's links)."""
-        if self._open.is_set() or not self._lock.acquire(timeout=self.timeout_s + 2.0):
-            raise RemoteUnavailableError(f"store {self._safe_url}: unreachable")
+        self._acquire("use the connection")
         try:
             conn = self._connect()
             with self._deadline(conn):
                 yield conn
         finally:
-            self._lock.release()
+            self._release()
 
 
 def _sever(conn: Any) -> None:

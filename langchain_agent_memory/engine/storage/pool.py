@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .blocks import AgentRecord, Block, BlockHash, BlockMissingError, CacheWriteError
+from .blocks import AgentNotFoundError, AgentRecord, Block, BlockHash, BlockMissingError, CacheWriteError
 from .protocols import BlockStore
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,18 @@ class BlockPool:
             )
 
         self.save_agent(record, gone)
+
+    def fork(self, source_id: str, record_of: Callable[[AgentRecord], AgentRecord]) -> AgentRecord:
+        """Store ``record_of(source)``, a record naming the blocks of agent ``source_id``'s
+        stored record, read under the directory lock with the write: a save or a delete of
+        the source (this process's or another's) cannot free those blocks in between.
+        ``AgentNotFoundError`` if the source has no record. Returns the source's record."""
+        with self.store.locked():
+            source = self.store.get_agent(source_id)
+            if source is None:
+                raise AgentNotFoundError(f"agent {source_id!r} has no stored cache")
+            self.set_agent(record_of(source))
+        return source
 
     def delete_agent(self, agent_id: str) -> bool:
         """Delete an agent's record (even an unreadable one) and the blocks only it named."""

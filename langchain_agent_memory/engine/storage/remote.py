@@ -28,12 +28,14 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
-from collections import Counter
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ...config import get_settings
 from ..ops.files import DirectoryLock, atomic_write_bytes
@@ -45,7 +47,8 @@ from .blocks import (
     CacheWriteError,
     StoreUsage,
 )
-from .catalog import Catalog, CommitConflictError
+from .catalog import Catalog
+from .leases import Leases
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .remote_records import SharedRecords
@@ -54,6 +57,8 @@ from .store import DiskBlockStore
 from .urls import redacted
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -84,6 +89,7 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         lease_s: float = 10.0,
         grace_s: float = 3600.0,
         retry_s: float = 5.0,
+        handoff_wait_s: float | None = None,
     ) -> None:
         self.local, self.catalog, self.objects = local, catalog, objects
         self.fingerprint = local.fingerprint
@@ -102,15 +108,14 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         #: copy at the first is the second (this worker's own save, uploaded later).
         self._uploaded: dict[str, tuple[int | None, int]] = {}
         self._said_down = False
-        #: Agents this worker's requests hold leases on: renewed every ``lease_s / 3`` while
-        #: held (a long request keeps its agent; a dead worker's lease expires in ``lease_s``).
-        self._held: Counter[str] = Counter()
-        self._held_lock = threading.Lock()
-        self._heart: threading.Thread | None = None
+        if handoff_wait_s is None:
+            handoff_wait_s = get_settings().handoff_wait_s
+        self.leases = Leases(catalog, self.fingerprint, self.worker_id, lease_s, handoff_wait_s)
         #: Threads whose calls never wait on the store (``stay_local``).
         self._local_threads: set[int] = set()
-        if self.local.pending_agents():
+        if self.local.pending_agents():  # saved here by an earlier process, not uploaded
             self._start_uploader()
+        _OPEN.add(self)
 
     @property
     def reachable(self) -> bool:
@@ -130,7 +135,7 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         """``call(arg)``, a call to the store: here, or on the store's threads where this is
         a ``stay_local`` one (nothing waits on its outcome)."""
         if self._here_only:
-            self._io.submit(call, arg)
+            _submit(self._io, call, arg)
         else:
             call(arg)
 
@@ -143,6 +148,8 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
 
     def close(self) -> None:
         self._closed.set()
+        _OPEN.discard(self)
+        self.leases.close()
         if self._uploader is not None:
             self._uploader.join(timeout=self.retry_s + 1)
         self._io.shutdown(wait=True)
@@ -152,53 +159,28 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
     # ------------------------------------------------------------------ requests
 
     def begin(self, agent_id: str, version: int | None) -> bool:
-        """Take the agent's lease for a request; False if a live copy at ``version`` is stale
-        (another worker committed since). Unreachable, or on a ``stay_local`` thread: True,
-        no lease (work from what is here)."""
+        """Take the agent's lease for a request (waiting for another worker's save in flight:
+        ``Leases.take``); False if a live copy at ``version`` is stale (another worker
+        committed since). Unreachable, or on a ``stay_local`` thread: True (work from what
+        is here)."""
         if self._here_only:
             return True
         try:
-            _, current = self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
+            current = self.leases.take(agent_id)
         except RemoteUnavailableError as exc:
             self._down(exc)
             return True
-        with self._held_lock:
-            self._held[agent_id] += 1
-            if self._heart is None or not self._heart.is_alive():
-                self._heart = threading.Thread(
-                    target=self._heartbeat, name="agent-memory-leases", daemon=True
-                )
-                self._heart.start()
         return current == version or self._uploaded.get(agent_id) == (version, current)
-
-    def _let_go(self, agent_id: str) -> None:
-        with self._held_lock:
-            if self._held[agent_id] > 1:
-                self._held[agent_id] -= 1
-            else:
-                self._held.pop(agent_id, None)
-
-    def _heartbeat(self) -> None:
-        """Renew the leases of the requests in flight (off the model's thread)."""
-        while not self._closed.wait(self.lease_s / 3):
-            with self._held_lock:
-                agents = list(self._held)
-            for agent_id in agents:
-                with contextlib.suppress(RemoteUnavailableError, CommitConflictError):
-                    self.catalog.begin(self.fingerprint, agent_id, self.worker_id, self.lease_s)
 
     def seen_version(self, agent_id: str) -> int | None:
         state = self.local.sync_state(agent_id)
         return state[0] if state else None
 
     def end(self, agent_id: str) -> None:
-        """Give the lease back after a request that did not commit."""
-        self._let_go(agent_id)
-        self._store_side(self._end_remote, agent_id)
-
-    def _end_remote(self, agent_id: str) -> None:
-        with contextlib.suppress(RemoteUnavailableError):
-            self.catalog.end(self.fingerprint, agent_id, self.worker_id)
+        """Give the lease back after a request that did not commit (the last of this
+        worker's on the agent)."""
+        if self.leases.done(agent_id):
+            self._store_side(self.leases.give_back, agent_id)
 
     # ------------------------------------------------------------------ blocks
 
@@ -304,7 +286,7 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         todo = [h for h in wanted if h not in have]
         if not todo:
             return
-        for f in [self._io.submit(self._upload_one, h) for h in todo]:
+        for f in [_submit(self._io, self._upload_one, h) for h in todo]:
             f.result()
         self.catalog.block_stored(self.fingerprint, todo)
 
@@ -403,6 +385,53 @@ class SharedBlockStore(SharedRecords, SharedUpkeep):
         if not self._said_down:
             self._said_down = True
             logger.warning("shared store unreachable (%s); working from this worker's copies", exc)
+
+    def upload_before_exit(self, deadline: float) -> None:
+        """Upload the saves kept here and not yet in the store (a store that was out of
+        reach, another worker's lease), until ``deadline`` (``time.monotonic``); say what is
+        left: the next engine on this directory uploads it."""
+        for agent_id in self.local.pending_agents():
+            if time.monotonic() >= deadline:
+                break
+            try:
+                self._push_pending(agent_id)
+            except RemoteUnavailableError:
+                break
+        left = self.local.pending_agents()
+        if left:
+            logger.warning(
+                "%d agent(s)' last saves (%s) are kept on this worker (%s) but not in the shared store: "
+                "it did not take them before the process ended; the next engine on this directory "
+                "uploads them",
+                len(left), ", ".join(map(repr, left[:5])) + (" ..." if len(left) > 5 else ""), self.dir,
+            )  # fmt: skip
+
+
+#: Shared stores open in this process (``upload_before_exit`` at interpreter exit).
+_OPEN: weakref.WeakSet[SharedBlockStore] = weakref.WeakSet()
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit``, or the call made here when the pool takes no more work: at interpreter
+    exit concurrent.futures refuses new work, and a save's uploads must still be made (one
+    at a time, on the saving thread)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+
+def upload_before_exit(deadline: float) -> None:
+    """At interpreter exit, after the saves queued have run (``engine.saves``): upload what
+    every open shared store keeps locally and not in the store yet, until ``deadline``."""
+    for store in list(_OPEN):
+        with contextlib.suppress(Exception):
+            store.upload_before_exit(deadline)
 
 
 def open_store(

@@ -23,6 +23,7 @@ from .blocks import (
     validate_agent_id,
 )
 from .catalog import BlocksMissingError, Catalog, CommitConflictError
+from .leases import Leases
 from .objects import RemoteUnavailableError
 from .store import DiskBlockStore
 
@@ -43,6 +44,7 @@ class SharedRecords:
     _uploader: threading.Thread | None
     _closed: threading.Event
     lease_s: float
+    leases: Leases
     #: Bytes of saves waiting to upload this worker keeps at most (None: no bound).
     max_pending_bytes: int | None = None
 
@@ -53,9 +55,6 @@ class SharedRecords:
     def _here_only(self) -> bool:
         """Whether this call is on a ``stay_local`` thread (it must not wait on the store)."""
         return threading.get_ident() in self._local_threads
-
-    def _let_go(self, agent_id: str) -> None:
-        raise NotImplementedError
 
     def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
         raise NotImplementedError
@@ -144,14 +143,14 @@ class SharedRecords:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        try:
-            with self._pushing:
-                state = self.local.sync_state(record.agent_id)
-                base = state[0] if state else None
-                written = self.local.put_agent(record, sync=(base, True))
-                self._push(record, base)
-        finally:
-            self._let_go(record.agent_id)  # the request's lease: given back by the commit
+        with self._pushing:
+            state = self.local.sync_state(record.agent_id)
+            base = state[0] if state else None
+            written = self.local.put_agent(record, sync=(base, True))
+            self._push(record, base)
+        # The request's lease ends with its commit (or its save kept here); a save that
+        # raised leaves it to the request (``Lease.release``): given back exactly once.
+        self.leases.done(record.agent_id)
         return written
 
     def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
@@ -164,13 +163,16 @@ class SharedRecords:
             # renews it): a save waits that long, on the save thread, for a true outcome.
             lease_wait = time.monotonic() + (0.0 if pending else self.lease_s + 1.0)
             attempts = 0
+            own = 0 if pending else 1  # a pending save's request has ended
             while True:
                 try:
                     done = self.catalog.commit(
                         self.fingerprint, record.agent_id,
                         lambda now: replace(record, updated_at=now).to_json(),
                         record.blocks, base, self.worker_id,
+                        release=not self.leases.others(record.agent_id, own),
                     )  # fmt: skip
+                    self.leases.renew_if_held(record.agent_id, own)
                     break
                 except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
                     self._upload([BlockHash(h) for h in exc.missing], check=False)
