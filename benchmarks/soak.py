@@ -600,6 +600,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     soak = Soak(args)
+    # Stopped (SIGTERM), it still stops the workers and services it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         data = soak.run()
     finally:

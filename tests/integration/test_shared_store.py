@@ -330,6 +330,28 @@ def test_a_corrupt_object_is_detected_replaced_and_resumed(
     assert out["outcome"].startswith("warm") and out["reused"] >= 0.95 * out["prompt_tokens"], out
 
 
+def test_verify_does_not_mark_missing_a_block_uploaded_while_it_ran(
+    tmp_path: Path, shared_store: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify`` lists the objects, then reads the catalog's stored blocks: a block another
+    worker uploaded in between is in the second and not the first. It is looked up alone and
+    kept (it was marked missing, and a fork naming it then failed as "gone")."""
+    store, blocks = shared_store
+    with Engine("smollm2-135m", cache_dir=tmp_path / "a", store=store, blocks=blocks) as a:
+        a.generate("x", SYSTEM + "User: name a river.\nAssistant:", GenerationParams(max_tokens=4))
+        a.flush()
+        monkeypatch.setattr(a.store.objects, "list", lambda fp: iter(()))  # listed before the uploads
+        report = a.store.verify(repair=True)
+        assert report.checked > 0 and report.missing == 0 and report.marked_missing == 0, report
+        monkeypatch.undo()
+        a.fork("x", "x-fork")
+    with Engine("smollm2-135m", cache_dir=tmp_path / "b", store=store, blocks=blocks) as b:
+        forked = b.store.get_agent("x-fork")
+        assert forked is not None
+        out = b.generate("x-fork", forked.text + " More?", GenerationParams(max_tokens=2))
+        assert str(out.outcome).startswith("warm"), out.outcome
+
+
 def test_the_cache_commands_read_the_shared_store(
     workers: Any, tmp_path: Path, shared_store: tuple[str, str]
 ) -> None:

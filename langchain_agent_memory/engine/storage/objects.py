@@ -144,6 +144,16 @@ class ObjectBlocks:
         except Exception as exc:
             raise self._unavailable("read", key, exc) from exc
 
+    def exists(self, key: str) -> bool:
+        """Whether the object is there (its metadata only)."""
+        try:
+            self._obs.head(self._store, key)
+        except FileNotFoundError:
+            return False
+        except Exception as exc:
+            raise self._unavailable("look up", key, exc) from exc
+        return True
+
     def delete(self, key: str) -> None:
         try:
             self._obs.delete(self._store, key)
