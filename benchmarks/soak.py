@@ -316,7 +316,8 @@ class Soak:
         except httpx.HTTPError:
             self.ledger.count("no answer (worker down)")
             return
-        self.check("fork", reply, (200, 404))
+        # 404: the source deleted first; 409: another worker wrote the target meanwhile.
+        self.check("fork", reply, (200, 404, 409))
 
     def delete_fork(self, agent: str) -> None:
         w = self.worker()
