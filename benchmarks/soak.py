@@ -527,24 +527,26 @@ class Soak:
         return out
 
     def _check_resources(self) -> dict[str, Any]:
-        """Each worker's last life: the peak of its last third within GROWTH of the peak of
-        its middle third (the first third is warm-up); database connections likewise."""
+        """Each life of each worker (a kill starts another) long enough to judge: the peak of
+        its last third within GROWTH of the peak of its middle third (the first third is
+        warm-up); database connections likewise over the run."""
         out: dict[str, Any] = {}
         for w in self.workers:
-            start = len(w.started_at)
-            series = [s[w.name] for s in self.samples if s.get(f"{w.name}_start") == start and s[w.name]]
-            if len(series) < 9:
-                out[f"worker {w.name}"] = "too short a life to judge"
-                continue
-            third = len(series) // 3
-            verdict = {}
-            for key, share in GROWTH.items():
-                middle = max(s[key] for s in series[third : 2 * third])
-                last = max(s[key] for s in series[2 * third :])
-                verdict[key] = [round(middle, 1), round(last, 1)]
-                if last > middle * (1 + share) + SLACK[key]:
-                    self.ledger.bad(f"worker {w.name}: {key} grew from {middle:.0f} to {last:.0f}")
-            out[f"worker {w.name}"] = verdict
+            for life in range(1, len(w.started_at) + 1):
+                series = [s[w.name] for s in self.samples if s.get(f"{w.name}_start") == life and s[w.name]]
+                if len(series) < 9:
+                    continue
+                third = len(series) // 3
+                verdict = {"minutes": round(len(series) * 2 / 60, 1)}
+                for key, share in GROWTH.items():
+                    middle = max(s[key] for s in series[third : 2 * third])
+                    last = max(s[key] for s in series[2 * third :])
+                    verdict[key] = [round(middle, 1), round(last, 1)]
+                    if last > middle * (1 + share) + SLACK[key]:
+                        self.ledger.bad(
+                            f"worker {w.name} (life {life}): {key} grew from {middle:.0f} to {last:.0f}"
+                        )
+                out[f"worker {w.name}, life {life}"] = verdict
         conns = [s["db_connections"] for s in self.samples if s["db_connections"] is not None]
         if len(conns) >= 9:
             third = len(conns) // 3
