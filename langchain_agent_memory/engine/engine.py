@@ -141,8 +141,7 @@ class Engine(AgentAdmin):
         self._arrivals = 0
         self._worker = Worker()  # every request's MLX work runs on this one thread
         self._worker.stepper = self._scheduler
-        # Dropped without close(): its thread goes back (not at exit: ``ops.threads``).
-        weakref.finalize(self, self._worker.stop, False).atexit = False
+        weakref.finalize(self, self._worker.stop, False).atexit = False  # dropped: thread back
         self._admissions: StoreAdmissions | None = None
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done

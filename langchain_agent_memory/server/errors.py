@@ -91,8 +91,10 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
 
 @contextmanager
 def as_api_errors() -> Iterator[None]:
-    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400, a shared
-    store out of reach into a 503, and any other failure into a 500 with its message."""
+    """Turns a ``ValueError`` (what the request asks cannot be done) into a 400, an agent
+    with no cache into a 404, a shared store out of reach into a 503, another worker's
+    write of the agent into a 409, a disk that refuses a write into a 507, and any other
+    failure into a 500 with its message."""
     try:
         yield
     except ContextLengthError as exc:
@@ -103,19 +105,18 @@ def as_api_errors() -> Iterator[None]:
         raise APIError(400, str(exc)) from exc
     except APIError:
         raise
-    except CommitConflictError as exc:  # another worker holds or just saved the agent
-        raise APIError(409, f"{exc}; retry", "conflict") from exc
-    except CacheWriteError as exc:
-        # The disk refused a write (full, permissions): the previous cache is intact and the
-        # message says what to free or fix; 507 Insufficient Storage, not a server bug.
-        raise APIError(507, str(exc), "insufficient_storage") from exc
     except Exception as exc:
         if isinstance(exc, RemoteUnavailableError) or isinstance(exc.__cause__, RemoteUnavailableError):
             # The shared store did not answer: nothing was done, and a retry may succeed.
             raise APIError(503, str(exc), "store_unavailable") from exc
-        # e.g. CacheWriteError (disk full), whose message says what to do. Answered here,
-        # not by an app-wide handler: Starlette re-raises those, and uvicorn then drops
-        # the client's keep-alive connection.
+        if isinstance(exc, CommitConflictError):  # another worker holds or just saved the agent
+            raise APIError(409, f"{exc}; retry", "conflict") from exc
+        if isinstance(exc, CacheWriteError):
+            # The disk refused a write (full, permissions): the previous cache is intact and
+            # the message says what to free or fix; 507 Insufficient Storage, not a server bug.
+            raise APIError(507, str(exc), "insufficient_storage") from exc
+        # Answered here, not by an app-wide handler: Starlette re-raises those, and uvicorn
+        # then drops the client's keep-alive connection.
         logger.exception("request failed")
         raise APIError(500, f"generation failed: {exc}") from exc
 
