@@ -249,20 +249,21 @@ class Soak:
             n = self.rng.randrange(1000)
             prompt = f"{text}\nQ: question {n} of {agent}?\nA:"
             self.ledger.sent(agent, prompt)
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": 4,
-                "agent_id": agent,
-                "wait_for_save": True,
-            }
-            reply = self.post(self.worker(), "/v1/completions", body)
-            if self.check("turn", reply):
-                assert reply is not None
-                out = reply.json()
-                meta = out["agent_memory"]
-                self.ledger.count(f"served {meta['cache'].split('-')[0]}")
-                self.ledger.saved(agent, prompt, out["choices"][0]["text"], meta["cache_saved"])
+            out = self.saved_turn(self.worker(), "turn", agent, prompt)
+            if out is not None:
+                self.ledger.count(f"served {out['agent_memory']['cache'].split('-')[0]}")
+
+    def saved_turn(self, w: Worker, op: str, agent: str, prompt: str) -> dict[str, Any] | None:
+        """``agent``'s completion of ``prompt`` on ``w``, answered once saved; what the reply
+        said of its save goes in the ledger. The reply, or None if there was none."""
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "agent_id": agent, "wait_for_save": True}
+        reply = self.post(w, "/v1/completions", body)
+        if not self.check(op, reply):
+            return None
+        assert reply is not None
+        out: dict[str, Any] = reply.json()
+        self.ledger.saved(agent, prompt, out["choices"][0]["text"], out["agent_memory"]["cache_saved"])
+        return out
 
     def dropped_stream(self, agent: str) -> None:
         with self.agent_locks[agent]:
@@ -284,21 +285,9 @@ class Soak:
         w = self.worker()
 
         def branch(agent: str, i: int) -> None:
-            prompt = f"{PREFIX}\nQ: branch {i}: what is section {i + 1} about?\nA:"
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": 4,
-                "agent_id": agent,
-                "wait_for_save": True,
-            }
-            reply = self.post(w, "/v1/completions", body)
-            if self.check("fan-out branch", reply):
-                assert reply is not None
-                out = reply.json()
-                self.ledger.saved(
-                    agent, prompt, out["choices"][0]["text"], out["agent_memory"]["cache_saved"]
-                )
+            self.saved_turn(
+                w, "fan-out branch", agent, f"{PREFIX}\nQ: branch {i}: what is section {i + 1} about?\nA:"
+            )
 
         threads = [threading.Thread(target=branch, args=(a, i)) for i, a in enumerate(branches)]
         for t in threads:

@@ -20,8 +20,12 @@ from workers import objects_all_named as _objects_all_named
 from workers import solo as _solo
 from workers import store_is_whole as _store_is_whole
 
+from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.storage.objects import ObjectBlocks
+
+#: A turn long enough that its save is still in flight when the next request comes.
+LONG = "Read this.\n\n" + corpus.apache_license()[:6000] + "\nUser: what is it called?\nAssistant:"
 
 
 @pytest.fixture
@@ -63,10 +67,8 @@ def test_a_hand_off_right_after_a_reply_resumes_warm(
     while A's save is still in flight (a server replies first, then saves): B waits for that
     save's commit (A holds the agent's lease until it) and resumes warm from it, instead of
     prefilling the whole context; its reply is the one a single worker gives."""
-    from langchain_agent_memory import corpus
-
     a, b = workers("a"), workers("b")
-    turn1 = "Read this.\n\n" + corpus.apache_license()[:6000] + "\nUser: what is it called?\nAssistant:"
+    turn1 = LONG
     first = a.generate("agent", turn1, wait_saved=False)
     assert first["saved"] == "pending"
     turn2 = turn1 + first["text"] + "\nUser: and who wrote it?\nAssistant:"
@@ -92,10 +94,8 @@ def test_a_running_turn_keeps_its_lease_while_its_earlier_save_commits(
     meanwhile). The lease goes with turn 2's own commit."""
     import psycopg
 
-    from langchain_agent_memory import corpus
-
     store, blocks = shared_store
-    prompt = "Read this.\n\n" + corpus.apache_license()[:6000] + "\nUser: what is it called?\nAssistant:"
+    prompt = LONG
 
     def lease_and_version(engine: Engine) -> tuple[bool, int | None]:
         with psycopg.connect(store, autocommit=True) as c:
