@@ -89,7 +89,7 @@ class OursAgents:
             self.n += 1
         while self.n > n:
             self.n -= 1
-            self.engine.delete(f"a{self.n}")
+            self.engine.admin.delete(f"a{self.n}")
         self.engine.flush()  # the saves' host copies are not part of what serving costs
 
     def _together(self, max_tokens: int) -> None:
@@ -97,7 +97,7 @@ class OursAgents:
         from langchain_agent_memory.testing.model_matrix import run_together
 
         self.turns += 1
-        texts = [self.engine.cached_text(f"a{i}") + extension(self.turns) for i in range(self.n)]
+        texts = [self.engine.admin.cached_text(f"a{i}") + extension(self.turns) for i in range(self.n)]
         prompts = {f"a{i}": text for i, text in enumerate(texts)}
         run_together(self.engine, prompts, GenerationParams(max_tokens=max_tokens))
 

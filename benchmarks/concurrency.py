@@ -77,7 +77,7 @@ def staggered(
 
     engine = Engine(model, cache_dir=cache_dir, scheduling=policy, chunk_tokens=chunk)
     engine.generate("b", b_history, GenerationParams(max_tokens=8))  # B's warm cache
-    engine.drop_hot()
+    engine.admin.drop_hot()
     out: dict[str, Any] = {}
 
     def agent_a() -> None:
@@ -91,7 +91,7 @@ def staggered(
     thread.start()
     time.sleep(delay)
     t0 = time.perf_counter()
-    prompt = b_history + engine.cached_text("b")[len(b_history) :] + "\nQ: And the second clause?\nA:"
+    prompt = b_history + engine.admin.cached_text("b")[len(b_history) :] + "\nQ: And the second clause?\nA:"
     for chunk in engine.stream("b", prompt, GenerationParams(max_tokens=8)):
         out.setdefault("b_ttft_s", time.perf_counter() - t0)
         if chunk.result:

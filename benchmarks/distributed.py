@@ -1,4 +1,4 @@
-"""Workers sharing agents through PostgreSQL + an S3-compatible store (``storage.shared``),
+"""Workers sharing agents through PostgreSQL + an S3-compatible store (``storage.remote``),
 against real servers this script starts (PostgreSQL 15, SeaweedFS; ``tests/services.py``).
 
     .venv/bin/python benchmarks/distributed.py [--contexts 2000,4000,7800] [--repeats 3]
@@ -89,12 +89,12 @@ def latency(contexts: list[int], repeats: int, store: tuple[str, str]) -> dict[s
                 # (another first block: no block of the stored turn is shared with it)
                 got["cold"].append(a.generate(f"cold:{n}:{r}", "~" + turn2, PARAMS).timings.ttft_s)
                 # the same worker from its own disk, then another (nothing of it on its disk)
-                a.drop_hot(agent)
+                a.admin.drop_hot(agent)
                 got["same worker"].append(_warm(a, agent, turn2, saves["follow-up, shared"], drop_pool=True))
                 got["other worker"].append(_warm(b, agent, turn2, saves["follow-up, shared"]))
                 first_local = local.generate(agent, base, PARAMS)
                 saves["first, local"].append(first_local.timings.save_s)
-                local.drop_hot(agent)
+                local.admin.drop_hot(agent)
                 turn2_local = base + first_local.text + follow
                 got["local store"].append(
                     _warm(local, agent, turn2_local, saves["follow-up, local"], drop_pool=True)
@@ -181,7 +181,7 @@ def frozen(
         while time.monotonic() < until:
             for kind in ("held", "new"):
                 agent = "held" if kind == "held" else f"new{len(turns)}"
-                prompt = (engine.cached_text(agent) or base) + f"\nQ{len(turns)}: and then?\nA:"
+                prompt = (engine.admin.cached_text(agent) or base) + f"\nQ{len(turns)}: and then?\nA:"
                 start = time.monotonic()
                 engine.generate(agent, prompt, PARAMS)
                 wall = time.monotonic() - start

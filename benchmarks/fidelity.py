@@ -138,7 +138,7 @@ def greedy_agreement(
                 outs.append(eng.tokenizer.encode(r2.text, add_special_tokens=False))
             eng.flush()  # saves run on a thread of their own: the files are complete after it
             files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
-            n_tokens = sum(eng.cached_tokens(f"a{i}") for i in range(len(QUESTIONS)))
+            n_tokens = sum(eng.admin.cached_tokens(f"a{i}") for i in range(len(QUESTIONS)))
             bytes_per_token[name] = sum(f.stat().st_size for f in files) / max(n_tokens, 1)
             outputs[name] = outs
             eng.close()
@@ -167,7 +167,7 @@ def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dic
             eng = Engine(model_name, cache_dir=tmp, kv_format=fmt)
             eng.generate("a", eng.tokenizer.decode(ids[:700]), GenerationParams(max_tokens=1))
             eng.flush()  # the record is published once its blocks are written (a save thread)
-            record = eng.store.get_agent("a")
+            record = eng.admin.store.get_agent("a")
             assert record is not None
             sizes = [next(Path(tmp).rglob(f"{h}.safetensors")).stat().st_size for h in record.blocks]
             out[name] = [size / (min(256, len(record.token_ids) - 256 * i)) for i, size in enumerate(sizes)]

@@ -320,7 +320,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
     n = len(record.token_ids)
     for rep in range(2):
         t0 = time.perf_counter()
-        groups = engine.store.read_blocks(record.blocks)
+        groups = engine.admin.store.read_blocks(record.blocks)
         t1 = time.perf_counter()
         mx.eval([g.tensor(name) for g in groups for name in g.names()[:2]])
         t2 = time.perf_counter()
@@ -347,7 +347,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
         del layers
         mx.clear_cache()
     for rep in range(2):
-        engine.drop_hot()
+        engine.admin.drop_hot()
         r = engine.generate("bench", prompt + extension(3 + rep), GenerationParams(max_tokens=1))
         emit(probe="warm", rep=rep, step="generate", ttft_s=r.timings.ttft_s, load_s=r.timings.load_s,
              outcome=str(r.outcome))  # fmt: skip
@@ -411,7 +411,7 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     for rep in range(reps):
         agents.clear_memory()
         t0 = time.perf_counter()
-        groups = engine.store.read_blocks(record.blocks)
+        groups = engine.admin.store.read_blocks(record.blocks)
         mx.eval([g.blob for g in groups])
         mx.synchronize()
         read_s = time.perf_counter() - t0

@@ -140,9 +140,9 @@ def run(args: argparse.Namespace) -> None:
         base = f"base{n}"
         cold = engine.generate(base, text, reply)  # a reply of a few tokens, as a turn has
         engine.flush()
-        record = engine.agent_record(base)
+        record = engine.admin.agent_record(base)
         assert record is not None
-        stored = engine.cached_text(base)
+        stored = engine.admin.cached_text(base)
         state = engine.agents.lookup(base)[0]
         assert state is not None
         cut = stored[: state.tokens.ends[len(state.tokens) - BACK - 1]]
@@ -150,13 +150,13 @@ def run(args: argparse.Namespace) -> None:
         ours: dict[str, Any] = {"cold": cold.timings.ttft_s}
         for kind, prompt in prompts.items():
             agent = f"{kind}{n}"
-            engine.set_agent(agent, record)
+            engine.admin.set_agent(agent, record)
             engine.agents.clear_memory()  # nothing in memory: read from disk
             r = engine.generate(agent, prompt, one)
             ours[kind] = r.timings.ttft_s
             ours[f"{kind}_outcome"] = f"{r.outcome} ({r.reused_tokens} reused)"
-        kv_bytes = engine.store.local_bytes(record.chain)
-        state_bytes = engine.store.local_bytes(record.blocks[len(record.chain) :])
+        kv_bytes = engine.admin.store.local_bytes(record.chain)
+        state_bytes = engine.admin.store.local_bytes(record.blocks[len(record.chain) :])
         print(f"{n} tokens: mlx-lm ...", flush=True)
         m_cold = peer.cold(text)
         m_extend = peer._extend(text, 0, load_first=True)

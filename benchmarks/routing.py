@@ -99,17 +99,17 @@ def worker(model: str, cache_dir: str, mode: str, queries: list[str], max_tokens
     engine = llm.engine
     if mode == "prime":
         for i in range(EXPERTS):
-            engine.delete(f"expert-{i}")
+            engine.admin.delete(f"expert-{i}")
             llm.invoke(messages(docs[i], "Which topics does your part cover?"), agent_id=f"expert-{i}")
         return []
     if mode == "hot":
-        engine.prefetch([f"expert-{i}" for i in range(EXPERTS)]).result()
+        engine.admin.prefetch([f"expert-{i}" for i in range(EXPERTS)]).result()
     out = []
     for q in queries:
         experts = route(q, docs)
         if mode == "cold":
             for i in experts:
-                engine.delete(f"expert-{i}")
+                engine.admin.delete(f"expert-{i}")
         out.append(ask(llm, docs, q, experts))
     return out
 

@@ -37,7 +37,7 @@ QUESTIONS = ("What is this text about?", "Give one example from it.", "Summarise
 
 
 def start(model: str, cache_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    from langchain_agent_memory.server.process import start_server
+    from langchain_agent_memory.testing.server_process import start_server
 
     return start_server(["--model", model, "--cache-dir", str(cache_dir), "--log-level", "warning"], port)
 
@@ -122,7 +122,7 @@ def main() -> None:
 
     console = Console(width=max(Console().width, 120))
     docs = corpus.python_docs()
-    from langchain_agent_memory.server.process import free_port
+    from langchain_agent_memory.testing.server_process import free_port
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}/v1"

@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the real servers the tests sta
 from services import PostgresServer, SeaweedServer  # noqa: E402
 
 from langchain_agent_memory import corpus  # noqa: E402
-from langchain_agent_memory.server.process import free_port, start_server  # noqa: E402
+from langchain_agent_memory.testing.server_process import free_port, start_server  # noqa: E402
 
 RESULTS = HERE / "results"
 MODEL = "smollm2-135m"
@@ -490,7 +490,7 @@ class Soak:
 
         out: dict[str, Any] = {}
         with Engine(MODEL, cache_dir=self.root / "reader", store=self.store, blocks=self.blocks) as reader:
-            store = reader.store
+            store = reader.admin.store
             out["dangling references"] = store.catalog.dangling(reader.fingerprint)
             lost, resumed, agents = [], Counter(), sorted(self.ledger.acked)
             for agent in agents:

@@ -54,9 +54,9 @@ def main() -> None:
             r = eng.generate("agent", prompt, GenerationParams(max_tokens=32))
             messages.append({"role": "assistant", "content": r.text})
             files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
-            record = eng.store.get_agent("agent")
+            record = eng.admin.store.get_agent("agent")
             assert record is not None
-            whole = sum(eng.store.block_path(h).stat().st_size for h in record.blocks)
+            whole = sum(eng.admin.store.block_path(h).stat().st_size for h in record.blocks)
             rows.append(
                 {
                     "turn": turn + 1,

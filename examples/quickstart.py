@@ -97,7 +97,7 @@ def main() -> None:
         engine = llm.engine
     console.print(
         f"model [bold]{engine.lm.name}[/] ready in {time.perf_counter() - t0:.1f} s; "
-        f"KV format {engine.quant.label}; caches in {engine.store.dir}"
+        f"KV format {engine.quant.label}; caches in {engine.admin.store.dir}"
     )
 
     graph = StateGraph(State)

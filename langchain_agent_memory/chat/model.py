@@ -16,7 +16,6 @@ what is new, and keeps the reply's keys and values for the next turn.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import timedelta
 from operator import itemgetter
@@ -41,14 +40,21 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from ..engine.engine import Engine, GenerationParams
-from ..engine.model.constrain import MAX_FREE_STRING_CHARS, GrammarConstraint, json_schema_grammar
-from ..engine.registry import shared_engine
-from ..engine.storage.blocks import validate_agent_id
-from ..engine.storage.budget import parse_age, parse_size
+from ..engine import (
+    MAX_FREE_STRING_CHARS,
+    Engine,
+    EngineConfig,
+    GenerationParams,
+    GrammarConstraint,
+    json_schema_grammar,
+    parse_age,
+    parse_size,
+    shared_engine,
+    validate_agent_id,
+)
 from . import prompt, reasoning
-from .errors import langchain_errors
-from .fan_out import ItemsOnTheirOwnAgents
+from .errors import langchain_errors, refuse_unknown_arguments
+from .fan_out import per_item_configs
 from .namespace import agent_namespace
 from .profile import model_profile
 from .replies import (
@@ -67,7 +73,7 @@ from .tool_formats import tool_format
 _ANY_TOOL = ("any", "required", True)
 
 
-class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
+class ChatAgentMemory(BaseChatModel):
     """Chat model on a local MLX model with a persistent KV cache per agent.
 
     Args:
@@ -158,22 +164,7 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
     @model_validator(mode="before")
     @classmethod
     def _known_arguments(cls, values: Any) -> Any:
-        """An argument the model does not have is an error that names the nearest one
-        (``temprature=0.7`` used to leave the temperature at 0.0 without a word)."""
-        if not isinstance(values, dict):
-            return values
-        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-        unknown = sorted(k for k in values if k not in known)
-        if unknown:
-            hints = []
-            for key in unknown:
-                near = difflib.get_close_matches(key, sorted(known), n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-            raise ValueError(
-                f"ChatAgentMemory got unknown argument(s): {', '.join(hints)}; its arguments are "
-                "listed in help(ChatAgentMemory) (per-call options go to invoke(..., key=value))"
-            )
-        return values
+        return refuse_unknown_arguments(cls, values)  # ``temprature=0.7``: named, not ignored
 
     @field_validator("agent_id")
     @classmethod
@@ -292,19 +283,47 @@ class ChatAgentMemory(ItemsOnTheirOwnAgents, BaseChatModel):
         the agent's previous cache is intact)."""
         self.engine.flush()
 
-    def _engine_for(self, model: str | None) -> Engine:
-        return shared_engine(
-            model,
-            cache_dir=self.cache_dir,
-            kv_bits=self.kv_bits,
-            kv_format=self.kv_format,
+    def engine_config(self, model: str | None = None) -> EngineConfig:
+        """The engine's settings for this model (or ``model``): arguments > ``AGENT_MEMORY_*``."""
+        return EngineConfig.resolve(
+            model or self.model, cache_dir=self.cache_dir, kv_bits=self.kv_bits, kv_format=self.kv_format,
             hot_budget_bytes=None if self.hot_budget_mb is None else self.hot_budget_mb << 20,
-            store=self.store,
-            blocks=self.blocks,
-            max_disk_bytes=self.max_disk_bytes,
-            cache_ttl=self.cache_ttl,
-            lazy_store=self.lazy_store,
-        )
+            store=self.store, blocks=self.blocks, max_disk_bytes=self.max_disk_bytes,
+            cache_ttl=self.cache_ttl, lazy_store=self.lazy_store,
+        )  # fmt: skip
+
+    def _engine_for(self, model: str | None) -> Engine:
+        return shared_engine(self.engine_config(model))
+
+    # ------------------------------------------------------------------ batches: an agent per item
+
+    def batch(  # type: ignore[override]
+        self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any
+    ) -> list[Any]:
+        """Every item on its own agent (``fan_out``): they decode together, their shared
+        prefix is prefilled once; an explicit ``agent_id`` runs them on it in turn."""
+        configs = per_item_configs(inputs, config, self.agent_id, kwargs)
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch(  # type: ignore[override]
+        self, inputs: list[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any
+    ) -> list[Any]:
+        configs = per_item_configs(inputs, config, self.agent_id, kwargs)
+        return await super().abatch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+    def batch_as_completed(  # type: ignore[override]
+        self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any
+    ) -> Iterator[tuple[int, Any]]:
+        configs = per_item_configs(inputs, config, self.agent_id, kwargs)
+        yield from super().batch_as_completed(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+    async def abatch_as_completed(  # type: ignore[override]
+        self, inputs: Sequence[Any], config: Any = None, *, return_exceptions: bool = False, **kwargs: Any
+    ) -> AsyncIterator[tuple[int, Any]]:
+        configs = per_item_configs(inputs, config, self.agent_id, kwargs)
+        batch = super().abatch_as_completed(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+        async for item in batch:
+            yield item
 
     # ------------------------------------------------------------------ one call
 

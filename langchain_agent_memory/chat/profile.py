@@ -17,8 +17,7 @@ from typing import Any
 
 from langchain_core.language_models.model_profile import ModelProfile
 
-from ..engine.model.hub import cached_snapshot, parse_repo_id
-from ..engine.model.loading import SHIPPED_MODELS, trained_context
+from ..engine import SHIPPED_MODELS, cached_snapshot, parse_repo_id, trained_context
 
 
 def model_profile(model: str) -> ModelProfile:

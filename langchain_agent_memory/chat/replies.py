@@ -16,7 +16,7 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 
-from ..engine.engine import Engine, GenerationParams, GenerationResult
+from ..engine import Engine, GenerationParams, GenerationResult
 from . import reasoning
 from .tool_formats import ToolFormat
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from langchain_core.messages.tool import InvalidToolCall, ToolCall
 
-from ..engine.model.constrain import MAX_FREE_STRING_CHARS
+from ..engine import MAX_FREE_STRING_CHARS
 from .messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_reply, text_of, to_dicts
 
 #: A tool no template names by chance: rendered to find out whether a template shows tools.
@@ -65,7 +65,7 @@ class ToolFormat:
     ) -> str:
         """A grammar for exactly one call, in this format, to one of ``tools`` (free strings
         of its arguments bounded, see ``constrain.bounded_strings``)."""
-        from ..engine.model.constrain import tool_call_grammar
+        from ..engine import tool_call_grammar
 
         if self.name == "harmony":
             return _harmony_grammar(tools, max_string_chars)
@@ -252,7 +252,7 @@ def _harmony_grammar(tools: Sequence[dict[str, Any]], max_string_chars: int | No
     """``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>``."""
     import llguidance
 
-    from ..engine.model.constrain import JSON_OPTIONS, bounded_strings
+    from ..engine import JSON_OPTIONS, bounded_strings
 
     rules, names = [], []
     for i, tool in enumerate(tools):

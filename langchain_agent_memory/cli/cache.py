@@ -22,9 +22,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..engine.storage.blocks import is_internal
-from ..engine.storage.budget import StorageBudget, enforce, parse_age, parse_size
-from ..engine.storage.remote import SharedBlockStore
+from ..engine import SharedBlockStore, StorageBudget, enforce, is_internal, parse_age, parse_size
 
 if TYPE_CHECKING:
     pass
@@ -130,7 +128,7 @@ def rm(
     blocks: Blocks = None,
 ) -> None:
     """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
-    from ..engine.storage.pool import BlockPool
+    from ..engine import BlockPool
 
     if not agents and prefix is None and thread is None:
         raise typer.BadParameter("name agents, or select them with --prefix or --thread")

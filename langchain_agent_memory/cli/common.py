@@ -15,9 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import get_settings
-from ..engine.storage.catalog import Catalog
-from ..engine.storage.remote import SharedBlockStore, open_store
-from ..engine.storage.store import DiskBlockStore
+from ..engine import Catalog, DiskBlockStore, SharedBlockStore, StoreConfig, open_store
 
 if TYPE_CHECKING:
     pass
@@ -80,7 +78,9 @@ def all_stores(
     opened: list[DiskBlockStore | SharedBlockStore] = []
     try:
         for fp in sorted(fingerprints):
-            opened.append(open_store(root, fp, store, blocks, read_only=read_only and not store))
+            opened.append(
+                open_store(root, fp, StoreConfig.of(store, blocks), read_only=read_only and not store)
+            )
         yield opened
     finally:
         for one in opened:

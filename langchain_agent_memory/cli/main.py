@@ -3,7 +3,6 @@ and ``cache`` (``cli/cache.py``)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..config import get_settings
-from ..engine.storage.budget import parse_age, parse_size
+from ..engine import parse_age, parse_size
 
 if TYPE_CHECKING:
     from .repl import ChatOptions
@@ -79,9 +78,7 @@ def convert(
     """Convert a GGUF model into an mlx-lm directory (what --model then loads at once)."""
     import time
 
-    from ..engine.model.gguf_convert import UnsupportedGGUFError, convert_gguf
-    from ..engine.model.loading import conversion_progress, resolve_model_dir
-    from ..engine.ops import device
+    from ..engine import UnsupportedGGUFError, conversion_progress, convert_gguf, device, resolve_model_dir
 
     dtype = dtype or device.weight_dtype()
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -106,7 +103,7 @@ def _chat_options(
     cache_dir: Path | None,
 ) -> ChatOptions:  # fmt: skip
     """``chat`` / ``run``'s options, the agent id checked."""
-    from ..engine.storage.blocks import validate_agent_id
+    from ..engine import validate_agent_id
     from .repl import ChatOptions
 
     try:
@@ -241,8 +238,6 @@ def serve(
     except ImportError as exc:
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
 
-    if lazy_store:  # read by every engine the server builds (``open_store``)
-        os.environ["AGENT_MEMORY_LAZY_STORE"] = "1"
     keys = [k for k in api_key or [] if ":" not in k]
     if len(keys) > 1:
         raise typer.BadParameter(
@@ -276,6 +271,7 @@ def serve(
         cache_ttl=checked(parse_age, cache_ttl, "--cache-ttl"),
         store=store,
         blocks=blocks,
+        lazy_store=lazy_store or None,  # unset: the settings' (AGENT_MEMORY_LAZY_STORE)
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         wide_console().print(

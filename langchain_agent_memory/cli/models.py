@@ -17,7 +17,7 @@ from .common import CacheDir, wide_console
 
 
 def _on_disk(cache_dir: Path | None) -> list[dict[str, Any]]:
-    from ..engine.model.loading import SHIPPED_MODELS
+    from ..engine import SHIPPED_MODELS
 
     rows: list[dict[str, Any]] = [
         {"name": m.name, "kind": "shipped", "context": m.context_length, "about": m.description}
@@ -43,7 +43,7 @@ def _hub_models() -> list[tuple[str, Path]]:
     try:
         from huggingface_hub import scan_cache_dir
 
-        from ..engine.model.hub import hub_cache_dir
+        from ..engine import hub_cache_dir
 
         info = scan_cache_dir(hub_cache_dir())
     except Exception:  # no cache yet, or one huggingface_hub cannot read: nothing to list
@@ -61,7 +61,7 @@ def _hub_models() -> list[tuple[str, Path]]:
 
 
 def _families() -> tuple[str, list[dict[str, str]]]:
-    from ..engine.model.families import recorded_verdicts
+    from ..engine import recorded_verdicts
 
     recorded = recorded_verdicts()
     rows = [{"family": f, **row} for f, row in recorded["families"].items()]
@@ -119,8 +119,7 @@ def models(
 
 
 def _check(model: str, cache_dir: Path | None, format: str) -> int:
-    from ..engine.model.loading import load_model
-    from ..engine.model.structure import UnsupportedModelError
+    from ..engine import UnsupportedModelError, load_model
 
     try:
         loaded = load_model(model, cache_dir=cache_dir, recheck=True)

@@ -1,14 +1,13 @@
-"""The administration side of the engine facade (``Engine`` inherits it): agents' stored
-caches (records, forks, deletes, prefetch, what they hold), saves (``flush``) and the disk
-budget. Everything here goes through the engine's save thread or its store, never the
-model's thread, except ``prefetch`` (which yields to requests; a shared store's part of it
-runs before, on ``admissions``' threads)."""
+"""The administration of agents' stored caches (``Engine.admin``): records, forks, deletes,
+prefetch, what they hold, the disk budget, and the write of each request's save. Everything
+here goes through the engine's save thread or its store, never the model's thread, except
+``prefetch`` (which yields to requests; a shared store's part of it runs before, on
+``admissions``' threads)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +16,10 @@ from .admissions import StoreAdmissions
 from .agent_state import PendingSave
 from .agents import AgentCaches
 from .commits import CommitFeed
-from .prefix import tokenize_prompt
 from .results import Saved
 from .saves import SaveQueue
-from .scheduler import Phase, Scheduler
-from .steps import Request
 from .storage.blocks import AgentRecord
-from .storage.budget import BudgetKeeper, EvictionReport, StorageBudget
-from .storage.pool import BlockPool
+from .storage.budget import BudgetKeeper, StorageBudget
 from .storage.protocols import BlockStore
 from .worker import Worker
 
@@ -42,22 +37,26 @@ class AgentInfo:
 
 
 class AgentAdmin:
-    """What ``Engine`` offers besides requests; its attributes are the engine's."""
+    """Agents' stored caches, one engine's: built by ``Engine`` over its parts; what a
+    caller reads or changes here waits for the saves queued before it (the save thread
+    runs changes in order), never for the model's thread (except ``prefetch``)."""
 
-    agents: AgentCaches
-    tokenizer: Any
-    _store: BlockStore
-    _save_queue: SaveQueue
-    _feed: CommitFeed
-    _budget: BudgetKeeper
-    _worker: Worker
-    _scheduler: Scheduler
-    _admissions: StoreAdmissions | None
-    fingerprint: str
-    pool: BlockPool
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        caches: AgentCaches,
+        store: BlockStore,
+        saves: SaveQueue,
+        feed: CommitFeed,
+        worker: Worker,
+        admissions: StoreAdmissions | None,
+        in_use: Callable[[], set[str]],
+        bytes_written: Callable[[], int],
+        check_open: Callable[[], None],
+    ) -> None:
+        self.agents, self._store, self._save_queue, self._feed = caches, store, saves, feed
+        self._worker, self._admissions, self._check_open = worker, admissions, check_open
+        self._budget = BudgetKeeper(store, caches.evict, in_use, bytes_written)
 
     @property
     def storage_budget(self) -> StorageBudget | None:
@@ -67,8 +66,7 @@ class AgentAdmin:
     @storage_budget.setter
     def storage_budget(self, budget: StorageBudget | None) -> None:
         self._budget.budget = budget
-        if hasattr(self._store, "max_pending_bytes"):  # a shared store's saves waiting to upload
-            self._store.max_pending_bytes = budget.max_bytes if budget is not None else None
+        self._store.bound_pending(budget.max_bytes if budget is not None else None)  # a shared store's
 
     @property
     def store(self) -> Any:
@@ -76,30 +74,14 @@ class AgentAdmin:
         self._save_queue.wait()
         return self._store
 
-    def flush(self) -> None:
-        """Wait until every reply so far is saved (its blocks and record durable); raise the
-        first save that failed since the last ``flush`` (``CacheWriteError``: the agent's
-        previous cache is intact). ``close`` flushes too."""
-        self._save_queue.flush()
-
     def settle_commits(self) -> None:
         """Wait until every reply so far is saved and subscribers have heard it."""
         self._save_queue.wait()
         self._feed.settle()
 
-    def enforce_storage_budget(self) -> EvictionReport | None:
-        """Bring the store within ``storage_budget`` now (it is also kept after every save);
-        None without a budget, or when nothing had to go."""
-        self._check_open()
-        return self._save_queue.call(lambda: self._budget.keep(force=True))
-
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
         return self.store.disk_bytes()
-
-    def count_tokens(self, prompt: str) -> int:
-        """Tokens a request for ``prompt`` reads (what a cold start would prefill)."""
-        return len(tokenize_prompt(self.tokenizer, prompt))
 
     # ------------------------------------------------------------------ agents' caches
 
@@ -131,9 +113,12 @@ class AgentAdmin:
             logger.warning("prefetch failed: %s", exc)
             done.set_exception(exc)
 
-    def agent_records(self, prefix: str = "") -> list[AgentRecord]:
-        """The stored records of every agent whose id starts with ``prefix``."""
-        return list(self.store.agents(prefix))  # the store's reads: not the model steps' lock
+    def agent_records(self, prefix: str = "", *, wait: bool = True) -> list[AgentRecord]:
+        """The stored records of every agent whose id starts with ``prefix``, the saves
+        queued so far included; ``wait=False``: as the store holds them now, without waiting
+        for those saves (a server's list, which must answer while a large one is written)."""
+        store = self.store if wait else self._store
+        return list(store.agents(prefix))  # the store's reads: not the model steps' lock
 
     def agent_record(self, agent_id: str) -> AgentRecord | None:
         """The agent's stored record (None: no cache), its saves queued so far included."""
@@ -180,7 +165,7 @@ class AgentAdmin:
         self._save_queue.wait()
         self.agents.drop_hot(agent_id)
 
-    def _queue_save(self, save: PendingSave) -> Future[Saved]:
+    def queue_save(self, save: PendingSave) -> Future[Saved]:
         """A request ended (on the worker): its write goes to the save thread. The future
         says whether the record was stored: True, ``"local"`` (on this worker, its upload to
         the shared store pending) or False (another worker's save won)."""
@@ -195,27 +180,6 @@ class AgentAdmin:
 
         return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
 
-    def _in_use(self) -> set[str]:
-        """Agents the disk budget never evicts: saves queued, requests queued or running."""
-        running = {
-            r.agent_id
-            for r in self._scheduler.in_flight()
-            if isinstance(r, Request) and r.phase is not Phase.DONE
-        }
-        preparing = self._admissions.busy() if self._admissions is not None else set()
-        return self.agents.saving_agents() | running | preparing
-
-    def stats(self) -> dict[str, Any]:
-        shared = getattr(self._store, "stats", None)  # a shared store's traffic
-        disk = self._budget.stats()
-        return {
-            "fingerprint": self.fingerprint,
-            "hot_agents": len(self.agents.hot),
-            "working_copy_bytes": self.agents.working_copy_bytes(),  # kept for the next request
-            "pool": dataclasses.asdict(self.pool.snapshot_stats()),
-            **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
-            # agents whose requests wait on the shared store's part of their admission
-            **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
-            **({"disk": disk} if disk is not None else {}),
-            **self._scheduler.stats(),
-        }
+    def disk_stats(self) -> dict[str, object] | None:
+        """The disk budget's figures (None: no budget kept)."""
+        return self._budget.stats()

@@ -15,7 +15,6 @@ one before it); those of different agents do not wait for each other.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import Counter
@@ -24,10 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .agent_state import AgentState, record_tokens
 from .agents import AgentCaches
-from .prefix import MatchKind, match, tokenize_prompt
-from .states import resume_point
+from .reuse import plan_own, plan_reuse
 from .steps import Request
-from .storage.blocks import BLOCK_TOKENS, BlockHash, prompt_hashes, state_block_hash
+from .storage.blocks import BlockHash
 from .storage.protocols import Lease, take_lease
 from .storage.remote import SharedBlockStore
 
@@ -88,7 +86,7 @@ class StoreAdmissions:
     def _prepare(self, request: Request, before: Future[None] | None) -> None:
         try:
             request.lease = self.lease(request.agent_id, request.prompt)
-        except BaseException as exc:  # admitted all the same, from what this worker has
+        except Exception as exc:  # admitted all the same, from what this worker has
             logger.warning("agent %r: the shared store could not be asked (%s)", request.agent_id, exc)
         if before is not None:
             before.exception()  # the agent's request before this one is queued first
@@ -99,7 +97,7 @@ class StoreAdmissions:
         store = self.store
         # Fresh unless another worker committed since the live copy's version (none live:
         # since what this worker knows; a request of its own may make one live meanwhile).
-        hot = self.caches.hot.get(agent_id)
+        hot = self.caches.hot.get(agent_id)  # under the hot tier's lock
         lease = take_lease(store, agent_id, hot.version if hot is not None else store.seen_version(agent_id))
         try:
             self._fetch(agent_id, prompt, hot if lease.current else None)
@@ -113,39 +111,27 @@ class StoreAdmissions:
 
     def _fetch(self, agent_id: str, prompt: str | None, live: AgentState | None) -> None:
         """The blocks a request for ``prompt`` (None: the whole cache) reads, fetched to this
-        worker's disk within the store's deadline; from ``live`` (the agent's live copy, if
-        it is still the newest), else from the record, read again."""
+        worker's disk within the store's deadline: what ``reuse`` plans from ``live`` (the
+        agent's live copy, if it is still the newest), else from the record, read again."""
         caches = self.caches
         if live is not None:
-            tokens, chain, states = live.tokens, live.blocks, live.states
+            own = (live.tokens, live.blocks, live.states)
         else:
             record = caches.read_record(agent_id)  # the newest, mirrored here
-            if record is None:
-                tokens, chain, states = None, [], {}
-            else:
-                tokens, chain, states = record_tokens(record), record.chain, record.state_blocks()
-        wanted: list[BlockHash] = []
-        m = match(tokens, prompt) if tokens is not None and prompt is not None else None
-        if tokens is not None and (m is None or m.kind is not MatchKind.MISS):
-            n = len(tokens) if m is None else m.reuse_tokens
-            if caches.spec.hybrid:
-                n = resume_point(tokens, n, states)
-                wanted += [states[n]] if n in states else []
-            wanted += chain[: -(-n // BLOCK_TOKENS)]
-        elif prompt is not None:
-            wanted += self._shared(prompt)
-        wanted = [h for h in wanted if not caches.held(h)]
+            own = (record_tokens(record), record.chain, record.state_blocks()) if record is not None else None
+        hybrid = caches.spec.hybrid
+        if prompt is None:  # a prefetch: the whole cache of its own
+            plan = (
+                plan_own(own[0], None, own[1], hybrid=hybrid, snapshots=own[2]) if own is not None else None
+            )
+        else:
+            plan = plan_reuse(
+                prompt, caches.tokenizer, caches.fingerprint, own=own, hybrid=hybrid, has=self._stored
+            )
+        wanted = [h for h in plan.blocks() if not caches.held(h)] if plan is not None else []
         if wanted and not self.store.prefetch(wanted):
             logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
 
-    def _shared(self, prompt: str) -> list[BlockHash]:
-        """The leading whole blocks of ``prompt`` some agent stored (a shared system prompt:
-        ``AgentCaches.cold_start`` reuses those on this worker's disk)."""
-        fp = self.caches.fingerprint
-        full = tokenize_prompt(self.caches.tokenizer, prompt)
-        hashes = list(prompt_hashes(full.ids, fp))
-        snapshots = [state_block_hash(h, fp) for h in hashes] if self.caches.spec.hybrid else []
-        stored = self.store.stored(hashes + snapshots)
-        held = self.caches.held
-        lead = list(itertools.takewhile(lambda h: h in stored or held(h), hashes))
-        return lead + [s for s in snapshots[: len(lead)] if s in stored]
+    def _stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """Those of ``hashes`` in this worker's memory or in the shared store (one round trip)."""
+        return set(self.store.stored(list(hashes))) | {h for h in hashes if self.caches.held(h)}

@@ -1,8 +1,12 @@
 """An engine's settings, resolved once: what the caller gave, else the environment's
-(``AGENT_MEMORY_*``, ``config.Settings``), else the device's defaults (``device``)."""
+(``AGENT_MEMORY_*``, ``config.Settings``), else the device's defaults (``device``). The one
+place below the settings that reads them: the chat model, the checkpointer, the server and
+the command line each build an ``EngineConfig`` and hand it down; the engine's parts read
+only what it says."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -10,9 +14,15 @@ from pathlib import Path
 from ..config import get_settings
 from .kv import KVQuant
 from .kv import kv_format as kv_format_of
+from .model.loading import resolve_model_dir
 from .ops import device
 from .scheduler import POLICIES
 from .storage.budget import StorageBudget
+from .storage.store_config import StoreConfig
+
+#: which shared engine a config names (``EngineConfig.key``): model directory, cache
+#: directory, KV format, shared store's records and blocks
+EngineKey = tuple[Path, Path, str, str | None, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +43,9 @@ class EngineConfig:
     return (tests, benchmarks). ``share_prefixes``: requests in flight together whose prompts
     start alike (a fan-out) prefill the common part once (``forks``). ``store`` (a
     ``postgresql://`` URL) and ``blocks`` (an ``s3://`` URL): caches shared by workers on
-    several hosts, ``cache_dir`` the local tier in front (``storage.shared``); checked at
-    start (a wrong one fails with its cause) unless ``lazy_store`` (default the settings').
+    several hosts, ``cache_dir`` the local tier in front (``storage.remote``); checked at
+    start (a wrong one fails with its cause) unless ``lazy_store`` (default the settings'):
+    ``store`` holds them (``StoreConfig``), None without one.
     ``storage_budget``: what the store keeps on disk (``max_disk_bytes``: ``5GB``, ``500MiB``
     or bytes; ``cache_ttl``: ``7d``, ``12h``, seconds or a ``timedelta``): agents least
     recently used (and unused for longer than the TTL) are evicted, never one in use; with
@@ -47,7 +58,12 @@ class EngineConfig:
     """
 
     cache_dir: Path
-    model: str | Path | None
+    model: str | Path
+    #: where converted models (GGUF -> mlx-lm) and model digests are kept: the settings'
+    #: cache directory (``AGENT_MEMORY_CACHE_DIR``), shared by every engine of the host
+    #: whatever its ``cache_dir`` (a conversion is made once)
+    models_dir: Path
+    weight_dtype: str
     quant: KVQuant
     hot_budget_bytes: int
     hot_agents: int
@@ -58,13 +74,29 @@ class EngineConfig:
     context_length: int | None
     cpu_kernels: bool
     share_prefixes: bool
-    store: str | None
-    blocks: str | None
+    store: StoreConfig | None
     storage_budget: StorageBudget | None
     reserve_work: bool
     attention: str
     state_budget: float | None = 1.0
-    lazy_store: bool | None = None
+    #: ``hot_budget_bytes`` was given, not the device's default: a shared engine found again
+    #: for this config raises its budget to it (``registry.shared_engine``)
+    hot_budget_asked: bool = False
+
+    @property
+    def key(self) -> EngineKey:
+        """Which of the process's shared engines this config names (``registry``): model
+        directory, cache directory, KV format and shared store, not how the store starts
+        (``lazy``) nor budgets. Resolving the model converts a GGUF on first use, like
+        loading it."""
+        path, _ = resolve_model_dir(self.model, cache_dir=self.models_dir, weight_dtype=self.weight_dtype)
+        store = self.store
+        return (path, self.cache_dir.expanduser().resolve(), self.quant.label,
+                store.records if store else None, store.blocks if store else None)  # fmt: skip
+
+    def for_model(self, model: str | Path, kv_format: str | KVQuant) -> EngineConfig:
+        """This config for another model and KV format (the same directory and store)."""
+        return dataclasses.replace(self, model=model, quant=kv_format_of(kv_format))
 
     @classmethod
     def resolve(
@@ -90,6 +122,8 @@ class EngineConfig:
         attention: str | None = None,
         state_budget: float | None = 1.0,
         lazy_store: bool | None = None,
+        handoff_wait_s: float | None = None,
+        weight_dtype: str | None = None,
     ) -> EngineConfig:
         """The ``Engine`` constructor's arguments, every default filled in; a wrong value
         is a ``ValueError`` that names it, before any model is loaded."""
@@ -107,7 +141,9 @@ class EngineConfig:
             raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
         return cls(
             cache_dir=Path(cache_dir or settings.cache_dir),
-            model=model,
+            model=model or settings.model,
+            models_dir=Path(settings.cache_dir),
+            weight_dtype=weight_dtype or settings.weight_dtype or device.weight_dtype(),
             quant=kv_format_of(kv_format if kv_format is not None else kv_bits),
             hot_budget_bytes=device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes,
             hot_agents=hot_agents,
@@ -118,8 +154,12 @@ class EngineConfig:
             context_length=context_length,
             cpu_kernels=cpu_kernels,
             share_prefixes=share_prefixes,
-            store=store or settings.store,
-            blocks=blocks or settings.blocks,
+            store=StoreConfig.of(
+                store or settings.store,
+                blocks or settings.blocks,
+                lazy=settings.lazy_store if lazy_store is None else lazy_store,
+                handoff_wait_s=settings.handoff_wait_s if handoff_wait_s is None else handoff_wait_s,
+            ),
             storage_budget=StorageBudget.of(
                 max_disk_bytes if max_disk_bytes is not None else settings.max_disk_bytes,
                 cache_ttl if cache_ttl is not None else settings.cache_ttl,
@@ -127,5 +167,5 @@ class EngineConfig:
             reserve_work=settings.reserve_work if reserve_work is None else reserve_work,
             attention=chosen,
             state_budget=state_budget,
-            lazy_store=lazy_store,
+            hot_budget_asked=hot_budget_bytes is not None,
         )

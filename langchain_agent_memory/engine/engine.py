@@ -18,6 +18,8 @@ new blocks. Nothing here knows about LangChain. The rooms behind it:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
@@ -25,7 +27,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..config import get_settings
 from .admin import AgentAdmin, AgentInfo
 from .admissions import StoreAdmissions
 from .agent_state import HotPolicy
@@ -38,6 +39,7 @@ from .model.fingerprint import model_fingerprint
 from .model.loading import LoadedModel, load_model, trained_context
 from .ops import device
 from .ops.runtime import release_memory
+from .prefix import tokenize_prompt
 from .results import (
     CacheOutcome,
     CacheSource,
@@ -52,13 +54,13 @@ from .results import (
 from .runner import ModelRunner
 from .saves import SaveQueue
 from .saves import wait_for as wait_for_saves
-from .scheduler import Scheduler
+from .scheduler import Phase, Scheduler
 from .steps import Request, RequestSteps
 from .storage.blocks import AgentNotFoundError, CacheWriteError, validate_agent_id
-from .storage.budget import BudgetKeeper
 from .storage.catalog import CommitConflictError
 from .storage.pool import BlockPool
 from .storage.remote import SharedBlockStore, open_store
+from .storage.status import StoreStatus
 from .worker import Sink, Start, Worker
 
 __all__ = [
@@ -81,78 +83,84 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class Engine(AgentAdmin):
+class Engine:
     """Persistent per-agent KV caches around one mlx-lm model. ``Engine(model, **options)``:
     the options are ``EngineConfig.resolve``'s (KV format, budgets, attention, shared store,
-    disk budget); or ``Engine(config=EngineConfig.resolve(...))``."""
+    disk budget); or ``Engine(EngineConfig.resolve(...))``."""
 
     def __init__(
-        self, model: str | Path | None = None, *, config: EngineConfig | None = None, **options: Any
-    ) -> None:
+        self, model: str | Path | EngineConfig | None = None, *, config: EngineConfig | None = None,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        if isinstance(model, EngineConfig):
+            config, model = model, None
         cfg = self.config = config or EngineConfig.resolve(model, **options)
         self.cache_dir = cfg.cache_dir
         self.lm: LoadedModel = load_model(
-            cfg.model, cpu_kernels=cfg.cpu_kernels
+            cfg.model, cache_dir=cfg.models_dir, weight_dtype=cfg.weight_dtype, cpu_kernels=cfg.cpu_kernels
         )  # refuses unsupported families
-        self.spec, self.quant, self.attention = (
-            self.lm.structure.spec,
-            cfg.quant,
-            cfg.attention,
-        )
-        self.fingerprint = model_fingerprint(
-            self.lm.path, self.spec, self.quant, get_settings().cache_dir / "models"
-        )
+        self.spec, self.quant, self.attention = self.lm.structure.spec, cfg.quant, cfg.attention
+        self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant, cfg.models_dir / "models")
+        self.key = cfg.key  # which shared engine this is (``registry``)
+        self._closed = False
+        # Every part that holds a thread, a connection or memory is entered here as it is
+        # built, and ``close`` (or a failed start) ends them in reverse order.
+        self._parts = parts = contextlib.ExitStack()
+        try:
+            self._build(cfg, parts)
+        except BaseException:
+            parts.close()
+            raise
+
+    def _build(self, cfg: EngineConfig, parts: contextlib.ExitStack) -> None:
+        self._worker = Worker()  # every request's MLX work runs on this one thread
+        parts.callback(self._worker.stop)
+        weakref.finalize(self, self._worker.stop, False).atexit = False  # dropped: thread back
         store_dir = (self.cache_dir / "kv").expanduser().resolve() / self.fingerprint
         wait_for_saves(store_dir)  # saves this process queued there (another engine's) land first
-        self._store = open_store(
-            self.cache_dir / "kv", self.fingerprint, cfg.store, cfg.blocks, lazy=cfg.lazy_store
-        )
-        self._save_queue = SaveQueue(store_dir)  # block writes, checksums, fsync, index transactions
-        #: (model directory, cache directory, KV format, store, blocks): ``shared.engine_key``.
-        self.key = (
-            self.lm.path,
-            self.cache_dir.expanduser().resolve(),
-            self.quant.label,
-            cfg.store,
-            cfg.blocks,
-        )
+        self._store = open_store(self.cache_dir / "kv", self.fingerprint, cfg.store)
+        parts.callback(self._store.close)
         self.pool = BlockPool(self._store, cfg.hot_budget_bytes)
-        self.chunk_tokens = cfg.chunk_tokens
-        policy = HotPolicy(cfg.hot_agents, cfg.work_budget_bytes)
-        self.agents = AgentCaches(
-            self.spec, self.quant, self._store, self.pool, self.tokenizer, policy,
-            prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
-        )  # fmt: skip
-        self.agents.state_budget = cfg.state_budget
         context_length = cfg.context_length or trained_context(self.lm.path) or 1 << 20
-        self._reserve: WorkReserve | None = None
+        rows = None
         if cfg.reserve_work and not device.on_gpu() and self.attention == "copy":
             rows = reserve_rows(self.spec, context_length, cfg.alone_chunk_tokens, cfg.work_budget_bytes)
-            self._reserve, self.agents.reserved_rows = WorkReserve(self.spec, rows), rows
+            parts.callback(WorkReserve(self.spec, rows).release)
+        self.agents = AgentCaches(
+            spec=self.spec, quant=self.quant, store=self._store, pool=self.pool,
+            tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes),
+            prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
+            state_budget=cfg.state_budget, reserved_rows=rows,
+        )  # fmt: skip
         self._feed = CommitFeed()
+        parts.callback(self._feed.close)  # subscribers hear every commit before the index closes
+        parts.callback(self._forget_memory)
+        self._save_queue = SaveQueue(store_dir)  # block writes, checksums, fsync, index transactions
+        parts.callback(self._save_queue.close)  # every reply's save written (a failure was logged)
         self._steps = steps = RequestSteps(
             self.agents, ModelRunner(self.lm.model, self.lm.batches), self.tokenizer, context_length,
-            self.lm.name, self._queue_save, cfg.share_prefixes,
+            self.lm.name, lambda save: self.admin.queue_save(save), cfg.share_prefixes,
         )  # fmt: skip
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=cfg.scheduling, chunk_tokens=cfg.chunk_tokens,
             alone_chunk_tokens=cfg.alone_chunk_tokens, prefill_whole=steps.prefill_whole,
         )  # fmt: skip
-        self._arrivals = 0
-        self._worker = Worker()  # every request's MLX work runs on this one thread
+        self.chunk_tokens, self._arrivals = cfg.chunk_tokens, 0
         self._worker.stepper = self._scheduler
-        weakref.finalize(self, self._worker.stop, False).atexit = False  # dropped: thread back
         self._admissions: StoreAdmissions | None = None
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done
             # before it gets there (``admissions``).
             self._worker.submit(self._store.stay_local).result()
             self._admissions = StoreAdmissions(self.agents, self._store, self._to_scheduler)
-        self._closed = False
-        self._budget = BudgetKeeper(
-            self._store, self.agents.evict, self._in_use, lambda: self.pool.stats.bytes_written
-        )
-        self.storage_budget = cfg.storage_budget  # also bounds a shared store's saves waiting to upload
+            parts.callback(self._admissions.close)
+        #: agents' stored caches: records, forks, deletes, prefetch, the disk budget
+        self.admin = AgentAdmin(
+            caches=self.agents, store=self._store, saves=self._save_queue, feed=self._feed,
+            worker=self._worker, admissions=self._admissions, in_use=self._in_use,
+            bytes_written=lambda: self.pool.stats.bytes_written, check_open=self._check_open,
+        )  # fmt: skip
+        self.admin.storage_budget = cfg.storage_budget  # also bounds a shared store's saves waiting to upload
 
     @property
     def context_length(self) -> int:
@@ -187,6 +195,10 @@ class Engine(AgentAdmin):
     @work_budget_bytes.setter
     def work_budget_bytes(self, value: int) -> None:
         self.agents.policy.work_budget_bytes = value
+
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens a request for ``prompt`` reads (what a cold start would prefill)."""
+        return len(tokenize_prompt(self.tokenizer, prompt))
 
     # ------------------------------------------------------------------ requests
 
@@ -249,6 +261,42 @@ class Engine(AgentAdmin):
 
     # ------------------------------------------------------------------ lifetime
 
+    def flush(self) -> None:
+        """Wait until every reply so far is saved (its blocks and record durable); raise the
+        first save that failed since the last ``flush`` (``CacheWriteError``: the agent's
+        previous cache is intact). ``close`` flushes too."""
+        self._save_queue.flush()
+
+    def status(self) -> StoreStatus:
+        """The store's state now (reachable, saves waiting to upload, saves queued), without
+        waiting for the queued saves: what a readiness probe reads."""
+        return dataclasses.replace(self._store.status(), queued_saves=self._save_queue.queued)
+
+    def _in_use(self) -> set[str]:
+        """Agents the disk budget never evicts: saves queued, requests queued or running."""
+        running = {
+            r.agent_id
+            for r in self._scheduler.in_flight()
+            if isinstance(r, Request) and r.phase is not Phase.DONE
+        }
+        preparing = self._admissions.busy() if self._admissions is not None else set()
+        return self.agents.saving_agents() | running | preparing
+
+    def stats(self) -> dict[str, Any]:
+        shared = getattr(self._store, "stats", None)  # a shared store's traffic
+        disk = self.admin.disk_stats()
+        return {
+            "fingerprint": self.fingerprint,
+            "hot_agents": len(self.agents.hot),
+            "working_copy_bytes": self.agents.working_copy_bytes(),  # kept for the next request
+            "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
+            # agents whose requests wait on the shared store's part of their admission
+            **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
+            **({"disk": disk} if disk is not None else {}),
+            **self._scheduler.stats(),
+        }
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Engine was closed; create a new one")
@@ -261,19 +309,16 @@ class Engine(AgentAdmin):
             return
         if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
             raise RuntimeError("close() while requests are in progress: let them finish first")
-        if self._admissions is not None:
-            self._admissions.close()
-        self._save_queue.close()  # every reply's save written (a failure was logged)
+        self._parts.close()  # admissions, saves, memory, subscribers, store, reserve, thread
+
+    def _forget_memory(self) -> None:
+        """Live caches and the in-memory block tier freed, their buffers given back to the
+        system (on the model's thread, which then no longer reaches this engine)."""
         with self.agents.lock:
             self.agents.clear_memory()
-            self._worker.stepper = None  # the parked thread no longer reaches this engine
+            self._worker.stepper = None
             self._closed = True
-        self._feed.close()  # subscribers hear every commit before the index closes
-        self._store.close()
-        if self._reserve is not None:
-            self._reserve.release()
-        self._worker.submit(release_memory).result()  # freed buffers back to the system, on the worker
-        self._worker.stop()
+        self._worker.submit(release_memory).result()
 
     def __enter__(self) -> Engine:
         return self

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
+from .errors import ContextLengthError  # noqa: F401 - defined there, re-exported
 from .model.constrain import TokenConstraint
 from .prefix import MatchKind
 
@@ -34,11 +35,6 @@ class CacheOutcome:
             if self.source is CacheSource.COLD
             else f"{self.source.value}-{self.match.value}"
         )
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit the model's context window. The chat model raises it as
-    LangChain's ``ContextOverflowError`` too (``chat_model.ContextLengthError``)."""
 
 
 @dataclass(slots=True)

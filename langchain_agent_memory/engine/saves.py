@@ -51,6 +51,7 @@ class SaveQueue:
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
         self._failed: BaseException | None = None
+        self._queued = 0  # submitted, not ended: what ``Engine.status`` reports
         with _QUEUES_LOCK:
             _QUEUES.add(self)
 
@@ -77,7 +78,18 @@ class SaveQueue:
     def _queue(self, run: Callable[[], T]) -> Future[T]:
         with self._lock:
             self._last = future = self._thread.submit(run)
+            self._queued += 1
+        future.add_done_callback(self._ended)
         return future
+
+    def _ended(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    @property
+    def queued(self) -> int:
+        """Saves and changes submitted that have not ended yet (read without waiting)."""
+        return self._queued
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every save submitted so far has ended (failed or not); False if some had

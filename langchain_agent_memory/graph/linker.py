@@ -20,12 +20,20 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 
-from ..engine.engine import Engine, GenerationParams, Subscription
-from ..engine.kv import preset_name
-from ..engine.registry import engine_key, shared_engine, unwatch_engines, watch_engines
-from ..engine.storage.blocks import INTERNAL_PREFIX, AgentRecord
-from ..engine.storage.budget import StorageBudget
-from ..engine.storage.catalog import CommitConflictError
+from ..engine import (
+    INTERNAL_PREFIX,
+    AgentRecord,
+    CommitConflictError,
+    Engine,
+    EngineConfig,
+    GenerationParams,
+    StorageBudget,
+    Subscription,
+    preset_name,
+    shared_engine,
+    unwatch_engines,
+    watch_engines,
+)
 from .links import Link, Links
 
 SNAPSHOT_PREFIX = INTERNAL_PREFIX + "snapshot:"  # hidden from listings (``is_internal``)
@@ -56,17 +64,13 @@ def where_of(config: RunnableConfig) -> tuple[str, str, str]:
 
 class CacheLinker:
     """Links, rewinds, prefetch and snapshots for one cache directory (``cache_dir``), on
-    every engine built there; ``engine_args`` build the saver's own engine (``engine``)."""
+    every engine built there; ``config`` builds the saver's own engine (``engine``), and,
+    for another model and KV format, an engine a link names."""
 
     def __init__(
-        self,
-        links: Links,
-        cache_dir: Path,
-        engine_args: dict[str, Any],
-        storage_budget: StorageBudget | None,
-        prefetch: bool,
+        self, links: Links, config: EngineConfig, storage_budget: StorageBudget | None, prefetch: bool
     ) -> None:
-        self.links, self.cache_dir, self._engine_args = links, cache_dir, engine_args
+        self.links, self.cache_dir, self._config = links, config.cache_dir, config
         self.storage_budget, self.prefetch = storage_budget, prefetch
         self.last_prefetch: Future[int] | None = None  # the latest background load, if any
         #: (thread, namespace) -> the older checkpoint a read named (and its time): the
@@ -97,7 +101,7 @@ class CacheLinker:
     def engine(self) -> Engine:
         """The saver's own engine (built on first use: ``shared_engine``)."""
         if self._own is None:
-            self.attach(shared_engine(**self._engine_args))
+            self.attach(shared_engine(self._config))
         assert self._own is not None
         return self._own
 
@@ -121,8 +125,8 @@ class CacheLinker:
                 self.links.note_engine(
                     fp, str(engine.lm.path), preset_name(engine.quant) or engine.quant.label
                 )
-                if self.storage_budget is not None and engine.storage_budget is None:
-                    engine.storage_budget = self.storage_budget
+                if self.storage_budget is not None and engine.admin.storage_budget is None:
+                    engine.admin.storage_budget = self.storage_budget
             if self._own is None and self._is_own(engine):
                 self._own = engine
                 self.links.adopt(fp)
@@ -130,7 +134,7 @@ class CacheLinker:
     def _is_own(self, engine: Engine) -> bool:
         if self._own_key is None:
             try:
-                self._own_key = engine_key(**self._engine_args)
+                self._own_key = self._config.key
             except (ValueError, OSError, ImportError):  # a model that cannot load: ``engine`` says why
                 return False
         return engine.key == self._own_key
@@ -150,11 +154,7 @@ class CacheLinker:
             return None
         model, kv = args
         try:
-            built = shared_engine(
-                model, cache_dir=self.cache_dir, kv_format=kv,
-                store=self._engine_args["store"], blocks=self._engine_args["blocks"],
-                lazy_store=self._engine_args["lazy_store"],
-            )  # fmt: skip
+            built = shared_engine(self._config.for_model(model, kv))
         except (ValueError, OSError, ImportError):
             return None
         self.attach(built)
@@ -163,7 +163,7 @@ class CacheLinker:
     def settle(self) -> None:
         """Every commit made so far by the directory's engines is in the history."""
         for engine in self.engines:
-            engine.settle_commits()
+            engine.admin.settle_commits()
 
     def after_read(
         self, config: RunnableConfig, tup: CheckpointTuple, latest: CheckpointTuple | None
@@ -210,7 +210,7 @@ class CacheLinker:
         """The target thread's agents share the source's blocks (no tensor copied)."""
         for engine, record in self._thread_agents(src):
             agent_id = dst + record.agent_id[len(src) :]
-            engine.set_agent(agent_id, record)
+            engine.admin.set_agent(agent_id, record)
             self._remember(engine, agent_id, record, self.links.clock())
         self.links.copy_thread(src, dst)
 
@@ -236,10 +236,10 @@ class CacheLinker:
         self, engine: Engine, agent_id: str, record: AgentRecord, at: float, replace: bool = False
     ) -> None:
         digest = record_digest(record)
-        if not engine.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
+        if not engine.admin.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
             # Another worker may store the same snapshot at the same time: either one serves.
             with contextlib.suppress(CommitConflictError):
-                engine.set_agent(SNAPSHOT_PREFIX + digest, record)
+                engine.admin.set_agent(SNAPSHOT_PREFIX + digest, record)
         self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
     def _prefetch_next(self, tup: CheckpointTuple) -> None:
@@ -256,7 +256,7 @@ class CacheLinker:
                 wanted.setdefault(engine.fingerprint, []).append(r)
         for fp, records in wanted.items():
             records.sort(key=lambda r: r.updated_at)
-            self.last_prefetch = self._engines[fp].prefetch([r.agent_id for r in records])
+            self.last_prefetch = self._engines[fp].admin.prefetch([r.agent_id for r in records])
 
     def _before_request(self, agent_id: str, params: GenerationParams) -> None:
         """An engine request for ``agent_id`` (on the caller's thread, before it is queued):
@@ -293,10 +293,10 @@ class CacheLinker:
             engine = self._engine_of(fp)
             if engine is None:
                 continue
-            snapshot = engine.agent_record(SNAPSHOT_PREFIX + digest)
-            current = engine.agent_record(agent_id)
+            snapshot = engine.admin.agent_record(SNAPSHOT_PREFIX + digest)
+            current = engine.admin.agent_record(agent_id)
             if snapshot is not None and (current is None or record_digest(current) != digest):
-                engine.set_agent(agent_id, snapshot)
+                engine.admin.set_agent(agent_id, snapshot)
                 # Now the agent's latest state: a checkpoint put before its next commit
                 # (the input of a resumed run) must link this, not the state it replaced.
                 when = self.links.clock() if at is None else at
@@ -308,13 +308,13 @@ class CacheLinker:
             (e, r) for e, r in self._thread_agents(thread_id) if (e.fingerprint, r.agent_id) not in linked
         ]
         for engine, record in gone:
-            engine.delete(record.agent_id)
+            engine.admin.delete(record.agent_id)
         self.links.forget_agents((e.fingerprint, r.agent_id) for e, r in gone)
 
     def forget_thread(self, thread_id: str) -> None:
         self.settle()  # no commit of the thread is recorded after this
         for engine, record in self._thread_agents(thread_id):
-            engine.delete(record.agent_id)
+            engine.admin.delete(record.agent_id)
         self.links.drop_thread(thread_id)
         self.collect_snapshots()
 
@@ -323,7 +323,7 @@ class CacheLinker:
         engine of the directory: those built here, and those its links name."""
         for fp in self.links.engines_of_thread(thread_id):
             self._engine_of(fp)
-        return [(e, r) for e in self.engines for r in e.agent_records(f"{thread_id}:")]
+        return [(e, r) for e in self.engines for r in e.admin.agent_records(f"{thread_id}:")]
 
     def collect_snapshots(self) -> None:
         """Delete snapshots no checkpoint links to (their blocks go once unreferenced)."""
@@ -332,5 +332,5 @@ class CacheLinker:
         for fp, digest in dead:  # records first: a crash here leaves rows that the next pass retries
             engine = self._engine_of(fp)
             if engine is not None:
-                engine.delete(SNAPSHOT_PREFIX + digest)
+                engine.admin.delete(SNAPSHOT_PREFIX + digest)
         self.links.drop_snapshots(dead)

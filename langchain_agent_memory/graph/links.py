@@ -13,7 +13,7 @@ An engine is named by its store's fingerprint (model weights and KV format). Dat
 earlier versions (no engine column) are migrated in place: their rows belong to the
 saver's own engine (``adopt``).
 
-Workers that share a store (``storage.shared``) keep these tables in its PostgreSQL
+Workers that share a store (``storage.remote``) keep these tables in its PostgreSQL
 database (``PostgresLinks``: same tables, same statements) so that a thread's phases may
 run on different workers; times there are on Postgres's clock (``clock``).
 """

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
@@ -59,8 +60,7 @@ from langgraph.checkpoint.base import (
 )
 
 from ..config import get_settings
-from ..engine.engine import Engine
-from ..engine.storage.budget import StorageBudget
+from ..engine import Engine, EngineConfig, StorageBudget
 from .linker import CacheLinker, where_of
 from .links import Links, PostgresLinks
 from .sqlite_checkpoints import SqliteCheckpoints
@@ -111,30 +111,25 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         cache_ttl: float | str | timedelta | None = None,
         lazy_store: bool | None = None,
     ) -> None:
-        settings = get_settings()
         self.storage_budget = StorageBudget.of(max_disk_bytes, cache_ttl)
-        root = Path(cache_dir or settings.cache_dir).expanduser().resolve()
+        config = EngineConfig.resolve(
+            model, cache_dir=cache_dir, kv_bits=kv_bits, kv_format=kv_format, store=store, blocks=blocks,
+            lazy_store=lazy_store,
+        )  # fmt: skip
+        root = config.cache_dir.expanduser().resolve()
         root.mkdir(parents=True, exist_ok=True)
-        store, blocks = store or settings.store, blocks or settings.blocks
+        config = dataclasses.replace(config, cache_dir=root)
+        store = config.store.records if config.store is not None else None
         self._owned_conn: Any = None
         if checkpoints is None and store:  # workers sharing a store share its checkpoints too
             checkpoints = self._postgres_checkpoints(store)
         self.inner = _checkpoints_of(checkpoints, root)
         super().__init__(serde=self.inner.serde)
         self.cache_dir = root
-        engine_args: dict[str, Any] = {
-            "model": model,
-            "cache_dir": root,
-            "kv_bits": kv_bits,
-            "kv_format": kv_format,
-            "store": store,
-            "blocks": blocks,
-            "lazy_store": lazy_store,
-        }
         # Links beside the caches they name: in the shared store's database when workers
         # share one (every worker sees every link), else in the cache directory.
         links: Links = PostgresLinks(store) if store else Links(root / "agent_links.sqlite")
-        self.linker = CacheLinker(links, root, engine_args, self.storage_budget, prefetch)
+        self.linker = CacheLinker(links, config, self.storage_budget, prefetch)
 
     @property
     def links(self) -> Links:

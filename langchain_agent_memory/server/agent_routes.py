@@ -27,8 +27,7 @@ from urllib.parse import quote, unquote
 from fastapi import Depends, FastAPI, Header, Request
 
 from ..chat.model import ChatAgentMemory
-from ..engine.engine import Engine
-from ..engine.storage.blocks import AgentRecord, is_internal, validate_agent_id
+from ..engine import AgentRecord, Engine, is_internal, validate_agent_id
 from .errors import APIError, as_api_errors
 from .protocol import SampledRequest
 
@@ -144,7 +143,7 @@ def served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
 def _agent_card(engine: Engine, model: str, record: AgentRecord) -> dict[str, Any]:
     """An agent's cache as ``GET /v1/agents`` lists it (bytes: its blocks on this server's
     disk; blocks shared with other agents count for each)."""
-    info = engine.agent_info(record)
+    info = engine.admin.agent_info(record)
     assert info is not None
     return {
         "id": record.agent_id,
@@ -180,12 +179,12 @@ def add_agent_routes(
             prefix = caller.prefix
         records = [
             r
-            for r in await asyncio.to_thread(engine.agent_records, prefix)
+            for r in await asyncio.to_thread(engine.admin.agent_records, prefix, wait=False)
             if (all or not is_internal(r.agent_id)) and caller.may(r.agent_id)
         ]
         name = model or next(iter(models))
         out: dict[str, Any] = {"object": "list", "data": [_agent_card(engine, name, r) for r in records]}
-        if not getattr(engine.store, "reachable", True):
+        if not engine.status().reachable:
             out["local_only"] = True
             out["warning"] = "the shared store is unreachable: these are this server's copies only"
         return out
@@ -199,7 +198,7 @@ def add_agent_routes(
         engine = engine_of(model)
         valid_agent(agent_id, caller)
         with as_api_errors():
-            gone = await asyncio.to_thread(engine.delete, agent_id)
+            gone = await asyncio.to_thread(engine.admin.delete, agent_id)
         if not gone:
             raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
         return {"id": agent_id, "object": "agent.deleted", "deleted": True}
@@ -228,8 +227,8 @@ def add_agent_routes(
         valid_agent(agent_id, caller)
         valid_agent(target, caller, "to")
         with as_api_errors():
-            found = await asyncio.to_thread(engine.has_agent, agent_id)
-            exists = await asyncio.to_thread(engine.has_agent, target)
+            found = await asyncio.to_thread(engine.admin.has_agent, agent_id)
+            exists = await asyncio.to_thread(engine.admin.has_agent, target)
         if not found:
             raise APIError(404, f"agent {agent_id!r} has no cache here", "agent_not_found", "agent_id")
         if not replace and exists:
@@ -237,6 +236,6 @@ def add_agent_routes(
         with as_api_errors():
             # The source's record is read with the write (a racing save or delete of it is
             # ordered before or after, never between); deleted meanwhile: a 404.
-            source = await asyncio.to_thread(engine.fork, agent_id, target)
+            source = await asyncio.to_thread(engine.admin.fork, agent_id, target)
         card = _agent_card(engine, model or next(iter(models)), source)
         return {**card, "id": target, "forked_from": agent_id}

@@ -30,8 +30,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
-from ..engine.engine import GenerationParams
-from ..engine.model.loading import DEFAULT_MODEL
+from ..engine import DEFAULT_MODEL, GenerationParams
 from . import replies
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .errors import (
@@ -76,6 +75,9 @@ class ServerConfig:
     #: settings' (``AGENT_MEMORY_STORE`` / ``AGENT_MEMORY_BLOCKS``), else the cache directory.
     store: str | None = None
     blocks: str | None = None
+    #: Start with the shared store out of reach (serve from the cache directory, upload once
+    #: it answers) instead of failing (``--lazy-store``; None: ``AGENT_MEMORY_LAZY_STORE``).
+    lazy_store: bool | None = None
     #: Bearer token every ``/v1`` request must carry (None: no auth; bind to loopback then).
     #: With a key, ``/docs`` and ``/openapi.json`` want it too.
     api_key: str | None = None
@@ -123,6 +125,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 hot_budget_mb=config.hot_budget_mb,
                 store=config.store,
                 blocks=config.blocks,
+                lazy_store=config.lazy_store,
                 max_disk_bytes=config.max_disk_bytes,
                 cache_ttl=config.cache_ttl,
             )
@@ -185,14 +188,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         (this server then serves from its own copies), with the saves waiting to upload."""
         out, ok = {}, True
         for name, llm in models.items():
-            store = llm.engine.store
-            reachable = getattr(store, "reachable", True)
-            stats = getattr(store, "stats", None)
-            pending = getattr(stats, "pending_saves", 0)
-            nbytes = await asyncio.to_thread(store.pending_bytes) if hasattr(store, "pending_bytes") else 0
-            out[name] = {"shared_store": stats is not None, "reachable": reachable,
-                         "pending_saves": pending, "pending_bytes": nbytes}  # fmt: skip
-            ok = ok and reachable
+            status = llm.engine.status()  # never waits on the saves queued
+            out[name] = {"shared_store": status.shared, "reachable": status.reachable,
+                         "pending_saves": status.pending_saves, "pending_bytes": status.pending_bytes,
+                         "queued_saves": status.queued_saves}  # fmt: skip
+            ok = ok and status.reachable
         body = {"status": "ready" if ok else "store unreachable", "models": out}
         return JSONResponse(body, status_code=200 if ok and models else 503)
 

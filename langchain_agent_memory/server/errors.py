@@ -14,8 +14,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.engine import AgentNotFoundError, CacheWriteError, CommitConflictError, ContextLengthError
-from ..engine.storage.objects import RemoteUnavailableError
+from ..engine import (
+    AgentNotFoundError,
+    CacheWriteError,
+    CommitConflictError,
+    ContextLengthError,
+    RemoteUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)

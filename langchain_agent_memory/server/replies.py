@@ -15,7 +15,7 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk
 
-from ..engine.results import GenerationResult, StreamChunk
+from ..engine import GenerationResult, StreamChunk
 
 #: Engine finish reasons -> OpenAI's (a timeout ends the reply early, as a length limit does).
 _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}

@@ -36,7 +36,7 @@ def main(cache_dir: str, journal_path: str, seed: int) -> None:
         agent = rng.choice(AGENTS)
         turns[agent] += 1
         start = rng.randrange(0, 2000)
-        prompt = engine.cached_text(agent) or text[start : start + 600]
+        prompt = engine.admin.cached_text(agent) or text[start : start + 600]
         prompt += f"\n\nQ{turns[agent]}: {text[start + 600 : start + 600 + rng.randrange(50, 700)]}\nA:"
         log(agent=agent, turn=turns[agent], prompt=prompt)
         engine.generate(agent, prompt, GenerationParams(max_tokens=4))

@@ -59,29 +59,31 @@ def main(
                 agent, prompt = f"app:{turn}", SYSTEM
             else:  # an earlier agent, reloaded from disk (as after a restart)
                 agent = f"app:{turn - rng.randint(1, 2)}"
-                engine.drop_hot(agent)
-                prompt = engine.cached_text(agent) or SYSTEM
+                engine.admin.drop_hot(agent)
+                prompt = engine.admin.cached_text(agent) or SYSTEM
             result = engine.generate(agent, prompt + f"\nQ{turn}: clause {rng.randrange(1, 9)}?\nA:", PARAMS)
             key = f"app turns ({result.outcome})"
             ops[key] = ops.get(key, 0) + 1
         else:  # delete every cache it finds, keep one of its own alive now and then
-            for record in engine.agent_records():
-                ops["cleanup deletes"] = ops.get("cleanup deletes", 0) + int(engine.delete(record.agent_id))
+            for record in engine.admin.agent_records():
+                ops["cleanup deletes"] = ops.get("cleanup deletes", 0) + int(
+                    engine.admin.delete(record.agent_id)
+                )
             if store:
-                collected = engine.store.collect_garbage(grace_s=2).blocks_collected
+                collected = engine.admin.store.collect_garbage(grace_s=2).blocks_collected
                 ops["cleanup blocks collected"] = ops.get("cleanup blocks collected", 0) + collected
             if turn % 5 == 0:
                 engine.generate("cleanup:probe", SYSTEM + f"\nQ: section {turn}?\nA:", PARAMS)
                 ops["cleanup turns"] = ops.get("cleanup turns", 0) + 1
         if store:  # the invariant, in one snapshot of the system of record
-            dangling = engine.store.catalog.dangling(engine.fingerprint)
+            dangling = engine.admin.store.catalog.dangling(engine.fingerprint)
             if dangling:
                 key = "records naming a missing block"
                 ops[key] = ops.get(key, 0) + dangling
             continue
-        with engine.store.locked():  # the invariant, seen from either process at any time
-            for record in engine.agent_records():
-                if not all(engine.store.has_block(h) for h in record.blocks):
+        with engine.admin.store.locked():  # the invariant, seen from either process at any time
+            for record in engine.admin.agent_records():
+                if not all(engine.admin.store.has_block(h) for h in record.blocks):
                     ops["records naming a missing block"] = ops.get("records naming a missing block", 0) + 1
     print(json.dumps({"ops": ops, "warnings": warnings.lines}))
 

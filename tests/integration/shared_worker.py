@@ -45,7 +45,7 @@ def main() -> None:
 
 def run(engine: Engine, cmd: dict) -> dict:
     op = cmd["op"]
-    store = engine.store
+    store = engine.admin.store
     if op == "generate":
         params = GenerationParams(max_tokens=cmd.get("max_tokens", 8))
         result = engine.generate(cmd["agent"], cmd["prompt"], params)
@@ -61,10 +61,10 @@ def run(engine: Engine, cmd: dict) -> dict:
         record = store.get_agent(cmd["agent"])
         return {"text": record.text if record else None, "blocks": len(record.blocks) if record else 0}
     if op == "delete":
-        return {"deleted": engine.delete(cmd["agent"])}
+        return {"deleted": engine.admin.delete(cmd["agent"])}
     if op == "fork":
         record = store.get_agent(cmd["agent"])
-        engine.set_agent(cmd["to"], record)
+        engine.admin.set_agent(cmd["to"], record)
         return {"forked": True}
     if op == "flush":
         return {"pending": store.flush_pending()}
@@ -81,7 +81,9 @@ def run(engine: Engine, cmd: dict) -> dict:
         n = 0
         while True:
             agent = f"crash:{n % cmd['agents']}"
-            reply = engine.generate(agent, (engine.cached_text(agent) or cmd["prompt"]) + f" Q{n}?", params)
+            reply = engine.generate(
+                agent, (engine.admin.cached_text(agent) or cmd["prompt"]) + f" Q{n}?", params
+            )
             reply.wait_saved()  # a turn is reported once its save is durable (kills land mid-save)
             n += 1
             print(json.dumps({"turn": n}), flush=True)
@@ -91,10 +93,10 @@ def run(engine: Engine, cmd: dict) -> dict:
         end, n = time.monotonic() + cmd["seconds"], 0
         while time.monotonic() < end:
             fork = f"{cmd['agent']}#fork{n}"
-            engine.set_agent(fork, base)
+            engine.admin.set_agent(fork, base)
             engine.generate(fork, base.text + f" And then {n}?", params)
             if n >= 2:
-                engine.delete(f"{cmd['agent']}#fork{n - 2}")
+                engine.admin.delete(f"{cmd['agent']}#fork{n - 2}")
             n += 1
         return {"forks": n}
     if op == "gcloop":

@@ -69,12 +69,14 @@ def test_batched_decode_equals_decode_alone(
     for agent in PROMPTS:
         assert got[agent].text == expected[agent].text, agent
         assert got[agent].completion_tokens == expected[agent].completion_tokens
-        a, b = alone.store.get_agent(agent), batched.store.get_agent(agent)
+        a, b = alone.admin.store.get_agent(agent), batched.admin.store.get_agent(agent)
         assert a is not None and b is not None and a.token_ids == b.token_ids and a.blocks == b.blocks
         for h in a.blocks:
             worst = max(
                 worst,
-                _kv_mismatch(batched, alone.store.get_block(h).tensors, batched.store.get_block(h).tensors),
+                _kv_mismatch(
+                    batched, alone.admin.store.get_block(h).tensors, batched.admin.store.get_block(h).tensors
+                ),
             )
     # Float sums in another order (a batch of 3 rows, prefill chunks of another size) may move
     # a value across a rounding boundary: one 16-bit ulp, or one 4/6-bit quantization step.
@@ -202,7 +204,7 @@ def test_a_warm_agent_does_not_wait_for_a_cold_prefill(smollm: object, tmp_path:
     a.start()
     while not any(getattr(r, "prefilled", 0) for r in engine._scheduler.active):  # A's prefill has begun
         threading.Event().wait(0.01)
-    first_token("b", engine.cached_text("b") + "\nQ: And who wrote it?\nA:")
+    first_token("b", engine.admin.cached_text("b") + "\nQ: And who wrote it?\nA:")
     a.join()
     assert order == (["b", "a"] if policy == "interleave" else ["a", "b"])
 
@@ -232,7 +234,7 @@ def test_fan_out_prefills_the_shared_prefix_once(smollm: Any, tmp_path: Path, to
     assert engine.stats()["max_decode_batch"] >= 2
     # What each agent stored stands for its own prompt and reply: a reload extends it.
     for agent, prompt in prompts.items():
-        engine.drop_hot(agent)
+        engine.admin.drop_hot(agent)
         again = engine.generate(agent, prompt + got[agent].text + "\nQ: Thanks.\nA:", params)
         assert again.outcome.match.value == "extend"
 
@@ -269,15 +271,18 @@ def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
         for agent, prompt in PROMPTS.items():
             engine.generate(agent, prompt, GREEDY)
     expected = {
-        agent: alone.generate(agent, alone.cached_text(agent) + follow[agent], GREEDY) for agent in PROMPTS
+        agent: alone.generate(agent, alone.admin.cached_text(agent) + follow[agent], GREEDY)
+        for agent in PROMPTS
     }
     passes.clear()
-    got = together(batched, {agent: batched.cached_text(agent) + follow[agent] for agent in PROMPTS}, GREEDY)
+    got = together(
+        batched, {agent: batched.admin.cached_text(agent) + follow[agent] for agent in PROMPTS}, GREEDY
+    )
     assert any(len(lens) >= 2 and len(set(lens)) >= 2 for lens in passes), passes  # one pass, unequal tails
     for agent in PROMPTS:
         assert str(got[agent].outcome) == "hot-extend", got[agent].outcome
         assert got[agent].text == expected[agent].text, agent
-        a, b = alone.store.get_agent(agent), batched.store.get_agent(agent)
+        a, b = alone.admin.store.get_agent(agent), batched.admin.store.get_agent(agent)
         assert a is not None and b is not None and a.token_ids == b.token_ids
     figures[f"short turns in one prefill pass ({attention})"] = (
         f"tails of {passes[0]} tokens in one pass, replies identical to each alone"

@@ -59,7 +59,7 @@ def test_wait_for_save_replies_with_the_saves_outcome(smollm: LoadedModel, tmp_p
     for how, reply in replies.items():
         assert reply.response_metadata["cache_saved"] is True, how
     for agent in ("a1", "a2", "a3", "a4"):
-        record = llm.engine.agent_record(agent)
+        record = llm.engine.admin.agent_record(agent)
         assert record is not None and "Hello." in record.text, agent
 
 
@@ -92,7 +92,9 @@ def test_langgraph_nodes_and_threads_get_their_own_caches(smollm: LoadedModel, t
     assert one == ["t1:planner", "t1:writer"]
     assert two[-2:] == ["t2:planner", "t2:writer"]
     engine = llm.engine
-    assert all(engine.cached_tokens(a) > 0 for a in ["t1:planner", "t1:writer", "t2:planner", "t2:writer"])
+    assert all(
+        engine.admin.cached_tokens(a) > 0 for a in ["t1:planner", "t1:writer", "t2:planner", "t2:writer"]
+    )
 
 
 def test_subgraph_nodes_nest_under_their_parent(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -128,7 +130,7 @@ def test_every_message_kind_renders_and_the_reply_extends_the_cache(
     ]
     reply = llm.invoke(messages)  # no trailing human message: allowed
     assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] > 0
-    text = llm.engine.cached_text("tools")
+    text = llm.engine.admin.cached_text("tools")
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text
     with pytest.raises(ValueError, match="text only"):

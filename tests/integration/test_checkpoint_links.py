@@ -66,9 +66,9 @@ def test_every_checkpoint_links_the_cache_it_stood_at(two_turns) -> None:  # typ
     after_turns = [links for links in linked if links]
     assert all(set(links) == {"t1:lawyer"} for links in after_turns)
     assert len({links["t1:lawyer"] for links in after_turns}) == 2  # one cache state per turn
-    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    snapshots = engine.admin.agent_records(SNAPSHOT_PREFIX)
     assert len(snapshots) == 2
-    latest = engine.store.get_agent("t1:lawyer")
+    latest = engine.admin.store.get_agent("t1:lawyer")
     assert latest is not None and any(s.blocks == latest.blocks for s in snapshots)
 
 
@@ -76,7 +76,7 @@ def test_delete_thread_frees_the_cache_files(two_turns) -> None:  # type: ignore
     app, saver, engine, tmp = two_turns
     assert _block_files(tmp)
     saver.delete_thread("t1")
-    assert engine.agent_records() == []  # the agent and every snapshot
+    assert engine.admin.agent_records() == []  # the agent and every snapshot
     assert _block_files(tmp) == set()
     assert app.get_state(_cfg("t1")).values == {}
 
@@ -86,24 +86,24 @@ def test_copy_thread_shares_blocks_and_diverges_on_its_own(two_turns) -> None:  
     before = _block_files(tmp)
     saver.copy_thread("t1", "t2")
     assert _block_files(tmp) == before  # a fork copies no tensors
-    source = engine.store.get_agent("t1:lawyer")
-    fork = engine.store.get_agent("t2:lawyer")
+    source = engine.admin.store.get_agent("t1:lawyer")
+    fork = engine.admin.store.get_agent("t2:lawyer")
     assert source is not None and fork is not None and fork.blocks == source.blocks
     out = app.invoke({"messages": [HumanMessage("Can I sell copies?")]}, _cfg("t2"))
     assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
-    assert engine.store.get_agent("t1:lawyer") == source  # the source is untouched
-    assert engine.cached_tokens("t2:lawyer") > len(source.token_ids)
+    assert engine.admin.store.get_agent("t1:lawyer") == source  # the source is untouched
+    assert engine.admin.cached_tokens("t2:lawyer") > len(source.token_ids)
     assert len(app.get_state(_cfg("t1")).values["messages"]) == 4
 
 
 def test_prune_collects_the_snapshots_of_pruned_checkpoints(two_turns) -> None:  # type: ignore[no-untyped-def]
     _, saver, engine, tmp = two_turns
     saver.prune(["t1"], strategy="keep_latest")
-    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    snapshots = engine.admin.agent_records(SNAPSHOT_PREFIX)
     assert len(snapshots) == 1
-    assert snapshots[0].blocks == engine.store.get_agent("t1:lawyer").blocks  # type: ignore[union-attr]
+    assert snapshots[0].blocks == engine.admin.store.get_agent("t1:lawyer").blocks  # type: ignore[union-attr]
     saver.prune(["t1"], strategy="delete")
-    assert engine.agent_records() == [] and _block_files(tmp) == set()
+    assert engine.admin.agent_records() == [] and _block_files(tmp) == set()
 
 
 def test_delete_for_runs_drops_that_runs_links_and_snapshot(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -112,26 +112,26 @@ def test_delete_for_runs_drops_that_runs_links_and_snapshot(smollm: LoadedModel,
         app.invoke(
             {"messages": [HumanMessage(question)]}, {"configurable": {"thread_id": "t1", "run_id": run_id}}
         )
-    assert len(engine.agent_records(SNAPSHOT_PREFIX)) == 2
+    assert len(engine.admin.agent_records(SNAPSHOT_PREFIX)) == 2
     saver.delete_for_runs(["run-2"])
     remaining = list(app.get_state_history(_cfg("t1")))
     assert remaining and all(len(s.values.get("messages", [])) <= 2 for s in remaining)
     linked = {d for s in remaining for d in saver.linked_agents(s.config).values()}
-    snapshots = engine.agent_records(SNAPSHOT_PREFIX)
+    snapshots = engine.admin.agent_records(SNAPSHOT_PREFIX)
     assert len(linked) == 1 and [s.agent_id for s in snapshots] == [SNAPSHOT_PREFIX + linked.pop()]
     # The turn-1 snapshot's blocks are all still on disk: its checkpoints can be resumed.
     assert set(snapshots[0].blocks) <= _block_files(tmp_path)
     # The thread now ends at turn 1, and so does its agent's cache.
-    assert engine.store.get_agent("t1:lawyer").text == snapshots[0].text  # type: ignore[union-attr]
+    assert engine.admin.store.get_agent("t1:lawyer").text == snapshots[0].text  # type: ignore[union-attr]
 
 
 def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  # type: ignore[no-untyped-def]
     app, saver, engine, _ = two_turns
     turn1 = next(s for s in app.get_state_history(_cfg("t1")) if len(s.values.get("messages", [])) == 2)
     snapshot = saver.linked_agents(turn1.config)["t1:lawyer"]
-    stored_after_turn1 = engine.store.get_agent(SNAPSHOT_PREFIX + snapshot)
+    stored_after_turn1 = engine.admin.store.get_agent(SNAPSHOT_PREFIX + snapshot)
     assert stored_after_turn1 is not None
-    assert len(engine.cached_text("t1:lawyer")) > len(stored_after_turn1.text)  # now at turn 2
+    assert len(engine.admin.cached_text("t1:lawyer")) > len(stored_after_turn1.text)  # now at turn 2
     # Resume from turn 1 with another question: the node extends turn 1's cache exactly.
     forked = app.invoke({"messages": [HumanMessage("Is it free?")]}, turn1.config)
     reply = forked["messages"][-1]
@@ -171,7 +171,7 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
     app.invoke(None, cfg)  # the critic runs: both agents now have caches
     app.invoke({"messages": [HumanMessage("Who wrote it?")]}, cfg)  # stops before the critic
     engine = llm.engine
-    engine.drop_hot()  # as after a restart: nothing live
+    engine.admin.drop_hot()  # as after a restart: nothing live
     assert engine.stats()["hot_agents"] == 0
     saver.get_tuple(cfg)  # what a resume reads first
     assert saver.last_prefetch is not None and saver.last_prefetch.result() == 1
@@ -183,14 +183,14 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
 
 def test_browsing_history_changes_no_cache(two_turns) -> None:  # type: ignore[no-untyped-def]
     app, saver, engine, _ = two_turns
-    before = engine.store.get_agent("t1:lawyer")
+    before = engine.admin.store.get_agent("t1:lawyer")
     assert before is not None
     # what LangGraph Studio does while a person browses: every state, old ones included
     states = list(app.get_state_history(_cfg("t1")))
     for s in states:
         app.get_state(s.config)
     saver.get_delta_channel_history(config=states[-1].config, channels=["messages"])
-    after = engine.store.get_agent("t1:lawyer")
+    after = engine.admin.store.get_agent("t1:lawyer")
     assert after is not None and after.blocks == before.blocks and after.text == before.text
     # the next turn, from the latest checkpoint, extends the latest cache (turn 2's)
     out = app.invoke({"messages": [HumanMessage("Is it free?")]}, _cfg("t1"))
@@ -210,7 +210,9 @@ def test_resuming_an_older_checkpoint_rewinds_first(smollm: LoadedModel, tmp_pat
     app.invoke(None, cfg)  # turn 2 answered: the cache holds both turns
     waiting = [s for s in app.get_state_history(cfg) if s.next == ("critic",)]
     second = waiting[0]  # turn 2 asked, not answered
-    snapshot = llm.engine.store.get_agent(SNAPSHOT_PREFIX + saver.linked_agents(second.config)["t1:critic"])
+    snapshot = llm.engine.admin.store.get_agent(
+        SNAPSHOT_PREFIX + saver.linked_agents(second.config)["t1:critic"]
+    )
     assert snapshot is not None and "Who wrote it?" not in snapshot.text
     # Resume that pending step with no input: the critic starts from the cache it had there
     # (turn 1), which the prompt extends; without the rewind it would cut turn 2's cache.
@@ -283,13 +285,13 @@ def test_one_saver_links_every_engine_of_the_graph(smollm: LoadedModel, tmp_path
     out = app.invoke({"messages": [HumanMessage("Is it free?")]}, turn1.config)
     for reply in out["messages"][-2:]:
         engine = small.engine if reply.response_metadata["agent_id"] == "t1:writer" else exact.engine
-        snapshot = engine.store.get_agent(SNAPSHOT_PREFIX + linked[reply.response_metadata["agent_id"]])
+        snapshot = engine.admin.store.get_agent(SNAPSHOT_PREFIX + linked[reply.response_metadata["agent_id"]])
         assert snapshot is not None
         assert reply.response_metadata["cache"].endswith("-extend")
         assert reply.usage_metadata["input_token_details"]["cache_read"] == len(snapshot.token_ids)
     saver.delete_thread("t1")
     for engine in (small.engine, exact.engine):
-        assert engine.agent_records() == []
+        assert engine.admin.agent_records() == []
     assert _block_files(tmp_path) == set()
 
 
@@ -318,7 +320,7 @@ async def test_async_inner_saver_is_called_through_its_async_methods(
         assert all(saver.linked_agents(s.config) for s in history if len(s.values.get("messages", [])) >= 2)
         await saver.adelete_thread("t1")
         assert (await app.aget_state(_cfg("t1"))).values == {}
-        assert llm.engine.agent_records() == [] and _block_files(tmp_path) == set()
+        assert llm.engine.admin.agent_records() == [] and _block_files(tmp_path) == set()
         saver.close()
     async with AgentMemorySaver.afrom_conn_string(str(tmp_path / "cp.db"), cache_dir=tmp_path) as saver:
         app = g.compile(checkpointer=saver)
@@ -369,7 +371,7 @@ def test_checkpoints_in_postgres(smollm: LoadedModel, tmp_path: Path, postgres_u
         assert saver.linked_agents(app.get_state(_cfg("pg")).config)
         saver.copy_thread("pg", "pg-copy")
         assert app.get_state(_cfg("pg-copy")).values == app.get_state(_cfg("pg")).values
-        assert llm.engine.store.get_agent("pg-copy:lawyer") is not None
+        assert llm.engine.admin.store.get_agent("pg-copy:lawyer") is not None
         saver.delete_for_runs(["run-2"])
         assert len(app.get_state(_cfg("pg")).values["messages"]) == 2  # back to after run 1
 

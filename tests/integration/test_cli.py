@@ -27,25 +27,27 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     for agent, question in (("t1:lawyer", "Its name?"), ("t2:lawyer", "Who wrote it?")):
         engine.generate(agent, f"{SYSTEM}\nQ: {question}\nA:", GenerationParams(max_tokens=2))
-    shared = engine.store.get_agent("t1:lawyer").blocks[0]  # type: ignore[union-attr]
+    shared = engine.admin.store.get_agent("t1:lawyer").blocks[0]  # type: ignore[union-attr]
     d = str(tmp_path)
 
-    engine.set_agent("@snapshot:0123abcd", engine.store.get_agent("t2:lawyer"))  # a checkpointer's entry
+    engine.admin.set_agent(
+        "@snapshot:0123abcd", engine.admin.store.get_agent("t2:lawyer")
+    )  # a checkpointer's entry
     listing = _run("cache", "ls", "--cache-dir", d, "--format", "json")
     assert {r["agent"] for r in json.loads(listing)} == {"t1:lawyer", "t2:lawyer"}  # its own entries hidden
     everything = json.loads(_run("cache", "ls", "--all", "--cache-dir", d, "--format", "json"))
     assert "@snapshot:0123abcd" in {r["agent"] for r in everything}
     assert "t2:lawyer" not in _run("cache", "ls", "--prefix", "t1:", "--cache-dir", d)
     shown = _run("cache", "show", "t1:lawyer", "--cache-dir", d)
-    assert f"tokens: {engine.cached_tokens('t1:lawyer')}" in shown and "Apache" in shown
+    assert f"tokens: {engine.admin.cached_tokens('t1:lawyer')}" in shown and "Apache" in shown
 
     assert "deleted 1 agent cache" in _run("cache", "rm", "t1:lawyer", "--cache-dir", d)
-    assert engine.store.get_agent("t1:lawyer") is None
-    assert engine.store.has_block(shared)  # t2 still names it
+    assert engine.admin.store.get_agent("t1:lawyer") is None
+    assert engine.admin.store.has_block(shared)  # t2 still names it
     missing = CliRunner().invoke(app, ["cache", "show", "t1:lawyer", "--cache-dir", d])
     assert missing.exit_code != 0 and "no stored cache" in missing.output
 
-    orphan_dir = engine.store.block_path(shared).parent
+    orphan_dir = engine.admin.store.block_path(shared).parent
     (orphan_dir / f".{shared}.safetensors.x.safetensors").write_bytes(b"half")  # a killed save's temp file
     # Looking never changes the store: ls, show and du leave what a killed save left
     files = sorted(
@@ -65,12 +67,12 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
 
     assert __version__ in _run("--version")
     (row,) = json.loads(_run("cache", "ls", "--format", "json", "--cache-dir", d))
-    assert row["agent"] == "t2:lawyer" and row["tokens"] == engine.cached_tokens("t2:lawyer")
+    assert row["agent"] == "t2:lawyer" and row["tokens"] == engine.admin.cached_tokens("t2:lawyer")
     assert "\tt2:lawyer\t" in _run("cache", "ls", "--cache-dir", d)  # not a terminal: plain lines
     assert "would delete t2:lawyer" in _run("cache", "rm", "--thread", "t2", "--dry-run", "--cache-dir", d)
-    assert engine.store.get_agent("t2:lawyer") is not None
+    assert engine.admin.store.get_agent("t2:lawyer") is not None
     assert "deleted 1 agent cache" in _run("cache", "rm", "--prefix", "t2:", "-y", "--cache-dir", d)
-    assert engine.store.get_agent("t2:lawyer") is None
+    assert engine.admin.store.get_agent("t2:lawyer") is None
     listed = json.loads(_run("models", "--format", "json", "--cache-dir", d))
     assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed["models"] if m["kind"] == "shipped"}
     families = {f["family"]: f for f in listed["families"]}

@@ -61,7 +61,7 @@ def _future_version(path: Path, _: Engine) -> None:
 
 def _other_models_block(path: Path, engine: Engine) -> None:
     """The same block, as another model's (or KV format's) cache directory holds it."""
-    good = engine.store.get_block(path.stem)  # type: ignore[arg-type]
+    good = engine.admin.store.get_block(path.stem)  # type: ignore[arg-type]
     other = DiskBlockStore(engine.cache_dir / "kv", "another-model")
     other.put_block(Block(good.hash, good.parent, good.token_ids, good.tensors))
     path.write_bytes(other.block_path(good.hash).read_bytes())
@@ -106,15 +106,15 @@ def test_damaged_block_is_quarantined_and_repaired(
 ) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = engine.generate("lawyer", PROMPT, GREEDY)
-    record = engine.store.get_agent("lawyer")
+    record = engine.admin.store.get_agent("lawyer")
     assert record is not None and len(record.blocks) >= 2
-    victim = engine.store.block_path(record.blocks[1])
+    victim = engine.admin.store.block_path(record.blocks[1])
     BLOCK_DAMAGE[damage](victim, engine)
 
     again = _falls_back_then_repairs(tmp_path, first, caplog)
     # Only blocks before the damaged one can serve (shared by content), never the damaged one.
     assert again.reused_tokens <= 256
-    Engine("smollm2-135m", cache_dir=tmp_path).store.get_block(record.blocks[1])  # a sound copy
+    Engine("smollm2-135m", cache_dir=tmp_path).admin.store.get_block(record.blocks[1])  # a sound copy
     _record_figure(figures, damage)
 
 
@@ -130,7 +130,7 @@ def _falls_back_then_repairs(
     assert str(again.outcome) in ("cold", "warm-shared", "hot-shared")  # sound shared blocks may serve
     (line,) = _warnings(caplog)
     assert "'lawyer'" in line and "falling back to prefill" in line and "quarantine" in line
-    assert len(list((restarted.store.dir / "quarantine").iterdir())) == 1  # kept aside, not deleted
+    assert len(list((restarted.admin.store.dir / "quarantine").iterdir())) == 1  # kept aside, not deleted
     repaired = Engine("smollm2-135m", cache_dir=tmp_path)
     third = repaired.generate("lawyer", PROMPT, GREEDY)
     assert str(third.outcome).startswith("warm") and third.text == first.text  # from disk again
@@ -139,7 +139,7 @@ def _falls_back_then_repairs(
 
 
 def _edit_record(engine: Engine, edit: Callable[[str], str]) -> None:
-    index = sqlite3.connect(engine.store.dir / "index.sqlite")
+    index = sqlite3.connect(engine.admin.store.dir / "index.sqlite")
     (raw,) = index.execute("SELECT record FROM agents WHERE agent_id = 'lawyer'").fetchone()
     index.execute("UPDATE agents SET record = ? WHERE agent_id = 'lawyer'", (edit(raw),))
     index.commit()

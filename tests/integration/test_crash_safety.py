@@ -16,7 +16,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from langchain_agent_memory.engine.storage.store import TEMP_PREFIX, DiskBlockStore
+from langchain_agent_memory.engine.ops.files import TEMP_PREFIX
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crash_child import AGENTS, FINGERPRINT, record_digest

@@ -42,9 +42,9 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     engine.generate("busy", "Count on: " + " ".join(WORDS[:40]), ONE)
     engine.generate("a0", _prompt(0), ONE)
-    one_agent = engine.disk_bytes() // 2
+    one_agent = engine.admin.disk_bytes() // 2
     budget = 12 * one_agent  # about a dozen agents fit
-    engine.storage_budget = StorageBudget(max_bytes=budget)
+    engine.admin.storage_budget = StorageBudget(max_bytes=budget)
 
     # "busy" is the least recently used agent, and in use (decoding) the whole time.
     stream = engine.stream("busy", "Count on: " + " ".join(WORDS[:40]), GenerationParams(max_tokens=4000))
@@ -71,10 +71,10 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
                 used.append("a3")
             # After each save the directory is within the budget (the engine's own count
             # and every file under the cache directory).
-            assert engine.disk_bytes() <= budget
+            assert engine.admin.disk_bytes() <= budget
             largest = max(largest, _dir_bytes(tmp_path / "kv"))
             assert largest <= budget
-            assert engine.store.has_agent("busy"), f"agent in use evicted after a{i}"
+            assert engine.admin.store.has_agent("busy"), f"agent in use evicted after a{i}"
     finally:
         stop.set()
         busy.join(timeout=120)
@@ -87,11 +87,11 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
     order = ["a0", *used]
     assert evicted == sorted(evicted, key=order.index)
     assert evicted.index("a3") > evicted.index("a20") if "a3" in evicted else True
-    survivors = [r.agent_id for r in engine.agent_records() if r.agent_id.startswith("a")]
+    survivors = [r.agent_id for r in engine.admin.agent_records() if r.agent_id.startswith("a")]
     assert sorted(survivors, key=order.index) == order[-len(survivors) :]
     assert len(survivors) >= 8
     # An evicted agent prefills again (cold), a kept one resumes warm from disk.
-    engine.drop_hot()
+    engine.admin.drop_hot()
     again = engine.generate("a1", _prompt(1) + " Again.", ONE)
     kept = engine.generate(order[-1], _prompt(49) + " Again.", ONE)
     assert again.reused_tokens == 0 and kept.reused_tokens > 0
@@ -107,9 +107,9 @@ def test_a_time_to_live_evicts_agents_unused_for_longer(smollm: LoadedModel, tmp
     llm.invoke("Hello there, old agent.", agent_id="old")
     time.sleep(1.6)
     llm.invoke("Hello there, new agent.", agent_id="new")
-    ids = {r.agent_id for r in llm.engine.agent_records()}
+    ids = {r.agent_id for r in llm.engine.admin.agent_records()}
     assert ids == {"new"}
-    llm.engine.storage_budget = None
+    llm.engine.admin.storage_budget = None
 
 
 def test_budget_values_are_parsed_or_refused_clearly() -> None:
@@ -130,7 +130,7 @@ def test_cache_prune_evicts_lru_first_and_dry_run_changes_nothing(
     for i in range(4):
         engine.generate(f"p{i}", _prompt(i), ONE)
     engine.generate("p0", _prompt(0) + " Later.", ONE)  # p0 is now the most recent
-    total = engine.disk_bytes()
+    total = engine.admin.disk_bytes()
     engine.close()
     runner = CliRunner()
     args = ["cache", "prune", "--cache-dir", str(tmp_path), "--max-size", str(total * 3 // 4)]
@@ -160,8 +160,8 @@ def test_an_index_of_the_previous_schema_is_migrated_with_last_use_and_sizes(
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     engine.generate("m1", _prompt(1), ONE)
     engine.generate("m2", _prompt(2), ONE)
-    expected, fp = engine.disk_bytes(), engine.fingerprint
-    stamps = {r.agent_id: r.updated_at for r in engine.agent_records()}
+    expected, fp = engine.admin.disk_bytes(), engine.fingerprint
+    stamps = {r.agent_id: r.updated_at for r in engine.admin.agent_records()}
     engine.close()
     index = tmp_path / "kv" / fp / "index.sqlite"
     with sqlite3.connect(index) as db:  # back to schema 2, as the previous version wrote it
@@ -181,4 +181,4 @@ def test_the_savers_budget_applies_to_the_engines_of_its_directory(
 ) -> None:
     with AgentMemorySaver(cache_dir=tmp_path, max_disk_bytes="2GB", cache_ttl="30d"):
         llm = ChatAgentMemory(cache_dir=str(tmp_path))  # no budget of its own
-        assert llm.engine.storage_budget == StorageBudget(max_bytes=2 * 10**9, ttl_s=30 * 86400)
+        assert llm.engine.admin.storage_budget == StorageBudget(max_bytes=2 * 10**9, ttl_s=30 * 86400)

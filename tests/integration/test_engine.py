@@ -111,16 +111,16 @@ def test_exact_extend_diverge(smollm: LoadedModel, tmp_path: Path) -> None:
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("Summarise the license in one line.", None)])
     eng.generate("a", p, GREEDY)
-    stored = eng.cached_text("a")
-    n = eng.cached_tokens("a")
+    stored = eng.admin.cached_text("a")
+    n = eng.admin.cached_tokens("a")
     assert stored.startswith(p) and len(stored) > len(p)
 
     exact = eng.generate("a", stored, GREEDY)
     assert exact.outcome.match is MatchKind.EXACT
     assert exact.reused_tokens == n - 1  # the last token is re-run for its logits
 
-    stored = eng.cached_text("a")
-    n = eng.cached_tokens("a")
+    stored = eng.admin.cached_text("a")
+    n = eng.admin.cached_tokens("a")
     extend = eng.generate("a", stored + " And also", GREEDY)
     assert extend.outcome.match is MatchKind.EXTEND and extend.reused_tokens == n
 
@@ -146,7 +146,7 @@ def test_stream_equals_generate_and_stop_sequences(smollm: LoadedModel, tmp_path
     assert stopped.text == expected
     streamed = "".join(c.text for c in eng.stream("s4", prompt, GenerationParams(max_tokens=24, stop=[stop])))
     assert streamed == expected  # text held back while it could still become the stop
-    kept = eng.cached_text("s3")[len(prompt) :]
+    kept = eng.admin.cached_text("s3")[len(prompt) :]
     assert expected.startswith(kept) or kept.startswith(expected), (kept, expected)
     assert stop not in kept  # nothing past the stop is kept in the cache
 
@@ -156,11 +156,11 @@ def test_two_agents_store_a_shared_system_prompt_once(smollm: LoadedModel, tmp_p
     system = "Use this text.\n\n" + corpus.python_docs()[:5000]  # > 1K tokens
     ra = eng.generate("a", _chat(eng, system, [("What is a for loop?", None)]), GREEDY)
     rb = eng.generate("b", _chat(eng, system, [("What does assert do?", None)]), GREEDY)
-    chain_a = eng.store.get_agent("a").blocks  # type: ignore[union-attr]
-    chain_b = eng.store.get_agent("b").blocks  # type: ignore[union-attr]
+    chain_a = eng.admin.store.get_agent("a").blocks  # type: ignore[union-attr]
+    chain_b = eng.admin.store.get_agent("b").blocks  # type: ignore[union-attr]
     shared = len(set(chain_a) & set(chain_b))
     assert shared >= 1000 // BLOCK_TOKENS
-    files = list(eng.store.blocks_dir.rglob("*.safetensors"))
+    files = list(eng.admin.store.blocks_dir.rglob("*.safetensors"))
     assert len(files) == len(set(chain_a) | set(chain_b))
     # The second agent wrote only its own tail blocks.
     assert rb.bytes_written < ra.bytes_written * (len(chain_b) - shared + 1) / len(chain_a)
@@ -202,7 +202,7 @@ def _stored_agent(tmp_path: Path) -> tuple[Engine, str, GenerationResult, AgentR
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("What is this license called?", None)])
     first = eng.generate("a", p, GREEDY)
-    record = eng.store.get_agent("a")
+    record = eng.admin.store.get_agent("a")
     assert record is not None and len(record.blocks) == 2
     return eng, p, first, record
 
@@ -211,7 +211,7 @@ def test_newer_format_record_is_refused_not_overwritten(smollm: LoadedModel, tmp
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, "Be brief.", [("Hi", None)])
     eng.generate("a", p, GenerationParams(max_tokens=2))
-    index = sqlite3.connect(eng.store.dir / "index.sqlite")
+    index = sqlite3.connect(eng.admin.store.dir / "index.sqlite")
     (raw,) = index.execute("SELECT record FROM agents WHERE agent_id = 'a'").fetchone()
     newer = json.dumps({**json.loads(raw), "format_version": STATES_FORMAT_VERSION + 1})
     index.execute("UPDATE agents SET record = ? WHERE agent_id = 'a'", (newer,))
@@ -230,9 +230,9 @@ def test_bad_agent_ids(smollm: LoadedModel, tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="agent_id"):
         eng.generate(bad, "hello", GenerationParams(max_tokens=1))
     with pytest.raises(ValueError, match="agent_id"):
-        eng.set_agent(bad, AgentRecord("src", [], [], [], ""))
+        eng.admin.set_agent(bad, AgentRecord("src", [], [], [], ""))
     # Refused before any work: no record, no block, no file anywhere (not "../x" either).
-    assert list(eng.store.agents()) == [] and list(eng.store.block_hashes()) == []
+    assert list(eng.admin.store.agents()) == [] and list(eng.admin.store.block_hashes()) == []
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -240,7 +240,7 @@ def test_missing_block_falls_back_to_prefill(
     smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     eng, p, first, record = _stored_agent(tmp_path)
-    eng.store.block_path(record.blocks[-1]).unlink()
+    eng.admin.store.block_path(record.blocks[-1]).unlink()
     fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     with caplog.at_level(logging.WARNING):
         again = fresh.generate("a", p, GREEDY)
@@ -250,8 +250,8 @@ def test_missing_block_falls_back_to_prefill(
     assert again.outcome.match is MatchKind.SHARED
     assert again.reused_tokens == BLOCK_TOKENS * (len(record.blocks) - 1)
     assert first.text and again.text
-    repaired = fresh.store.get_agent("a")
-    assert repaired is not None and all(fresh.store.has_block(h) for h in repaired.blocks)
+    repaired = fresh.admin.store.get_agent("a")
+    assert repaired is not None and all(fresh.admin.store.has_block(h) for h in repaired.blocks)
 
 
 def test_sampling_is_reproducible_with_a_seed(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -297,10 +297,10 @@ def test_closing_a_stream_early_cancels_and_keeps_what_was_generated(
     first = next(stream).text
     stream.close()
     # The next request queues behind the cancelled one, which commits first.
-    again = eng.generate("a", eng.cached_text("a"), GenerationParams(max_tokens=1))
+    again = eng.generate("a", eng.admin.cached_text("a"), GenerationParams(max_tokens=1))
     assert again.outcome.match is MatchKind.EXACT
-    kept = eng.cached_text("a")[len(prompt) :]
-    assert kept.startswith(first.strip()[:3]) and eng.cached_tokens("a") < again.prompt_tokens + 200
+    kept = eng.admin.cached_text("a")[len(prompt) :]
+    assert kept.startswith(first.strip()[:3]) and eng.admin.cached_tokens("a") < again.prompt_tokens + 200
 
 
 def test_requests_from_many_threads_equal_serial_ones(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -326,7 +326,7 @@ def test_context_length_refuses_long_prompts_and_ends_replies(smollm: LoadedMode
     assert r.finish_reason == "length" and r.prompt_tokens + r.completion_tokens == 64
     with pytest.raises(ContextLengthError, match="reads at most 64"):
         engine.generate("other", prompt + "1, 2, 3, " * 20, GREEDY)
-    assert engine.store.get_agent("other") is None  # nothing was stored for the refused prompt
+    assert engine.admin.store.get_agent("other") is None  # nothing was stored for the refused prompt
 
 
 def test_the_working_copy_reserve_changes_no_output(

@@ -167,13 +167,13 @@ def test_default_4bit_format_reloads_like_the_hot_run(
     warm = again.generate("x", p2, GREEDY)
     assert str(warm.outcome).startswith("warm") and warm.text == r2.text
     assert again.quant.label == hot.quant.label == "k6g64h-v4g64h-h4"
-    record = again.store.get_agent("x")
+    record = again.admin.store.get_agent("x")
     assert record is not None and len(record.blocks) >= 2  # persisted in 256-token blocks
-    stored = again.cached_text("x")
+    stored = again.admin.cached_text("x")
     exact = again.generate("x", stored, GREEDY)
     n = len(record.token_ids)  # the last token is re-run (back to a whole character)
     assert exact.outcome.match is MatchKind.EXACT and n - 8 <= exact.reused_tokens <= n - 1
-    extend = again.generate("x", again.cached_text("x") + " More:", GREEDY)
+    extend = again.generate("x", again.admin.cached_text("x") + " More:", GREEDY)
     assert extend.outcome.match is MatchKind.EXTEND
 
 
@@ -240,8 +240,8 @@ def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
 
     hot = engine("a")
     r1 = hot.generate("x", LONG, GREEDY)
-    n1 = hot.cached_tokens("x")
-    p2 = hot.cached_text("x") + "\n\nQ: and the second part?\nA:"
+    n1 = hot.admin.cached_tokens("x")
+    p2 = hot.admin.cached_text("x") + "\n\nQ: and the second part?\nA:"
     r2 = hot.generate("x", p2, GREEDY)
     assert r2.outcome.match is MatchKind.EXTEND and r2.reused_tokens == n1  # the live state
     engine("b").generate("x", LONG, GREEDY)
@@ -249,7 +249,7 @@ def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
     warm = again.generate("x", p2, GREEDY)
     assert str(warm.outcome).startswith("warm") and warm.text == r2.text and r1.completion_tokens > 0
     assert warm.reused_tokens == n1 - 1  # the stored turn's end: its last token is re-run
-    record = again.store.get_agent("x")
+    record = again.admin.store.get_agent("x")
     assert (
         record is not None and record.states and len(record.blocks) == len(record.chain) + len(record.states)
     )
@@ -283,10 +283,10 @@ def test_a_hybrid_agents_snapshots_weigh_no_more_than_its_kv(
         engine = Engine(model, cache_dir=tmp_path / str(budget), state_budget=budget)
         engine.generate("x", text, GREEDY)
         engine.flush()
-        record = engine.store.get_agent("x")
+        record = engine.admin.store.get_agent("x")
         assert record is not None and record.states
         chain, snaps = record.blocks[: len(record.chain)], record.blocks[len(record.chain) :]
-        kv, states = engine.store.local_bytes(chain), engine.store.local_bytes(snaps)
+        kv, states = engine.admin.store.local_bytes(chain), engine.admin.store.local_bytes(snaps)
         sizes[budget] = (len(snaps), kv, states)
         n = len(record.token_ids)
         cut = _cut_at_token(engine, "x", n - 1024)
@@ -313,20 +313,20 @@ def test_a_disk_budget_evicts_hybrid_agents_with_their_snapshots(
 
     engine.generate("a0", prompt(0), GREEDY)
     engine.flush()
-    budget = 3 * engine.disk_bytes()
-    engine.storage_budget = StorageBudget(max_bytes=budget)
+    budget = 3 * engine.admin.disk_bytes()
+    engine.admin.storage_budget = StorageBudget(max_bytes=budget)
     snapshots: dict[str, list[str]] = {}
     for i in range(8):
         engine.generate(f"a{i}", prompt(i), GREEDY)
         engine.flush()
-        record = engine.store.get_agent(f"a{i}")
+        record = engine.admin.store.get_agent(f"a{i}")
         assert record is not None and record.states
         snapshots[f"a{i}"] = record.blocks[len(record.chain) :]
-        assert engine.disk_bytes() <= budget
+        assert engine.admin.disk_bytes() <= budget
         assert sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file()) <= budget
-    evicted = [a for a in snapshots if not engine.store.has_agent(a)]
+    evicted = [a for a in snapshots if not engine.admin.store.has_agent(a)]
     assert evicted and "a7" not in evicted
-    on_disk = set(engine.store.block_hashes())
+    on_disk = set(engine.admin.store.block_hashes())
     assert not {h for a in evicted for h in snapshots[a]} & on_disk
     engine.agents.clear_memory()  # read from disk
     kept = engine.generate("a7", prompt(7) + " And then?", GREEDY)

@@ -102,7 +102,9 @@ def test_with_the_database_frozen_one_stuck_call_does_not_hold_up_other_agents(
             params = GenerationParams(max_tokens=2)
             for agent in ("y", "z", "w"):
                 engine.generate(agent, SYSTEM + f"User: I am {agent}.\nAssistant:", params).wait_saved()
-            prompts = {a: engine.cached_text(a) + "\nUser: and then?\nAssistant:" for a in ("y", "z", "w")}
+            prompts = {
+                a: engine.admin.cached_text(a) + "\nUser: and then?\nAssistant:" for a in ("y", "z", "w")
+            }
             done: list[tuple[str, float, float]] = []
             t0 = time.monotonic()
 
@@ -274,7 +276,7 @@ def test_wrong_settings_fail_at_start_with_their_cause(
     s, b, _ = wrong["no server there"]
     with Engine("smollm2-135m", cache_dir=tmp_path / "lazy", store=s, blocks=b, lazy_store=True) as lazy:
         reply = lazy.generate("a", "Hello there.", GenerationParams(max_tokens=2))
-        assert reply.wait_saved() and lazy.store.stats.pending_saves == 1
+        assert reply.wait_saved() and lazy.admin.store.stats.pending_saves == 1
     # The same from the chat model, as the start-up error suggests.
     from langchain_agent_memory import ChatAgentMemory
 
@@ -282,7 +284,7 @@ def test_wrong_settings_fail_at_start_with_their_cause(
         cache_dir=str(tmp_path / "lazy-chat"), store=s, blocks=b, lazy_store=True, max_tokens=2
     )
     assert chat.invoke("Hello there.").content
-    assert chat.engine.store.stats.pending_saves <= 1
+    assert chat.engine.admin.store.stats.pending_saves <= 1
     figures["settings errors"] = f"caught at start {caught}/{len(wrong) + 1}, each naming its cause"
 
 
@@ -341,25 +343,25 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
         with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store[0], blocks=store[1]) as engine:
             wait = GenerationParams(max_tokens=1, wait_for_save=True)  # the reply says where its save is
             assert engine.generate("a0", SYSTEM + "User: agent 0.\nAssistant:", wait).saved is True
-            budget = 3 * engine.disk_bytes()
-            engine.storage_budget = StorageBudget(max_bytes=budget)
+            budget = 3 * engine.admin.disk_bytes()
+            engine.admin.storage_budget = StorageBudget(max_bytes=budget)
             pg.stop()
             largest = 0
             for i in range(1, 17):
                 reply = engine.generate(f"a{i}", SYSTEM + f"User: agent {i}.\nAssistant:", one)
                 assert reply.wait_saved() == "local"
-                largest = max(largest, engine.store.pending_bytes())
+                largest = max(largest, engine.admin.store.pending_bytes())
             assert engine.generate("late", SYSTEM + "User: late.\nAssistant:", wait).saved == "local"
-            stats = engine.store.stats
+            stats = engine.admin.store.stats
             assert stats.pending_dropped >= 1 and largest <= budget, (largest, budget)
             assert "dropped here" in caplog.text
-            assert engine.store.upload_pending("a16")  # the newest is kept
+            assert engine.admin.store.upload_pending("a16")  # the newest is kept
             pg.start()
             deadline = time.monotonic() + 60
-            while engine.store.flush_pending():
+            while engine.admin.store.flush_pending():
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
-            assert engine.store.has_agent("a16")
+            assert engine.admin.store.has_agent("a16")
     finally:
         pg.close()
 
@@ -435,8 +437,8 @@ def test_the_model_thread_never_waits_on_the_store(
             Engine("smollm2-135m", cache_dir=tmp_path / "a", **store) as a,
             Engine("smollm2-135m", cache_dir=tmp_path / "b", **store) as b,
         ):
-            _spy_on_the_store(a.store, calls)
-            _spy_on_the_store(b.store, calls)
+            _spy_on_the_store(a.admin.store, calls)
+            _spy_on_the_store(b.admin.store, calls)
             turn1 = SYSTEM + "User: tell me about owls.\nAssistant:"
             first = a.generate("owls", turn1, short)
             a.generate("cats", SYSTEM + "User: and cats?\nAssistant:", short)
@@ -446,7 +448,7 @@ def test_the_model_thread_never_waits_on_the_store(
             b.flush()
             third = a.generate("owls", turn2 + second.text + "\nUser: more.\nAssistant:", short)  # stale here
             shared = b.generate("bees", SYSTEM + "User: bees?\nAssistant:", short)  # A's system prompt
-            assert b.prefetch(["cats"]).result(timeout=60) == 1
+            assert b.admin.prefetch(["cats"]).result(timeout=60) == 1
             cats = b.generate("cats", SYSTEM + "User: and cats?\nAssistant:" + "x", short)
             a.flush()
             b.flush()

@@ -247,6 +247,6 @@ def test_langchain_create_agent_runs_on_the_chat_model_and_the_saver(
             replies.append(state["messages"][-1])
         assert all(isinstance(r, AIMessage) for r in replies)
         assert replies[1].response_metadata["cached_tokens"] > 0  # the second turn reused the first's cache
-        agents = {r.agent_id for r in llm.engine.agent_records("lc1:")}
+        agents = {r.agent_id for r in llm.engine.admin.agent_records("lc1:")}
         assert any(a.startswith("lc1:model") for a in agents), agents
         assert len(agents) >= 2, agents  # the summariser's calls: an agent of their own

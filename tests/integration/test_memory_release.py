@@ -79,3 +79,53 @@ def test_engines_opened_and_closed_by_the_dozen_leave_no_threads_behind(
     figures["threads after 12 engines"] = (
         f"{settled} native threads after one engine, {after} after 12 more (6 closed, 6 dropped)"
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+def test_shared_store_engines_opened_and_closed_leave_no_thread_or_connection(
+    smollm: LoadedModel, shared_store: tuple[str, str], postgres_url: str, tmp_path: Path,
+    figures: dict[str, str],
+) -> None:  # fmt: skip
+    """A server that swaps engines (models, settings) on a shared store all day: every
+    thread an engine starts (its admissions, the store's I/O and uploader, the lease
+    heartbeat, the database's watchdog and probe) ends at ``close()``, and every database
+    connection it opened is closed (PostgreSQL's own view, ``pg_stat_activity``)."""
+    import threading
+    import time
+
+    import psycopg
+
+    store, blocks = shared_store
+    params = GenerationParams(max_tokens=2)
+
+    def connections() -> int:
+        with psycopg.connect(store, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def cycle(i: int) -> None:
+        with Engine("smollm2-135m", cache_dir=tmp_path / "c", kv_bits=None, store=store, blocks=blocks) as e:
+            if i % 25 == 0:  # now and then a request: a lease, a fetch, a save and its upload
+                e.generate(f"agent {i % 2}", f"Agent {i} says hello to", params)
+                e.flush()
+
+    cycle(0)  # the first engine's threads (a lent worker, its streams, BLAS) stay for the next
+    gc.collect()
+    names, native = {t.name for t in threading.enumerate()}, _native_threads()
+    started = time.perf_counter()
+    cycles = 200
+    for i in range(1, cycles + 1):
+        cycle(i)
+    took = time.perf_counter() - started
+    gc.collect()
+    left = sorted({t.name for t in threading.enumerate()} - names)
+    assert not left, left
+    assert _native_threads() <= native + 2, (native, _native_threads())
+    assert connections() == 0
+    figures["shared-store engines opened and closed"] = (
+        f"{cycles} cycles in {took:.0f} s: no thread or database connection left "
+        f"({native} native threads before and {_native_threads()} after)"
+    )

@@ -47,7 +47,7 @@ def test_default_model_stops_at_end_of_turn(smollm: LoadedModel, tmp_path: Path)
     assert result.finish_reason == "stop" and result.completion_tokens < 64, result
     assert "Paris" in result.text
     # The reply is kept for the next turn (which then extends the cache).
-    assert engine.cached_text("a") == prompt + result.text
+    assert engine.admin.cached_text("a") == prompt + result.text
 
 
 def test_gemma_adds_bos_and_has_two_end_tokens(gemma: LoadedModel) -> None:

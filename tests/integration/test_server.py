@@ -31,8 +31,8 @@ from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.budget import StorageBudget
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 from langchain_agent_memory.server import ServerConfig, create_app
-from langchain_agent_memory.server.process import free_port, start_server
 from langchain_agent_memory.testing.corpus import apache_license
+from langchain_agent_memory.testing.server_process import free_port, start_server
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -248,7 +248,7 @@ def test_closing_a_stream_stops_decoding(client: openai.OpenAI, server: tuple[st
     stream.close()
     # a second request of the agent waits for the first to end (same-agent requests run in order)
     after = _complete(client, "oa-cancel", ask, max_tokens=1)
-    kept = shared_engine(MODEL, cache_dir=server[1]).store.get_agent("oa-cancel")
+    kept = shared_engine(MODEL, cache_dir=server[1]).admin.store.get_agent("oa-cancel")
     assert kept is not None
     generated = len(kept.token_ids) - after.usage.prompt_tokens
     assert generated < 100, f"decoding went on after the client left: {generated} tokens kept"
@@ -271,10 +271,37 @@ def test_a_failed_save_leaves_the_reply_and_the_previous_cache(
         assert _stream_text(client, "oa-full-stream", COLORS, max_tokens=12)
         with pytest.raises(CacheWriteError, match="disk is full"):
             engine.flush()
-    assert engine.store.get_agent("oa-full") is None and engine.store.get_agent("oa-full-stream") is None
+    assert (
+        engine.admin.store.get_agent("oa-full") is None
+        and engine.admin.store.get_agent("oa-full-stream") is None
+    )
     assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
     engine.flush()
-    assert engine.store.get_agent("oa-full") is not None
+    assert engine.admin.store.get_agent("oa-full") is not None
+
+
+def test_ready_and_the_agents_list_answer_while_a_save_waits(
+    client: openai.OpenAI, server: tuple[str, Path]
+) -> None:
+    """A load balancer's probe and an operator's list never wait for the saves queued
+    (they run on the server's event loop): with the cache directory held by another writer,
+    a reply's save waits behind it, and both answer meanwhile, saying what waits."""
+    engine = shared_engine(MODEL, cache_dir=server[1])
+    store = engine.admin.store
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with store.locked():  # as `agent-memory cache gc` in another process would
+        assert _complete(client, "oa-queued", COLORS, max_tokens=4).choices[0].message.content
+        started = time.perf_counter()
+        ready = httpx.get(server[0] + "/ready", timeout=30)
+        listed = httpx.get(server[0] + "/v1/agents", headers=headers, timeout=30)
+        took = time.perf_counter() - started
+        assert engine.status().queued_saves >= 1  # still waiting when both had answered
+    print(f"/ready + GET /v1/agents with a save queued: {took * 1000:.1f} ms")
+    assert ready.status_code == 200 and ready.json()["models"][MODEL]["queued_saves"] >= 1
+    assert listed.status_code == 200 and "oa-queued" not in [a["id"] for a in listed.json()["data"]]
+    engine.flush()
+    after = httpx.get(server[0] + "/v1/agents", headers=headers).json()["data"]
+    assert "oa-queued" in [a["id"] for a in after]
 
 
 # ------------------------------------------------------------------ langchain-openai
@@ -593,7 +620,7 @@ def test_served_names_cors_and_default_sampling(smollm: LoadedModel, tmp_path: P
     with TestClient(create_app(config)) as http:
         engine = shared_engine(MODEL, cache_dir=tmp_path)
         assert engine.context_length == 128
-        assert engine.storage_budget == StorageBudget(max_bytes=10**9, ttl_s=7 * 86400)
+        assert engine.admin.storage_budget == StorageBudget(max_bytes=10**9, ttl_s=7 * 86400)
         long = {"model": "team-model", "messages": [{"role": "user", "content": "word " * 200}]}
         over = http.post("/v1/chat/completions", json=long)
         assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
@@ -628,7 +655,10 @@ def test_plain_completions_continue_text_exactly(server: tuple[str, Path], clien
     assert text.startswith(" ")  # the leading space a continuation needs is kept
     # The oracle: the engine's own tokens for prompt + text are what the model saw.
     engine = shared_engine(MODEL, cache_dir=server[1])
-    assert engine.cached_text("plain") == prompt + text[: len(engine.cached_text("plain")) - len(prompt)]
+    assert (
+        engine.admin.cached_text("plain")
+        == prompt + text[: len(engine.admin.cached_text("plain")) - len(prompt)]
+    )
     # Continuing from prompt + text extends the cache: only the new words are read.
     more = client.completions.create(
         model=MODEL,
@@ -668,7 +698,7 @@ def test_plain_completions_on_the_gemma3_base_model(gemma: LoadedModel, tmp_path
         text = first["choices"][0]["text"]
         assert text.startswith(" ") and text.strip()
         engine = shared_engine("gemma3-270m", cache_dir=tmp_path)
-        assert engine.cached_text("base").startswith(ask["prompt"] + text.rstrip()[:3])
+        assert engine.admin.cached_text("base").startswith(ask["prompt"] + text.rstrip()[:3])
         more = {**ask, "prompt": ask["prompt"] + text + " It", "max_tokens": 3}
         second = http.post("/v1/completions", json=more, headers={"X-Agent-ID": "base"}).json()
         usage = second["usage"]

@@ -1,5 +1,5 @@
 """Workers on several hosts share agents through PostgreSQL and an S3-compatible object
-store (``storage.shared``), against real servers the tests start (``services``): each
+store (``storage.remote``), against real servers the tests start (``services``): each
 worker is a separate process with a local cache directory of its own."""
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store:
                 str(e.generate(record.agent_id, record.text, GenerationParams(max_tokens=1)).outcome)
                 != "cold"
             )
-        e.store.collect_garbage(grace_s=0)
+        e.admin.store.collect_garbage(grace_s=0)
         _objects_all_named(shared_store, e.fingerprint)
 
 
@@ -340,13 +340,13 @@ def test_verify_does_not_mark_missing_a_block_uploaded_while_it_ran(
     with Engine("smollm2-135m", cache_dir=tmp_path / "a", store=store, blocks=blocks) as a:
         a.generate("x", SYSTEM + "User: name a river.\nAssistant:", GenerationParams(max_tokens=4))
         a.flush()
-        monkeypatch.setattr(a.store.objects, "list", lambda fp: iter(()))  # listed before the uploads
-        report = a.store.verify(repair=True)
+        monkeypatch.setattr(a.admin.store.objects, "list", lambda fp: iter(()))  # listed before the uploads
+        report = a.admin.store.verify(repair=True)
         assert report.checked > 0 and report.missing == 0 and report.marked_missing == 0, report
         monkeypatch.undo()
-        a.fork("x", "x-fork")
+        a.admin.fork("x", "x-fork")
     with Engine("smollm2-135m", cache_dir=tmp_path / "b", store=store, blocks=blocks) as b:
-        forked = b.store.get_agent("x-fork")
+        forked = b.admin.store.get_agent("x-fork")
         assert forked is not None
         out = b.generate("x-fork", forked.text + " More?", GenerationParams(max_tokens=2))
         assert str(out.outcome).startswith("warm"), out.outcome
@@ -383,13 +383,13 @@ def test_a_disk_budget_bounds_the_local_tier_and_the_store_keeps_everything(
     prompts = {f"x{i}": f"Worker note {i}: " + "the river runs to the sea. " * 12 for i in range(6)}
     with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=shared_store[0], blocks=shared_store[1]) as e:
         e.generate("x0", prompts["x0"], one)
-        e.storage_budget = StorageBudget(max_bytes=3 * e.disk_bytes())
+        e.admin.storage_budget = StorageBudget(max_bytes=3 * e.admin.disk_bytes())
         for agent in list(prompts)[1:]:
             e.generate(agent, prompts[agent], one)
-            assert e.disk_bytes() <= e.storage_budget.max_bytes
+            assert e.admin.disk_bytes() <= e.admin.storage_budget.max_bytes
         evicted = e.stats()["disk"]["recently_evicted"]
         assert evicted and evicted[0] == "x0"
         assert {r.agent_id for r in _store_is_whole(shared_store, e.fingerprint)} == set(prompts)
-        e.drop_hot()
+        e.admin.drop_hot()
         back = e.generate("x0", prompts["x0"] + " More.", one)  # read through from the store
         assert back.outcome.source.value == "warm" and back.reused_tokens > 0

@@ -2,36 +2,56 @@
 run against every backend the same way, as LangGraph's checkpoint-conformance does for
 savers. ``local``: a directory (``DiskBlockStore``); ``shared``: PostgreSQL + an
 S3-compatible server (SeaweedFS) with a directory in front (``SharedBlockStore``), real
-servers. A second store opened over the same places stands for another process."""
+servers. A second store opened over the same places stands for another process. Where the
+backends differ by design (a shared store's worker deletes or quarantines its own copies,
+the store keeps its own), a test says what each does."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.storage.blocks import AgentRecord, Block, BlockHash, block_hash
+from langchain_agent_memory.engine.storage.blocks import (
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    block_hash,
+)
 from langchain_agent_memory.engine.storage.protocols import BlockStore, take_lease
-from langchain_agent_memory.engine.storage.remote import open_store
+from langchain_agent_memory.engine.storage.remote import SharedBlockStore, open_store
+from langchain_agent_memory.engine.storage.store_config import StoreConfig
 
 FP = "conformance-model"
-Opener = Callable[[str], BlockStore]
+
+
+class Opener(Protocol):
+    def __call__(self, worker: str, *, reachable: bool = True) -> BlockStore: ...
 
 
 @pytest.fixture(params=["local", "shared"])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Opens the backend's store for a worker (its own local directory), all on one store."""
+    """Opens the backend's store for a worker (its own local directory), all on one store;
+    ``reachable=False``: a shared store whose database does not answer (started lazily)."""
     urls: tuple[str | None, str | None] = (None, None)
     if request.param == "shared":
         urls = request.getfixturevalue("shared_store")
     opened: list[BlockStore] = []
 
-    def open_one(worker: str) -> BlockStore:
+    def open_one(worker: str, *, reachable: bool = True) -> BlockStore:
         # The local backend has one directory: every "worker" shares it, as processes do.
         root = tmp_path / (worker if request.param == "shared" else "local")
-        store = open_store(root, FP, *urls)
+        store_url, blocks_url = urls
+        if not reachable and store_url is not None:  # no server listens on this socket
+            store_url = f"postgresql:///gone?host={tmp_path / 'no-server'}&user=postgres&port=5432"
+        store = open_store(root, FP, StoreConfig.of(store_url, blocks_url, lazy=not reachable))
         opened.append(store)
         return store
 
@@ -175,3 +195,145 @@ def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opene
     record, _ = _agent(two, "contested", seed=51)  # not refused: the lease was given back
     back = opener("w3").get_agent("contested")
     assert back is not None and back.blocks == record.blocks
+
+
+def _damage(path: Path) -> bytes:
+    """Flip the last byte of a block file (its tensor data): its checksum no longer holds."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(data)
+    return bytes(data)
+
+
+def test_a_deleted_block_is_gone_from_this_worker(opener: Opener) -> None:
+    store = opener("w1")
+    assert list(store.block_hashes()) == []
+    record, blocks = _agent(store, "owner", seed=60)
+    loose = _block(None, [6, 0, 1], 61)  # written, named by no record (a save cut short)
+    store.put_block(loose)
+    assert sorted(store.block_hashes()) == sorted([*record.blocks, loose.hash])
+    named = record.blocks[-1]
+    for h in (loose.hash, named):
+        store.delete_block(h)
+        assert not store.has_local_block(h) and h not in set(store.block_hashes())
+    store.delete_block(loose.hash)  # already gone: nothing to do
+    assert sorted(store.block_hashes()) == sorted(record.blocks[:-1])
+    assert not store.has_block(loose.hash)
+    with pytest.raises(BlockMissingError, match="is missing"):
+        store.get_block(loose.hash)
+    if isinstance(store, SharedBlockStore):  # this worker's copy only: read through again
+        assert store.has_block(named)
+        _same(blocks[-1], store.get_block(named))
+        assert store.has_local_block(named)
+    else:
+        assert not store.has_block(named)
+        with pytest.raises(BlockMissingError, match="is missing"):
+            store.get_block(named)
+
+
+def test_block_hashes_are_the_blocks_on_this_workers_disk(opener: Opener) -> None:
+    one = opener("w1")
+    record, _ = _agent(one, "listed", seed=62)
+    other = opener("w2")
+    other.read_blocks(record.blocks)  # read through, where the blocks were elsewhere
+    assert set(record.blocks) <= set(other.block_hashes())
+    assert all(other.has_local_block(h) for h in other.block_hashes())
+
+
+def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(opener: Opener) -> None:
+    away = opener("w1", reachable=False)
+    record, _ = _agent(away, "offline", seed=70)
+    waits = away.upload_pending("offline")
+    assert waits == isinstance(away, SharedBlockStore)  # a local store has no store to wait for
+    assert away.pinned() == ({"offline"} if waits else set())  # the only copy: never evicted
+    mine = away.get_agent("offline")  # this worker goes on from its own save
+    assert mine is not None and mine.blocks == record.blocks
+    status = away.status()  # what a readiness probe reads: no call to the store
+    assert status.shared == waits and status.reachable == (not waits)
+    assert (status.pending_saves, status.pending_bytes > 0) == ((1, True) if waits else (0, False))
+    away.bound_pending(1)  # past it the oldest waiting saves go, never the newest
+    assert away.upload_pending("offline") == waits and away.get_agent("offline") is not None
+    away.bound_pending(None)
+    away.close()
+    back = opener("w1")  # the same worker, the store answering again
+    assert back.upload_pending("offline") == waits
+    assert back.get_agent("offline") is not None  # a pending save is uploaded before the read
+    assert not back.upload_pending("offline") and back.pinned() == set()
+    assert back.status().reachable and back.status().pending_saves == 0
+    assert not back.upload_pending("never saved")
+    theirs = opener("w2").get_agent("offline")
+    assert theirs is not None and theirs.blocks == record.blocks
+
+
+def test_oldest_use_is_the_least_recently_used_agents_last_use(opener: Opener) -> None:
+    store = opener("w1")
+    assert store.oldest_use() is None  # no agent
+    start = time.time()
+    _agent(store, "first", seed=80, n_blocks=1)
+    between = time.time()
+    _agent(store, "second", seed=81, n_blocks=1)
+    oldest = store.oldest_use()
+    assert oldest is not None and start <= oldest <= between
+    assert oldest == store.usage().agents[0][1]  # what eviction plans with
+    with store.locked():
+        store.delete_agent("first")
+    second = store.oldest_use()
+    assert second is not None and second >= between
+    with store.locked():
+        store.delete_agent("second")
+    assert store.oldest_use() is None
+
+
+def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None:
+    store = opener("w1")
+    _, blocks = _agent(store, "damaged", seed=90)
+    loose = _block(None, [9, 0, 1], 91)
+    store.put_block(loose)
+    for blk in (loose, blocks[0]):
+        bad = _damage(store.block_path(blk.hash))
+        with pytest.raises(CacheFormatError, match="checksum"):
+            store.get_block(blk.hash)
+        moved = store.quarantine_block(blk.hash)
+        assert moved is not None and moved.parent.name == "quarantine" and moved.read_bytes() == bad
+    assert not store.has_local_block(loose.hash)
+    with pytest.raises(BlockMissingError, match="is missing"):
+        store.get_block(loose.hash)
+    if isinstance(store, SharedBlockStore):  # a sound copy was fetched from the store
+        _same(blocks[0], store.get_block(blocks[0].hash))
+    else:  # lost here: the agent prefills those tokens, its next save rewrites the block
+        with pytest.raises(BlockMissingError, match="is missing"):
+            store.get_block(blocks[0].hash)
+    assert store.quarantine_block(block_hash(None, [9, 9, 9], FP)) is None  # nothing to move
+
+
+def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener) -> None:
+    store = opener("w1")
+    record, _ = _agent(store, "unreadable", seed=100)
+    moved = store.quarantine_agent("unreadable")
+    assert moved is not None and moved.parent.name == "quarantine"
+    assert json.loads(moved.read_text())["agent_id"] == "unreadable"  # kept for inspection
+    assert all(store.has_local_block(h) for h in record.blocks)  # the next save reuses them
+    assert store.quarantine_agent("nobody") is None
+    with pytest.raises(ValueError, match="agent_id"):
+        store.quarantine_agent("../x")
+    back = store.get_agent("unreadable")
+    if isinstance(store, SharedBlockStore):  # this worker's copy only: the store's is read again
+        assert back is not None and back.blocks == record.blocks
+    else:
+        assert back is None and not store.has_agent("unreadable")
+
+
+def test_clearing_the_quarantine_frees_its_bytes(opener: Opener) -> None:
+    store = opener("w1")
+    assert store.clear_quarantine() == 0  # nothing quarantined
+    _agent(store, "cleared", seed=110)
+    loose = _block(None, [1, 1, 0], 111)
+    store.put_block(loose)
+    moved = [store.quarantine_block(loose.hash), store.quarantine_agent("cleared")]
+    held = sum(p.stat().st_size for p in moved if p is not None)
+    assert held > 0 and store.usage().quarantine_bytes == held
+    before = store.disk_bytes()
+    assert store.clear_quarantine() == held  # the bytes freed
+    assert not any(p.exists() for p in moved if p is not None)
+    assert store.usage().quarantine_bytes == 0 and store.disk_bytes() == before - held
+    assert store.clear_quarantine() == 0

@@ -42,7 +42,7 @@ def test_an_app_and_a_cleanup_process_share_a_cache_dir(
     assert not [w for w in warnings if "corrupt" in w or "checksum" in w or "unreadable" in w], warnings
 
     engine = Engine("smollm2-135m", cache_dir=tmp_path)  # opening recovers: nothing to recover
-    store = engine.store
+    store = engine.admin.store
     assert (store.recovery.temp_files_removed, store.recovery.missing_blocks) == (0, 0)
     assert store.recovery.orphan_blocks_removed == 0
     records = list(store.agents())

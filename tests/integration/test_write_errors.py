@@ -18,9 +18,10 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
-from langchain_agent_memory.engine.storage import store as store_module
+from langchain_agent_memory.engine.ops.files import TEMP_PREFIX
+from langchain_agent_memory.engine.storage import block_files as files_module
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
-from langchain_agent_memory.engine.storage.store import TEMP_PREFIX, DiskBlockStore
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=6)
 CONTEXT = "You answer questions about this license.\n\n" + corpus.apache_license()
@@ -30,7 +31,7 @@ SECOND = CONTEXT[:2600] + "\n\nQ: Who wrote it?\nA:"  # extends FIRST's text by 
 
 def _failing_file_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
     """Every atomic file write gets half of its data out, then fails with ``error``."""
-    real = store_module.atomic_write
+    real = files_module.atomic_write
 
     def atomic_write(path: Path, write: Callable[[str], object], suffix: str = ".tmp") -> int:
         def half_then_fail(tmp: str) -> None:
@@ -40,7 +41,7 @@ def _failing_file_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> Non
 
         return real(path, half_then_fail, suffix)
 
-    monkeypatch.setattr(store_module, "atomic_write", atomic_write)
+    monkeypatch.setattr(files_module, "atomic_write", atomic_write)
 
 
 def _failing_index(monkeypatch: pytest.MonkeyPatch, error: sqlite3.Error) -> None:
@@ -77,7 +78,7 @@ def test_a_failed_save_keeps_the_previous_cache(
 ) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = engine.generate("lawyer", FIRST, GREEDY)
-    before = engine.store.get_agent("lawyer")
+    before = engine.admin.store.get_agent("lawyer")
     inject, says = FAULTS[fault]
     with monkeypatch.context() as mp:
         inject(mp)
@@ -87,16 +88,16 @@ def test_a_failed_save_keeps_the_previous_cache(
             engine.flush()  # the save's failure: raised once
     engine.flush()
     assert "previous cache is intact" in str(failure.value) and "'lawyer'" in str(failure.value)
-    assert engine.store.get_agent("lawyer") == before
-    _clean(engine.store)
+    assert engine.admin.store.get_agent("lawyer") == before
+    _clean(engine.admin.store)
 
     restarted = Engine("smollm2-135m", cache_dir=tmp_path)  # the previous cache still loads
     again = restarted.generate("lawyer", FIRST, GREEDY)
     assert str(again.outcome).startswith("warm") and again.text == first.text
     retry = engine.generate("lawyer", SECOND, GREEDY)  # writable again: saves normally
     engine.flush()
-    assert retry.bytes_written > 0 and engine.store.get_agent("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
-    _clean(engine.store)
+    assert retry.bytes_written > 0 and engine.admin.store.get_agent("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
+    _clean(engine.admin.store)
     figures["write errors"] = (
         figures.get("write errors", "") + f"{fault}: raised, old cache loads, retry saves; "
     )

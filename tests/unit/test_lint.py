@@ -22,8 +22,9 @@ def test_ruff_format() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _assigned_attributes(tree: ast.AST) -> list[tuple[str, int]]:
-    """(root name, line) of every ``root.attr... = value`` / ``setattr(root, ...)``."""
+def _assigned_attributes(tree: ast.AST) -> list[tuple[str, int, list[str]]]:
+    """(root name, line, the attributes after it) of every ``root.attr... = value`` /
+    ``setattr(root, ...)``."""
     found = []
     for node in ast.walk(tree):
         targets: list[ast.expr] = []
@@ -36,10 +37,13 @@ def _assigned_attributes(tree: ast.AST) -> list[tuple[str, int]]:
         ):
             targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
         for target in targets:
+            chain: list[str] = []
             while isinstance(target, (ast.Attribute, ast.Subscript)):
+                if isinstance(target, ast.Attribute):
+                    chain.insert(0, target.attr)
                 target = target.value
                 if isinstance(target, ast.Name):
-                    found.append((target.id, node.lineno))
+                    found.append((target.id, node.lineno, chain[:-1] if chain else []))
     return found
 
 
@@ -101,16 +105,37 @@ def _foreign_names(package: Path) -> dict[Path, set[str]]:
     return foreign
 
 
+def _module_aliases(package: Path, path: Path) -> dict[str, str]:
+    """Names in ``path`` that stand for a module of ``package`` (``from .engine import
+    runtime``, ``import pkg.engine.runtime as runtime``), with the module each names."""
+    names = {_module_name(p, package) for p in package.rglob("*.py")}
+    module = _module_name(path, package)
+    aliases = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path.name == "__init__.py", node)
+            aliases |= {
+                a.asname or a.name: f"{source}.{a.name}" for a in node.names if f"{source}.{a.name}" in names
+            }
+        elif isinstance(node, ast.Import):
+            aliases |= {a.asname: a.name for a in node.names if a.asname and a.name in names}
+    return aliases
+
+
 def patch_offenders(package: Path) -> list[str]:
-    """Assignments to, and setattr on, another library's modules or classes in ``package``."""
+    """Assignments to, and setattr on, another library's modules or classes in ``package``:
+    through a name that stands for one, or through a module of the package that holds one
+    (``runtime.mx.fast.rms_norm = ...``)."""
+    foreign = _foreign_names(package)
+    held = {_module_name(path, package): names for path, names in foreign.items()}
     offenders = []
-    for path, names in _foreign_names(package).items():
+    for path, names in foreign.items():
         text = path.read_text()
-        offenders += [
-            f"{path.name}:{line} assigns to {name}"
-            for name, line in _assigned_attributes(ast.parse(text))
-            if name in names
-        ]
+        modules = _module_aliases(package, path)
+        for name, line, chain in _assigned_attributes(ast.parse(text)):
+            through = name in modules and bool(chain) and chain[0] in held.get(modules[name], set())
+            if name in names or through:
+                offenders.append(f"{path.name}:{line} assigns to {name}")
         if "__class__ =" in text and path.name != "adapters.py":
             offenders.append(f"{path.name}: assigns __class__")
         if "setattr(" in text:
@@ -139,6 +164,11 @@ def test_an_assignment_through_a_re_exported_alias_is_caught(tmp_path: Path) -> 
         "def go():\n    fast.scaled_dot_product_attention = None\n"
     )
     (pkg / "other.py").write_text("from .engine.runtime import mx\nmx.fast.rms_norm = None\n")
+    (pkg / "through.py").write_text("from .engine import runtime\nruntime.mx.fast.rms_norm = None\n")
     (pkg / "fine.py").write_text("from .engine.runtime import mx\nclass A:\n    pass\nA.x = mx.array(1)\n")
     found = patch_offenders(pkg)
-    assert sorted(found) == ["chat.py:4 assigns to fast", "other.py:2 assigns to mx"], found
+    assert sorted(found) == [
+        "chat.py:4 assigns to fast",
+        "other.py:2 assigns to mx",
+        "through.py:2 assigns to runtime",
+    ], found

@@ -227,7 +227,7 @@ class _Merged:
     def extend(self, caches: list[LayerCache]) -> None:
         works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
         for c in caches:
-            c._work = None  # from now on the merged buffer holds it
+            c.work.buf = None  # from now on the merged buffer holds it
         end = max([self.end, *(k.shape[2] for k, _ in works)])
         cap = grown_rows(end)
         if self.pads:  # the current members: shift right by what the new end adds, room on the right
@@ -270,7 +270,7 @@ class _Merged:
         if new:
             cache.offset -= new
             cache.push_pending(k[:, :, -new:], v[:, :, -new:])
-        cache._work = Working(k, v, cache.start, cache.offset)
+        cache.work.buf = Working(k, v, cache.start, cache.offset)
 
     def filter(self, keep: list[int]) -> _Merged:
         """The buffer of members ``keep`` only (columns no member uses any more dropped)."""

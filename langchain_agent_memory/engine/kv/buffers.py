@@ -1,7 +1,7 @@
 """Buffers of a layer's keys and values that grow in place: room for appends (``grown_rows``,
 ``with_room``), views of stored parts (``slice_parts``), the move between the model's space
-and the codec's rotated one (``in_space``), and a request's full-precision working copy
-(``Working``)."""
+and the codec's rotated one (``in_space``), a request's full-precision working copy
+(``Working``) and its tokens as appended (``Pending``)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,59 @@ class Working:
     end: int
     krot: bool = False  # K rows in the keys codec's rotated space (during a prefill)
     vrot: bool = False
+
+
+class Pending:
+    """A running request's tokens at full precision, as appended (``push``); joined when read
+    (``joined``) into the first entry, a buffer with room (its first ``rows`` valid): a decode
+    step that reads them (``serve_stored``) then writes one row, not a copy of all of them."""
+
+    __slots__ = ("chunks", "n", "rows")
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[mx.array, mx.array]] = []
+        self.rows = 0  # valid rows of ``chunks[0]``
+        self.n = 0  # tokens held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for pair in self.chunks for a in pair)
+
+    def push(self, keys: mx.array, values: mx.array) -> None:
+        if not self.chunks:
+            self.rows = keys.shape[2]
+        self.chunks.append((keys, values))
+        self.n += keys.shape[2]
+
+    def set(self, keys: mx.array | None, values: mx.array | None) -> None:
+        """Hold ``keys`` / ``values`` only (none where either is None)."""
+        self.chunks = [] if keys is None or values is None else [(keys, values)]
+        self.n = self.rows = 0 if keys is None else keys.shape[2]
+
+    def keep(self, n: int) -> None:
+        """Hold the first ``n`` tokens only (the buffer stays: its later rows are room)."""
+        self.joined()
+        if n:
+            self.n = self.rows = n
+        else:
+            self.set(None, None)
+
+    def joined(self) -> tuple[mx.array | None, mx.array | None]:
+        """The tokens held, as one array each of keys and values (views of the buffer)."""
+        if not self.chunks:
+            return None, None
+        n = self.n
+        if len(self.chunks) > 1:
+            (k, v), extra = self.chunks[0], self.chunks[1:]
+            used = self.rows
+            if n > k.shape[2]:  # grow with room: the next appends are written in place
+                rows = grown_rows(n)
+                k, v = with_room(k, used, rows), with_room(v, used, rows)
+            for nk, nv in extra:
+                m = nk.shape[2]
+                k[:, :, used : used + m] = nk.astype(k.dtype)
+                v[:, :, used : used + m] = nv.astype(v.dtype)
+                used += m
+            self.chunks, self.rows = [(k, v)], n
+        k, v = self.chunks[0]
+        return (k, v) if k.shape[2] == n else (k[:, :, :n], v[:, :, :n])

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from ..ops.runtime import mx
 from . import fetches
-from .buffers import Working, grown_rows, in_space, slice_parts, with_room
-from .codecs import FULL, HALF_DTYPE, KVQuant, rotation
-from .layer_blocks import LayerBlocks
-from .layer_work import WorkingCopy
+from .buffers import Pending, in_space
+from .codecs import FULL, KVQuant, rotation
+from .layer_blocks import CommittedKV, Pair, block_tensors, stored_of_blocks
+from .layer_work import WorkingCopy, decode_segments
 from .recurrent import RecurrentCache
 from .spec import LayerSpec, ModelCacheSpec
 from .stored import Parts, Segment, attention, positional_mask, stored_attention
@@ -48,14 +49,20 @@ class _Fetched:
     vrot: bool
 
 
-class LayerCache(LayerBlocks, WorkingCopy):
+def _of(path: str, doc: str | None = None) -> Any:
+    """A read-only attribute that is one of a layer's parts' (``path``: ``part.name``)."""
+    return property(attrgetter(path), doc=doc or f"The layer's ``{path}``.")
+
+
+class LayerCache:
     """One layer of one agent's cache (mlx-lm cache protocol: ``offset``,
     ``update_and_fetch``, ``make_mask``), positions ``[start, offset)`` held in memory:
 
-    - head: positions ``[0, n_head)`` at 16 bits (``KVQuant.head_tokens``; only while
-      ``start == 0``),
-    - body: positions ``[body_start, committed_end)`` in the KV format,
-    - pending: this request's tokens ``[committed_end, offset)`` at full precision.
+    - ``committed``: positions ``[start, committed_end)`` in stored form (a 16-bit head, then
+      the body in the KV format; ``layer_blocks``),
+    - ``pending``: this request's tokens ``[committed_end, offset)`` at full precision,
+    - ``work``: while a request runs, the positions its queries see at full precision
+      (``layer_work``; none with ``serve_stored``).
     """
 
     def __init__(
@@ -68,124 +75,60 @@ class LayerCache(LayerBlocks, WorkingCopy):
         serve_stored: bool = False,
     ) -> None:
         self.spec = spec
-        self.quant = quant
         self.dtype = dtype
-        self.start = 0  # absolute position of the first token held in memory
         self.offset = 0  # absolute position after the last token
-        self.head_k: mx.array | None = None  # committed first tokens, 16-bit
-        self.head_v: mx.array | None = None
-        # Committed body in stored form: buffers with room for appends (a commit then
-        # writes only its new tokens), the first ``_n_body`` positions valid.
-        self._kbuf: Parts | None = None
-        self._vbuf: Parts | None = None
-        self._n_body = 0
-        # This request's tokens at full precision, as appended; joined when read into the
-        # first entry, a buffer with room (its first ``_pending_rows`` valid): a decode step
-        # that reads them (``serve_stored``) then writes one row, not a copy of all of them.
-        self._pending: list[tuple[mx.array, mx.array]] = []
-        self._pending_rows = 0
-        self._n_pending = 0
-        self._work: Working | None = None  # see ``_visible``; dropped when the request ends
+        self.committed = CommittedKV(quant)
+        self.pending = Pending()
+        # ``reserved_rows``: rows of its buffers the engine reserved for this layer (``reserve``).
+        self.work = WorkingCopy(reserved_rows)
         self._fetched: _Fetched | None = None  # what the last ``update_and_fetch`` returned
         #: Prefill in the codec's rotated space (``attend``): on where an adapted model
         #: calls ``attend``; off, the working copy is kept in the model's own space.
         self.prefill_rotated = prefill_rotated
-        #: Rows of the working-copy buffers the engine reserved for this layer (``reserve``).
-        self.reserved_rows = reserved_rows
         #: Attend on the stored form (``stored``): no full-precision working copy is built.
         self.serve_stored = serve_stored
         # ``attend`` ran on what ``update_and_fetch`` returned: later fetches return the new
         # keys as placeholders instead of building a full-precision graph nobody evaluates.
         self._direct = False
 
-    # ---------------------------------------------------------------- sizes
+    # ---------------------------------------------------------------- parts and sizes
 
-    @property
-    def keys(self) -> Parts | None:
-        """The committed body's keys in stored form (views of the buffer)."""
-        return self._body_view(self._kbuf)
-
-    @property
-    def values(self) -> Parts | None:
-        return self._body_view(self._vbuf)
-
-    def _body_view(self, buf: Parts | None) -> Parts | None:
-        if buf is None:
-            return None
-        return buf if buf[0].shape[2] == self._n_body else slice_parts(buf, 0, self._n_body)
-
-    def _set_body(self, keys: Parts | None, values: Parts | None) -> None:
-        self._kbuf, self._vbuf = keys, values
-        self._n_body = 0 if keys is None else keys[0].shape[2]
-
-    def _append_body(self, keys: Parts, values: Parts) -> None:
-        """Add newly encoded tokens to the committed body, in place while there is room."""
-        if self._kbuf is None or self._vbuf is None:
-            self._set_body(keys, values)
-            return
-        n, m = self._n_body, keys[0].shape[2]
-        if n + m > self._kbuf[0].shape[2]:
-            # A thirty-second more: the body is what a parked agent holds (an eighth of room
-            # was an eighth fewer agents in a memory budget), and it grows by whole blocks,
-            # once a turn at most; a copy of the stored form costs little on a GPU.
-            rows = grown_rows(n + m, share=32)
-            self._kbuf = tuple(with_room(x, n, rows) for x in self._kbuf)
-            self._vbuf = tuple(with_room(x, n, rows) for x in self._vbuf)
-        for buf, new in ((self._kbuf, keys), (self._vbuf, values)):
-            for x, y in zip(buf, new, strict=True):
-                x[:, :, n : n + m] = y
-        self._n_body = n + m
+    # Read-only views of the parts' state (``attrgetter``: no Python frame per read).
+    quant = _of("committed.quant")
+    start = _of("committed.start", "Absolute position of the first token held in memory.")
+    head_k = _of("committed.head_k", "Committed first tokens' keys, 16-bit (None: none).")
+    head_v = _of("committed.head_v")
+    keys = _of("committed.keys", "The committed body's keys in stored form (views of the buffer).")
+    values = _of("committed.values")
+    n_head = _of("committed.n_head")
+    body_start = _of("committed.body_start")
+    reserved_rows = _of("work.reserved_rows", "Working-copy rows the engine reserved (``reserve``).")
+    work_nbytes = _of("work.nbytes", "Bytes of the full-precision working copy (0 when none is kept).")
+    _work = _of("work.buf", "The working copy's buffer (tests and benchmarks look at it).")
 
     @property
     def committed_end(self) -> int:
-        return self.offset - self._n_pending
+        return self.offset - self.pending.n
 
     @property
     def pending_k(self) -> mx.array | None:
-        return self._joined_pending()[0]
+        return self.pending.joined()[0]
 
     @property
     def pending_v(self) -> mx.array | None:
-        return self._joined_pending()[1]
+        return self.pending.joined()[1]
 
     def set_pending(self, keys: mx.array | None, values: mx.array | None) -> None:
         """Replace this request's tokens (``offset`` is the caller's to keep right)."""
-        self._pending = [] if keys is None or values is None else [(keys, values)]
-        self._n_pending = self._pending_rows = 0 if keys is None else keys.shape[2]
-
-    def _joined_pending(self) -> tuple[mx.array | None, mx.array | None]:
-        if not self._pending:
-            return None, None
-        n = self._n_pending
-        if len(self._pending) > 1:
-            (k, v), extra = self._pending[0], self._pending[1:]
-            used = self._pending_rows
-            if n > k.shape[2]:  # grow with room: the next appends are written in place
-                rows = grown_rows(n)
-                k, v = with_room(k, used, rows), with_room(v, used, rows)
-            for nk, nv in extra:
-                m = nk.shape[2]
-                k[:, :, used : used + m] = nk.astype(k.dtype)
-                v[:, :, used : used + m] = nv.astype(v.dtype)
-                used += m
-            self._pending, self._pending_rows = [(k, v)], n
-        k, v = self._pending[0]
-        return (k, v) if k.shape[2] == n else (k[:, :, :n], v[:, :, :n])
-
-    @property
-    def n_head(self) -> int:
-        return 0 if self.head_k is None else self.head_k.shape[2]
-
-    @property
-    def body_start(self) -> int:
-        return self.start + self.n_head
+        self.pending.set(keys, values)
 
     @property
     def nbytes(self) -> int:
-        arrays = [*(self._kbuf or ()), *(self._vbuf or ())]
-        arrays += [a for a in (self.head_k, self.head_v) if a is not None]
-        arrays += [a for pair in self._pending for a in pair]
-        return sum(int(a.nbytes) for a in arrays)
+        return self.committed.nbytes + self.pending.nbytes
+
+    def drop_work(self) -> None:
+        """Free the working copy (the next request unpacks the stored form again)."""
+        self.work.buf = None
 
     # ---------------------------------------------------------------- mlx-lm protocol
 
@@ -197,7 +140,8 @@ class LayerCache(LayerBlocks, WorkingCopy):
         # below cannot update the copy in place (mlx would copy all of it, every step).
         self._fetched = None
         if self.serve_stored:
-            self.push_pending(keys, values)
+            self.pending.push(keys, values)
+            self.offset += L
             if self._direct:  # ``attend`` reads the stored form: nothing to build here
                 out_k, out_v = keys, values
             else:  # for attention code of the model's own (a MLA layer's derived keys)
@@ -206,11 +150,13 @@ class LayerCache(LayerBlocks, WorkingCopy):
             self._fetched = _Fetched(out_k, out_v, out_k, out_v, False, False)
             fetches.note(out_k, self)
             return out_k, out_v
-        if self._work is not None and self._work.end == self.offset:
-            self._append_work(keys, values)
-        self.push_pending(keys, values)
+        work = self.work
+        work.append(keys, values, self.offset, self._first_visible)
+        self.pending.push(keys, values)
+        self.offset += L
         lo = self._first_visible(self.offset - L)
-        k, v, krot, vrot = self._visible(lo, keys.dtype, rotated=self.prefill_rotated and L > 1)
+        rotated = self.prefill_rotated and L > 1
+        k, v, krot, vrot = work.visible(lo, self.offset, keys.dtype, rotated, self._segments)
         # Lazy: where ``attend`` is called instead (adapted model), these are never computed.
         out_k, out_v = in_space(k, krot, False), in_space(v, vrot, False)
         self._fetched = _Fetched(out_k, out_v, k, v, krot, vrot)
@@ -225,29 +171,20 @@ class LayerCache(LayerBlocks, WorkingCopy):
 
     def push_pending(self, keys: mx.array, values: mx.array) -> None:
         """Add this request's new tokens (without touching the working copy)."""
-        if not self._pending:
-            self._pending_rows = keys.shape[2]
-        self._pending.append((keys, values))
-        self._n_pending += keys.shape[2]
+        self.pending.push(keys, values)
         self.offset += keys.shape[2]
 
     def unfeed(self, n: int) -> None:
         """Forget this request's last ``n`` tokens: a decode step fed a token before it was
         known that the token ended the turn (``steps``: the next step's graph is built while
         this one runs). The working copy keeps its rows as spare room."""
-        if n > self._n_pending:
-            raise RuntimeError(f"unfeed {n} of {self._n_pending} pending tokens (this is a bug)")
-        self._joined_pending()
-        keep = self._n_pending - n
-        if keep:  # the buffer stays: its rows past ``keep`` are room for the next appends
-            self._n_pending = self._pending_rows = keep
-        else:
-            self.set_pending(None, None)
+        pending = self.pending
+        if n > pending.n:
+            raise RuntimeError(f"unfeed {n} of {pending.n} pending tokens (this is a bug)")
+        pending.keep(pending.n - n)
         self.offset -= n
         self._fetched = None
-        w = self._work
-        if w is not None and w.end > self.offset:
-            w.end = self.offset
+        self.work.unfeed(self.offset)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -260,10 +197,10 @@ class LayerCache(LayerBlocks, WorkingCopy):
 
     def _first_visible(self, first_q: int) -> int:
         """The first position a query at ``first_q`` or later can see (and is held)."""
-        window, chunk = self.spec.window, self.spec.chunk
+        window, chunk, start = self.spec.window, self.spec.chunk, self.committed.start
         if chunk is not None:
-            return max(self.start, first_q // chunk * chunk)
-        return self.start if window is None else max(self.start, first_q - window + 1)
+            return max(start, first_q // chunk * chunk)
+        return start if window is None else max(start, first_q - window + 1)
 
     @property
     def start_position(self) -> int:
@@ -280,31 +217,29 @@ class LayerCache(LayerBlocks, WorkingCopy):
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return (self.head_k, self.head_v, self._kbuf, self._vbuf, self._pending)
+        c = self.committed
+        return (c.head_k, c.head_v, c.kbuf, c.vbuf, self.pending.chunks)
 
     # ---------------------------------------------------------------- attention
 
     def _segments(self, lo: int) -> list[Segment]:
         """The tokens from absolute position ``lo`` on, oldest first, as they are held."""
-        segments: list[Segment] = []
-        if self.head_k is not None and self.head_v is not None and lo < self.n_head:
-            segments.append(((self.head_k[:, :, lo:],), (self.head_v[:, :, lo:],), FULL, FULL))
-        b0, end = self.body_start, self.committed_end
-        if self.keys is not None and self.values is not None and max(lo, b0) < end:
-            a, b = max(lo, b0) - b0, end - b0
-            segments.append(
-                (
-                    slice_parts(self.keys, a, b),
-                    slice_parts(self.values, a, b),
-                    self.quant.keys,
-                    self.quant.values,
-                )
-            )
-        pk, pv = self._joined_pending()
+        end = self.committed_end
+        segments = self.committed.segments(lo, end)
+        pk, pv = self.pending.joined()
         if pk is not None and pv is not None:
             skip = max(0, lo - end)
             segments.append(((pk[:, :, skip:],), (pv[:, :, skip:],), FULL, FULL))
         return segments
+
+    def _visible(self, lo: int, dtype: mx.Dtype, rotated: bool) -> tuple[mx.array, mx.array, bool, bool]:
+        """Positions ``[lo, offset)`` of the working copy (``WorkingCopy.visible``)."""
+        return self.work.visible(lo, self.offset, dtype, rotated, self._segments)
+
+    def _decoded(self, lo: int, dtype: mx.Dtype, krot: bool, vrot: bool) -> tuple[mx.array, mx.array]:
+        """Positions ``[lo, offset)`` as held, at full precision (in the rotated space where
+        ``krot`` / ``vrot``)."""
+        return decode_segments(self._segments(lo), self.offset - lo, dtype, krot, vrot)
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """Attention of ``queries`` (the last L positions) over what ``update_and_fetch``
@@ -364,74 +299,74 @@ class LayerCache(LayerBlocks, WorkingCopy):
         ``keep_from``: the first position the layer keeps after this commit (a sliding
         layer's, ``drop_before``): rows before it are not decoded again.
         """
-        k, v = self._joined_pending()
+        k, v = self.pending.joined()
         if k is None or v is None:
             return
         first = self.committed_end
-        n_head = max(0, min(self.quant.head_tokens, self.offset) - self.committed_end)
-        if n_head and self.start == 0 and self._kbuf is None:
-            hk, hv = k[:, :, :n_head].astype(HALF_DTYPE), v[:, :, :n_head].astype(HALF_DTYPE)
-            self.head_k = hk if self.head_k is None else mx.concatenate([self.head_k, hk], axis=2)
-            self.head_v = hv if self.head_v is None else mx.concatenate([self.head_v, hv], axis=2)
-            k, v = k[:, :, n_head:], v[:, :, n_head:]
-        if k.shape[2]:
-            self._append_body(self.quant.keys.encode(k), self.quant.values.encode(v))
-        self.set_pending(None, None)
+        self.committed.add(k, v, first)
+        self.pending.set(None, None)
         self._fetched = None
-        w = self._work
+        w = self.work.buf
         if not keep_work or w is None or w.end != self.offset:
-            self._work = None  # the request is over: only the stored form stays in memory
+            self.work.buf = None  # the request is over: only the stored form stays in memory
             return
-        # A sliding layer's copy may start after this request's first rows (``_append_work``
-        # let them go): a later request that needs them rebuilds from the stored form.
-        lo = max(first, w.start, keep_from)
-        if lo >= self.offset:
-            return
-        dk, dv = self._decoded(lo, w.k.dtype, w.krot, w.vrot)
-        a, b = lo - w.start, self.offset - w.start
-        w.k[:, :, a:b] = dk
-        w.v[:, :, a:b] = dv
-        mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
+        # A sliding layer's copy may start after this request's first rows (``append`` let
+        # them go): a later request that needs them rebuilds from the stored form.
+        self.work.refresh(max(first, keep_from), self.offset, self._segments)
 
     def drop_before(self, position: int) -> None:
         """Free committed tokens before ``position`` (sliding layers past their window)."""
         cut = min(position, self.committed_end)
-        b0 = self.body_start
-        if cut <= self.start or cut < b0:
+        c = self.committed
+        if cut <= c.start or cut < c.body_start:
             return  # nothing to free, or only part of the (few) head tokens
-        w = self._work
-        if w is not None and w.start < cut < w.end:  # the working copy keeps its window too
-            a, b = cut - w.start, w.end - w.start
-            w.k, w.v, w.start = mx.contiguous(w.k[:, :, a:b]), mx.contiguous(w.v[:, :, a:b]), cut
-        elif w is not None and w.start < cut:
-            self._work = None
-        self.head_k = self.head_v = None
-        if self._kbuf is not None and self._vbuf is not None:
-            n = self.committed_end - b0
-            self._set_body(slice_parts(self._kbuf, cut - b0, n), slice_parts(self._vbuf, cut - b0, n))
-        self.start = cut
+        self.work.drop_before(cut)
+        c.drop_before(cut, self.committed_end)
 
     def trim_to(self, n_tokens: int) -> None:
         """Keep positions < ``n_tokens`` (committed tokens only; ``start <= n_tokens``)."""
-        if self._n_pending:
+        if self.pending.n:
             raise RuntimeError("trim_to with pending tokens: commit first (this is a bug)")
-        w = self._work
-        if w is not None and w.start <= n_tokens:
-            w.end = min(w.end, n_tokens)  # rows past ``end`` are free space for appends
-        else:
-            self._work = None
-        if n_tokens < self.start:
+        self.work.trim_to(n_tokens)
+        if n_tokens < self.committed.start:
             raise RuntimeError("cannot trim below the first token in memory; rebuild from blocks")
-        b0 = self.body_start
-        if n_tokens <= b0:
-            self._set_body(None, None)
-            if self.head_k is not None and self.head_v is not None:
-                self.head_k, self.head_v = self.head_k[:, :, :n_tokens], self.head_v[:, :, :n_tokens]
-                if n_tokens == 0:
-                    self.head_k = self.head_v = None
-        elif self._kbuf is not None:
-            self._n_body = n_tokens - b0  # later positions: room for the next appends
+        self.committed.trim_to(n_tokens)
         self.offset = n_tokens
+
+    # ---------------------------------------------------------------- blocks
+
+    def block_state(self, index: int, a: int, b: int) -> dict[str, mx.array]:
+        """This layer's stored K/V of positions ``[a, b)`` as block tensors, named
+        ``L{index}.{k|v}.{part}`` (``block_tensors``): what a block file holds for this layer."""
+        return block_tensors(index, self.committed.quant, *self.committed_slice(a, b))
+
+    def from_blocks(self, index: int, start: int, blocks: list[dict[str, mx.array]], held: int) -> None:
+        """Load this layer (layer ``index``) from consecutive blocks' tensors, the first of
+        which starts at position ``start``; together they stand for ``held`` tokens
+        (``stored_of_blocks``). ``KeyError`` names a tensor a block lacks; ``ValueError`` if
+        they do not add up."""
+        self.load(start, *stored_of_blocks(index, self.committed.quant, start, blocks))
+        if self.offset != start + held:
+            raise ValueError(
+                f"layer {index}: blocks hold {self.offset - start} tokens of K/V for {held} token ids"
+            )
+
+    def committed_slice(self, a: int, b: int) -> tuple[Pair | None, tuple[Parts, Parts] | None]:
+        """Stored (head K, V) and (body K parts, V parts) of absolute positions [a, b)
+        (committed and in memory); either is None where the range has none of it."""
+        start, end = self.committed.start, self.committed_end
+        if not (start <= a <= b <= end):
+            raise RuntimeError(f"positions [{a}, {b}) not committed in memory [{start}, {end})")
+        return self.committed.slice(a, b)
+
+    def load(self, start: int, head: Pair | None, keys: Parts | None, values: Parts | None) -> None:
+        """Set committed contents: ``head`` (only with ``start == 0``) then the body, in
+        stored form, from absolute position ``start``."""
+        self.committed.load(start, head, keys, values)
+        self.offset = self.committed.body_start + self.committed.n_body
+        self.pending.set(None, None)
+        self.work.buf = None
+        self._fetched = None
 
 
 def make_layer_caches(

@@ -2,7 +2,7 @@
 allocates and clears its KV buffer before any state is loaded into it.
 
 Why: a warm restore decodes every layer's stored K/V into full-precision working copies
-(``LayerCache._decoded``), and in a new process all of that memory is fresh. On the 2-core
+(``layer_work.decode_segments``), and in a new process all of that memory is fresh. On the 2-core
 Zen 5 VM the first touch of a page costs ~1.6 us: a SmolLM2 agent of 8K tokens has 436 MB
 of float32 working copies, ~0.15 s of page faults in a warm restore of ~0.65 s (30 layers
 decoded into fresh buffers: 0.30-0.37 s; into touched ones: 0.14-0.15 s).
@@ -12,7 +12,7 @@ default) and hands one back to a request of the same size (within two pages). Th
 raises that limit by the reserve, makes one K and one V buffer per layer of the size a
 working copy of an agent at the engine's context length has (``rows``), evaluates them
 (which writes every page) and drops them: they wait in the cache. A working copy then takes
-that size when it fits in it with at most half of it spare (``LayerCache._work_rows``), and
+that size when it fits in it with at most half of it spare (``WorkingCopy.rows``), and
 its buffer comes back from the cache already touched; a copy dropped later goes back to it
 for the next agent. Capped at the work budget: a context too long for it reserves the
 longest agent that fits.

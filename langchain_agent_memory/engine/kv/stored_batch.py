@@ -49,7 +49,7 @@ def _member(c: LayerCache) -> Group:
     """One agent's held K/V as a group of one row (its arrays, not copies)."""
     head = (c.head_k, c.head_v) if c.head_k is not None and c.head_v is not None else None
     body = (c.keys, c.values) if c.keys is not None and c.values is not None else None
-    pk, pv = c._joined_pending()
+    pk, pv = c.pending.joined()
     pending = (pk, pv) if pk is not None and pv is not None else None
     held = (
         0 if head is None else head[0].shape[2],
@@ -234,11 +234,12 @@ class StoredBatch:
         for i in rows:
             c, (h, b, p) = caches[i], self.held[i]
             if self.head is not None and h:
-                c.head_k, c.head_v = (_own(x[i : i + 1, :, self.n_head - h :]) for x in self.head)
-                made += [c.head_k, c.head_v]
+                hk, hv = (_own(x[i : i + 1, :, self.n_head - h :]) for x in self.head)
+                c.committed.head_k, c.committed.head_v = hk, hv
+                made += [hk, hv]
             if self.body is not None and b:
                 bk, bv = (tuple(_own(x[i : i + 1, :, self.n_body - b :]) for x in side) for side in self.body)
-                c._set_body(bk, bv)
+                c.committed.set_body(bk, bv)
                 made += [*bk, *bv]
             k, v = (_own(x[i : i + 1, :, self.end - p : self.end]) for x in (pk, pv))
             c.set_pending(k, v)
@@ -252,6 +253,6 @@ def _own(x: mx.array) -> mx.array:
 
 
 def _release(c: LayerCache) -> None:
-    c.head_k = c.head_v = None
-    c._set_body(None, None)
+    c.committed.head_k = c.committed.head_v = None
+    c.committed.set_body(None, None)
     c.set_pending(None, None)

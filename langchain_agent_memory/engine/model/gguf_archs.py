@@ -16,10 +16,7 @@ from typing import Any
 
 import numpy as np
 
-
-class UnsupportedGGUFError(ValueError):
-    """The GGUF holds an architecture or tensor type this converter cannot turn into mlx-lm."""
-
+from ..errors import UnsupportedGGUFError
 
 # ---------------------------------------------------------------------------- names
 

@@ -28,14 +28,9 @@ from typing import Any
 
 import mlx.nn as nn
 
+from ..errors import UnsupportedModelError
 from ..kv import LayerSpec, ModelCacheSpec
 from ..ops.runtime import mx
-
-
-class UnsupportedModelError(ValueError):
-    """The model keeps something the engine cannot store, or computes differently over the
-    engine's caches than over mlx-lm's own (``self_check``)."""
-
 
 #: A model cache entry: an index into the engine's flat list, None for a cache the model
 #: never fills (it gets a fresh one of mlx-lm's each call), or a ``CacheList`` of those.

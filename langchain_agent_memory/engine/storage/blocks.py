@@ -19,6 +19,13 @@ from typing import Any, Generic, NewType, TypeVar
 import numpy as np
 from safetensors import TensorSpec
 
+from ..errors import (  # noqa: F401 - defined there, re-exported
+    AgentNotFoundError,
+    BlockMissingError,
+    CacheFormatError,
+    CacheWriteError,
+    NewerFormatError,
+)
 from ..ops.runtime import mx
 from .reader import (
     BlockFileError,
@@ -45,31 +52,11 @@ _HASH_SEED = b"langchain-agent-memory/block/v1\x00"
 BlockHash = NewType("BlockHash", str)
 
 
-class CacheFormatError(ValueError):
-    """A stored file cannot be used: corrupt, truncated, another model's, or a newer format."""
-
-
-class NewerFormatError(CacheFormatError):
-    """Written by a newer version of this package: refused, and never overwritten."""
-
-
-class BlockMissingError(CacheFormatError):
-    """A block an agent record refers to is not in the store."""
-
-
 def raise_if_vanished(exc: BlockFileError, where: Path) -> None:
     """A block file deleted by another process between finding it and reading it (a cleanup
     racing a load) is missing, not damaged: it must not be reported or treated as corrupt."""
     if isinstance(exc.__cause__, FileNotFoundError):
         raise BlockMissingError(f"a block file in {where} was deleted while read: {exc.__cause__}") from exc
-
-
-class AgentNotFoundError(LookupError):
-    """The agent named has no stored cache (never saved, or deleted)."""
-
-
-class CacheWriteError(RuntimeError):
-    """A cache could not be saved (disk full, permissions...); the previous one is intact."""
 
 
 def block_hash(parent: BlockHash | None, token_ids: Sequence[int], fingerprint: str) -> BlockHash:

@@ -15,7 +15,8 @@ Consistency rests on Postgres transactions, never on a worker's clock or memory:
   naming is locked or freshly touched: a committed cache never loses a block.
 - Timestamps (``updated_at``, ``touched_at``, lease expiry) are Postgres's ``now()``.
 
-Every call has a deadline the client keeps, and a circuit breaker (``pg_session``).
+Every call has a deadline the client keeps, and a circuit breaker: the catalog's
+``session`` (``pg_session.PgSession``) holds its connections.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .objects import RemoteConfigError
-from .pg_session import CommitConflictError, PgSession
+from .pg_session import STUCK_S, CommitConflictError, PgSession
+from .urls import redacted
 
 __all__ = ["MIGRATIONS", "BlocksMissingError", "Catalog", "CommitConflictError", "Committed"]
 
@@ -85,34 +87,67 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 
+def _migrate(conn: Any, url: str) -> None:
+    """Bring the schema of ``url``'s database to ``MIGRATIONS`` (on a session's first connection)."""
+    with conn.transaction():
+        # One migrator at a time across workers (a transaction-scoped advisory lock).
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/schema'))")
+        conn.execute("CREATE TABLE IF NOT EXISTS am_schema (version INTEGER NOT NULL)")
+        row = conn.execute("SELECT version FROM am_schema").fetchone()
+        found = row[0] if row else 0
+        if found > len(MIGRATIONS):
+            raise RemoteConfigError(
+                f"store {redacted(url)} has schema {found}, written by a newer langchain-agent-memory "
+                f"(this version reads {len(MIGRATIONS)}): upgrade the package"
+            )
+        for step in MIGRATIONS[found:]:
+            conn.execute(step)
+        if row is None:
+            conn.execute("INSERT INTO am_schema VALUES (%s)", (len(MIGRATIONS),))
+        else:
+            conn.execute("UPDATE am_schema SET version = %s", (len(MIGRATIONS),))
+
+
 @dataclass(frozen=True, slots=True)
 class Committed:
     version: int
     updated_at: float  # Postgres's clock, seconds since the epoch
 
 
-class Catalog(PgSession):
-    """One worker's connection to the system of record (thread-safe: one connection, one
-    lock, client-side deadlines: ``PgSession``)."""
+class Catalog:
+    """One worker's view of the system of record (thread-safe): its queries, run on the
+    ``session``'s connections (a small pool, client-side deadlines, a circuit breaker)."""
 
-    def _migrate(self, conn: Any) -> None:
-        with conn.transaction():
-            # One migrator at a time across workers (a transaction-scoped advisory lock).
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/schema'))")
-            conn.execute("CREATE TABLE IF NOT EXISTS am_schema (version INTEGER NOT NULL)")
-            row = conn.execute("SELECT version FROM am_schema").fetchone()
-            found = row[0] if row else 0
-            if found > len(MIGRATIONS):
-                raise RemoteConfigError(
-                    f"store {self._safe_url} has schema {found}, written by a newer langchain-agent-memory "
-                    f"(this version reads {len(MIGRATIONS)}): upgrade the package"
-                )
-            for step in MIGRATIONS[found:]:
-                conn.execute(step)
-            if row is None:
-                conn.execute("INSERT INTO am_schema VALUES (%s)", (len(MIGRATIONS),))
-            else:
-                conn.execute("UPDATE am_schema SET version = %s", (len(MIGRATIONS),))
+    def __init__(
+        self, url: str, *, timeout_s: float = 5.0, retry_s: float = 5.0, stuck_s: float = STUCK_S
+    ) -> None:
+        self.session = PgSession(
+            url, timeout_s=timeout_s, retry_s=retry_s, stuck_s=stuck_s, setup=lambda conn: _migrate(conn, url)
+        )
+
+    @property
+    def url(self) -> str:
+        return self.session.url
+
+    @property
+    def timeout_s(self) -> float:
+        return self.session.timeout_s
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the circuit is closed (the last call reached the store)."""
+        return self.session.healthy
+
+    def close(self) -> None:
+        """Close the session (calls after this are refused)."""
+        self.session.close()
+
+    def _run(self, what: str, fn: Callable[[Any], T]) -> T:
+        return self.session.run(what, fn)
+
+    @property
+    def _safe_url(self) -> str:
+        return self.session.safe_url
 
     def bind_blocks(self, identity: str) -> None:
         """Bind this database to the object store holding its blocks (``bucket/prefix``) on
@@ -263,7 +298,7 @@ class Catalog(PgSession):
 
         try:
             return self._run("commit an agent record", write)
-        except self._psycopg.errors.UniqueViolation as exc:  # two first saves of one agent
+        except self.session.psycopg.errors.UniqueViolation as exc:  # two first saves of one agent
             raise CommitConflictError(f"agent {agent_id!r} was created by another worker meanwhile") from exc
 
     def delete(self, fp: str, agent_id: str) -> bool:

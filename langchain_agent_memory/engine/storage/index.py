@@ -1,14 +1,29 @@
-"""The local store's SQLite index: its schema as migrations (``INDEX_MIGRATIONS``), applied in
-order when a directory is opened, and what recovery after a crash reports."""
+"""The local store's SQLite index (``DiskBlockStore`` holds it as ``index``): its schema as
+migrations (``INDEX_MIGRATIONS``), applied in order when a directory is opened; the index
+itself (``AgentIndex``: agent records, their block references, a shared store's sync
+state, block sizes); and what recovery after a crash reports."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blocks import NewerFormatError
+from .block_files import BlockFiles
+from .blocks import (
+    STATES_FORMAT_VERSION,
+    AgentRecord,
+    BlockHash,
+    CacheFormatError,
+    NewerFormatError,
+    parse_record,
+    validate_agent_id,
+    version_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +101,197 @@ class RecoveryReport:
     orphan_blocks_removed: int = 0
     missing_blocks: int = 0
     records_migrated: int = 0
+
+
+class AgentIndex:
+    """Each agent's record and its block references, in one transaction per change, so
+    that which blocks are still needed is known across processes (no in-memory count can
+    be: another process may have committed or deleted since). One connection serves every
+    thread (``db_lock`` serializes them); ``schema``: the version the index has (an older
+    one, opened read-only, lacks ``used_at`` and ``block_sizes``). ``files``: the blocks
+    whose sizes it records."""
+
+    def __init__(self, db: sqlite3.Connection, schema: int, files: BlockFiles) -> None:
+        self.db, self.schema, self.files = db, schema, files
+        self.db_lock = threading.RLock()
+
+    @classmethod
+    def open(cls, path: Path, files: BlockFiles) -> AgentIndex:
+        """Open (or create) the index at ``path`` and migrate it (under the directory lock)."""
+        db = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
+        migrate_index(db, path)
+        return cls(db, INDEX_SCHEMA_VERSION, files)
+
+    @classmethod
+    def open_read_only(cls, path: Path, files: BlockFiles) -> AgentIndex:
+        """Open an existing index read-only (a write raises ``sqlite3.OperationalError``),
+        at the schema it has."""
+        index = path.resolve()
+        db = sqlite3.connect(f"file:{index}?mode=ro", uri=True, check_same_thread=False, timeout=60)
+        found = int(db.execute("PRAGMA user_version").fetchone()[0])
+        if found > INDEX_SCHEMA_VERSION:
+            raise NewerFormatError(f"{index} has index schema {found}, written by a newer version: upgrade")
+        return cls(db, found, files)
+
+    def close(self) -> None:
+        with self.db_lock:
+            self.db.close()
+
+    def put_agent(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
+        """Store ``record`` and its block references in one transaction; its blocks must
+        already be stored (a crash then never leaves a record naming a missing block).
+        ``sync``: (remote version, pending) of a shared store's local tier, written with it."""
+        validate_agent_id(record.agent_id)
+        data = record.to_json()
+        refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
+        with self.db_lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO agents (agent_id, record, used_at) VALUES (?, ?, ?)",
+                (record.agent_id, data, record.updated_at),
+            )
+            self.db.execute("DELETE FROM refs WHERE agent_id = ?", (record.agent_id,))
+            self.db.executemany("INSERT INTO refs VALUES (?, ?, ?)", refs)
+            self.note_sizes(record.blocks)
+            if sync is not None:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)",
+                    (record.agent_id, sync[0], int(sync[1])),
+                )
+        return len(data.encode())
+
+    def sync_state(self, agent_id: str) -> tuple[int | None, bool] | None:
+        """(remote version, pending) of a local record of a shared store; None if unknown."""
+        with self.db_lock:
+            row = self.db.execute(
+                "SELECT version, pending FROM remote_sync WHERE agent_id = ?", (agent_id,)
+            ).fetchone()
+        return (row[0], bool(row[1])) if row else None
+
+    def set_sync(self, agent_id: str, version: int | None, pending: bool) -> None:
+        with self.db_lock, self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)", (agent_id, version, int(pending))
+            )
+
+    def pending_agents(self) -> list[str]:
+        """Agents saved here while the shared store was unreachable, oldest first."""
+        with self.db_lock:
+            return [
+                r[0]
+                for r in self.db.execute("SELECT agent_id FROM remote_sync WHERE pending = 1 ORDER BY rowid")
+            ]
+
+    def upload_pending(self, agent_id: str) -> bool:
+        """Whether the agent's record waits to be uploaded to a shared store (this tier's)."""
+        state = self.sync_state(agent_id)
+        return bool(state and state[1])
+
+    def has_agent(self, agent_id: str) -> bool:
+        validate_agent_id(agent_id)
+        with self.db_lock:
+            return (
+                self.db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone() is not None
+            )
+
+    def agent_chain(self, agent_id: str) -> list[BlockHash]:
+        """The blocks the agent's record names, read from its references (the record itself,
+        which holds every token id, is not parsed); ``NewerFormatError`` for a record of a
+        newer version (never overwritten or deleted by this one); [] when there is none."""
+        validate_agent_id(agent_id)
+        with self.db_lock:
+            try:
+                row = self.db.execute(
+                    "SELECT json_extract(record, '$.format_version') FROM agents WHERE agent_id = ?",
+                    (agent_id,),
+                ).fetchone()
+            except sqlite3.OperationalError:  # malformed JSON: its references still count
+                row = None
+            rows = self.db.execute(
+                "SELECT block FROM refs WHERE agent_id = ? ORDER BY pos", (agent_id,)
+            ).fetchall()
+        version = row[0] if row else None
+        if isinstance(version, int) and version > STATES_FORMAT_VERSION:
+            raise version_error(f"agent record {agent_id!r}", version, STATES_FORMAT_VERSION)
+        return [BlockHash(r[0]) for r in rows]
+
+    def get_agent(self, agent_id: str) -> AgentRecord | None:
+        validate_agent_id(agent_id)
+        with self.db_lock:
+            row = self.db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+        if row is None:
+            return None
+        record = parse_record(row[0], f"agent record {agent_id!r}")
+        if record.agent_id != agent_id:
+            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
+        return record
+
+    def delete_agent(self, agent_id: str) -> bool:
+        validate_agent_id(agent_id)
+        with self.db_lock, self.db:
+            gone = self.db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
+            self.db.execute("DELETE FROM refs WHERE agent_id = ?", (agent_id,))
+            self.db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
+        return gone > 0
+
+    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+        """Every record whose agent id starts with ``prefix`` (unreadable ones skipped, with
+        a log line)."""
+        with self.db_lock:
+            rows = self.db.execute(
+                "SELECT agent_id, record FROM agents WHERE substr(agent_id, 1, ?) = ? ORDER BY agent_id",
+                (len(prefix), prefix),
+            ).fetchall()
+        for agent_id, raw in rows:
+            try:
+                yield parse_record(raw, f"agent record {agent_id!r}")
+            except CacheFormatError as exc:
+                logger.warning("skipping unreadable agent record: %s", exc)
+
+    def is_referenced(self, h: BlockHash) -> bool:
+        with self.db_lock:
+            return self.db.execute("SELECT 1 FROM refs WHERE block = ? LIMIT 1", (h,)).fetchone() is not None
+
+    def refcount(self, h: BlockHash) -> int:
+        """How many agent records name block ``h``."""
+        with self.db_lock:
+            return self.db.execute(
+                "SELECT COUNT(DISTINCT agent_id) FROM refs WHERE block = ?", (h,)
+            ).fetchone()[0]
+
+    def referenced_blocks(self) -> set[BlockHash]:
+        with self.db_lock:
+            return {BlockHash(r[0]) for r in self.db.execute("SELECT DISTINCT block FROM refs")}
+
+    # ------------------------------------------------------------------ block sizes
+
+    def note_sizes(self, blocks: Sequence[BlockHash]) -> None:
+        """Record the file sizes of ``blocks`` not known yet (those on this disk), in the
+        caller's transaction. Rows of deleted blocks stay until ``evict_agents`` or recovery:
+        usage counts only blocks some record names (a block is deleted when none does)."""
+        wanted = list(dict.fromkeys(blocks))
+        known: set[str] = set()
+        for i in range(0, len(wanted), 500):
+            part = wanted[i : i + 500]
+            query = f"SELECT block FROM block_sizes WHERE block IN ({','.join('?' * len(part))})"
+            known.update(r[0] for r in self.db.execute(query, part))
+        rows = []
+        for h in wanted:
+            if h not in known:
+                with contextlib.suppress(FileNotFoundError):  # a local tier's block not fetched yet
+                    rows.append((h, self.files.path(h).stat().st_size))
+        self.db.executemany("INSERT OR REPLACE INTO block_sizes VALUES (?, ?)", rows)
+
+    def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
+        """Blocks that arrived on this disk without a save (a shared store's fetch)."""
+        with self.db_lock, self.db:
+            self.note_sizes(blocks)
+
+    def forget_sizes(self) -> None:
+        """Drop the size rows of blocks no record names (their files are gone or going)."""
+        with self.db_lock, self.db:
+            self.db.execute(
+                "DELETE FROM block_sizes WHERE NOT EXISTS "
+                "(SELECT 1 FROM refs r WHERE r.block = block_sizes.block)"
+            )

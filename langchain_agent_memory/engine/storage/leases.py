@@ -64,7 +64,7 @@ class Leases:
             # Counted before the row is taken: a save of this worker that commits meanwhile
             # then keeps the row for this request (``others``).
             self._held[agent_id] += 1
-            if self._heart is None or not self._heart.is_alive():
+            if not self._closed.is_set() and (self._heart is None or not self._heart.is_alive()):
                 self._heart = threading.Thread(target=self._beat, name="agent-memory-leases", daemon=True)
                 self._heart.start()
         started = time.monotonic()
@@ -130,7 +130,14 @@ class Leases:
                     self._heart = None
                     return
             for agent_id in agents:
+                if self._closed.is_set():
+                    return
                 self._renew(agent_id)
 
     def close(self) -> None:
+        """Stop the heartbeat and wait for it (a renewal in flight ends by its deadline)."""
         self._closed.set()
+        with self._lock:
+            heart = self._heart
+        if heart is not None:
+            heart.join()

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from ..errors import BlocksUnavailableError, RemoteConfigError, RemoteUnavailableError  # noqa: F401 - defined there, re-exported
 from .blocks import BlockHash
 from .urls import redacted
 
@@ -34,18 +35,6 @@ UNREACHABLE = (
 )  # fmt: skip
 
 
-class RemoteUnavailableError(ConnectionError):
-    """The shared store (PostgreSQL or the object store) did not answer in time."""
-
-
-class BlocksUnavailableError(RemoteUnavailableError):
-    """Blocks could not be fetched in time; the first ``available`` of those asked for are here."""
-
-    def __init__(self, message: str, available: int) -> None:
-        super().__init__(message)
-        self.available = available
-
-
 #: S3 error codes of wrong credentials -> what to fix.
 KEY_ERRORS = {
     "InvalidAccessKeyId": "the server knows no such access key: check AWS_ACCESS_KEY_ID (or access_key_id=)",
@@ -55,10 +44,6 @@ KEY_ERRORS = {
     "ExpiredToken": "the session token has expired: renew AWS_SESSION_TOKEN",
     "InvalidToken": "the session token is not valid: check AWS_SESSION_TOKEN",
 }
-
-
-class RemoteConfigError(ValueError):
-    """A ``store=`` / ``blocks=`` setting that cannot be used as given."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 narrow protocols: ``BlockStoreBlocks`` (block files), ``BlockStoreRecords`` (agent records
 and the leases around a request), ``BlockStoreMaintenance`` (bytes on disk, eviction,
 quarantine). ``BlockStore`` is all three: what a backend implements, and what the store
-conformance suite (tests/unit/test_store_conformance.py) checks on every backend."""
+conformance suite (tests/integration/test_store_conformance.py) checks on every backend."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 from .blocks import AgentRecord, Block, BlockHash, StoreUsage
-from .reader import (
-    BlockGroup,
-)
+from .reader import BlockGroup
+from .status import StoreStatus
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,8 @@ class BlockStoreMaintenance(Protocol):
     def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def quarantine_agent(self, agent_id: str) -> Path | None: ...
     def clear_quarantine(self) -> int: ...
+    def status(self) -> StoreStatus: ...
+    def bound_pending(self, max_bytes: int | None) -> None: ...
     def close(self) -> None: ...
 
 

@@ -1,7 +1,8 @@
-"""The records side of ``SharedBlockStore`` (it inherits ``SharedRecords``): agent records
-read through PostgreSQL and mirrored in this worker's index, saves made here first and
-pushed to the store (compare-and-swap on the version this worker last saw), saves left
-pending while the store is unreachable and uploaded by a background thread."""
+"""The records side of ``SharedBlockStore`` (it holds ``SharedRecords`` as ``records``):
+agent records read through PostgreSQL and mirrored in this worker's index, saves made here
+first and pushed to the store (compare-and-swap on the version this worker last saw), saves
+left pending while the store is unreachable and uploaded by a background thread
+(``PendingSaves``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 from .blocks import (
     AgentRecord,
@@ -25,51 +24,59 @@ from .blocks import (
 from .catalog import BlocksMissingError, Catalog, CommitConflictError
 from .leases import Leases
 from .objects import RemoteUnavailableError
+from .remote_blocks import Reach, SharedBlocks, SharedStats
 from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
 
 
 class SharedRecords:
-    """Records of a shared store (its attributes are the store's)."""
+    """Agent records of a shared store: in ``catalog``, mirrored in ``local`` (this worker's
+    index), their blocks uploaded by ``blocks``, a request's lease in ``leases``."""
 
-    local: DiskBlockStore
-    catalog: Catalog
-    fingerprint: str
-    retry_s: float
-    stats: Any
-    _pushing: threading.RLock
-    _local_threads: set[int]
-    _uploaded: dict[str, tuple[int | None, int]]
-    _uploader: threading.Thread | None
-    _closed: threading.Event
-    lease_s: float
-    leases: Leases
-    #: Bytes of saves waiting to upload this worker keeps at most (None: no bound).
-    max_pending_bytes: int | None = None
+    def __init__(
+        self,
+        local: DiskBlockStore,
+        catalog: Catalog,
+        blocks: SharedBlocks,
+        leases: Leases,
+        reach: Reach,
+        *,
+        worker_id: str,
+        lease_s: float,
+        retry_s: float,
+    ) -> None:
+        self.local, self.catalog, self.blocks, self.leases, self.reach = local, catalog, blocks, leases, reach
+        self.fingerprint = local.fingerprint
+        self.stats = reach.stats
+        self.worker_id = worker_id
+        self.lease_s = lease_s
+        self.pending = PendingSaves(local, self.stats, self.push_pending, retry_s=retry_s)
+        self._pushing = threading.RLock()
+        #: agent -> (version a pending save was based on, version its upload made): a live
+        #: copy at the first is the second (this worker's own save, uploaded later).
+        self._uploaded: dict[str, tuple[int | None, int]] = {}
 
-    def _down(self, exc: BaseException) -> None:
-        raise NotImplementedError
+    def is_own_save(self, agent_id: str, version: int | None, current: int | None) -> bool:
+        """Whether the store's ``current`` version of the agent is this worker's own save,
+        made over ``version`` and uploaded later (a live copy at ``version`` is current)."""
+        return self._uploaded.get(agent_id) == (version, current)
 
-    @property
-    def _here_only(self) -> bool:
-        """Whether this call is on a ``stay_local`` thread (it must not wait on the store)."""
-        return threading.get_ident() in self._local_threads
-
-    def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
-        raise NotImplementedError
+    def forget(self, agent_id: str) -> None:
+        """This worker's copy of the agent is gone (evicted)."""
+        self._uploaded.pop(agent_id, None)
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
         is unreachable or this is a ``stay_local`` thread."""
         validate_agent_id(agent_id)
-        if self._here_only:
+        if self.reach.here_only:
             return self.local.get_agent(agent_id)
         try:
-            self._push_pending(agent_id)
+            self.push_pending(agent_id)
             got = self.catalog.get(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
-            self._down(exc)
+            self.reach.down(exc)
             return self.local.get_agent(agent_id)
         state = self.local.sync_state(agent_id)
         if got is None:
@@ -87,50 +94,18 @@ class SharedRecords:
         self.local.put_agent(record, sync=(version, False))
         return record
 
-    def pending_bytes(self) -> int:
-        """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
-        blocks: set[BlockHash] = set()
-        for agent_id in self.local.pending_agents():
-            with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
-                blocks.update(self.local.agent_chain(agent_id))
-        return self.local.local_bytes(blocks)
-
-    def _bound_pending(self) -> None:
-        """Past ``max_pending_bytes`` of saves waiting to upload, drop the oldest of them from
-        this worker (never the newest, never a committed record: the store keeps the last
-        version uploaded), loudly: a store that stays away must not fill the disk."""
-        limit = self.max_pending_bytes
-        waiting = self.local.pending_agents()  # least recently saved first
-        while limit is not None and len(waiting) > 1 and self.pending_bytes() > limit:
-            victim = waiting.pop(0)
-            self.local.evict_agents([victim])
-            self.stats.pending_dropped += 1
-            logger.error(
-                "agent %r: its save could not be uploaded and this worker's saves waiting to upload "
-                "are over %d bytes: dropped here (the shared store keeps its last uploaded version)",
-                victim, limit,
-            )  # fmt: skip
-        self.stats.pending_saves = len(waiting)
-
-    def upload_pending(self, agent_id: str) -> bool:
-        return self.local.upload_pending(agent_id)
-
     def has_agent(self, agent_id: str) -> bool:
         try:
             return self.catalog.has(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
-            self._down(exc)
+            self.reach.down(exc)
             return self.local.has_agent(agent_id)
-
-    def agent_chain(self, agent_id: str) -> list[BlockHash]:
-        """The chain of this worker's copy (the blocks a save may release locally)."""
-        return self.local.agent_chain(agent_id)
 
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
         try:
             rows = self.catalog.agents(self.fingerprint, prefix)
         except RemoteUnavailableError as exc:
-            self._down(exc)
+            self.reach.down(exc)
             yield from self.local.agents(prefix)
             return
         for agent_id, raw, _ in rows:
@@ -157,7 +132,7 @@ class SharedRecords:
         """Upload a locally saved record; False if the store is unreachable (still pending)
         or, for a ``pending`` save, another worker holds the agent's lease (retried later)."""
         try:
-            self._upload(record.blocks)
+            self.blocks.upload(record.blocks)
             # Another worker's lease: its request is running (it commits, or gives the lease
             # back, soon) or it died (its lease expires within ``lease_s``, no heartbeat
             # renews it): a save waits that long, on the save thread, for a true outcome.
@@ -175,7 +150,7 @@ class SharedRecords:
                     self.leases.renew_if_held(record.agent_id, own)
                     break
                 except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
-                    self._upload([BlockHash(h) for h in exc.missing], check=False)
+                    self.blocks.upload([BlockHash(h) for h in exc.missing], check=False)
                 except CommitConflictError as exc:
                     if exc.leased and time.monotonic() < lease_wait:
                         time.sleep(0.25)
@@ -188,9 +163,8 @@ class SharedRecords:
                 if attempts >= 4:
                     raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
-            first = not self._said_down
-            self._down(exc)
-            self._bound_pending()
+            first = self.reach.down(exc)
+            self.pending.bound()
             if not pending:  # said when the save is left pending: loud once per outage
                 logger.log(
                     logging.WARNING if first else logging.INFO,
@@ -199,7 +173,7 @@ class SharedRecords:
                     record.agent_id,
                     exc,
                 )
-            self._start_uploader()
+            self.pending.start()
             return False
         except CommitConflictError as exc:
             if exc.leased:  # another worker holds the agent: kept here, uploaded once it is free
@@ -209,18 +183,19 @@ class SharedRecords:
                         "%g s); this save is kept on this worker and uploaded once the lease is free",
                         record.agent_id, exc, self.lease_s,
                     )  # fmt: skip
-                self._bound_pending()
-                self._start_uploader()
+                self.pending.bound()
+                self.pending.start()
                 return False
             self.stats.conflicts += 1
             self.local.delete_agent(record.agent_id)  # the winner's record is read next time
             raise
         if pending:
-            self._uploaded[record.agent_id] = (self.seen_version(record.agent_id), done.version)
+            state = self.local.sync_state(record.agent_id)
+            self._uploaded[record.agent_id] = (state[0] if state else None, done.version)
         record.updated_at = done.updated_at  # Postgres's clock: links to checkpoints use it
         self.local.set_sync(record.agent_id, done.version, False)
         self.stats.commits += 1
-        self._said_down = False
+        self.reach.up()
         return True
 
     def _rebase(self, record: AgentRecord) -> int | None:
@@ -237,7 +212,7 @@ class SharedRecords:
             return got[1]  # an unreadable record: replaced
         return got[1] if _continues(record.text, stored.text) else None
 
-    def _push_pending(self, agent_id: str) -> None:
+    def push_pending(self, agent_id: str) -> None:
         """Upload this agent's pending save before reading the store (it is the newest)."""
         try:
             with self._pushing:  # one push at a time: the uploader and a request may both try
@@ -258,32 +233,6 @@ class SharedRecords:
                 exc,
             )
 
-    def flush_pending(self) -> int:
-        """Upload every save made while the store was unreachable; how many are left."""
-        for agent_id in self.local.pending_agents():
-            try:
-                self._push_pending(agent_id)
-            except RemoteUnavailableError:
-                break
-        left = len(self.local.pending_agents())
-        self.stats.pending_saves = left
-        return left
-
-    def _start_uploader(self) -> None:
-        if self._uploader is not None and self._uploader.is_alive():
-            return
-        self._uploader = threading.Thread(target=self._upload_loop, name="agent-memory-uploader", daemon=True)
-        self._uploader.start()
-
-    def _upload_loop(self) -> None:
-        while not self._closed.wait(self.retry_s):
-            try:
-                if self.flush_pending() == 0:
-                    logger.info("shared store: every pending save is uploaded")
-                    return
-            except Exception:  # keep retrying; never lose the pending saves
-                logger.exception("uploading pending saves failed; retrying")
-
     def delete_agent(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
         try:
@@ -295,12 +244,102 @@ class SharedRecords:
             ) from exc
         return self.local.delete_agent(agent_id) or gone
 
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.local.quarantine_agent(agent_id)
-
 
 def _continues(new: str, old: str) -> bool:
     """Whether ``new`` goes on from ``old``, whitespace aside (a reply's leading space is
     trimmed when it is returned, so a prompt built from it may differ there)."""
     a, b = "".join(new.split()), "".join(old.split())
     return len(a) > len(b) and a.startswith(b)
+
+
+class PendingSaves:
+    """Saves kept on this worker that the store has not taken yet (it was unreachable, or
+    another worker held the agent's lease): their bytes, bounded by ``max_bytes``, and the
+    thread that uploads them (``flush``, every ``retry_s`` until none is left). ``push``
+    uploads one agent's (``RemoteUnavailableError`` while the store cannot take it)."""
+
+    def __init__(
+        self, local: DiskBlockStore, stats: SharedStats, push: Callable[[str], None], *, retry_s: float
+    ) -> None:
+        self.local, self.stats, self._push, self.retry_s = local, stats, push, retry_s
+        #: Bytes of saves waiting to upload this worker keeps at most (None: no bound).
+        self.max_bytes: int | None = None
+        self._uploader: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
+        blocks: set[BlockHash] = set()
+        for agent_id in self.local.pending_agents():
+            with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
+                blocks.update(self.local.agent_chain(agent_id))
+        return self.local.local_bytes(blocks)
+
+    def bound(self) -> None:
+        """Past ``max_bytes`` of saves waiting to upload, drop the oldest of them from
+        this worker (never the newest, never a committed record: the store keeps the last
+        version uploaded), loudly: a store that stays away must not fill the disk."""
+        limit = self.max_bytes
+        waiting = self.local.pending_agents()  # least recently saved first
+        while limit is not None and len(waiting) > 1 and self.nbytes() > limit:
+            victim = waiting.pop(0)
+            self.local.evict_agents([victim])
+            self.stats.pending_dropped += 1
+            logger.error(
+                "agent %r: its save could not be uploaded and this worker's saves waiting to upload "
+                "are over %d bytes: dropped here (the shared store keeps its last uploaded version)",
+                victim, limit,
+            )  # fmt: skip
+        self.stats.pending_saves = len(waiting)
+
+    def flush(self) -> int:
+        """Upload every save made while the store was unreachable; how many are left."""
+        for agent_id in self.local.pending_agents():
+            try:
+                self._push(agent_id)
+            except RemoteUnavailableError:
+                break
+        left = len(self.local.pending_agents())
+        self.stats.pending_saves = left
+        return left
+
+    def upload_before_exit(self, deadline: float) -> None:
+        """Upload the saves kept here and not yet in the store (a store that was out of
+        reach, another worker's lease), until ``deadline`` (``time.monotonic``); say what is
+        left: the next engine on this directory uploads it."""
+        for agent_id in self.local.pending_agents():
+            if time.monotonic() >= deadline:
+                break
+            try:
+                self._push(agent_id)
+            except RemoteUnavailableError:
+                break
+        left = self.local.pending_agents()
+        if left:
+            logger.warning(
+                "%d agent(s)' last saves (%s) are kept on this worker (%s) but not in the shared store: "
+                "it did not take them before the process ended; the next engine on this directory "
+                "uploads them",
+                len(left), ", ".join(map(repr, left[:5])) + (" ..." if len(left) > 5 else ""), self.local.dir,
+            )  # fmt: skip
+
+    def start(self) -> None:
+        if self._uploader is not None and self._uploader.is_alive():
+            return
+        self._uploader = threading.Thread(target=self._loop, name="agent-memory-uploader", daemon=True)
+        self._uploader.start()
+
+    def _loop(self) -> None:
+        while not self._closed.wait(self.retry_s):
+            try:
+                if self.flush() == 0:
+                    logger.info("shared store: every pending save is uploaded")
+                    return
+            except Exception:  # keep retrying; never lose the pending saves
+                logger.exception("uploading pending saves failed; retrying")
+
+    def close(self) -> None:
+        """Stop the uploader (what it has not uploaded stays pending on this worker's disk)."""
+        self._closed.set()
+        if self._uploader is not None:
+            self._uploader.join(timeout=self.retry_s + 1)

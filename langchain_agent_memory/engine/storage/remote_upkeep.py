@@ -1,15 +1,16 @@
-"""The upkeep side of ``SharedBlockStore`` (it inherits ``SharedUpkeep``): garbage
-collection of block objects no record names, and ``verify``, which checks every block the
-catalog says is stored against the object store and repairs what it finds missing."""
+"""The upkeep side of ``SharedBlockStore`` (it holds ``SharedUpkeep`` as ``upkeep``):
+garbage collection of block objects no record names, and ``verify``, which checks every
+block the catalog says is stored against the object store and repairs what it finds
+missing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .blocks import BlockHash
 from .catalog import Catalog
 from .objects import ObjectBlocks
+from .remote_blocks import SharedBlocks
 from .store import DiskBlockStore
 
 
@@ -29,16 +30,21 @@ class GarbageReport:
 
 
 class SharedUpkeep:
-    """Upkeep of a shared store (its attributes are the store's)."""
+    """Upkeep of a shared store's blocks: objects in ``objects``, rows in ``catalog``;
+    ``blocks`` uploads this worker's copies (``local``) of those found missing."""
 
-    local: DiskBlockStore
-    catalog: Catalog
-    objects: ObjectBlocks
-    fingerprint: str
-    grace_s: float
-
-    def _upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        local: DiskBlockStore,
+        catalog: Catalog,
+        objects: ObjectBlocks,
+        blocks: SharedBlocks,
+        *,
+        grace_s: float,
+    ) -> None:
+        self.local, self.catalog, self.objects, self.blocks = local, catalog, objects, blocks
+        self.fingerprint = local.fingerprint
+        self.grace_s = grace_s
 
     def collect_garbage(self, grace_s: float | None = None) -> GarbageReport:
         """Delete block objects no record names, untouched for ``grace_s`` (default: the
@@ -75,7 +81,7 @@ class SharedUpkeep:
             if not repair:
                 continue
             if self.local.has_block(BlockHash(h)):
-                self._upload([BlockHash(h)], check=False)
+                self.blocks.upload([BlockHash(h)], check=False)
                 report.uploaded += 1
             else:
                 self.catalog.unstore(self.fingerprint, [h])

@@ -1,0 +1,187 @@
+"""The block files of a cache directory (``DiskBlockStore`` holds them as ``files``):
+``blocks/<h[:2]>/<h>.safetensors``, each written atomically once (blocks are
+content-addressed and immutable), read only after its header and checksums are verified,
+and moved to ``quarantine/`` when it proves bad."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from safetensors import serialize_file
+
+from ..ops.files import TEMP_PREFIX, atomic_write
+from .blocks import (
+    FORMAT_VERSION,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    block_hash,
+    block_lineage,
+    host_views,
+    raise_if_vanished,
+    version_error,
+)
+from .reader import (
+    BlockFileError,
+    BlockGroup,
+    BlockHeader,
+    Layouts,
+    block_checksums,
+    read_groups,
+    read_header,
+    select,
+)
+
+
+class BlockFiles:
+    """The block files of one model (``fingerprint``) under ``directory``."""
+
+    def __init__(self, directory: Path, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self.dir = directory / "blocks"
+        self.quarantine_dir = directory / "quarantine"
+
+    def path(self, h: BlockHash) -> Path:
+        if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+            raise ValueError(f"not a block hash: {h!r}")
+        return self.dir / h[:2] / f"{h}.safetensors"
+
+    def exists(self, h: BlockHash) -> bool:
+        return self.path(h).exists()
+
+    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
+        """Bytes of these blocks' files (those missing count nothing)."""
+        total = 0
+        for h in hashes:
+            with contextlib.suppress(FileNotFoundError):
+                total += self.path(h).stat().st_size
+        return total
+
+    def put(self, block: Block) -> int:
+        """Write ``block`` unless it exists; return the bytes written (0 if it existed)."""
+        path = self.path(block.hash)
+        if path.exists():
+            return 0
+        tensors = {k: t.packed() for k, t in (block.host or host_views(block.tensors)).items()}
+        whole, parts = block_checksums([(k, t.data) for k, t in tensors.items()])
+        meta = {
+            "format_version": str(FORMAT_VERSION),
+            "fingerprint": self.fingerprint,
+            "hash": block.hash,
+            "parent": block.parent or "",
+            "token_ids": json.dumps(block.token_ids),
+            "checksum": whole,
+            # Each layer's own, for reads of some layers only (``reader.select``); an older
+            # reader ignores it and checks the whole.
+            "part_checksums": json.dumps(parts, separators=(",", ":")),
+        }
+        # safetensors' own writer over host arrays: no MLX op, so any thread may write.
+        specs = {k: t.spec() for k, t in tensors.items()}
+        return atomic_write(path, lambda tmp: serialize_file(specs, tmp, metadata=meta))
+
+    def get(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
+        """Read a block (all tensors, or only ``names``), verified against its header.
+
+        Raises ``BlockMissingError`` or ``CacheFormatError`` (corrupt, truncated, another
+        model's, a newer format); never returns unverified data.
+        """
+        (group,) = self.read([h])
+        header = group.headers[0]
+        wanted = group.names() if names is None else list(names)
+        missing = [k for k in wanted if k not in group.names()]
+        if missing:
+            raise CacheFormatError(f"block file {header.path} lacks tensors {missing[:3]}")
+        token_ids, parent = block_lineage(header)
+        return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted})
+
+    def read(self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None) -> list[BlockGroup]:
+        """The blocks ``hashes`` (in order), verified, as groups of consecutive blocks of one
+        tensor layout, each uploaded to the device as one array (``reader``). ``layers``: only
+        these layers' tensors are needed (read alone where every block has per-layer
+        checksums; blocks written before them are read whole)."""
+        headers = []
+        layouts: Layouts = {}
+        for h in hashes:
+            path = self.path(h)
+            if not path.exists():
+                raise BlockMissingError(f"block {h[:12]} is missing from {self.dir}")
+            try:
+                header = read_header(path, layouts)
+            except BlockFileError as exc:
+                raise_if_vanished(exc, path)
+                raise CacheFormatError(
+                    f"block file {path} is unreadable (truncated or corrupt): {exc}"
+                ) from None
+            self._check_header(h, header)
+            headers.append(header)
+
+        if layers is not None and all("part_checksums" in hd.meta for hd in headers):
+            wanted = {f"L{i}" for i in layers}
+            headers = [select(hd, wanted) for hd in headers]
+
+        def verify(header: BlockHeader, got: str | dict[str, str]) -> None:
+            if isinstance(got, dict):
+                try:
+                    stored = json.loads(header.meta["part_checksums"])
+                except (KeyError, ValueError) as exc:
+                    raise CacheFormatError(f"block file {header.path} has corrupt part checksums") from exc
+                sound = isinstance(stored, dict) and all(stored.get(k) == v for k, v in got.items())
+            else:
+                sound = got == header.meta.get("checksum")
+            if not sound:
+                raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
+
+        try:
+            return read_groups(headers, verify)
+        except BlockFileError as exc:
+            raise_if_vanished(exc, self.dir)
+            raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
+
+    def _check_header(self, h: BlockHash, header: BlockHeader) -> None:
+        meta, path = header.meta, header.path
+        version = meta.get("format_version")
+        if version != str(FORMAT_VERSION):
+            raise version_error(f"block {path.name}", _int_or(version))
+        if meta.get("fingerprint") != self.fingerprint:
+            raise CacheFormatError(
+                f"block {path.name} was written for model/quantization {meta.get('fingerprint')!r}, "
+                f"not {self.fingerprint!r}: it belongs to another model"
+            )
+        if meta.get("hash") != h:
+            raise CacheFormatError(f"block file {path.name} holds block {meta.get('hash')!r}")
+        token_ids, parent = block_lineage(header)
+        if block_hash(parent, token_ids, self.fingerprint) != h:
+            raise CacheFormatError(f"block file {path} header does not match its hash")
+
+    def delete(self, h: BlockHash) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(h).unlink()
+
+    def hashes(self) -> Iterator[BlockHash]:
+        for p in self.dir.glob("*/*.safetensors"):
+            if not p.name.startswith(TEMP_PREFIX):
+                yield BlockHash(p.stem)
+
+    def quarantine(self, h: BlockHash) -> Path | None:
+        """Move a bad block file aside (kept for inspection, never read again)."""
+        src = self.path(h)
+        if not src.exists():
+            return None
+        dst = self.quarantine_dir / f"{h}.{time.time_ns()}.safetensors"
+        dst.parent.mkdir(exist_ok=True)
+        os.replace(src, dst)
+        return dst
+
+
+def _int_or(value: Any) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return value

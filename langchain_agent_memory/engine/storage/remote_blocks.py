@@ -1,0 +1,221 @@
+"""The blocks side of ``SharedBlockStore`` (it holds ``SharedBlocks`` as ``blocks``): blocks
+read through this worker's disk (fetched in parallel, with a deadline), uploaded from it
+(catalog row, then conditional create of the object), a bad copy replaced; and what every
+part of the shared store shares: its counters (``SharedStats``) and what this worker last
+heard from the store (``Reach``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..ops.files import atomic_write_bytes
+from .blocks import BlockHash, BlockMissingError, CacheFormatError, CacheWriteError
+from .catalog import Catalog
+from .objects import BlocksUnavailableError, ObjectBlocks, RemoteUnavailableError
+from .store import DiskBlockStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class SharedStats:
+    blocks_fetched: int = 0
+    bytes_fetched: int = 0
+    blocks_uploaded: int = 0
+    bytes_uploaded: int = 0
+    commits: int = 0
+    conflicts: int = 0
+    pending_saves: int = 0  # saved here while the store was unreachable, not yet uploaded
+    pending_dropped: int = 0  # waiting saves dropped here past ``max_pending_bytes``
+    remote_failures: int = 0
+
+
+class Reach:
+    """Which calls may wait on the store (not those of a ``stay_local`` thread), and whether
+    this worker has said the store is unreachable (once per outage)."""
+
+    def __init__(self, stats: SharedStats) -> None:
+        self.stats = stats
+        #: Threads whose calls never wait on the store (``stay_local``).
+        self._local_threads: set[int] = set()
+        self._said_down = False
+
+    def stay_local(self) -> None:
+        self._local_threads.add(threading.get_ident())
+
+    @property
+    def here_only(self) -> bool:
+        """Whether this call is on a ``stay_local`` thread (it must not wait on the store)."""
+        return threading.get_ident() in self._local_threads
+
+    def down(self, exc: BaseException) -> bool:
+        """A call to the store failed; whether it is the first since the store last answered
+        a commit (the outage is said then, once)."""
+        self.stats.remote_failures += 1
+        if self._said_down:
+            return False
+        self._said_down = True
+        logger.warning("shared store unreachable (%s); working from this worker's copies", exc)
+        return True
+
+    def up(self) -> None:
+        self._said_down = False
+
+
+class SharedBlocks:
+    """Blocks of a shared store: in ``objects`` (their rows in ``catalog``), read through
+    ``local``, this worker's disk, on the ``io`` threads."""
+
+    def __init__(
+        self,
+        local: DiskBlockStore,
+        catalog: Catalog,
+        objects: ObjectBlocks,
+        io: ThreadPoolExecutor,
+        reach: Reach,
+        *,
+        read_timeout_s: float,
+    ) -> None:
+        self.local, self.catalog, self.objects, self.io, self.reach = local, catalog, objects, io, reach
+        self.fingerprint = local.fingerprint
+        self.stats = reach.stats
+        self.read_timeout_s = read_timeout_s
+
+    def stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """Which of ``hashes`` are on this worker's disk or in the store (one round trip;
+        this worker's alone on a ``stay_local`` thread or while the store is unreachable)."""
+        here = {h for h in hashes if self.local.has_block(h)}
+        rest = [h for h in hashes if h not in here]
+        if rest and not self.reach.here_only:
+            try:
+                here.update(self.catalog.has_blocks(self.fingerprint, rest))
+            except RemoteUnavailableError as exc:
+                self.reach.down(exc)
+        return here
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> bool:
+        """Bring ``hashes`` to this worker's disk ahead of the request that reads them;
+        False if the store did not deliver them all in time (that request reuses the leading
+        ones that came and prefills the rest)."""
+        try:
+            self.fetch(hashes)
+        except (BlocksUnavailableError, BlockMissingError):
+            return False
+        return True
+
+    def fetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Bring ``hashes`` to this worker's disk; ``BlocksUnavailableError`` (with how many
+        leading ones are here) if the store does not deliver them within the deadline."""
+        missing = [h for h in hashes if not self.local.has_block(h)]
+        if not missing:
+            return
+        if self.reach.here_only:
+            raise BlocksUnavailableError(
+                f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
+                self._leading_here(hashes),
+            )
+        futures = {h: self.io.submit(self._download, h) for h in missing}
+        done, _ = wait(futures.values(), timeout=self.read_timeout_s)
+        failed: BaseException | None = None
+        for h, f in futures.items():
+            if f not in done:
+                failed = failed or RemoteUnavailableError(
+                    f"block {h[:12]} did not arrive in {self.read_timeout_s} s"
+                )
+            elif f.exception() is not None:
+                failed = failed or f.exception()
+        if failed is None:
+            self.local.note_blocks(missing)  # counted in this worker's disk use
+            return
+        available = self._leading_here(hashes)
+        if isinstance(failed, BlockMissingError):
+            raise failed
+        self.reach.down(failed)
+        raise BlocksUnavailableError(f"shared store: {failed}", available)
+
+    def _leading_here(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``hashes`` are on this worker's disk."""
+        return next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
+
+    def _download(self, h: BlockHash) -> None:
+        data = self.objects.get(self.objects.key(self.fingerprint, h))
+        if data is None:
+            # The catalog said stored: repair it (the next save that needs the block uploads
+            # it again; a worker that has it locally can, with ``verify``).
+            with contextlib.suppress(RemoteUnavailableError):
+                self.catalog.unstore(self.fingerprint, [h])
+            logger.warning("block %s is missing from the object store: marked missing in the catalog", h[:12])
+            raise BlockMissingError(f"block {h[:12]} is missing from the object store {self.objects.url}")
+        atomic_write_bytes(self.local.block_path(h), data)
+        self.stats.blocks_fetched += 1
+        self.stats.bytes_fetched += len(data)
+
+    def upload(self, hashes: Sequence[BlockHash], *, check: bool = True) -> None:
+        """Upload the blocks of ``hashes`` the store lacks, from this worker's disk."""
+        wanted = list(dict.fromkeys(hashes))
+        have = self.catalog.has_blocks(self.fingerprint, wanted) if check else set()
+        todo = [h for h in wanted if h not in have]
+        if not todo:
+            return
+        for f in [submit(self.io, self._upload_one, h) for h in todo]:
+            f.result()
+        self.catalog.block_stored(self.fingerprint, todo)
+
+    def _upload_one(self, h: BlockHash) -> None:
+        path = self.local.block_path(h)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CacheWriteError(
+                f"block {h[:12]} is neither in the shared store nor on this worker; the cache was not "
+                "saved (the next request prefills)"
+            ) from None
+        self.catalog.add_block(self.fingerprint, h, len(data))  # before the object: GC sees it
+        if self.objects.put_new(self.objects.key(self.fingerprint, h), data):
+            self.stats.blocks_uploaded += 1
+            self.stats.bytes_uploaded += len(data)
+
+    def replace_bad(self, h: BlockHash) -> None:
+        """Fetch block ``h`` again (its bad copy here was quarantined); if the store's copy
+        is bad too, delete it there."""
+        try:
+            self.fetch([h])
+            self.local.get_block(h)
+        except RemoteUnavailableError:
+            pass
+        except CacheFormatError as exc:
+            self.local.quarantine_block(h)
+            try:
+                self.catalog.unstore(self.fingerprint, [h])
+                self.objects.delete(self.objects.key(self.fingerprint, h))
+            except RemoteUnavailableError:
+                return
+            logger.warning(
+                "block %s is unusable in the object store too (%s): deleted there; the next save that "
+                "needs it uploads a sound copy",
+                h[:12],
+                exc,
+            )
+
+
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit``, or the call made here when the pool takes no more work: at interpreter
+    exit concurrent.futures refuses new work, and a save's uploads must still be made (one
+    at a time, on the saving thread)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
