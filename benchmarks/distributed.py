@@ -17,7 +17,7 @@ against real servers this script starts (PostgreSQL 15, SeaweedFS; ``tests/servi
    store's deadline (5 s) once, then served from the local tier, not by the freeze. An
    agent decodes all along on the same worker (its replies streamed back to back): the
    longest gap between its tokens shows whether the others' waits on the store reach the
-   model's thread (they must not: ``engine/admissions.py``).
+   model's thread (they must not: ``engine/requests/admissions.py``).
 
     .venv/bin/python benchmarks/distributed.py --only frozen      # part 4 alone
 

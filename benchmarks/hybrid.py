@@ -81,7 +81,7 @@ def policy_curve(
     a uniformly random point re-prefills (mean, 90th percentile)."""
     import numpy as np
 
-    from langchain_agent_memory.engine.states import BLOCK_TOKENS, FLOOR, keep
+    from langchain_agent_memory.engine.caches.states import BLOCK_TOKENS, FLOOR, keep
 
     candidates = set(range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS)) | {n - 1, prompt_end}
     rng = np.random.default_rng(0)  # a benchmark's sample, nothing persisted

@@ -17,7 +17,6 @@ from .ops import runtime  # noqa: F401
 
 if TYPE_CHECKING:
     from .admin import AgentInfo
-    from .commits import Subscription
     from .config import EngineConfig
     from .engine import Engine
     from .errors import (
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     )
     from .ops import device
     from .registry import engine_key, shared_engine, unwatch_engines, watch_engines
+    from .requests.commits import Subscription
     from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
     from .storage.blocks import INTERNAL_PREFIX, AgentRecord, is_internal, validate_agent_id
     from .storage.budget import StorageBudget, enforce, parse_age, parse_size
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 #: the module (under this package) that defines each public name
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "admin": ("AgentInfo",),
-    "commits": ("Subscription",),
+    "requests.commits": ("Subscription",),
     "config": ("EngineConfig",),
     "engine": ("Engine",),
     "errors": (

@@ -12,16 +12,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from .admissions import StoreAdmissions
-from .agent_state import PendingSave
-from .agents import AgentCaches
-from .commits import CommitFeed
+from .caches.agent_state import PendingSave
+from .caches.agents import AgentCaches
+from .requests.admissions import StoreAdmissions
+from .requests.commits import CommitFeed
+from .requests.saves import SaveQueue
+from .requests.worker import Worker
 from .results import Saved
-from .saves import SaveQueue
 from .storage.blocks import AgentRecord
 from .storage.budget import BudgetKeeper, StorageBudget
 from .storage.protocols import BlockStore
-from .worker import Worker
 
 logger = logging.getLogger(__name__)
 

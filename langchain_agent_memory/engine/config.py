@@ -16,7 +16,7 @@ from .kv import KVQuant
 from .kv import kv_format as kv_format_of
 from .model.loading import resolve_model_dir
 from .ops import device
-from .scheduler import POLICIES
+from .requests.scheduler import POLICIES
 from .storage.budget import StorageBudget
 from .storage.store_config import StoreConfig
 

@@ -6,14 +6,14 @@ blocks from the pool / disk), prefill only what is new, decode, then commit the 
 keys and values (prompt tail *and* generated tokens) into the stored form and write the
 new blocks. Nothing here knows about LangChain. The rooms behind it:
 
-- ``config``: the settings, resolved once (``EngineConfig``);
-- ``agents``: the agent-cache manager (lookup, match, load, cold start, commit, hot policy);
-- ``steps``: a request's steps as the scheduler runs them (``scheduler``, ``worker``);
-- ``runner``: prefill chunks, batched decode steps, sampling;
-- ``saves``: the save thread; ``commits``: who hears requests and commits;
-- ``text``: the streamed reply, stop sequences, token ends;
-- ``kv/``: codecs, layer caches, batches; ``model/``: loading, families, CPU kernels;
-  ``storage/``: the block store, the pool, the disk budget (``BudgetKeeper``).
+- ``config``: the settings, resolved once (``EngineConfig``); ``admin``: agents' stored
+  caches (``Engine.admin``);
+- ``requests/``: a request's path (admissions, the scheduler and the model's thread, its
+  steps, the batched runner, forks, the streamed text, the save thread, commit subscribers);
+- ``caches/``: the agents' caches (lookup, the reuse rule, the hot tier, commits and writes);
+- ``kv/``: codecs, layer caches, batches; ``model/``: loading, structure, CPU kernels;
+  ``storage/``: the block store, the pool, the disk budget; ``ops/``: the process's threads,
+  files, device and kernels.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .admin import AgentAdmin, AgentInfo
-from .admissions import StoreAdmissions
-from .agent_state import HotPolicy
-from .agents import AgentCaches
-from .commits import BeforeRequest, CommitFeed, OnCommit, Subscription
+from .caches.agent_state import HotPolicy
+from .caches.agents import AgentCaches
 from .config import EngineConfig
 from .kv.reserve import WorkReserve, reserve_rows
 from .model.adapters import is_adapted
@@ -40,6 +38,14 @@ from .model.loading import LoadedModel, load_model, trained_context
 from .ops import device
 from .ops.runtime import release_memory
 from .prefix import tokenize_prompt
+from .requests.admissions import StoreAdmissions
+from .requests.commits import BeforeRequest, CommitFeed, OnCommit, Subscription
+from .requests.runner import ModelRunner
+from .requests.saves import SaveQueue
+from .requests.saves import wait_for as wait_for_saves
+from .requests.scheduler import Phase, Scheduler
+from .requests.steps import Request, RequestSteps
+from .requests.worker import Sink, Start, Worker
 from .results import (
     CacheOutcome,
     CacheSource,
@@ -51,17 +57,11 @@ from .results import (
     asettled,
     settled,
 )
-from .runner import ModelRunner
-from .saves import SaveQueue
-from .saves import wait_for as wait_for_saves
-from .scheduler import Phase, Scheduler
-from .steps import Request, RequestSteps
 from .storage.blocks import AgentNotFoundError, CacheWriteError, validate_agent_id
 from .storage.catalog import CommitConflictError
 from .storage.pool import BlockPool
 from .storage.remote import SharedBlockStore, open_store
 from .storage.status import StoreStatus
-from .worker import Sink, Start, Worker
 
 __all__ = [
     "AgentInfo",

@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import EngineConfig, EngineKey
 from .engine import Engine
-from .worker import Worker
+from .requests.worker import Worker
 
 _SHARED: dict[EngineKey, Engine] = {}
 _SHARED_LOCK = threading.Lock()

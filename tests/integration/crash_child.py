@@ -23,9 +23,9 @@ import random
 import sys
 from pathlib import Path
 
+from langchain_agent_memory.engine.caches.states import snapshot_hash, state_block
 from langchain_agent_memory.engine.kv import LayerSpec
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.states import snapshot_hash, state_block
 from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord, Block, block_hash
 from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import DiskBlockStore

@@ -251,7 +251,7 @@ def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
     """Three hot agents get follow-ups of different lengths at once: their new tokens run
     in one batched forward pass (the shorter padded on the right, the padding taken out of
     their caches after it), and each reply and stored cache equals the agent's alone."""
-    from langchain_agent_memory.engine.runner import ModelRunner
+    from langchain_agent_memory.engine.requests.runner import ModelRunner
 
     passes: list[list[int]] = []
     whole = ModelRunner.prefill_whole

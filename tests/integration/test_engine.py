@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.block_cuts import block_of, run_of
+from langchain_agent_memory.engine.caches.block_cuts import block_of, run_of
 from langchain_agent_memory.engine.engine import (
     ContextLengthError,
     Engine,

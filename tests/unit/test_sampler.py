@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.runner import Sampler
+from langchain_agent_memory.engine.requests.runner import Sampler
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from langchain_agent_memory.engine.scheduler import Phase, Scheduler
+from langchain_agent_memory.engine.requests.scheduler import Phase, Scheduler
 
 
 @dataclass(eq=False)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from langchain_agent_memory.engine.states import keep, snapshot_hash
+from langchain_agent_memory.engine.caches.states import keep, snapshot_hash
 from langchain_agent_memory.engine.storage.blocks import (
     BLOCK_TOKENS,
     FORMAT_VERSION,
@@ -77,12 +77,12 @@ def test_records_with_snapshots_are_format_2_and_checked() -> None:
 def test_a_long_prefill_holds_only_the_snapshots_its_commit_can_keep() -> None:
     """After each chunk of a 32K prefill, the request keeps the snapshots ``keep`` would keep
     at its prompt's end (and a waiting fork's point), not one per block passed."""
-    from langchain_agent_memory.engine.agent_state import Admission
+    from langchain_agent_memory.engine.caches.agent_state import Admission
+    from langchain_agent_memory.engine.caches.states import thin_held
     from langchain_agent_memory.engine.kv import LayerSpec, RecurrentCache
     from langchain_agent_memory.engine.ops.runtime import mx
     from langchain_agent_memory.engine.prefix import MatchKind, PrefixMatch, TokenizedText
     from langchain_agent_memory.engine.results import CacheSource
-    from langchain_agent_memory.engine.states import thin_held
 
     n = 32 * 1024
     layer = RecurrentCache(LayerSpec(0, 0, 0, None, (((2,), "float32"),)))
@@ -119,9 +119,9 @@ def test_snapshots_take_at_most_the_bytes_of_the_agents_kv() -> None:
     default format, a 32K agent keeps 3 snapshots (232 MB against 278 MB of K/V), where
     the unbounded policy keeps 10: the end, then the nearest doublings. Pinned: stored
     caches depend on it."""
+    from langchain_agent_memory.engine.caches.states import snapshot_limit
     from langchain_agent_memory.engine.kv import LayerSpec, ModelCacheSpec, kv_format
     from langchain_agent_memory.engine.kv.layer import make_layer_caches
-    from langchain_agent_memory.engine.states import snapshot_limit
 
     delta = LayerSpec(0, 0, 0, None, (((3, 8192), "bfloat16"), ((32, 128, 128), "float32")))
     attention = LayerSpec(2, 256, 256, None)
@@ -146,12 +146,12 @@ def test_a_commit_keeps_no_snapshot_that_ends_inside_a_character() -> None:
     """A snapshot after a token that ends inside a character (byte-level BPE splits emoji) is
     never a resume point: the commit keeps the prompt's end and whole-character block
     boundaries instead of it."""
-    from langchain_agent_memory.engine.agent_state import Admission
+    from langchain_agent_memory.engine.caches.agent_state import Admission
+    from langchain_agent_memory.engine.caches.states import commit_snapshots
     from langchain_agent_memory.engine.kv import LayerSpec, RecurrentCache
     from langchain_agent_memory.engine.ops.runtime import mx
     from langchain_agent_memory.engine.prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText
     from langchain_agent_memory.engine.results import CacheSource
-    from langchain_agent_memory.engine.states import commit_snapshots
 
     n, prompt_end = 600, 590
     ends = list(range(1, n + 1))

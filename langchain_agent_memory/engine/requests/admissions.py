@@ -21,13 +21,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .agent_state import AgentState, record_tokens
-from .agents import AgentCaches
-from .reuse import plan_own, plan_reuse
+from ..caches.agent_state import AgentState, record_tokens
+from ..caches.agents import AgentCaches
+from ..caches.reuse import plan_own, plan_reuse
+from ..storage.blocks import BlockHash
+from ..storage.protocols import Lease, take_lease
+from ..storage.remote import SharedBlockStore
 from .steps import Request
-from .storage.blocks import BlockHash
-from .storage.protocols import Lease, take_lease
-from .storage.remote import SharedBlockStore
 
 logger = logging.getLogger(__name__)
 

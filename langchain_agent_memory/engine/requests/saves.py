@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from weakref import WeakSet
 
-from .ops.threads import SerialThread
-from .storage.remote import upload_before_exit
+from ..ops.threads import SerialThread
+from ..storage.remote import upload_before_exit
 
 T = TypeVar("T")
 

@@ -8,11 +8,11 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .kv import LayerCache, RecurrentCache
-from .prefix import MatchKind, PrefixMatch, TokenizedText
-from .results import CacheSource
-from .storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
-from .storage.protocols import Lease
+from ..kv import LayerCache, RecurrentCache
+from ..prefix import MatchKind, PrefixMatch, TokenizedText
+from ..results import CacheSource
+from ..storage.blocks import BLOCK_TOKENS, AgentRecord, Block, BlockHash
+from ..storage.protocols import Lease
 
 
 def record_tokens(record: AgentRecord) -> TokenizedText:

@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from .kv import LayerCache, RecurrentCache
-from .kv.recurrent import states_of
-from .ops.runtime import mx
-from .prefix import NOT_A_BOUNDARY, TokenizedText
-from .storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheFormatError
-from .storage.pool import BlockPool
-from .storage.protocols import BlockStore
-from .storage.reader import BlockGroup
+from ..kv import LayerCache, RecurrentCache
+from ..kv.recurrent import states_of
+from ..ops.runtime import mx
+from ..prefix import NOT_A_BOUNDARY, TokenizedText
+from ..storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheFormatError
+from ..storage.pool import BlockPool
+from ..storage.protocols import BlockStore
+from ..storage.reader import BlockGroup
 
 
 class BlockSources(Protocol):

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from .ops.threads import THREADS, run_job
+from ..ops.threads import THREADS, run_job
 
 logger = logging.getLogger(__name__)
 

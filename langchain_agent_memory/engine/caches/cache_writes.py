@@ -11,16 +11,16 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from ..kv import RecurrentCache
+from ..prefix import TokenizedText
+from ..storage.blocks import AgentRecord, Block, BlockHash, CacheWriteError, chain_hashes, freeze_blocks
+from ..storage.pg_session import CommitConflictError
+from ..storage.pool import BlockPool
+from ..storage.protocols import BlockStore
 from .agent_state import Admission, AgentState, PendingSave, kept_from
 from .block_cuts import blocks_of
 from .hot_agents import HotAgents
-from .kv import RecurrentCache
-from .prefix import TokenizedText
 from .states import commit_snapshots
-from .storage.blocks import AgentRecord, Block, BlockHash, CacheWriteError, chain_hashes, freeze_blocks
-from .storage.pg_session import CommitConflictError
-from .storage.pool import BlockPool
-from .storage.protocols import BlockStore
 
 logger = logging.getLogger(__name__)
 

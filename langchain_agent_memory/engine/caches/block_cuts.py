@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .kv import LayerCache
-from .ops.runtime import mx
-from .prefix import TokenizedText
-from .storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheWriteError, TokenSlices, host_views
-from .storage.pool import BlockPool
+from ..kv import LayerCache
+from ..ops.runtime import mx
+from ..prefix import TokenizedText
+from ..storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheWriteError, TokenSlices, host_views
+from ..storage.pool import BlockPool
 
 
 def blocks_of(

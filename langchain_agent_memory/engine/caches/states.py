@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 
+from ..kv import LayerSpec, RecurrentCache
+from ..kv.recurrent import State, state_tensors
+from ..ops.runtime import mx
+from ..prefix import NOT_A_BOUNDARY, TokenizedText
+from ..storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_block_hash
 from .agent_state import Admission, AgentState
-from .kv import LayerSpec, RecurrentCache
-from .kv.recurrent import State, state_tensors
-from .ops.runtime import mx
-from .prefix import NOT_A_BOUNDARY, TokenizedText
-from .storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_block_hash
 
 #: Snapshots kept without thinning: those within this many blocks of the end.
 DENSE = 4

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .kv import LayerCache, RecurrentCache
-from .prefix import NOT_A_BOUNDARY, TokenizedText
+from ..kv import LayerCache, RecurrentCache
+from ..prefix import NOT_A_BOUNDARY, TokenizedText
 
 #: Fewest tokens worth waiting for and forking (below this, prefilling them is as cheap).
 MIN_SHARED_TOKENS = 128

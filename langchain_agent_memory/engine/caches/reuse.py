@@ -17,9 +17,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize_prompt
+from ..prefix import NOT_A_BOUNDARY, MatchKind, PrefixMatch, TokenizedText, match, tokenize_prompt
+from ..storage.blocks import BLOCK_TOKENS, BlockHash, prompt_hashes, state_block_hash
 from .states import resume_point
-from .storage.blocks import BLOCK_TOKENS, BlockHash, prompt_hashes, state_block_hash
 
 #: A request that reuses nothing.
 NOTHING = PrefixMatch(MatchKind.MISS, 0, 0)

@@ -16,16 +16,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
-from .cache_writes import CacheWrites
-from .hot_agents import HotAgents
-from .kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
-from .prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
-from .restore import available_prefix, layers_from_blocks
-from .results import CacheSource
-from .reuse import NOTHING, ReusePlan, plan_own, plan_shared
-from .states import BUDGET
-from .storage.blocks import (
+from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
+from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
+from ..results import CacheSource
+from ..storage.blocks import (
     AgentRecord,
     BlockHash,
     BlockMissingError,
@@ -33,10 +27,16 @@ from .storage.blocks import (
     NewerFormatError,
     validate_agent_id,
 )
-from .storage.budget import EvictionReport, StorageBudget, enforce
-from .storage.objects import BlocksUnavailableError
-from .storage.pool import BlockPool
-from .storage.protocols import BlockStore, Lease, take_lease
+from ..storage.budget import EvictionReport, StorageBudget, enforce
+from ..storage.objects import BlocksUnavailableError
+from ..storage.pool import BlockPool
+from ..storage.protocols import BlockStore, Lease, take_lease
+from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
+from .cache_writes import CacheWrites
+from .hot_agents import HotAgents
+from .restore import available_prefix, layers_from_blocks
+from .reuse import NOTHING, ReusePlan, plan_own, plan_shared
+from .states import BUDGET
 
 T = TypeVar("T")
 

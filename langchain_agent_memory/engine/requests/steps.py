@@ -12,13 +12,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .agent_state import Admission, PendingSave
-from .agents import AgentCaches
-from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
-from .kv import RecurrentCache
-from .ops.runtime import mx
-from .prefix import MatchKind, PrefixMatch, TokenizedText
-from .results import (
+from ..caches.agent_state import Admission, PendingSave
+from ..caches.agents import AgentCaches
+from ..caches.states import thin_held
+from ..kv import RecurrentCache
+from ..ops.runtime import mx
+from ..prefix import MatchKind, PrefixMatch, TokenizedText
+from ..results import (
     CacheOutcome,
     CacheSource,
     ContextLengthError,
@@ -28,11 +28,11 @@ from .results import (
     StreamChunk,
     Timings,
 )
+from ..storage.blocks import BLOCK_TOKENS
+from ..storage.protocols import Lease
+from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
-from .states import thin_held
-from .storage.blocks import BLOCK_TOKENS
-from .storage.protocols import Lease
 from .text import TextStream, last_clean, token_ends
 from .worker import Sink
 

@@ -14,12 +14,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .kv import BatchLayerCache, LayerCache, RecurrentCache, batch_layer_caches
-from .model.constrain import TokenConstraint
-from .model.forward import decode_step, forward_of, prefill_chunk
-from .ops import device
-from .ops.runtime import mx
-from .storage.blocks import BLOCK_TOKENS
+from ..kv import BatchLayerCache, LayerCache, RecurrentCache, batch_layer_caches
+from ..model.constrain import TokenConstraint
+from ..model.forward import decode_step, forward_of, prefill_chunk
+from ..ops import device
+from ..ops.runtime import mx
+from ..storage.blocks import BLOCK_TOKENS
 
 #: A decode batch member: (request key, token to feed, its layer caches).
 Member = tuple[Hashable, int | mx.array, list[LayerCache]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prefix import NOT_A_BOUNDARY, TokenizedText
+from ..prefix import NOT_A_BOUNDARY, TokenizedText
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .results import GenerationParams
-from .storage.blocks import AgentRecord
+from ..results import GenerationParams
+from ..storage.blocks import AgentRecord
 
 logger = logging.getLogger(__name__)
 
