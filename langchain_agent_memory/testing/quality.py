@@ -71,7 +71,7 @@ def clone_with_format(caches: list[Any], quant: Any, serve_stored: bool = False)
         n = LayerCache(
             c.spec, quant.for_dims(c.spec.k_head_dim, c.spec.v_head_dim), c.dtype, serve_stored=serve_stored
         )
-        n.start, n.offset = c.start, c.offset
+        n.committed.start, n.offset = c.start, c.offset
         n.set_pending(c.pending_k, c.pending_v)
         out.append(n)
     return out

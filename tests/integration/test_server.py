@@ -281,7 +281,7 @@ def test_a_failed_save_leaves_the_reply_and_the_previous_cache(
 
 
 def test_ready_and_the_agents_list_answer_while_a_save_waits(
-    client: openai.OpenAI, server: tuple[str, Path]
+    client: openai.OpenAI, server: tuple[str, Path], figures: dict[str, str]
 ) -> None:
     """A load balancer's probe and an operator's list never wait for the saves queued
     (they run on the server's event loop): with the cache directory held by another writer,
@@ -296,7 +296,7 @@ def test_ready_and_the_agents_list_answer_while_a_save_waits(
         listed = httpx.get(server[0] + "/v1/agents", headers=headers, timeout=30)
         took = time.perf_counter() - started
         assert engine.status().queued_saves >= 1  # still waiting when both had answered
-    print(f"/ready + GET /v1/agents with a save queued: {took * 1000:.1f} ms")
+    figures["/ready + GET /v1/agents, a save queued"] = f"{took * 1000:.1f} ms for both"
     assert ready.status_code == 200 and ready.json()["models"][MODEL]["queued_saves"] >= 1
     assert listed.status_code == 200 and "oa-queued" not in [a["id"] for a in listed.json()["data"]]
     engine.flush()

@@ -88,8 +88,9 @@ def test_a_long_prefill_holds_only_the_snapshots_its_commit_can_keep() -> None:
     layer = RecurrentCache(LayerSpec(0, 0, 0, None, (((2,), "float32"),)))
     tail = TokenizedText("x" * n, [1] * n, list(range(1, n + 1)))
     start = Admission(
-        None, CacheSource.COLD, PrefixMatch(MatchKind.MISS, 0, 0), [layer], TokenizedText(""), tail, 0.0, []
-    )  # type: ignore[list-item]
+        state=None, source=CacheSource.COLD, match=PrefixMatch(MatchKind.MISS, 0, 0), layers=[layer],  # type: ignore[list-item]
+        known=TokenizedText(""), tail=tail, load_s=0.0, prefix_blocks=[],
+    )  # fmt: skip
     most = 0
     for p in range(BLOCK_TOKENS, n + 1, BLOCK_TOKENS):  # one block per chunk, as a prefill runs
         layer.cache, layer.offset = [mx.zeros((1, 2))], p
@@ -163,8 +164,9 @@ def test_a_commit_keeps_no_snapshot_that_ends_inside_a_character() -> None:
         layer.snapshot()
     tail = TokenizedText("x" * prompt_end, [1] * prompt_end, list(range(1, prompt_end + 1)))
     start = Admission(
-        None, CacheSource.COLD, PrefixMatch(MatchKind.MISS, 0, 0), [layer], TokenizedText(""), tail, 0.0, []
-    )  # type: ignore[list-item]
+        state=None, source=CacheSource.COLD, match=PrefixMatch(MatchKind.MISS, 0, 0), layers=[layer],  # type: ignore[list-item]
+        known=TokenizedText(""), tail=tail, load_s=0.0, prefix_blocks=[],
+    )  # fmt: skip
     chain = [block_hash(None, [1] * BLOCK_TOKENS, FP)]
     chain += [block_hash(chain[0], [1] * BLOCK_TOKENS, FP)]
     chain += [block_hash(chain[1], [1] * (n - 2 * BLOCK_TOKENS), FP)]

@@ -34,7 +34,7 @@ class AgentState:
     states: dict[int, BlockHash] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Admission:
     """Where a request starts: layer caches holding ``known``, and ``tail`` to prefill."""
 

@@ -138,7 +138,10 @@ class AgentCaches:
                     tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
                     source = CacheSource.WARM if loaded.from_disk else source
                     load_s = time.perf_counter() - t0
-                    return Admission(state, source, m, loaded.layers, known, tail, load_s, state.blocks)
+                    return Admission(
+                        state=state, source=source, match=m, layers=loaded.layers, known=known,
+                        tail=tail, load_s=load_s, prefix_blocks=state.blocks,
+                    )  # fmt: skip
             return self.cold_start(state, prompt)
 
     def plan(self, state: AgentState, prompt: str | None) -> ReusePlan | None:
@@ -276,10 +279,14 @@ class AgentCaches:
                 known, tail = full.split(plan.tokens)
                 source = CacheSource.WARM if from_disk else CacheSource.HOT
                 load_s = time.perf_counter() - t0
-                return Admission(state, source, plan.match, layers, known, tail, load_s, list(plan.chain))
+                return Admission(
+                    state=state, source=source, match=plan.match, layers=layers, known=known,
+                    tail=tail, load_s=load_s, prefix_blocks=list(plan.chain),
+                )  # fmt: skip
         return Admission(
-            state, CacheSource.COLD, NOTHING, self.new_layers(), TokenizedText(""), full, 0.0, []
-        )
+            state=state, source=CacheSource.COLD, match=NOTHING, layers=self.new_layers(),
+            known=TokenizedText(""), tail=full, load_s=0.0, prefix_blocks=[],
+        )  # fmt: skip
 
     def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in memory or in the store, asked in order up to the first

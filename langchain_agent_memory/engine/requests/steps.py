@@ -199,8 +199,9 @@ class RequestSteps:
         fork_layers(src.layers, layers, tokens)
         shared = PrefixMatch(MatchKind.SHARED, tokens, len(known.text))
         req.start = Admission(
-            start.state, CacheSource.HOT, shared, layers, known, tail, start.load_s, [], start.lease
-        )
+            state=start.state, source=CacheSource.HOT, match=shared, layers=layers, known=known,
+            tail=tail, load_s=start.load_s, prefix_blocks=[], lease=start.lease,
+        )  # fmt: skip
         req.prefilled = 0
 
     def prefill(self, req: Request, n: int) -> None:
