@@ -87,11 +87,16 @@ class EngineConfig:
     def key(self) -> EngineKey:
         """Which of the process's shared engines this config names (``registry``): model
         directory, cache directory, KV format and shared store, not how the store starts
-        (``lazy``) nor budgets. Resolving the model converts a GGUF on first use, like
-        loading it."""
+        (``lazy``) nor budgets. Resolving the model converts a GGUF on first use (and hashes
+        a GGUF file given by path), like loading it: an engine that has loaded the model
+        asks ``key_for`` its directory instead."""
         path, _ = resolve_model_dir(self.model, cache_dir=self.models_dir, weight_dtype=self.weight_dtype)
+        return self.key_for(path)
+
+    def key_for(self, model_dir: Path) -> EngineKey:
+        """``key``, the model already resolved to ``model_dir``."""
         store = self.store
-        return (path, self.cache_dir.expanduser().resolve(), self.quant.label,
+        return (model_dir, self.cache_dir.expanduser().resolve(), self.quant.label,
                 store.records if store else None, store.blocks if store else None)  # fmt: skip
 
     def for_model(self, model: str | Path, kv_format: str | KVQuant) -> EngineConfig:

@@ -101,7 +101,7 @@ class Engine:
         )  # refuses unsupported families
         self.spec, self.quant, self.attention = self.lm.structure.spec, cfg.quant, cfg.attention
         self.fingerprint = model_fingerprint(self.lm.path, self.spec, self.quant, cfg.models_dir / "models")
-        self.key = cfg.key  # which shared engine this is (``registry``)
+        self.key = cfg.key_for(self.lm.path)  # which shared engine this is (``registry``)
         self._closed = False
         # Every part that holds a thread, a connection or memory is entered here as it is
         # built, and ``close`` (or a failed start) ends them in reverse order.
