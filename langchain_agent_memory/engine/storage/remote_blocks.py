@@ -34,7 +34,7 @@ class SharedStats:
     commits: int = 0
     conflicts: int = 0
     pending_saves: int = 0  # saved here while the store was unreachable, not yet uploaded
-    pending_dropped: int = 0  # waiting saves dropped here past ``max_pending_bytes``
+    pending_dropped: int = 0  # waiting saves dropped here past ``bound_pending``
     remote_failures: int = 0
 
 
