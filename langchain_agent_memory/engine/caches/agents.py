@@ -289,14 +289,9 @@ class AgentCaches:
         )  # fmt: skip
 
     def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
-        """Those of ``hashes`` in memory or in the store, asked in order up to the first
-        missing one of a chain (a prompt's leading blocks: the rest cannot be reused)."""
-        found = set()
-        for h in hashes:
-            if not (self.held(h) or self.store.has_block(h)):
-                break
-            found.add(h)
-        return found
+        """Those of ``hashes`` in memory or in the store (``plan_shared``'s ``has``: every one
+        is asked, a hybrid's snapshots are sparse, so a missing one ends nothing)."""
+        return {h for h in hashes if self.held(h) or self.store.has_block(h)}
 
     def load_hot(self, agent_id: str) -> bool:
         """Build an agent's live caches from its blocks (a prefetch); False if it has no
