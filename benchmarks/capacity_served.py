@@ -250,7 +250,7 @@ def most_within(
 
 def run(args: argparse.Namespace) -> None:
 
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--turns", type=int, default=6)
     args = ap.parse_args()
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.engine.ops.runtime import mx  # the CPU's BLAS picked before mlx loads
     from langchain_agent_memory.testing.random_model import SCALE_CONFIGS, write_random_model
 

@@ -86,7 +86,7 @@ def random_model_dir(name: str, root: Path) -> Path:
     weights (bf16 on a GPU, float32 on the CPU) and SmolLM2's tokenizer, written to ``root``."""
     import mlx.core as mx
 
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.testing.random_model import (
         SCALE_CONFIGS,
         SMALL_CONFIGS,
@@ -234,7 +234,7 @@ def measure_model(
     (``save()`` after each cell: a run cut short keeps what it measured)."""
     import mlx.core as mx
 
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     name = out["model"]
     t0 = time.perf_counter()
@@ -331,7 +331,7 @@ def measure_model(
 
 def warm_main(model_dir: str, root: str, contexts: str) -> None:
     """In a fresh process: every warm measurement of one model (model loaded first)."""
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     loaded = load_model(Path(model_dir))
     rootp = Path(root)
@@ -393,7 +393,7 @@ def device_main(args: argparse.Namespace) -> None:
         result["steps"].append({"step": "pytest -m gpu", "s": time.perf_counter() - t0})
         log("pytest -m gpu: " + " | ".join(tail[-3:]))
         save()
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     tok_dir = load_model("smollm2-135m").path
     root = Path(tempfile.mkdtemp(prefix="gpu-bench-"))

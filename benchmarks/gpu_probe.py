@@ -211,8 +211,8 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
     from gpu import prompt_text
     from peers import extension
 
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.engine.engine import GenerationParams
-    from langchain_agent_memory.engine.model.loading import load_model
     from langchain_agent_memory.testing.random_model import (
         SCALE_CONFIGS,
         SMALL_CONFIGS,
@@ -244,7 +244,7 @@ def engine_main(ctx: int, model: str, turns_only: bool) -> None:
     # batched decode, steady state (the way benchmarks/gpu.py measures it), beside mlx-lm
     from gpu import mlx_batch_decode, ours_batch_decode
 
-    from langchain_agent_memory.engine.model.loading import load_model as load
+    from langchain_agent_memory.engine import load_model as load
 
     short = [prompt_text(tok, min(4096, ctx)) + f"\nAgent {i}." for i in range(16)]
     loaded = load(model_dir)

@@ -169,7 +169,7 @@ def mlx_served(model_dir: Path, loaded: Any, root: Path, prompt: str) -> dict[st
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

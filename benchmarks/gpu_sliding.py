@@ -70,7 +70,7 @@ METRICS = ("prefill_s", "save_s", "peak_gb", "hot_ttft_s")
 
 
 def run(args: argparse.Namespace) -> None:
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.testing import random_model
 
     out_dir = Path(args.out)

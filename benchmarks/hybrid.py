@@ -106,8 +106,8 @@ def policy_curve(
 
 
 def run(args: argparse.Namespace) -> None:
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
-    from langchain_agent_memory.engine.model.loading import load_model
     from langchain_agent_memory.engine.ops import device
     from langchain_agent_memory.testing.random_model import SCALE_CONFIGS, write_random_model
 

@@ -12,7 +12,7 @@ from .engine.ops import runtime as _runtime  # noqa: F401  # isort: skip
 if TYPE_CHECKING:
     from .chat.errors import ContextLengthError
     from .chat.model import ChatAgentMemory
-    from .engine.model.loading import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
+    from .engine import DEFAULT_MODEL, SHIPPED_MODELS, LoadedModel, load_model
     from .graph.saver import AgentMemorySaver
 
 # The public names are imported on first use (PEP 562): LangChain / LangGraph take ~1.2 s to
@@ -22,10 +22,10 @@ _LAZY = {
     "ChatAgentMemory": ".chat.model",
     "AgentMemorySaver": ".graph.saver",
     "ContextLengthError": ".chat.errors",
-    "DEFAULT_MODEL": ".engine.model.loading",
-    "SHIPPED_MODELS": ".engine.model.loading",
-    "LoadedModel": ".engine.model.loading",
-    "load_model": ".engine.model.loading",
+    "DEFAULT_MODEL": ".engine",
+    "SHIPPED_MODELS": ".engine",
+    "LoadedModel": ".engine",
+    "load_model": ".engine",
 }
 
 __all__ = [

@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from services import PostgresServer, SeaweedServer
 
+from langchain_agent_memory.engine import load_model
 from langchain_agent_memory.engine.engine import Engine, GenerationParams, GenerationResult
-from langchain_agent_memory.engine.model.loading import LoadedModel, load_model
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.testing.model_matrix import run_together
 
 

@@ -17,7 +17,7 @@ from .ops import runtime  # noqa: F401
 
 if TYPE_CHECKING:
     from .admin import AgentInfo
-    from .config import EngineConfig
+    from .config import EngineConfig, load_model, resolve_model_dir
     from .engine import Engine
     from .errors import (
         AgentNotFoundError,
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         BlocksUnavailableError,
         CacheFormatError,
         CacheWriteError,
+        CommitConflictError,
         ContextLengthError,
         NewerFormatError,
         RemoteConfigError,
@@ -47,19 +48,19 @@ if TYPE_CHECKING:
     from .model.loading import (
         DEFAULT_MODEL,
         SHIPPED_MODELS,
+        LoadedModel,
         conversion_progress,
-        load_model,
-        resolve_model_dir,
         trained_context,
     )
     from .ops import device
     from .registry import engine_key, shared_engine, unwatch_engines, watch_engines
     from .requests.commits import Subscription
     from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
-    from .storage.blocks import INTERNAL_PREFIX, AgentRecord, is_internal, validate_agent_id
+    from .storage.agent_ids import INTERNAL_PREFIX, is_internal, validate_agent_id
+    from .storage.blocks import AgentRecord
     from .storage.budget import StorageBudget, enforce, parse_age, parse_size
     from .storage.catalog import Catalog
-    from .storage.pg_session import CommitConflictError
+    from .storage.pg_session import PgSession
     from .storage.pool import BlockPool
     from .storage.remote import SharedBlockStore, open_store
     from .storage.status import StoreStatus
@@ -70,7 +71,11 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "admin": ("AgentInfo",),
     "requests.commits": ("Subscription",),
-    "config": ("EngineConfig",),
+    "config": (
+        "EngineConfig",
+        "load_model",
+        "resolve_model_dir",
+    ),
     "engine": ("Engine",),
     "errors": (
         "AgentNotFoundError",
@@ -78,6 +83,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "BlocksUnavailableError",
         "CacheFormatError",
         "CacheWriteError",
+        "CommitConflictError",
         "ContextLengthError",
         "NewerFormatError",
         "RemoteConfigError",
@@ -104,9 +110,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "model.loading": (
         "DEFAULT_MODEL",
         "SHIPPED_MODELS",
+        "LoadedModel",
         "conversion_progress",
-        "load_model",
-        "resolve_model_dir",
         "trained_context",
     ),
     "registry": (
@@ -123,12 +128,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "StreamChunk",
         "Timings",
     ),
-    "storage.blocks": (
+    "storage.agent_ids": (
         "INTERNAL_PREFIX",
-        "AgentRecord",
         "is_internal",
         "validate_agent_id",
     ),
+    "storage.blocks": ("AgentRecord",),
     "storage.budget": (
         "StorageBudget",
         "enforce",
@@ -136,7 +141,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "parse_size",
     ),
     "storage.catalog": ("Catalog",),
-    "storage.pg_session": ("CommitConflictError",),
+    "storage.pg_session": ("PgSession",),
     "storage.pool": ("BlockPool",),
     "storage.remote": (
         "SharedBlockStore",
@@ -173,7 +178,9 @@ __all__ = [
     "GenerationParams",
     "GenerationResult",
     "GrammarConstraint",
+    "LoadedModel",
     "NewerFormatError",
+    "PgSession",
     "RemoteConfigError",
     "RemoteUnavailableError",
     "SharedBlockStore",

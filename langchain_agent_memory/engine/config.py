@@ -14,7 +14,8 @@ from pathlib import Path
 from ..config import get_settings
 from .kv import KVQuant
 from .kv import kv_format as kv_format_of
-from .model.loading import resolve_model_dir
+from .model import loading
+from .model.loading import LoadedModel
 from .ops import device
 from .requests.scheduler import POLICIES
 from .storage.budget import StorageBudget
@@ -90,7 +91,9 @@ class EngineConfig:
         (``lazy``) nor budgets. Resolving the model converts a GGUF on first use (and hashes
         a GGUF file given by path), like loading it: an engine that has loaded the model
         asks ``key_for`` its directory instead."""
-        path, _ = resolve_model_dir(self.model, cache_dir=self.models_dir, weight_dtype=self.weight_dtype)
+        path, _ = loading.resolve_model_dir(
+            self.model, cache_dir=self.models_dir, weight_dtype=self.weight_dtype
+        )
         return self.key_for(path)
 
     def key_for(self, model_dir: Path) -> EngineKey:
@@ -174,3 +177,40 @@ class EngineConfig:
             state_budget=state_budget,
             hot_budget_asked=hot_budget_bytes is not None,
         )
+
+
+def resolve_model_dir(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    weight_dtype: str | None = None,
+    revision: str | None = None,
+) -> tuple[Path, str]:
+    """The mlx-lm directory for ``model`` and its display name (``model.loading``), what is
+    not given taken from the settings: ``AGENT_MEMORY_MODEL`` (else ``smollm2-135m``),
+    ``AGENT_MEMORY_CACHE_DIR`` for GGUF conversions, ``AGENT_MEMORY_WEIGHT_DTYPE``."""
+    settings = get_settings()
+    return loading.resolve_model_dir(
+        model or settings.model, cache_dir=Path(cache_dir or settings.cache_dir),
+        weight_dtype=weight_dtype or settings.weight_dtype, revision=revision,
+    )  # fmt: skip
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    weight_dtype: str | None = None,
+    cpu_kernels: bool = True,
+    self_check: bool = True,
+    recheck: bool = False,
+) -> LoadedModel:
+    """Load (once per process) the mlx-lm model and tokenizer named by ``model``
+    (``model.loading.load_model``), what is not given taken from the settings as in
+    ``resolve_model_dir``."""
+    settings = get_settings()
+    return loading.load_model(
+        model or settings.model, cache_dir=Path(cache_dir or settings.cache_dir),
+        weight_dtype=weight_dtype or settings.weight_dtype, cpu_kernels=cpu_kernels,
+        self_check=self_check, recheck=recheck,
+    )  # fmt: skip

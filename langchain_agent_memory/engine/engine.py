@@ -31,6 +31,7 @@ from .admin import AgentAdmin, AgentInfo
 from .caches.agent_state import HotPolicy
 from .caches.agents import AgentCaches
 from .config import EngineConfig
+from .errors import CommitConflictError
 from .kv.reserve import WorkReserve, reserve_rows
 from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
@@ -57,8 +58,8 @@ from .results import (
     asettled,
     settled,
 )
-from .storage.blocks import AgentNotFoundError, CacheWriteError, validate_agent_id
-from .storage.catalog import CommitConflictError
+from .storage.agent_ids import validate_agent_id
+from .storage.blocks import AgentNotFoundError, CacheWriteError
 from .storage.pool import BlockPool
 from .storage.remote import SharedBlockStore, open_store
 from .storage.status import StoreStatus
@@ -150,8 +151,7 @@ class Engine:
         self._admissions: StoreAdmissions | None = None
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done
-            # before it gets there (``admissions``).
-            self._worker.submit(self._store.stay_local).result()
+            # before it gets there (``admissions``); its parts read the store's local tier.
             self._admissions = StoreAdmissions(self.agents, self._store, self._to_scheduler)
             parts.callback(self._admissions.close)
         #: agents' stored caches: records, forks, deletes, prefetch, the disk budget

@@ -4,6 +4,8 @@ for the caller's data is in its docstring: none of them loses a stored cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ContextLengthError(ValueError):
     """The prompt does not fit the model's context window. The chat model raises it as
@@ -28,7 +30,13 @@ class NewerFormatError(CacheFormatError):
 
 
 class BlockMissingError(CacheFormatError):
-    """A block an agent record refers to is not in the store."""
+    """A block an agent record refers to is not in the store; ``missing``: the hashes, where
+    one call found several (a shared store's commit naming blocks its catalog does not
+    hold: never uploaded, or collected)."""
+
+    def __init__(self, message: str, missing: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
 
 
 class AgentNotFoundError(LookupError):
@@ -37,6 +45,15 @@ class AgentNotFoundError(LookupError):
 
 class CacheWriteError(RuntimeError):
     """A cache could not be saved (disk full, permissions...); the previous one is intact."""
+
+
+class CommitConflictError(CacheWriteError):
+    """Another writer committed this agent first (or holds its lease): this save lost.
+    ``leased``: another worker holds the lease (a later retry may succeed)."""
+
+    def __init__(self, message: str, *, leased: bool = False) -> None:
+        super().__init__(message)
+        self.leased = leased
 
 
 class RemoteUnavailableError(ConnectionError):

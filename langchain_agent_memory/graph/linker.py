@@ -7,10 +7,10 @@ no checkpoint links."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
+import logging
 import threading
 from concurrent.futures import Future
 from datetime import datetime
@@ -23,6 +23,7 @@ from langgraph.checkpoint.base import Checkpoint, CheckpointTuple
 from ..engine import (
     INTERNAL_PREFIX,
     AgentRecord,
+    BlockMissingError,
     CommitConflictError,
     Engine,
     EngineConfig,
@@ -35,6 +36,8 @@ from ..engine import (
     watch_engines,
 )
 from .links import Link, Links
+
+logger = logging.getLogger(__name__)
 
 SNAPSHOT_PREFIX = INTERNAL_PREFIX + "snapshot:"  # hidden from listings (``is_internal``)
 
@@ -237,9 +240,19 @@ class CacheLinker:
     ) -> None:
         digest = record_digest(record)
         if not engine.admin.has_agent(SNAPSHOT_PREFIX + digest):  # no parse on every commit
-            # Another worker may store the same snapshot at the same time: either one serves.
-            with contextlib.suppress(CommitConflictError):
+            try:
                 engine.admin.set_agent(SNAPSHOT_PREFIX + digest, record)
+            except CommitConflictError:
+                pass  # another worker stored the same snapshot at the same time: either serves
+            except BlockMissingError:
+                # Commits are heard after the fact: the agent's next save replaced this one
+                # and freed a block it named. Its history skips this state: a checkpoint
+                # taken here resumes from the one before and prefills the difference.
+                logger.info(
+                    "agent %r: moved on before its state was kept as a snapshot; a checkpoint "
+                    "of this moment resumes from its previous one", agent_id,
+                )  # fmt: skip
+                return
         self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
     def _prefetch_next(self, tup: CheckpointTuple) -> None:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..engine import PgSession
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {history} (
     agent_id TEXT NOT NULL,
@@ -247,32 +249,40 @@ class Links:
 
 class PostgresLinks(Links):
     """The same tables in a shared store's PostgreSQL database (``am_``-prefixed names), so
-    that every worker sees every link; times on Postgres's clock."""
+    that every worker sees every link; times on Postgres's clock. Calls go through the
+    engine's ``PgSession``, as the store's own do: each has a deadline the client keeps, so
+    a frozen database fails a checkpoint's call with ``RemoteUnavailableError`` after
+    ``timeout_s`` instead of hanging the graph."""
 
-    def __init__(self, url: str) -> None:
-        import psycopg
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        self._session = PgSession(url, timeout_s=timeout_s, pool_size=2, setup=self._create)
+        now = self._session.run(
+            "read the database's clock",
+            lambda c: float(c.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0]),
+        )
+        self._offset = now - time.time()  # Postgres's clock minus this process's
 
-        self._conn = psycopg.connect(url, autocommit=True)
-        self._lock = threading.RLock()
-        with self._tx() as db:
-            db.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/links'))")
+    def _create(self, conn: Any) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('langchain-agent-memory/links'))")
             for statement in self._sql(_SCHEMA).split(";"):
                 if statement.strip():
-                    db.execute(statement)
-        now = float(self._conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
-        self._offset = now - time.time()  # Postgres's clock minus this process's
+                    conn.execute(statement)
 
     def _sql(self, statement: str) -> str:
         return statement.format(**{t: f"am_{t}" for t in _TABLES}).replace("?", "%s")
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
-        with self._lock, self._conn.transaction(), self._conn.cursor() as cur:
+        with (
+            self._session.connection("read or write checkpoint links") as conn,
+            conn.transaction(),
+            conn.cursor() as cur,
+        ):
             yield cur
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self._session.close()
 
     def clock(self, at: float | None = None) -> float:
         return (time.time() if at is None else at) + self._offset

@@ -309,7 +309,7 @@ def write(reports: dict[str, FamilyReport], docs: Path) -> None:
 def _workspace() -> Iterator[tuple[Path, Path]]:
     import tempfile
 
-    from ..engine.model.loading import resolve_model_dir
+    from ..engine import resolve_model_dir
 
     with tempfile.TemporaryDirectory(prefix="model-matrix-") as tmp:
         yield Path(tmp), resolve_model_dir("smollm2-135m")[0]

@@ -24,10 +24,11 @@ from typing import Any, ClassVar
 import pytest
 
 from langchain_agent_memory import corpus
+from langchain_agent_memory.engine import resolve_model_dir
 from langchain_agent_memory.engine.engine import Engine as _Engine
 from langchain_agent_memory.engine.engine import GenerationParams
 from langchain_agent_memory.engine.model.families import UnsupportedModelError
-from langchain_agent_memory.engine.model.loading import LoadedModel, resolve_model_dir, unload_models
+from langchain_agent_memory.engine.model.loading import LoadedModel, unload_models
 from langchain_agent_memory.engine.ops import device
 from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.prefix import MatchKind

@@ -154,7 +154,7 @@ def test_a_self_check_pass_is_remembered_and_a_new_mlx_lm_checks_again(
     what the pass is valid for includes the versions of mlx-lm (a new one checks again)."""
     import importlib.metadata
 
-    from langchain_agent_memory.engine.model.loading import load_model
+    from langchain_agent_memory.engine import load_model
 
     model = build("qwen3", tmp_path / "models", workspace[1])
     first = load_model(model, cache_dir=tmp_path)
@@ -179,8 +179,8 @@ def test_a_model_loaded_on_one_thread_runs_on_the_engines_worker(
     thread", mlx-lm's own model fails so). Loaded here without a self-check (as when a pass is
     remembered: nothing evaluates them on this thread), its first request on the engine's
     worker thread runs."""
+    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.engine.engine import Engine
-    from langchain_agent_memory.engine.model.loading import load_model
     from langchain_agent_memory.testing.model_matrix import GREEDY
 
     model = build("gemma3n", tmp_path / "models", workspace[1])

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from langchain_agent_memory import corpus
-from langchain_agent_memory.engine.model.loading import LoadedModel, load_model, resolve_model_dir
+from langchain_agent_memory.engine import load_model, resolve_model_dir
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.testing.quality import perplexity
 
 if TYPE_CHECKING:

@@ -205,3 +205,35 @@ def test_a_frozen_backend_costs_one_deadline_and_opens_the_circuit(catalog: Cata
         assert time.monotonic() < deadline, "the probe did not close the circuit"
         time.sleep(0.1)
     assert catalog.now() > 0
+
+
+def test_checkpoint_links_on_a_frozen_database_fail_at_their_deadline(database: str) -> None:
+    """The checkpointer's links in a shared store's database (``PostgresLinks``) go through
+    the same session: a call whose backend is frozen fails with ``RemoteUnavailableError``
+    at its deadline instead of hanging the graph, and the links answer again once the
+    database does."""
+    from langchain_agent_memory.graph.links import PostgresLinks
+
+    links = PostgresLinks(database, timeout_s=1.0)
+    try:
+        links.note_engine("engine-a", "/models/a", "q4")
+        links.remember("engine-a", "thread ✓:planner", links.clock(), "digest-1")
+        frozen: list[int] = []
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailableError), links._tx() as cur:
+            frozen.append(_freeze_own_backend(cur.connection))
+            cur.execute("SELECT 1")
+        took = time.monotonic() - t0
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 6.0, took  # its deadline (timeout_s + 1 s): it does not hang
+        deadline = time.monotonic() + 10
+        while True:  # the circuit closes once a probe reaches the database
+            try:
+                assert links.engine_args("engine-a") == ("/models/a", "q4")
+                break
+            except RemoteUnavailableError:
+                assert time.monotonic() < deadline, "the links never answered again"
+                time.sleep(0.2)
+    finally:
+        links.close()

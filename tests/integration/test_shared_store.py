@@ -193,7 +193,7 @@ def test_two_workers_racing_on_one_agent(
 
 def test_sigkill_mid_save_loses_nothing(workers: Any, tmp_path: Path, shared_store: tuple[str, str]) -> None:
     rng = random.Random(20)
-    for _ in range(12):  # every restart loads the model: 12 random kills, ~3 s each
+    for _ in range(6):  # every restart loads the model: 6 random kills, ~3 s each
         w = workers("crashing")  # the same host's worker, restarted: same local directory
         w.send({"op": "turns", "agents": 3, "prompt": SYSTEM})
         deadline = time.monotonic() + rng.uniform(0.3, 1.5)

@@ -25,6 +25,7 @@ from langchain_agent_memory.engine.storage.blocks import (
     CacheFormatError,
     block_hash,
 )
+from langchain_agent_memory.engine.storage.objects import BlocksUnavailableError
 from langchain_agent_memory.engine.storage.protocols import BlockStore, take_lease
 from langchain_agent_memory.engine.storage.remote import SharedBlockStore, open_store
 from langchain_agent_memory.engine.storage.store_config import StoreConfig
@@ -88,6 +89,11 @@ def _agent(store: BlockStore, agent_id: str, seed: int, n_blocks: int = 2) -> tu
     with store.locked():
         store.put_agent(record)
     return record, blocks
+
+
+def _what(record: AgentRecord | None) -> tuple[object, ...] | None:
+    """What a record stands for (not when it was written)."""
+    return record and (record.agent_id, record.blocks, record.token_ids, record.text)
 
 
 def _same(a: Block, b: Block) -> None:
@@ -337,3 +343,36 @@ def test_clearing_the_quarantine_frees_its_bytes(opener: Opener) -> None:
     assert not any(p.exists() for p in moved if p is not None)
     assert store.usage().quarantine_bytes == 0 and store.disk_bytes() == before - held
     assert store.clear_quarantine() == 0
+
+
+def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) -> None:
+    """``local_tier()``: what the engine's model thread reads, never a round trip. A local
+    store's is the store; a shared store's answers from this worker's copies, so that a
+    record or block not brought here (by a request's admission) is missing, not fetched."""
+    one = opener("w1")
+    record, blocks = _agent(one, "viewed ✓", seed=120)
+    mine = one.local_tier()
+    assert _what(mine.get_agent("viewed ✓")) == _what(record) and mine.has_block(blocks[0].hash)
+    _same(blocks[1], mine.get_block(blocks[1].hash))
+    with pytest.raises(ValueError, match="agent_id"):
+        mine.get_agent("../viewed")
+    two = opener("w2")
+    theirs = two.local_tier()
+    if isinstance(two, SharedBlockStore):
+        assert theirs.get_agent("viewed ✓") is None and not theirs.has_block(blocks[0].hash)
+        with pytest.raises(BlocksUnavailableError) as missing:
+            theirs.read_blocks([b.hash for b in blocks])
+        assert missing.value.available == 0
+        assert _what(two.get_agent("viewed ✓")) == _what(record)  # the store read through: mirrored here
+        assert _what(theirs.get_agent("viewed ✓")) == _what(record) and not theirs.has_block(blocks[0].hash)
+        two.read_blocks([blocks[0].hash])  # fetched: the first block is here, the second not
+        with pytest.raises(BlocksUnavailableError) as missing:
+            theirs.read_blocks([b.hash for b in blocks])
+        assert missing.value.available == 1
+        two.read_blocks([b.hash for b in blocks])
+    assert _what(theirs.get_agent("viewed ✓")) == _what(record)
+    (group, *_) = theirs.read_blocks([b.hash for b in blocks])
+    assert mx.array_equal(group.tensor("L1.k")[:, :, :4], blocks[0].tensors["L1.k"]).item()
+    with take_lease(theirs, "viewed ✓", theirs.seen_version("viewed ✓")) as lease:
+        assert lease.current  # this worker's copy is what it serves
+    lease.release()

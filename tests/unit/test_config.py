@@ -77,10 +77,10 @@ def test_the_same_settings_name_the_same_engine(tmp_path: Path) -> None:
 
 
 def test_nothing_below_the_engine_config_reads_the_settings_or_writes_the_environment() -> None:
-    """``get_settings()`` is read by ``engine/config.py`` (and by ``model/loading.py`` for the
-        defaults of a ``load_model`` called on its own: an engine passes it every value), and by
-        the rooms above the engine; no setting travels through ``os.environ`` (the command line
-    hands ``--lazy-store`` down in the config, as every other option)."""
+    """``get_settings()`` is read by ``engine/config.py`` alone in the engine (a ``load_model``
+    called on its own gets its defaults there: ``engine.config.load_model``), and by the rooms
+    above the engine; no setting travels through ``os.environ`` (the command line hands
+    ``--lazy-store`` down in the config, as every other option)."""
     readers, writers = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -95,6 +95,6 @@ def test_nothing_below_the_engine_config_reads_the_settings_or_writes_the_enviro
             ):
                 writers.append(f"{rel}: {ast.unparse(node)}")
     below = sorted({r for r in readers if r.startswith("engine/")})
-    assert below == ["engine/config.py", "engine/model/loading.py"], below
+    assert below == ["engine/config.py"], below
     # the native libraries' own switches, set before they load, are the only writes
     assert all(w.startswith("engine/ops/runtime.py") and "AGENT_MEMORY" not in w for w in writers), writers

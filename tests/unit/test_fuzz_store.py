@@ -15,13 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from langchain_agent_memory.engine.ops.runtime import mx
-from langchain_agent_memory.engine.storage.blocks import (
-    AgentRecord,
-    Block,
-    CacheFormatError,
-    block_hash,
-    validate_agent_id,
-)
+from langchain_agent_memory.engine.storage.agent_ids import validate_agent_id
+from langchain_agent_memory.engine.storage.blocks import AgentRecord, Block, CacheFormatError, block_hash
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "fuzz-model"

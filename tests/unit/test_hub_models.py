@@ -14,7 +14,8 @@ import pytest
 from huggingface_hub import constants, scan_cache_dir
 
 from langchain_agent_memory.chat.profile import model_profile
-from langchain_agent_memory.engine.model.loading import load_model, resolve_model_dir, unload_models
+from langchain_agent_memory.engine import load_model, resolve_model_dir
+from langchain_agent_memory.engine.model.loading import unload_models
 from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.testing.random_model import SMALL_CONFIGS, write_random_model
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.agent_ids import validate_agent_id
 from langchain_agent_memory.engine.storage.blocks import (
     FORMAT_VERSION,
     STATES_FORMAT_VERSION,
@@ -19,7 +20,6 @@ from langchain_agent_memory.engine.storage.blocks import (
     CacheFormatError,
     NewerFormatError,
     block_hash,
-    validate_agent_id,
 )
 from langchain_agent_memory.engine.storage.index import INDEX_SCHEMA_VERSION
 from langchain_agent_memory.engine.storage.store import DiskBlockStore

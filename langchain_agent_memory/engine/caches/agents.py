@@ -19,18 +19,12 @@ from typing import Any, TypeVar
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
-from ..storage.blocks import (
-    AgentRecord,
-    BlockHash,
-    BlockMissingError,
-    CacheFormatError,
-    NewerFormatError,
-    validate_agent_id,
-)
+from ..storage.agent_ids import validate_agent_id
+from ..storage.blocks import AgentRecord, BlockHash, BlockMissingError, CacheFormatError, NewerFormatError
 from ..storage.budget import EvictionReport, StorageBudget, enforce
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore, Lease, take_lease
+from ..storage.protocols import BlockStore, Lease, StoreReads, take_lease
 from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
 from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
@@ -73,6 +67,9 @@ class AgentCaches:
         reserved_rows: tuple[int, ...] | None = None,
     ) -> None:
         self.spec, self.quant, self.store, self.pool = spec, quant, store, pool
+        #: What the model thread's paths read (admit, load, restore): never a round trip.
+        #: The rest (``_point``, ``cached``, admissions) read ``store`` off that thread.
+        self.reads = store.local_tier()
         self.tokenizer, self.prefill_rotated = tokenizer, prefill_rotated
         #: Requests attend on the stored form (``kv.stored``): no working copies are made.
         self.serve_stored = serve_stored
@@ -112,7 +109,7 @@ class AgentCaches:
             hot = self.hot.get(agent_id)
             # A shared store: take the agent's lease; another worker saved it since: reread.
             if lease is None:
-                lease = take_lease(self.store, agent_id, hot.version if hot else None)
+                lease = take_lease(self.reads, agent_id, hot.version if hot else None)
             if not lease.current and hot is not None:
                 self.hot.drop(agent_id)
             with lease:  # given back if the admission fails
@@ -156,7 +153,7 @@ class AgentCaches:
         state = self.hot.touch(agent_id)
         if state is not None:
             return state, CacheSource.HOT
-        record = self.read_record(agent_id)
+        record = self.read_record(agent_id, self.reads)
         if record is None:
             return None, CacheSource.COLD
         tokens = record_tokens(record)
@@ -165,15 +162,17 @@ class AgentCaches:
         version = self.store.seen_version(agent_id)
         return AgentState(tokens, record.chain, None, version, record.state_blocks()), CacheSource.HOT
 
-    def read_record(self, agent_id: str) -> AgentRecord | None:
+    def read_record(self, agent_id: str, via: StoreReads) -> AgentRecord | None:
+        """The agent's record read ``via`` the store (off the model's thread) or its
+        ``reads`` (on it); an unusable one is moved aside (None)."""
         try:
-            return self.store.get_agent(agent_id)
+            return via.get_agent(agent_id)
         except NewerFormatError:
             raise  # a newer version's cache: refuse rather than overwrite it
         except CacheFormatError as exc:
             # Moved aside (so this is said once), references kept: the next save reuses
             # the record's sound blocks and rewrites it.
-            self.store.quarantine_agent(agent_id)
+            via.quarantine_agent(agent_id)
             logger.warning(
                 "agent %r: stored cache record unusable (%s); moved to quarantine/, falling back "
                 "to prefill (sound blocks shared by content are still reused), the next save "
@@ -238,15 +237,15 @@ class AgentCaches:
     def _quarantine_bad(self, chain: list[BlockHash]) -> int:
         """Move every unreadable block of ``chain`` aside; return how many were moved."""
         moved = 0
-        with self.store.locked():
+        with self.reads.locked():
             for h in chain:
                 self.pool.forget(h)
                 try:
-                    self.store.get_block(h)
+                    self.reads.get_block(h)
                 except (BlockMissingError, BlocksUnavailableError):
                     continue
                 except CacheFormatError:
-                    moved += self.store.quarantine_block(h) is not None
+                    moved += self.reads.quarantine_block(h) is not None
         return moved
 
     def from_blocks(
@@ -291,7 +290,7 @@ class AgentCaches:
     def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in memory or in the store (``plan_shared``'s ``has``: every one
         is asked, a hybrid's snapshots are sparse, so a missing one ends nothing)."""
-        return {h for h in hashes if self.held(h) or self.store.has_block(h)}
+        return {h for h in hashes if self.held(h) or self.reads.has_block(h)}
 
     def load_hot(self, agent_id: str) -> bool:
         """Build an agent's live caches from its blocks (a prefetch); False if it has no
@@ -328,7 +327,7 @@ class AgentCaches:
         try:  # not under ``lock`` (the model steps'): the store's lock and lease are waited for
             with take_lease(self.store, agent_id, self.store.seen_version(agent_id)) as lease:
                 if not lease.current:
-                    self.read_record(agent_id)  # a shared store's newer version: this replaces that one
+                    self.read_record(agent_id, self.store)  # a shared store's newer one: replaced by this
                 done = write()
                 lease.committed()
                 return done
@@ -363,7 +362,7 @@ class AgentCaches:
             state = self.hot.get(agent_id)
             if state is not None:
                 return state.tokens
-        record = self.read_record(agent_id)  # not under the model steps' lock: a store round trip
+        record = self.read_record(agent_id, self.store)  # not under the model steps' lock: a round trip
         return record_tokens(record) if record is not None else TokenizedText("")
 
     def drop_hot(self, agent_id: str | None = None) -> None:

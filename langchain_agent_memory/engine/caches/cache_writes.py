@@ -11,10 +11,10 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from ..errors import CommitConflictError
 from ..kv import RecurrentCache
 from ..prefix import TokenizedText
 from ..storage.blocks import AgentRecord, Block, BlockHash, CacheWriteError, chain_hashes, freeze_blocks
-from ..storage.pg_session import CommitConflictError
 from ..storage.pool import BlockPool
 from ..storage.protocols import BlockStore
 from .agent_state import Admission, AgentState, PendingSave, kept_from

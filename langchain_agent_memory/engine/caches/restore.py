@@ -14,7 +14,7 @@ from ..ops.runtime import mx
 from ..prefix import NOT_A_BOUNDARY, TokenizedText
 from ..storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheFormatError
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore
+from ..storage.protocols import StoreReads
 from ..storage.reader import BlockGroup
 
 
@@ -22,7 +22,7 @@ class BlockSources(Protocol):
     """Where an agent's blocks are (``AgentCaches``)."""
 
     pool: BlockPool
-    store: BlockStore
+    reads: StoreReads
 
     def new_layers(self) -> list[LayerCache]: ...
     def queued_block(self, h: BlockHash) -> Block | None: ...
@@ -132,7 +132,7 @@ def _sources(
         while end < len(needed) and not caches.held(needed[end]) and wanted(end) == layers:
             end += 1
         b0 = b
-        for group in caches.store.read_blocks(needed[b:end], layers):
+        for group in caches.reads.read_blocks(needed[b:end], layers):
             runs.append((b0, group))
             b0 += len(group.headers)
         caches.pool.stats.misses += end - b

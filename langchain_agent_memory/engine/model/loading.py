@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config import get_settings
 from ..ops import device
 from ..ops.runtime import mx, release_memory
 from . import self_check as checks
@@ -122,9 +121,9 @@ def converted_dir(cache_dir: Path, label: str, sha256: str, dtype: str) -> Path:
 
 
 def resolve_model_dir(
-    model: str | Path | None = None,
+    model: str | Path,
     *,
-    cache_dir: Path | None = None,
+    cache_dir: Path,
     weight_dtype: str | None = None,
     revision: str | None = None,
 ) -> tuple[Path, str]:
@@ -137,10 +136,9 @@ def resolve_model_dir(
     spelling. ``revision``: a repo's branch, tag or commit, for a repo id only.
     ``cache_dir`` holds this package's GGUF conversions, not Hugging Face downloads.
     """
-    settings = get_settings()
-    cache_dir = Path(cache_dir or settings.cache_dir)
-    dtype = weight_dtype or settings.weight_dtype or device.weight_dtype()
-    name = str(model or settings.model)
+    cache_dir = Path(cache_dir)
+    dtype = weight_dtype or device.weight_dtype()
+    name = str(model)
     path = Path(name).expanduser()
     repo = None if isinstance(model, Path) or path.exists() else parse_repo_id(name)
     if revision is not None and (repo is None or repo[1] not in (None, revision)):
@@ -202,9 +200,9 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_model(
-    model: str | Path | None = None,
+    model: str | Path,
     *,
-    cache_dir: Path | None = None,
+    cache_dir: Path,
     weight_dtype: str | None = None,
     cpu_kernels: bool = True,
     self_check: bool = True,
@@ -213,12 +211,13 @@ def load_model(
     """Load (once per process) the mlx-lm model and tokenizer named by ``model``.
 
     ``model``: a shipped name (see ``SHIPPED_MODELS``), an mlx-lm model directory, a
-    ``.gguf`` file or a Hugging Face repo id; default from settings (``AGENT_MEMORY_MODEL``,
-    else ``smollm2-135m``). A model the engine cannot store caches for is refused
-    (``UnsupportedModelError``, naming the layer and its cache kind) before its weights are
-    read; one that passes is checked against mlx-lm's own forward (``self_check``: a pass
-    is remembered under ``<cache_dir>/models``; ``self_check=False`` skips it, ``recheck``
-    runs it again on a model loaded before).
+    ``.gguf`` file or a Hugging Face repo id; ``cache_dir`` holds GGUF conversions and
+    self-check passes; ``weight_dtype`` None: the device's (the settings' defaults are filled
+    in by ``engine.config.load_model``, the one users call). A model the engine cannot store
+    caches for is refused (``UnsupportedModelError``, naming the layer and its cache kind)
+    before its weights are read; one that passes is checked against mlx-lm's own forward
+    (``self_check``: a pass is remembered under ``<cache_dir>/models``; ``self_check=False``
+    skips it, ``recheck`` runs it again on a model loaded before).
     ``cpu_kernels``: on the CPU, run this instance's attention and MLP on the fused kernels
     of ``fast_ops`` (``adapters.adapt_model``; only this instance changes). False gives
     mlx-lm's own model (benchmarks compare the two).
@@ -236,7 +235,7 @@ def load_model(
         layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
         mx.eval(mdl.parameters(), _private_arrays(mdl))
         structure = describe(mdl)
-        memo = Path(cache_dir or get_settings().cache_dir) / "models"
+        memo = Path(cache_dir) / "models"
         check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
         if check is not None:
             check.before_adapting()

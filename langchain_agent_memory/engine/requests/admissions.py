@@ -6,7 +6,7 @@ record, where another worker saved it since; the blocks this worker's disk lacks
 the model's thread, they stalled every agent of the worker for as long as the store took
 to answer: a hung database held every decode step for its deadline. ``StoreAdmissions``
 makes them on threads of its own and then hands the request to the model's thread, whose
-calls read this worker's tier only (``SharedBlockStore.stay_local``). A store that does not
+parts read this worker's tier only (``SharedBlockStore.local_tier``). A store that does not
 answer in time costs that request a longer prefill, never another agent a step.
 
 The requests of one agent reach the scheduler in the order they came (each waits for the
@@ -117,7 +117,7 @@ class StoreAdmissions:
         if live is not None:
             own = (live.tokens, live.blocks, live.states)
         else:
-            record = caches.read_record(agent_id)  # the newest, mirrored here
+            record = caches.read_record(agent_id, self.store)  # the newest, mirrored here
             own = (record_tokens(record), record.chain, record.state_blocks()) if record is not None else None
         hybrid = caches.spec.hybrid
         if prompt is None:  # a prefetch: the whole cache of its own

@@ -1,7 +1,7 @@
 """What a block store holds: content-addressed blocks of KV tensors (``Block``, their
 hashes and their bytes as the host sees them), agent records (``AgentRecord``), what
 eviction sees of a store (``StoreUsage``), and the errors of reading and writing them. The
-stores themselves: ``store.DiskBlockStore`` (a local directory), ``remote.SharedStore``
+stores themselves: ``store.DiskBlockStore`` (a local directory), ``remote.SharedBlockStore``
 (PostgreSQL + S3 with a local tier in front); their protocols: ``protocols``."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import time
-import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,6 @@ BLOCK_TOKENS = 256
 #: snapshot ``d`` tokens before the block's end; no vocabulary comes near), so its hash is a
 #: ``block_hash`` like any other and every store checks it the same way.
 STATE_TOKEN = 0xFFFFFFFF
-MAX_AGENT_ID_CHARS = 256
 _HASH_SEED = b"langchain-agent-memory/block/v1\x00"
 
 BlockHash = NewType("BlockHash", str)
@@ -92,56 +90,6 @@ def state_block_hash(h: BlockHash, fingerprint: str, before_end: int = 0) -> Blo
     if not 0 <= before_end < BLOCK_TOKENS:
         raise ValueError(f"a state snapshot is within its block: {before_end} tokens before its end")
     return block_hash(h, [STATE_TOKEN - before_end], fingerprint)
-
-
-#: Ids the product keeps for itself start with this (a checkpointer's snapshots,
-#: ``@snapshot:<digest>``): listings hide them unless asked for all.
-INTERNAL_PREFIX = "@"
-
-
-def is_internal(agent_id: str) -> bool:
-    """Whether ``agent_id`` is one the product keeps for itself (``INTERNAL_PREFIX``)."""
-    return agent_id.startswith(INTERNAL_PREFIX)
-
-
-def validate_agent_id(agent_id: str) -> str:
-    """Return ``agent_id`` or raise ``ValueError`` saying what a valid id is.
-
-    The one rule of the engine, the server and the CLI: 1 to 256 characters of any script
-    (``агент``, ``🦉 owl``), in Unicode's composed form (NFC: one spelling per id), without
-    ``/``, ``\\`` or a leading ``.`` (ids name files), control or invisible formatting
-    characters (zero-width spaces, direction marks: two ids that print alike must be one
-    id; the zero-width joiner inside an emoji is kept) or leading / trailing whitespace."""
-    if not isinstance(agent_id, str) or not agent_id:
-        raise ValueError("agent_id must be a non-empty string, e.g. 'researcher' or 'thread-1:planner'")
-    if len(agent_id) > MAX_AGENT_ID_CHARS:
-        raise ValueError(f"agent_id is {len(agent_id)} characters; the limit is {MAX_AGENT_ID_CHARS}")
-    bad = [c for c in agent_id if c in "/\\" or ord(c) < 32 or ord(c) == 127]
-    if bad or agent_id.startswith("."):
-        raise ValueError(
-            f"agent_id {agent_id!r} looks like a path or holds control characters; "
-            "use letters, digits and separators such as ':', '|', '-', '_' (no '/', '\\', NUL, leading '.')"
-        )
-    if agent_id != agent_id.strip():
-        raise ValueError(f"agent_id {agent_id!r} starts or ends with whitespace: send {agent_id.strip()!r}")
-    invisible = sorted({f"U+{ord(c):04X}" for c in agent_id if _invisible(c)})
-    if invisible:
-        raise ValueError(
-            f"agent_id {agent_id!r} holds invisible characters ({', '.join(invisible)}: zero-width "
-            "spaces, direction marks, control or unassigned code points): remove them"
-        )
-    if unicodedata.normalize("NFC", agent_id) != agent_id:
-        raise ValueError(
-            f"agent_id {agent_id!r} is not in Unicode's composed form (NFC): send "
-            f"{unicodedata.normalize('NFC', agent_id)!r}, which prints the same"
-        )
-    return agent_id
-
-
-def _invisible(c: str) -> bool:
-    """Control, formatting (but the zero-width joiner of emoji), surrogate, private-use,
-    unassigned, line and paragraph separator characters."""
-    return c != "\u200d" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
 
 
 def _named_bytes(tensors: dict[str, Any]) -> list[tuple[str, Any]]:

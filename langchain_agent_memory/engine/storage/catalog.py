@@ -26,22 +26,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..errors import BlockMissingError, CommitConflictError
 from .objects import RemoteConfigError
-from .pg_session import STUCK_S, CommitConflictError, PgSession
+from .pg_session import STUCK_S, PgSession
 from .urls import redacted
 
-__all__ = ["MIGRATIONS", "BlocksMissingError", "Catalog", "CommitConflictError", "Committed"]
+__all__ = ["MIGRATIONS", "Catalog", "CommitConflictError", "Committed"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class BlocksMissingError(RuntimeError):
-    """A commit names blocks the catalog does not hold (never uploaded, or collected)."""
-
-    def __init__(self, missing: list[str]) -> None:
-        super().__init__(f"{len(missing)} blocks are not in the shared store")
-        self.missing = missing
 
 
 #: The schema, as migrations (``am_schema`` holds how many have run). Add a step; never edit one.
@@ -237,7 +230,7 @@ class Catalog:
         (None: no record) and no other worker holds the agent's lease; ``record(now)``
         renders it with Postgres's clock; ``release``: delete the lease (False: another
         request of ``holder`` holds it). Raises ``CommitConflictError`` or
-        ``BlocksMissingError`` (nothing written)."""
+        ``BlockMissingError`` naming the blocks it lacks (nothing written)."""
 
         def write(c: Any) -> Committed:
             with c.transaction():
@@ -270,7 +263,8 @@ class Catalog:
                     )
                 }
                 if len(touched) != len(wanted):
-                    raise BlocksMissingError([h for h in wanted if h not in touched])
+                    missing = [h for h in wanted if h not in touched]
+                    raise BlockMissingError(f"{len(missing)} blocks are not in the shared store", missing)
                 version = (current or 0) + 1
                 if current is None:  # a concurrent first save waits on this row, then fails
                     c.execute(

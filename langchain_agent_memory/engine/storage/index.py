@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .agent_ids import validate_agent_id
 from .block_files import BlockFiles
 from .blocks import (
     STATES_FORMAT_VERSION,
@@ -21,7 +22,6 @@ from .blocks import (
     CacheFormatError,
     NewerFormatError,
     parse_record,
-    validate_agent_id,
     version_error,
 )
 

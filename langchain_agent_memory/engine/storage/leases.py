@@ -30,7 +30,8 @@ import threading
 import time
 from collections import Counter
 
-from .catalog import Catalog, CommitConflictError
+from ..errors import CommitConflictError
+from .catalog import Catalog
 from .objects import RemoteUnavailableError
 
 logger = logging.getLogger(__name__)

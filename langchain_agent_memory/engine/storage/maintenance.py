@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..ops.files import TEMP_PREFIX, DirectoryLock, atomic_write_bytes
+from .agent_ids import validate_agent_id
 from .block_files import BlockFiles
-from .blocks import BlockHash, CacheFormatError, StoreUsage, parse_record, validate_agent_id
+from .blocks import BlockHash, CacheFormatError, StoreUsage, parse_record
 from .index import AgentIndex, RecoveryReport
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .blocks import CacheWriteError
+from ..errors import CommitConflictError
 from .objects import RemoteConfigError, RemoteUnavailableError
 from .urls import redacted
 
@@ -48,15 +48,6 @@ IDLE_S = 30.0
 GROW_CONNECT_S = 2
 #: Seconds between two looks at the circuit and at the calls ahead, while waiting for a connection.
 _WAIT_SLICE_S = 0.05
-
-
-class CommitConflictError(CacheWriteError):
-    """Another writer committed this agent first (or holds its lease): this save lost.
-    ``leased``: another worker holds the lease (a later retry may succeed)."""
-
-    def __init__(self, message: str, *, leased: bool = False) -> None:
-        super().__init__(message)
-        self.leased = leased
 
 
 @dataclass(slots=True, eq=False)

@@ -34,8 +34,11 @@ class PoolStats:
 
 
 class BlockPool:
+    """Blocks in memory over ``store``: read (``get``) on the engine's model thread, through
+    the store's ``local_tier`` (never a network round trip); written by saves on theirs."""
+
     def __init__(self, store: BlockStore, hot_budget_bytes: int) -> None:
-        self.store = store
+        self.store, self.reads = store, store.local_tier()
         self.hot_budget_bytes = hot_budget_bytes
         self._hot: OrderedDict[BlockHash, Block] = OrderedDict()
         self._hot_bytes = 0
@@ -53,7 +56,7 @@ class BlockPool:
                 self._hot.move_to_end(h)  # touch: most recently used last
                 self.stats.hits += 1
                 return block, True
-        block = self.store.get_block(h)
+        block = self.reads.get_block(h)
         self.stats.misses += 1
         self._admit(block)
         return block, False

@@ -1,4 +1,4 @@
-"""What the engine asks of a block store (``DiskBlockStore``, ``SharedStore``), in three
+"""What the engine asks of a block store (``DiskBlockStore``, ``SharedBlockStore``), in three
 narrow protocols: ``BlockStoreBlocks`` (block files), ``BlockStoreRecords`` (agent records
 and the leases around a request), ``BlockStoreMaintenance`` (bytes on disk, eviction,
 quarantine). ``BlockStore`` is all three: what a backend implements, and what the store
@@ -73,9 +73,40 @@ class BlockStoreMaintenance(Protocol):
     def close(self) -> None: ...
 
 
+class StoreReads(Protocol):
+    """What the engine's model thread reads of a store (``BlockStore.local_tier``): never a
+    network round trip. A local store is its own; a shared store's is a ``LocalTier``
+    (this worker's copies: a request's store work is done before it reaches that thread)."""
+
+    fingerprint: str
+
+    def has_block(self, h: BlockHash) -> bool: ...
+    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
+    def read_blocks(
+        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
+    ) -> list[BlockGroup]: ...
+    def get_agent(self, agent_id: str) -> AgentRecord | None: ...
+    def seen_version(self, agent_id: str) -> int | None: ...
+    def begin(self, agent_id: str, version: int | None) -> bool: ...
+    def end(self, agent_id: str) -> None: ...
+    def quarantine_block(self, h: BlockHash) -> Path | None: ...
+    def quarantine_agent(self, agent_id: str) -> Path | None: ...
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+
 class BlockStore(BlockStoreBlocks, BlockStoreRecords, BlockStoreMaintenance, Protocol):
-    """A backend: all three (local ``DiskBlockStore``, ``remote.SharedStore``); both pass
-    the store conformance suite (tests/integration/test_store_conformance.py)."""
+    """A backend: all three (local ``DiskBlockStore``, ``remote.SharedBlockStore``), and the
+    view its model-thread readers get (``local_tier``); both pass the store conformance
+    suite (tests/integration/test_store_conformance.py)."""
+
+    def local_tier(self) -> StoreReads: ...
+
+
+class LeaseHolder(Protocol):
+    """Where a request's lease is taken and given back (a store, or its ``local_tier``)."""
+
+    def begin(self, agent_id: str, version: int | None) -> bool: ...
+    def end(self, agent_id: str) -> None: ...
 
 
 class Lease:
@@ -88,7 +119,7 @@ class Lease:
 
     __slots__ = ("_done", "agent_id", "current", "store")
 
-    def __init__(self, store: BlockStoreRecords, agent_id: str, current: bool) -> None:
+    def __init__(self, store: LeaseHolder, agent_id: str, current: bool) -> None:
         self.store, self.agent_id, self.current = store, agent_id, current
         self._done = False
 
@@ -108,6 +139,6 @@ class Lease:
             self.release()
 
 
-def take_lease(store: BlockStoreRecords, agent_id: str, version: int | None) -> Lease:
+def take_lease(store: LeaseHolder, agent_id: str, version: int | None) -> Lease:
     """Take the agent's lease in ``store`` for a request that holds it at ``version``."""
     return Lease(store, agent_id, store.begin(agent_id, version))

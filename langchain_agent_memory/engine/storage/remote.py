@@ -15,9 +15,11 @@ in S3-compatible object storage (``objects``), this worker's disk in front of bo
   pending: a background thread uploads it when the store answers again.
 - A request takes the agent's lease (``begin``: one round trip, which also says whether
   this worker's live copy is still the newest); the commit gives it back.
-- The engine's model thread never waits on the store (``stay_local``): the store's work of
-  a request (lease, record, blocks) is done before it reaches that thread
-  (``engine.admissions``); there, calls read this worker's tier only.
+- The engine's model thread never waits on the store: the store's work of a request
+  (lease, record, blocks) is done before it reaches that thread
+  (``engine.requests.admissions``); there, the parts read this worker's tier only, through
+  ``local_tier()``. Nothing waits on a lease given back or a bad object replaced: those run
+  on the store's threads.
 - Nothing here deletes a block object except ``collect_garbage`` (grace period, row lock).
 """
 
@@ -29,7 +31,7 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from .blocks import AgentRecord, Block, BlockHash, StoreUsage
 from .catalog import Catalog
 from .index import RecoveryReport
 from .leases import Leases
+from .local_tier import LocalTier
 from .objects import ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .remote_blocks import Reach, SharedBlocks, SharedStats, submit
@@ -102,21 +105,10 @@ class SharedBlockStore:
         pending = self.stats.pending_saves
         return StoreStatus(True, self.reachable, pending, self.pending_bytes() if pending else 0)
 
-    def stay_local(self) -> None:
-        """From now on, calls made on the calling thread never wait on the store: they read
-        this worker's tier only, and what must still reach the store (a lease given back, a
-        bad object replaced) goes to a thread of the store's. The engine registers its model
-        thread, so that a hung store stalls no model step (``engine.admissions`` takes the
-        lease, reads the record and fetches the blocks before a request reaches it)."""
-        self.reach.stay_local()
-
-    def _store_side(self, call: Callable[[str], None], arg: str) -> None:
-        """``call(arg)``, a call to the store: here, or on the store's threads where this is
-        a ``stay_local`` one (nothing waits on its outcome)."""
-        if self.reach.here_only:
-            submit(self._io, call, arg)
-        else:
-            call(arg)
+    def local_tier(self) -> LocalTier:
+        """This store as the engine's model thread reads it: this worker's copies only, so
+        that a hung store stalls no model step (``local_tier``)."""
+        return LocalTier(self)
 
     @property
     def recovery(self) -> RecoveryReport:
@@ -143,10 +135,7 @@ class SharedBlockStore:
     def begin(self, agent_id: str, version: int | None) -> bool:
         """Take the agent's lease for a request (waiting for another worker's save in flight:
         ``Leases.take``); False if a live copy at ``version`` is stale (another worker
-        committed since). Unreachable, or on a ``stay_local`` thread: True (work from what
-        is here)."""
-        if self.reach.here_only:
-            return True
+        committed since). Unreachable: True (work from what is here)."""
         try:
             current = self.leases.take(agent_id)
         except RemoteUnavailableError as exc:
@@ -160,9 +149,10 @@ class SharedBlockStore:
 
     def end(self, agent_id: str) -> None:
         """Give the lease back after a request that did not commit (the last of this
-        worker's on the agent)."""
+        worker's on the agent), on the store's threads: nothing waits on it, and a request
+        that starts meanwhile takes the row again (``Leases.give_back``)."""
         if self.leases.done(agent_id):
-            self._store_side(self.leases.give_back, agent_id)
+            submit(self._io, self.leases.give_back, agent_id)
 
     # ------------------------------------------------------------------ blocks (``blocks``)
 
@@ -207,7 +197,7 @@ class SharedBlockStore:
         too, delete it there (its catalog row unmarked): the next save that needs the block
         uploads a sound one, as a local store's next save rewrites a quarantined file."""
         moved = self.local.quarantine_block(h)
-        self._store_side(self.blocks.replace_bad, h)
+        submit(self._io, self.blocks.replace_bad, h)  # nothing waits on the store's copy
         return moved
 
     def block_hashes(self) -> Iterator[BlockHash]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -39,22 +38,11 @@ class SharedStats:
 
 
 class Reach:
-    """Which calls may wait on the store (not those of a ``stay_local`` thread), and whether
-    this worker has said the store is unreachable (once per outage)."""
+    """Whether this worker has said the store is unreachable (once per outage)."""
 
     def __init__(self, stats: SharedStats) -> None:
         self.stats = stats
-        #: Threads whose calls never wait on the store (``stay_local``).
-        self._local_threads: set[int] = set()
         self._said_down = False
-
-    def stay_local(self) -> None:
-        self._local_threads.add(threading.get_ident())
-
-    @property
-    def here_only(self) -> bool:
-        """Whether this call is on a ``stay_local`` thread (it must not wait on the store)."""
-        return threading.get_ident() in self._local_threads
 
     def down(self, exc: BaseException) -> bool:
         """A call to the store failed; whether it is the first since the store last answered
@@ -91,10 +79,10 @@ class SharedBlocks:
 
     def stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
         """Which of ``hashes`` are on this worker's disk or in the store (one round trip;
-        this worker's alone on a ``stay_local`` thread or while the store is unreachable)."""
+        this worker's alone while the store is unreachable)."""
         here = {h for h in hashes if self.local.has_block(h)}
         rest = [h for h in hashes if h not in here]
-        if rest and not self.reach.here_only:
+        if rest:
             try:
                 here.update(self.catalog.has_blocks(self.fingerprint, rest))
             except RemoteUnavailableError as exc:
@@ -117,11 +105,6 @@ class SharedBlocks:
         missing = [h for h in hashes if not self.local.has_block(h)]
         if not missing:
             return
-        if self.reach.here_only:
-            raise BlocksUnavailableError(
-                f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
-                self._leading_here(hashes),
-            )
         futures = {h: self.io.submit(self._download, h) for h in missing}
         done, _ = wait(futures.values(), timeout=self.read_timeout_s)
         failed: BaseException | None = None

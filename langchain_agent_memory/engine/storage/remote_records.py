@@ -13,15 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from .blocks import (
-    AgentRecord,
-    BlockHash,
-    CacheFormatError,
-    CacheWriteError,
-    parse_record,
-    validate_agent_id,
-)
-from .catalog import BlocksMissingError, Catalog, CommitConflictError
+from ..errors import BlockMissingError, CommitConflictError
+from .agent_ids import validate_agent_id
+from .blocks import AgentRecord, BlockHash, CacheFormatError, CacheWriteError, parse_record
+from .catalog import Catalog
 from .leases import Leases
 from .objects import RemoteUnavailableError
 from .remote_blocks import Reach, SharedBlocks, SharedStats
@@ -68,10 +63,8 @@ class SharedRecords:
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
-        is unreachable or this is a ``stay_local`` thread."""
+        is unreachable."""
         validate_agent_id(agent_id)
-        if self.reach.here_only:
-            return self.local.get_agent(agent_id)
         try:
             self.push_pending(agent_id)
             got = self.catalog.get(self.fingerprint, agent_id)
@@ -149,7 +142,7 @@ class SharedRecords:
                     )  # fmt: skip
                     self.leases.renew_if_held(record.agent_id, own)
                     break
-                except BlocksMissingError as exc:  # collected meanwhile: upload again, retry
+                except BlockMissingError as exc:  # collected meanwhile: upload again, retry
                     self.blocks.upload([BlockHash(h) for h in exc.missing], check=False)
                 except CommitConflictError as exc:
                     if exc.leased and time.monotonic() < lease_wait:

@@ -109,6 +109,11 @@ class DiskBlockStore:
     def end(self, agent_id: str) -> None:
         """A request for the agent ended without a commit (a shared store's lease)."""
 
+    def local_tier(self) -> DiskBlockStore:
+        """What the engine's model thread reads (``local_tier``): all of this store, which
+        never waits on a network."""
+        return self
+
     def bound_pending(self, max_bytes: int | None) -> None:
         """Saves waiting to upload: none here (a shared store bounds its own)."""
 
