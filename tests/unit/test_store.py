@@ -7,6 +7,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
@@ -22,6 +23,7 @@ from langchain_agent_memory.engine.storage.blocks import (
     block_hash,
 )
 from langchain_agent_memory.engine.storage.index import INDEX_SCHEMA_VERSION
+from langchain_agent_memory.engine.storage.reader import covered, fast_checksum
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "model-a"
@@ -265,7 +267,76 @@ def test_blocks_without_part_checksums_are_read_whole(tmp_path: Path) -> None:
     path = store.block_path(blk.hash)
     (meta_back,) = [json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])]
     meta = meta_back["__metadata__"]
-    del meta["part_checksums"]
+    for field in ("part_checksums", "xxh3", "part_xxh3"):  # none of them was written then
+        del meta[field]
     mx.save_safetensors(str(path), dict(blk.tensors), metadata=meta)
     (group,) = store.read_blocks([blk.hash], layers=[0])
     assert len(group.names()) == len(blk.tensors)
+
+
+def _meta(path: Path) -> dict[str, str]:
+    data = path.read_bytes()
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+
+
+def test_the_fast_checksum_is_pinned() -> None:
+    """XXH3-128 over the covered header fields, then (name, NUL, bytes) in name order: every
+    reader must agree with every writer, of every version."""
+    named = [("L0.v", b"\x01\x02\x03"), ("L0.k", b"abc")]
+    assert fast_checksum(named, meta=b'{"hash":"x"}') == "277d3144ba9da95aece61b8b85d344df"
+    assert fast_checksum(named) == "b82520d1777c65148d4a32ecb641462d"
+
+
+def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(tmp_path: Path) -> None:
+    """New blocks carry SHA-256 (for readers that know only it) and XXH3-128 (what a read
+    checks, covering the other header fields too); a block written before XXH3 was added is
+    checked by its SHA-256, whole or by layer, and still refused when damaged."""
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _layered_block(seed=4)
+    store.put_block(blk)
+    path = store.block_path(blk.hash)
+    meta = _meta(path)
+    assert {"checksum", "part_checksums", "xxh3", "part_xxh3"} <= set(meta)
+    (group,) = store.read_blocks([blk.hash])
+    named = [(e.name, bytes(np.asarray(group.blob[0, e.begin : e.end]))) for e in group.headers[0].tensors]
+    assert meta["xxh3"] == fast_checksum(named, meta=covered(meta, whole=True))
+    for field in ("xxh3", "part_xxh3"):
+        del meta[field]
+    mx.save_safetensors(str(path), dict(blk.tensors), metadata=meta)
+    (whole,) = store.read_blocks([blk.hash])
+    (part,) = store.read_blocks([blk.hash], layers=[1])
+    assert mx.array_equal(part.tensor("L1.v"), blk.tensors["L1.v"]).item() and whole.names() == sorted(
+        blk.tensors
+    )
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError, match="checksum"):
+        store.read_blocks([blk.hash])
+
+
+def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path) -> None:
+    """A byte flipped anywhere in a block file (its header's fields, SHA-256 digests
+    included, its tensor table, its data) is refused on a whole read: the fast checksum
+    covers the header's fields as well as the data."""
+    store = DiskBlockStore(tmp_path, FP)
+    blk = _block(tokens=(5, 6, 7, 8), seed=9)
+    store.put_block(blk)
+    path = store.block_path(blk.hash)
+    good = path.read_bytes()
+    header_end = 8 + int.from_bytes(good[:8], "little")
+    missed = []
+    for at in [*range(0, header_end), *range(header_end, len(good), 7)]:
+        if good[at : at + 1] == b" ":  # the header's padding: no field, nothing to damage
+            continue
+        data = bytearray(good)
+        data[at] ^= 0x01
+        path.write_bytes(bytes(data))
+        try:
+            store.get_block(blk.hash)
+        except CacheFormatError:
+            continue
+        missed.append(at)
+    path.write_bytes(good)
+    assert store.get_block(blk.hash).hash == blk.hash
+    assert missed == [], [good[max(0, a - 20) : a + 20] for a in missed[:5]]

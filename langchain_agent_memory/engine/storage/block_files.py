@@ -37,6 +37,7 @@ from .reader import (
     read_groups,
     read_header,
     select,
+    sound,
 )
 
 
@@ -70,18 +71,16 @@ class BlockFiles:
         if path.exists():
             return 0
         tensors = {k: t.packed() for k, t in (block.host or host_views(block.tensors)).items()}
-        whole, parts = block_checksums([(k, t.data) for k, t in tensors.items()])
-        meta = {
+        lineage = {
             "format_version": str(FORMAT_VERSION),
             "fingerprint": self.fingerprint,
             "hash": block.hash,
             "parent": block.parent or "",
             "token_ids": json.dumps(block.token_ids),
-            "checksum": whole,
-            # Each layer's own, for reads of some layers only (``reader.select``); an older
-            # reader ignores it and checks the whole.
-            "part_checksums": json.dumps(parts, separators=(",", ":")),
         }
+        # SHA-256 and XXH3-128, whole and each layer's own (for reads of some layers only:
+        # ``reader.select``); a reader checks the fastest it knows.
+        meta = block_checksums([(k, t.data) for k, t in tensors.items()], lineage)
         # safetensors' own writer over host arrays: no MLX op, so any thread may write.
         specs = {k: t.spec() for k, t in tensors.items()}
         return atomic_write(path, lambda tmp: serialize_file(specs, tmp, metadata=meta))
@@ -126,16 +125,12 @@ class BlockFiles:
             wanted = {f"L{i}" for i in layers}
             headers = [select(hd, wanted) for hd in headers]
 
-        def verify(header: BlockHeader, got: str | dict[str, str]) -> None:
-            if isinstance(got, dict):
-                try:
-                    stored = json.loads(header.meta["part_checksums"])
-                except (KeyError, ValueError) as exc:
-                    raise CacheFormatError(f"block file {header.path} has corrupt part checksums") from exc
-                sound = isinstance(stored, dict) and all(stored.get(k) == v for k, v in got.items())
-            else:
-                sound = got == header.meta.get("checksum")
-            if not sound:
+        def verify(header: BlockHeader, named: Sequence[tuple[str, Any]]) -> None:
+            try:
+                ok = sound(header, named)
+            except BlockFileError as exc:
+                raise CacheFormatError(f"block file {exc}") from exc
+            if not ok:
                 raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
 
         try:

@@ -6,8 +6,11 @@ time went to per-array overhead, not to bytes. Here:
 
 1. every file's safetensors header is read (a few KB each) and checked;
 2. blocks of the same tensor layout (all full blocks of a run share one) are read straight
-   into the rows of one host array, on a thread pool: file reads and SHA-256 release the
-   GIL, and the checksum is taken from the bytes just read (no second pass over the file);
+   into the rows of one host array, on a thread pool: file reads and hashing release the
+   GIL, and the checksum is taken from the bytes just read (no second pass over the file).
+   It is XXH3-128 where the header has one (``fast_checksum``: ~15 GB/s a core, so a
+   restore runs at the disk's speed, not SHA-256's ~1.5 GB/s), else SHA-256 (blocks
+   written before it was added; new blocks keep both, for readers that know only SHA-256);
 3. each such group goes to the device as one array; a tensor of the group is a strided
    view of it, concatenated over the group's blocks by one copy on the device. On an NVIDIA
    GPU each file's bytes are copied to the GPU by the thread that read them, while the
@@ -20,6 +23,9 @@ full-attention layers only). Each layer's tensors are one contiguous range of th
 (names ``L{i}.…`` sort together) and have a checksum of their own in the header
 (``part_checksums``; blocks written before it was added are read whole).
 
+A checksum guards against damage (a torn write, a flipped bit, a truncated upload), not
+against a forger: who can write the cache directory can write its checksums too.
+
 Nothing unverified is returned: a block whose header, hash or checksum is wrong raises
 ``CacheFormatError`` (``BlockMissingError`` if absent), naming the file.
 """
@@ -27,6 +33,7 @@ Nothing unverified is returned: a block whose header, hash or checksum is wrong 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..ops import cuda_memory
 from ..ops.runtime import mx
@@ -159,30 +167,85 @@ def _by_layer(named: Sequence[tuple[str, Any]]) -> dict[str, list[tuple[str, Any
     return dict(sorted(by_layer.items()))
 
 
-def part_checksums(named: Sequence[tuple[str, Any]]) -> dict[str, str]:
-    """``checksum`` of each layer's tensors, by layer (what a partial read verifies)."""
-    return {layer: checksum(group) for layer, group in _by_layer(named).items()}
+Digest = Callable[[Sequence[tuple[str, Any]]], str]
+
+
+def part_checksums(named: Sequence[tuple[str, Any]], digest: Digest | None = None) -> dict[str, str]:
+    """``digest`` (default ``checksum``) of each layer's tensors, by layer (what a partial
+    read verifies)."""
+    digest = digest or checksum
+    return {layer: digest(group) for layer, group in _by_layer(named).items()}
+
+
+#: Header fields of a block's integrity digests: (whole, by layer), the fastest first.
+FAST_FIELDS = ("xxh3", "part_xxh3")
+SHA_FIELDS = ("checksum", "part_checksums")
+
+
+def sound(header: BlockHeader, named: Sequence[tuple[str, Any]]) -> bool:
+    """Whether the bytes just read (``named``: all of the block's tensors, or those of the
+    layers ``header`` selects) match the header's digest: XXH3-128 where it has one (it also
+    covers the header's other fields: a damaged SHA-256 field is found too), else SHA-256.
+    ``BlockFileError`` if the header's digests are unreadable."""
+    meta = header.meta
+    if FAST_FIELDS[1] in meta and FAST_FIELDS[0] not in meta:
+        return False  # its whole digest's name is damaged (both are always written)
+    if FAST_FIELDS[0] in meta:
+        whole = header.ranges is None
+        fields, digest = FAST_FIELDS, functools.partial(fast_checksum, meta=covered(meta, whole=whole))
+    else:
+        fields, digest = SHA_FIELDS, checksum
+    if header.ranges is None:
+        return digest(named) == meta.get(fields[0])
+    try:
+        stored = json.loads(meta[fields[1]])
+    except (KeyError, ValueError) as exc:
+        raise BlockFileError(f"{header.path} has corrupt part checksums") from exc
+    got = part_checksums(named, digest)
+    return isinstance(stored, dict) and all(stored.get(k) == v for k, v in got.items())
+
+
+def covered(meta: dict[str, str], *, whole: bool) -> bytes:
+    """The header fields an XXH3 digest covers, in one spelling: the whole block's, every
+    field but its own (the layers' digests included, so that a damaged one is found by a
+    whole read too); a layer's, every field but the XXH3 ones."""
+    mine = FAST_FIELDS[:1] if whole else FAST_FIELDS
+    kept = {k: v for k, v in meta.items() if k not in mine}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 _hash_pool: ThreadPoolExecutor | None = None
 _hash_pool_lock = threading.Lock()
 
 
-def block_checksums(named: Sequence[tuple[str, Any]]) -> tuple[str, dict[str, str]]:
-    """``checksum`` and ``part_checksums`` of a block being written, hashed side by side on
-    threads (hashlib lets go of the GIL over a large buffer): a save of a Gemma 3 4B-shaped
-    agent of 32K tokens on the H200 spent 3.1 of its 7.1 s in SHA-256, on one thread."""
+def block_checksums(named: Sequence[tuple[str, Any]], meta: dict[str, str]) -> dict[str, str]:
+    """``meta`` with a block's digests added (``SHA_FIELDS``, ``FAST_FIELDS``): SHA-256, whole
+    and by layer; XXH3-128 by layer (covering those and ``meta``), then whole (covering every
+    other field: ``covered``). Hashed side by side on threads (hashlib and xxhash let go of
+    the GIL over a large buffer): a save of a Gemma 3 4B-shaped agent of 32K tokens on the
+    H200 spent 3.1 of its 7.1 s in SHA-256, on one thread."""
     global _hash_pool
     by_layer = _by_layer(named)
     with _hash_pool_lock:
         if _hash_pool is None:
             _hash_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="agent-memory-hash")
-    try:
-        whole = _hash_pool.submit(checksum, named)
-        parts = dict(zip(by_layer, _hash_pool.map(checksum, by_layer.values()), strict=True))
-    except RuntimeError:  # the interpreter is exiting (a save still being written): one thread
-        return checksum(named), {layer: checksum(group) for layer, group in by_layer.items()}
-    return whole.result(), parts
+    pool: Any = _hash_pool
+
+    def run(digest: Digest) -> tuple[str, str]:
+        """(the whole digest, the layers' as JSON)."""
+        try:
+            whole = pool.submit(digest, named)
+            parts = dict(zip(by_layer, pool.map(digest, by_layer.values()), strict=True))
+            return whole.result(), json.dumps(parts, separators=(",", ":"))
+        except RuntimeError:  # the interpreter is exiting (a save still being written): one thread
+            parts = {layer: digest(group) for layer, group in by_layer.items()}
+            return digest(named), json.dumps(parts, separators=(",", ":"))
+
+    fields = dict(meta)
+    fields[SHA_FIELDS[0]], fields[SHA_FIELDS[1]] = run(checksum)
+    _, fields[FAST_FIELDS[1]] = run(functools.partial(fast_checksum, meta=covered(fields, whole=False)))
+    fields[FAST_FIELDS[0]] = fast_checksum(named, meta=covered(fields, whole=True))
+    return fields
 
 
 def select(header: BlockHeader, layers: Collection[str]) -> BlockHeader:
@@ -206,13 +269,25 @@ def select(header: BlockHeader, layers: Collection[str]) -> BlockHeader:
 
 
 def checksum(named: Sequence[tuple[str, Any]]) -> str:
-    """SHA-256 over (name, NUL, bytes) of tensors in name order: what a block's header
+    """SHA-256 over (name, NUL, bytes) of tensors in name order: what every block's header
     stores (``tensor_checksum`` over arrays; here over the raw bytes just read)."""
-    h = hashlib.sha256()
+    return _digest(hashlib.sha256(), named)
+
+
+def fast_checksum(named: Sequence[tuple[str, Any]], meta: bytes = b"") -> str:
+    """XXH3-128 over ``meta`` (the header fields it covers) and then the bytes ``checksum``
+    hashes: what a restore verifies, at memory speed (pinned by a golden test: it names
+    nothing, but every reader must agree with every writer)."""
+    h = xxhash.xxh3_128()
+    h.update(meta)
+    return _digest(h, named)
+
+
+def _digest(h: Any, named: Sequence[tuple[str, Any]]) -> str:
     for name, data in sorted(named, key=lambda x: x[0]):
         h.update(name.encode() + b"\x00")
         h.update(data)
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 @dataclass(slots=True)
@@ -250,13 +325,13 @@ class BlockGroup:
         return [e.name for e in self.headers[0].tensors]
 
 
-Verify = Callable[[BlockHeader, "str | dict[str, str]"], None]
+Verify = Callable[[BlockHeader, Sequence[tuple[str, Any]]], None]
 
 
 def read_groups(headers: list[BlockHeader], verify: Verify) -> list[BlockGroup]:
     """The data of ``headers`` (in order), grouped by layout, checked with ``verify(header,
-    digest)`` (which raises on a mismatch; the digest is the ``checksum`` of a whole read, the
-    ``part_checksums`` of a partial one) and uploaded one array per group."""
+    named)`` (the bytes just read, by tensor name; it raises on a mismatch: ``sound``) and
+    uploaded one array per group."""
     runs: list[list[int]] = []
     for i, hd in enumerate(headers):
         if runs and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
@@ -301,8 +376,7 @@ def _read(
                 raise BlockFileError(f"unreadable: {exc}") from exc
             if got != hd.data_len:
                 raise BlockFileError(f"read {got} of {hd.data_len} bytes (truncated?)")
-            named = [(e.name, dest[e.begin : e.end]) for e in hd.tensors]
-            verify(hd, part_checksums(named) if hd.ranges is not None else checksum(named))
+            verify(hd, [(e.name, dest[e.begin : e.end]) for e in hd.tensors])
             if up is not None:
                 up.write(row, dest)
 
