@@ -97,6 +97,8 @@ class ChatAgentMemory(BaseChatModel):
             ``AGENT_MEMORY_LAZY_STORE``.
         hot_budget_mb: memory for the in-memory block tier (shared per engine); default by
             device (512 on the CPU, 1/16 of a GPU's memory).
+        hot_bytes, tool_ttl_s: the hot tier's bounds (``EngineConfig``); under an
+            ``AgentMemorySaver`` the graph's schedule says which agents leave it first.
         max_disk_bytes, cache_ttl: bound the model's stored caches (``"5GB"``; ``"7d"``):
             agents least recently used (or unused for longer) are evicted, never one a call
             is using, and their next call prefills (shared per engine: the latest given
@@ -141,6 +143,8 @@ class ChatAgentMemory(BaseChatModel):
     blocks: str | None = None
     lazy_store: bool | None = None
     hot_budget_mb: int | None = Field(default=None, ge=0)
+    hot_bytes: int | None = Field(default=None, ge=0)
+    tool_ttl_s: float = Field(default=30.0, ge=0)
     max_disk_bytes: int | str | None = None
     cache_ttl: float | str | timedelta | None = None
     timeout: float | None = Field(default=None, gt=0)
@@ -153,12 +157,10 @@ class ChatAgentMemory(BaseChatModel):
     reasoning: bool = True
     #: Extra variables for the chat template, e.g. ``{"enable_thinking": False}`` (Qwen 3).
     chat_template_kwargs: dict[str, Any] | None = None
-    #: ``invoke`` streams (callbacks' ``on_llm_new_token`` fire for each piece), as for
-    #: LangChain's other chat models.
+    #: ``invoke`` streams (callbacks' ``on_llm_new_token`` fire for each piece).
     streaming: bool = False
-    #: Return each reply once its cache is saved: ``response_metadata["cache_saved"]`` is
-    #: then True (stored), ``"local"`` (saved on this worker, its upload to the shared store
-    #: pending) or False (not kept), rather than ``"pending"``. Off: the reply leaves first.
+    #: Return each reply once its cache is saved: ``response_metadata["cache_saved"]`` True,
+    #: ``"local"`` (its upload to a shared store pending) or False, not ``"pending"``.
     wait_for_save: bool = False
 
     @model_validator(mode="before")
@@ -288,8 +290,8 @@ class ChatAgentMemory(BaseChatModel):
         return EngineConfig.resolve(
             model or self.model, cache_dir=self.cache_dir, kv_bits=self.kv_bits, kv_format=self.kv_format,
             hot_budget_bytes=None if self.hot_budget_mb is None else self.hot_budget_mb << 20,
-            store=self.store, blocks=self.blocks, max_disk_bytes=self.max_disk_bytes,
-            cache_ttl=self.cache_ttl, lazy_store=self.lazy_store,
+            hot_bytes=self.hot_bytes, tool_ttl_s=self.tool_ttl_s, store=self.store, blocks=self.blocks,
+            max_disk_bytes=self.max_disk_bytes, cache_ttl=self.cache_ttl, lazy_store=self.lazy_store,
         )  # fmt: skip
 
     def _engine_for(self, model: str | None) -> Engine:

@@ -71,6 +71,8 @@ class ChatRequest:
             content, calls, invalid = "", [call] if whole else [], [] if whole else [call]
         if thought and content.lstrip().startswith("<|"):
             content = reasoning.strip_headers(content)
+        if calls:  # the agent comes back when the tools return: the hot tier keeps it meanwhile
+            self.engine.admin.schedule.awaits_tool(self.agent)
         return thought, content, calls, invalid
 
 

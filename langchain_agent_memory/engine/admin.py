@@ -14,6 +14,7 @@ from typing import Any
 
 from .caches.agent_state import PendingSave
 from .caches.agents import AgentCaches
+from .caches.schedule import Schedule
 from .requests.admissions import StoreAdmissions
 from .requests.commits import CommitFeed
 from .requests.saves import SaveQueue
@@ -73,6 +74,18 @@ class AgentAdmin:
         """The engine's block store, once every save queued so far is in it."""
         self._save_queue.wait()
         return self._store
+
+    @property
+    def schedule(self) -> Schedule:
+        """What the engine is told of its agents' next turns, which decides the hot tier's
+        evictions (``caches.schedule``): a graph's checkpointer says which agents run next
+        and which wait on a human; a chat model, which replies made tool calls."""
+        return self.agents.hot.schedule
+
+    def hot_agents(self, prefix: str = "") -> list[str]:
+        """The agents live in memory whose ids start with ``prefix`` (least recently used
+        first): what a request for them reads without any I/O."""
+        return self.agents.hot.ids(prefix)
 
     def settle_commits(self) -> None:
         """Wait until every reply so far is saved and subscribers have heard it."""

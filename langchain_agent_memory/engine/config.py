@@ -56,6 +56,10 @@ class EngineConfig:
     ``context_length`` None: the model's trained context. ``state_budget`` (hybrid models):
     an agent's recurrent-state snapshots take at most this many times its K/V's bytes on disk
     (beyond the two it always keeps; None: every one the policy picks, ``engine.states``).
+    The hot tier: at most ``hot_agents`` agents keep live caches, taking at most ``hot_bytes``
+    (None: no byte bound); which leaves first is decided by when each runs next, as a graph's
+    checkpointer tells it (``caches.schedule``), least recently used where nothing was said;
+    an agent whose reply made tool calls stays for ``tool_ttl_s`` waiting for their results.
     """
 
     cache_dir: Path
@@ -80,6 +84,10 @@ class EngineConfig:
     reserve_work: bool
     attention: str
     state_budget: float | None = 1.0
+    #: bytes the hot agents' live caches may take (None: only ``hot_agents`` bounds them)
+    hot_bytes: int | None = None
+    #: seconds an agent whose reply made tool calls stays hot waiting for their results
+    tool_ttl_s: float = 30.0
     #: ``hot_budget_bytes`` was given, not the device's default: a shared engine found again
     #: for this config raises its budget to it (``registry.shared_engine``)
     hot_budget_asked: bool = False
@@ -129,6 +137,8 @@ class EngineConfig:
         reserve_work: bool | None = None,
         attention: str | None = None,
         state_budget: float | None = 1.0,
+        hot_bytes: int | None = None,
+        tool_ttl_s: float = 30.0,
         lazy_store: bool | None = None,
         handoff_wait_s: float | None = None,
         weight_dtype: str | None = None,
@@ -147,6 +157,10 @@ class EngineConfig:
             )
         if context_length is not None and context_length < 2:
             raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
+        if hot_bytes is not None and hot_bytes < 0:
+            raise ValueError(f"hot_bytes must be a number of bytes (or None: no bound), not {hot_bytes}")
+        if not tool_ttl_s >= 0:
+            raise ValueError(f"tool_ttl_s must be seconds (0: no wait for tool results), not {tool_ttl_s}")
         return cls(
             cache_dir=Path(cache_dir or settings.cache_dir),
             model=model or settings.model,
@@ -176,6 +190,8 @@ class EngineConfig:
             attention=chosen,
             state_budget=state_budget,
             hot_budget_asked=hot_budget_bytes is not None,
+            hot_bytes=hot_bytes,
+            tool_ttl_s=tool_ttl_s,
         )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from .admin import AgentAdmin, AgentInfo
 from .caches.agent_state import HotPolicy
 from .caches.agents import AgentCaches
+from .caches.schedule import Schedule
 from .config import EngineConfig
 from .errors import CommitConflictError
 from .kv.reserve import WorkReserve, reserve_rows
@@ -129,7 +130,8 @@ class Engine:
             parts.callback(WorkReserve(self.spec, rows).release)
         self.agents = AgentCaches(
             spec=self.spec, quant=self.quant, store=self._store, pool=self.pool,
-            tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes),
+            tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
+            schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s),
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows,
         )  # fmt: skip
@@ -285,10 +287,16 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         shared = getattr(self._store, "stats", None)  # a shared store's traffic
         disk = self.admin.disk_stats()
+        turns = dict(self._steps.turns)
         return {
             "fingerprint": self.fingerprint,
             "hot_agents": len(self.agents.hot),
             "working_copy_bytes": self.agents.working_copy_bytes(),  # kept for the next request
+            # the hot tier: its bounds, what the schedule was told, and where turns found their
+            # caches (hot: live in memory; warm: read from disk; cold: prefilled)
+            "hot_tier": self.agents.hot_tier(),
+            "turns": turns,
+            "hot_rate": turns.get("hot", 0) / max(1, sum(turns.values())),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
             **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
             # agents whose requests wait on the shared store's part of their admission

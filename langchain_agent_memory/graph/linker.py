@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import threading
 from concurrent.futures import Future
 from datetime import datetime
@@ -50,9 +51,22 @@ def record_digest(record: AgentRecord) -> str:
 
 def next_nodes(checkpoint: Checkpoint) -> set[str]:
     """The nodes a checkpoint has triggered but not yet run: LangGraph keeps a pending
-    trigger as a ``branch:to:{node}`` channel value until the node consumes it."""
+    trigger as a ``branch:to:{node}`` channel value until the node consumes it, and pending
+    ``Send``s in its tasks channel (``__pregel_tasks``)."""
     marker = "branch:to:"
-    return {ch[len(marker) :] for ch in checkpoint.get("channel_values", {}) if ch.startswith(marker)}
+    values = checkpoint.get("channel_values", {})
+    nodes = {ch[len(marker) :] for ch in values if ch.startswith(marker)}
+    for send in values.get("__pregel_tasks") or ():
+        node = getattr(send, "node", None)
+        if isinstance(node, str):
+            nodes.add(node)
+    return nodes
+
+
+def node_of(agent_id: str, thread_prefix: str) -> str:
+    """The graph node an agent of the thread belongs to (its id is ``{thread}:{node}``, with
+    ``|{subgraph node}`` or ``#{Send index}`` after it: ``chat.namespace``)."""
+    return re.split(r"[|#]", agent_id[len(thread_prefix) :], maxsplit=1)[0]
 
 
 def time_of(checkpoint: Checkpoint) -> float:
@@ -196,6 +210,28 @@ class CacheLinker:
     def link(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
         self.settle()  # every commit before the checkpoint's time is in the history
         self.links.link(*where_of(saved), self.links.clock(time_of(checkpoint)))
+        self._tell_next(saved, checkpoint)
+
+    def _tell_next(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
+        """A step's checkpoint says which nodes run next: their agents are the last the hot
+        tier evicts (``Schedule.runs_next``), and those not hot start loading now."""
+        nodes = next_nodes(checkpoint)
+        if not nodes:
+            return
+        prefix = f"{saved['configurable']['thread_id']}:"
+        as_of = time_of(checkpoint)  # written while the next step may run already
+        for engine in self.engines:
+            hot = [a for a in engine.admin.hot_agents(prefix) if node_of(a, prefix) in nodes]
+            engine.admin.schedule.runs_next(hot, as_of)
+        if self.prefetch:
+            self._prefetch_next(CheckpointTuple(saved, checkpoint, {}, None, None), tell=True)
+
+    def interrupted(self, config: RunnableConfig) -> None:
+        """A task of the thread waits on a human (an interrupt): nothing of the thread runs
+        until one answers, so its agents are the first the hot tier evicts."""
+        prefix = f"{config['configurable']['thread_id']}:"
+        for engine in self.engines:
+            engine.admin.schedule.waits(engine.admin.hot_agents(prefix))
 
     def after_delete_for_runs(
         self, doomed: list[tuple[str, str, str]], latest: dict[str, CheckpointTuple | None]
@@ -255,9 +291,10 @@ class CacheLinker:
                 return
         self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
-    def _prefetch_next(self, tup: CheckpointTuple) -> None:
+    def _prefetch_next(self, tup: CheckpointTuple, tell: bool = False) -> None:
         """Start loading, in the background, the caches of the nodes that run next (a
-        resumed thread's first node then gets its first token from memory)."""
+        resumed thread's first node then gets its first token from memory); ``tell``: the
+        engines' schedules hear that they run next first (they then evict them last)."""
         nodes = next_nodes(tup.checkpoint)
         prefix = f"{tup.config['configurable']['thread_id']}:"
         self.engine  # noqa: B018 - built if not yet: the run this read starts needs it
@@ -265,11 +302,14 @@ class CacheLinker:
         # so any of its agents may be next: all are loaded, in the order they last ran.
         wanted: dict[str, list[AgentRecord]] = {}
         for engine, r in self._thread_agents(prefix[:-1]):
-            if not nodes or r.agent_id[len(prefix) :].split("|", 1)[0] in nodes:
+            if not nodes or node_of(r.agent_id, prefix) in nodes:
                 wanted.setdefault(engine.fingerprint, []).append(r)
         for fp, records in wanted.items():
             records.sort(key=lambda r: r.updated_at)
-            self.last_prefetch = self._engines[fp].admin.prefetch([r.agent_id for r in records])
+            ids = [r.agent_id for r in records]
+            if tell and nodes:
+                self._engines[fp].admin.schedule.runs_next(ids, time_of(tup.checkpoint))
+            self.last_prefetch = self._engines[fp].admin.prefetch(ids)
 
     def _before_request(self, agent_id: str, params: GenerationParams) -> None:
         """An engine request for ``agent_id`` (on the caller's thread, before it is queued):

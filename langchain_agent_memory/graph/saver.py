@@ -65,6 +65,10 @@ from .linker import CacheLinker, where_of
 from .links import Links, PostgresLinks
 from .sqlite_checkpoints import SqliteCheckpoints
 
+#: The channel LangGraph writes a task's interrupt to (its checkpoint format; the constant
+#: is private to LangGraph since 1.0): a write to it means the thread waits on a human.
+INTERRUPT = "__interrupt__"
+
 
 def _latest_config(thread_id: str, ns: str = "") -> RunnableConfig:
     return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns}}
@@ -326,11 +330,15 @@ class AgentMemorySaver(BaseCheckpointSaver[str]):
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
     ) -> None:
         self.inner.put_writes(config, writes, task_id, task_path)
+        if any(channel == INTERRUPT for channel, _ in writes):
+            self.linker.interrupted(config)
 
     async def aput_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
     ) -> None:
         await self.inner.aput_writes(config, writes, task_id, task_path)
+        if any(channel == INTERRUPT for channel, _ in writes):
+            self.linker.interrupted(config)
 
     # ------------------------------------------------------------------ threads
 

@@ -5,7 +5,7 @@ from and prefills), a pending save, and the policy of which agents stay hot."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from ..kv import LayerCache, RecurrentCache
@@ -78,26 +78,51 @@ class PendingSave:
 
 @dataclass(slots=True)
 class HotPolicy:
-    """How many agents keep live caches (LRU), and how many bytes of full-precision
-    working copies the most recent of them keep (a copy is ~3x the stored form; with it
-    the next request unpacks nothing)."""
+    """How many agents keep live caches (``max_agents``), how many bytes those caches may
+    take (``max_bytes``, stored form and working copies; None: no bound), and how many bytes
+    of full-precision working copies the most needed of them keep (a copy is ~3x the stored
+    form; with it the next request unpacks nothing). Which agents go first is the caller's
+    ``order`` (``schedule.Schedule``: by when each runs next; least recently used first among
+    those nothing was said of)."""
 
     max_agents: int
     work_budget_bytes: int
+    max_bytes: int | None = None
 
-    def enforce(self, hot: OrderedDict[str, AgentState], pinned: Collection[str] = ()) -> None:
-        """Drop the least recently used agents over ``max_agents`` (never ``pinned`` ones: a
-        save of theirs is not written yet, and their next request must not read an older
-        record), then the working copies over the budget."""
-        excess = len(hot) - self.max_agents
-        for agent in [a for a in hot if a not in pinned][: max(0, excess)]:
-            del hot[agent]
+    def enforce(
+        self,
+        hot: OrderedDict[str, AgentState],
+        pinned: Collection[str] = (),
+        order: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Drop agents, first to last in ``order`` (default: least recently used first), while
+        there are more than ``max_agents`` or they take more than ``max_bytes``, never a
+        ``pinned`` one (a save of theirs is not written yet, and their next request must not
+        read an older record); then drop the working copies over the budget, keeping those of
+        the agents last in ``order``. Returns the agents dropped."""
+        order = list(hot) if order is None else [a for a in order if a in hot]
+        victims = [a for a in order if a not in pinned]
+        dropped = []
+        total = sum(live_bytes(state) for state in hot.values()) if self.max_bytes is not None else 0
+        while victims and (
+            len(hot) > self.max_agents or (self.max_bytes is not None and total > self.max_bytes)
+        ):
+            agent = victims.pop(0)
+            gone = hot.pop(agent)
+            total -= live_bytes(gone) if self.max_bytes is not None else 0
+            dropped.append(agent)
         used = 0
-        for state in reversed(hot.values()):  # most recent first
-            for layer in state.layers or ():
+        for agent in reversed([a for a in order if a in hot]):  # most needed first
+            for layer in hot[agent].layers or ():
                 if used + layer.work_nbytes > self.work_budget_bytes:
                     layer.drop_work()
                 used += layer.work_nbytes
+        return dropped
+
+
+def live_bytes(state: AgentState) -> int:
+    """Bytes an agent's live caches hold (stored form and working copies)."""
+    return sum(layer.nbytes + layer.work_nbytes for layer in state.layers or ())
 
 
 def kept_from(layer: LayerCache, n_tokens: int) -> int:

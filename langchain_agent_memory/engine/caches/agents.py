@@ -30,6 +30,7 @@ from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
 from .restore import available_prefix, layers_from_blocks
 from .reuse import NOTHING, ReusePlan, plan_own, plan_shared
+from .schedule import Schedule
 from .states import BUDGET
 
 T = TypeVar("T")
@@ -62,6 +63,7 @@ class AgentCaches:
         tokenizer: Any,
         policy: HotPolicy,
         prefill_rotated: bool,
+        schedule: Schedule | None = None,
         serve_stored: bool = False,
         state_budget: float | None = BUDGET,
         reserved_rows: tuple[int, ...] | None = None,
@@ -77,7 +79,7 @@ class AgentCaches:
         self.state_budget = state_budget
         #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
         self.reserved_rows = reserved_rows
-        self.hot = HotAgents(policy, lambda: self.writes.saving_agents())
+        self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule)
         self.lock = self.hot.lock
         self.writes = CacheWrites(
             store=store, pool=pool, hot=self.hot, state_budget=state_budget, serve_stored=serve_stored
@@ -105,6 +107,7 @@ class AgentCaches:
     def admit(self, agent_id: str, prompt: str, lease: Lease | None = None) -> Admission:
         """The caches a request for ``prompt`` starts from, loaded, and what to prefill.
         ``lease``: the agent's, taken already (off this thread: ``admissions``)."""
+        self.hot.schedule.started(agent_id)  # what was said of this turn is spent
         with self.lock:
             hot = self.hot.get(agent_id)
             # A shared store: take the agent's lease; another worker saved it since: reread.
@@ -377,3 +380,12 @@ class AgentCaches:
 
     def working_copy_bytes(self) -> int:
         return self.hot.working_copy_bytes()
+
+    def hot_tier(self) -> dict[str, Any]:
+        """The hot tier's bounds and state (``Engine.stats``)."""
+        policy, schedule = self.hot.policy, self.hot.schedule
+        return {
+            "agents": len(self.hot), "bytes": self.hot.live_bytes(), "max_agents": policy.max_agents,
+            "hot_bytes": policy.max_bytes, "tool_ttl_s": schedule.tool_ttl_s,
+            "evictions": self.hot.evictions, "told": schedule.told(),
+        }  # fmt: skip

@@ -1,7 +1,8 @@
 """The hot tier: agents whose caches are live in memory, most recently used last, under the
 lock the model's steps hold (``lock``: it guards this table, the pool's memory tier and the
 live layer caches). Threads other than the model's (a shared store's admissions, stats)
-read it through the methods here, which take the lock."""
+read it through the methods here, which take the lock. Which agent leaves first when the
+tier is full is the ``schedule``'s call (by when each runs next; LRU where it knows nothing)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
-from .agent_state import AgentState, HotPolicy
+from .agent_state import AgentState, HotPolicy, live_bytes
+from .schedule import Schedule
 
 
 class HotAgents:
-    """Live agents of one engine (LRU order), kept within ``policy``."""
+    """Live agents of one engine (LRU order), kept within ``policy``, evicted in the
+    ``schedule``'s order."""
 
-    def __init__(self, policy: HotPolicy, pinned: Callable[[], Collection[str]]) -> None:
+    def __init__(
+        self, policy: HotPolicy, pinned: Callable[[], Collection[str]], schedule: Schedule | None = None
+    ) -> None:
         self.policy = policy
+        self.schedule = schedule or Schedule()
+        #: agents dropped to make room (``Engine.stats``)
+        self.evictions = 0
         #: agents never dropped to make room (a save of theirs is not written yet)
         self._pinned = pinned
         self._states: OrderedDict[str, AgentState] = OrderedDict()
@@ -30,6 +38,11 @@ class HotAgents:
 
     def __getitem__(self, agent_id: str) -> AgentState:
         return self._states[agent_id]
+
+    def ids(self, prefix: str = "") -> list[str]:
+        """The live agents whose ids start with ``prefix``, least recently used first."""
+        with self.lock:
+            return [a for a in self._states if a.startswith(prefix)]
 
     def get(self, agent_id: str) -> AgentState | None:
         with self.lock:
@@ -50,12 +63,15 @@ class HotAgents:
             return state.version if state is not None else None
 
     def keep(self, agent_id: str, state: AgentState) -> None:
-        """``state`` is the agent's live cache, the most recent; the least recent past the
-        policy's bounds are dropped (their working copies first)."""
+        """``state`` is the agent's live cache, the most recent; past the policy's bounds the
+        least needed others are dropped (``schedule``; their working copies first). This one
+        goes last: its caller may yet say when it is needed (a reply that made tool calls)."""
         with self.lock:
             self._states[agent_id] = state
             self._states.move_to_end(agent_id)
-            self.policy.enforce(self._states, self._pinned())
+            others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
+            dropped = self.policy.enforce(self._states, self._pinned(), [*others, agent_id])
+            self.evictions += len(dropped)
 
     def drop(self, agent_id: str | None = None, *, only: AgentState | None = None) -> None:
         """Forget one agent's live cache (``only``: if it is still that one), or all."""
@@ -64,6 +80,11 @@ class HotAgents:
                 self._states.clear()
             elif only is None or self._states.get(agent_id) is only:
                 self._states.pop(agent_id, None)
+
+    def live_bytes(self) -> int:
+        """Bytes the live agents' caches hold (stored form and working copies)."""
+        with self.lock:
+            return sum(live_bytes(state) for state in self._states.values())
 
     def working_copy_bytes(self) -> int:
         """Bytes of full-precision working copies the live agents keep."""

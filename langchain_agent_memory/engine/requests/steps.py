@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -110,6 +111,8 @@ class RequestSteps:
         #: Fork prefixes in-flight requests share (``forks``); off: each prefills its own.
         self.share_prefixes = share_prefixes
         self.inflight: list[Request] = []  # admitted, not finished: candidate sources
+        #: Requests admitted, by where their cache came from (hot / warm / cold).
+        self.turns: Counter[str] = Counter()
         #: Decode runs one step ahead (``_decode_ahead``); off, each step reads its tokens
         #: before the next step is built (benchmarks/decode_ahead.py).
         self.decode_ahead = True
@@ -121,6 +124,7 @@ class RequestSteps:
         try:
             start = self.agents.admit(req.agent_id, req.prompt, req.lease)
             req.start, req.timings.load_s = start, start.load_s
+            self.turns[start.source.value] += 1
             prompt_tokens = start.reused + len(start.tail)
             p = req.params
             limit = min(self.context_length, p.context_length or self.context_length)

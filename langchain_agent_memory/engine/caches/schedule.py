@@ -1,0 +1,107 @@
+"""When each agent runs next, as far as the engine is told: the hot tier's eviction order.
+
+Least-recently-used eviction drops the agent used longest ago, which in a graph is often the
+very one whose turn comes next: a supervisor that routed to a worker a moment ago, a worker
+whose tool is still running. The engine is told more where someone knows it:
+
+- a graph's checkpointer names the agents of the tasks that run next (``runs_next``) as soon
+  as a step's checkpoint is written, and those of tasks waiting on a human (``waits``: far,
+  evicted first);
+- a reply that made tool calls: its agent comes back when the tool returns (``awaits_tool``;
+  kept for ``tool_ttl_s``, after which it ranks as any other);
+- a request that starts for an agent consumes what was said of it (``started``); what a
+  checkpoint older than that request says of it is stale and ignored (LangGraph writes a
+  step's checkpoint while the next step already runs).
+
+Agents nothing was said of rank by recency, behind those a human holds up and ahead of those
+that run next or wait on a tool: requests without a graph (a server, a plain chain) see plain
+LRU. What was said expires (``hint_ttl_s``): a thread abandoned mid-run pins nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Need(IntEnum):
+    """How soon an agent is needed, as the engine was told (higher: sooner; the hot tier
+    evicts the lowest first, least recently used first within one)."""
+
+    WAITING = 0  # on a human (an interrupt): far
+    UNKNOWN = 1  # nothing said: by recency
+    TOOL = 2  # its reply made tool calls: back when they return
+    NEXT = 3  # a task of its graph runs next
+
+
+@dataclass(frozen=True, slots=True)
+class _Hint:
+    need: Need
+    until: float  # monotonic time it expires
+
+
+class Schedule:
+    """What the engine was told of its agents' next turns (thread-safe)."""
+
+    def __init__(
+        self, tool_ttl_s: float = 30.0, hint_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.tool_ttl_s, self.hint_ttl_s, self._clock = tool_ttl_s, hint_ttl_s, clock
+        self._hints: dict[str, _Hint] = {}
+        #: agent -> when (``time.time()``) its latest request started
+        self._started: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def runs_next(self, agent_ids: Iterable[str], as_of: float | None = None) -> None:
+        """These agents' tasks run next (a graph's pending ``Send``s and nodes), as of the
+        time ``as_of`` (``time.time()``; a checkpoint's): an agent whose request started
+        since has run already."""
+        if as_of is not None:
+            with self._lock:
+                agent_ids = [a for a in agent_ids if self._started.get(a, float("-inf")) <= as_of]
+        self._say(agent_ids, Need.NEXT, self.hint_ttl_s)
+
+    def waits(self, agent_ids: Iterable[str]) -> None:
+        """These agents wait on a human (an interrupt): their turns are far."""
+        self._say(agent_ids, Need.WAITING, self.hint_ttl_s)
+
+    def awaits_tool(self, agent_id: str) -> None:
+        """The agent's reply made tool calls: it comes back when they return."""
+        self._say([agent_id], Need.TOOL, self.tool_ttl_s)
+
+    def started(self, agent_id: str) -> None:
+        """A request for the agent started: what was said of its next turn is spent."""
+        with self._lock:
+            self._hints.pop(agent_id, None)
+            self._started[agent_id] = time.time()
+
+    def need(self, agent_id: str) -> Need:
+        with self._lock:
+            hint = self._hints.get(agent_id)
+            if hint is None:
+                return Need.UNKNOWN
+            if hint.until < self._clock():
+                del self._hints[agent_id]
+                return Need.UNKNOWN
+            return hint.need
+
+    def eviction_order(self, lru: Sequence[str]) -> list[str]:
+        """``lru`` (least recently used first) in the order to evict: least needed first,
+        least recently used first among equals."""
+        return sorted(lru, key=self.need)  # stable: recency kept within a need
+
+    def told(self) -> dict[str, int]:
+        """How many agents each hint stands for now (``Engine.stats``)."""
+        now = self._clock()
+        with self._lock:
+            live = [h.need for h in self._hints.values() if h.until >= now]
+        return {need.name.lower(): live.count(need) for need in Need if need is not Need.UNKNOWN}
+
+    def _say(self, agent_ids: Iterable[str], need: Need, ttl_s: float) -> None:
+        until = self._clock() + ttl_s
+        with self._lock:
+            for agent_id in agent_ids:
+                self._hints[agent_id] = _Hint(need, until)
