@@ -59,7 +59,8 @@ class EngineConfig:
     The hot tier: at most ``hot_agents`` agents keep live caches, taking at most ``hot_bytes``
     (None: no byte bound); which leaves first is decided by when each runs next, as a graph's
     checkpointer tells it (``caches.schedule``), least recently used where nothing was said;
-    an agent whose reply made tool calls stays for ``tool_ttl_s`` waiting for their results.
+    an agent whose reply made tool calls stays for ``tool_ttl_s`` waiting for their results;
+    ``eviction="lru"``: least recently used first, whatever was said.
     """
 
     cache_dir: Path
@@ -88,6 +89,9 @@ class EngineConfig:
     hot_bytes: int | None = None
     #: seconds an agent whose reply made tool calls stays hot waiting for their results
     tool_ttl_s: float = 30.0
+    #: which hot agent leaves first: ``"schedule"`` (by when each runs next, as told; LRU
+    #: where nothing was said) or ``"lru"`` (least recently used, whatever is said)
+    eviction: str = "schedule"
     #: ``hot_budget_bytes`` was given, not the device's default: a shared engine found again
     #: for this config raises its budget to it (``registry.shared_engine``)
     hot_budget_asked: bool = False
@@ -139,6 +143,7 @@ class EngineConfig:
         state_budget: float | None = 1.0,
         hot_bytes: int | None = None,
         tool_ttl_s: float = 30.0,
+        eviction: str = "schedule",
         lazy_store: bool | None = None,
         handoff_wait_s: float | None = None,
         weight_dtype: str | None = None,
@@ -159,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
         if hot_bytes is not None and hot_bytes < 0:
             raise ValueError(f"hot_bytes must be a number of bytes (or None: no bound), not {hot_bytes}")
+        if eviction not in ("schedule", "lru"):
+            raise ValueError(f"eviction must be 'schedule' or 'lru', not {eviction!r}")
         if not tool_ttl_s >= 0:
             raise ValueError(f"tool_ttl_s must be seconds (0: no wait for tool results), not {tool_ttl_s}")
         return cls(
@@ -192,6 +199,7 @@ class EngineConfig:
             hot_budget_asked=hot_budget_bytes is not None,
             hot_bytes=hot_bytes,
             tool_ttl_s=tool_ttl_s,
+            eviction=eviction,
         )
 
 

@@ -131,7 +131,7 @@ class Engine:
         self.agents = AgentCaches(
             spec=self.spec, quant=self.quant, store=self._store, pool=self.pool,
             tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
-            schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s),
+            schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule"),
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows,
         )  # fmt: skip

@@ -387,5 +387,6 @@ class AgentCaches:
         return {
             "agents": len(self.hot), "bytes": self.hot.live_bytes(), "max_agents": policy.max_agents,
             "hot_bytes": policy.max_bytes, "tool_ttl_s": schedule.tool_ttl_s,
+            "eviction": "schedule" if schedule.follow else "lru",
             "evictions": self.hot.evictions, "told": schedule.told(),
         }  # fmt: skip

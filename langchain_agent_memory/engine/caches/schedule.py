@@ -47,9 +47,16 @@ class Schedule:
     """What the engine was told of its agents' next turns (thread-safe)."""
 
     def __init__(
-        self, tool_ttl_s: float = 30.0, hint_ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+        self,
+        tool_ttl_s: float = 30.0,
+        hint_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        follow: bool = True,
     ) -> None:
         self.tool_ttl_s, self.hint_ttl_s, self._clock = tool_ttl_s, hint_ttl_s, clock
+        #: False: what is said is ignored, eviction is least recently used (``eviction="lru"``)
+        self.follow = follow
         self._hints: dict[str, _Hint] = {}
         #: agent -> when (``time.time()``) its latest request started
         self._started: dict[str, float] = {}
@@ -79,6 +86,8 @@ class Schedule:
             self._started[agent_id] = time.time()
 
     def need(self, agent_id: str) -> Need:
+        if not self.follow:
+            return Need.UNKNOWN
         with self._lock:
             hint = self._hints.get(agent_id)
             if hint is None:
