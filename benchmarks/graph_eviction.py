@@ -124,8 +124,9 @@ def build(llm: Any, saver: Any, thread: int, seed: int) -> Any:
         interrupt("approve this round?")
         return {}
 
-    def route(state: State) -> str:
-        return WORKERS[state["step"] - 1] if state["step"] <= len(WORKERS) else "review"
+    def route(state: State) -> str:  # the supervisor's turn ``step`` (from 1) set ``step + 1``
+        done = state["step"] - 2  # workers run before it
+        return WORKERS[done] if done < len(WORKERS) else "review"
 
     graph = StateGraph(State)
     graph.add_node("sup", sup)

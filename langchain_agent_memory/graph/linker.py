@@ -37,6 +37,7 @@ from ..engine import (
     watch_engines,
 )
 from .links import Link, Links
+from .step_order import StepOrder
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class CacheLinker:
         #: (thread, namespace) -> the older checkpoint a read named (and its time): the
         #: caches go back to it when a run resumes from it, not when it is read.
         self._pending: dict[tuple[str, str], dict[str, Any]] = {}
+        self._steps = StepOrder()  # which nodes follow which: the step after next
         self._rewinding = threading.Lock()  # one rewind at a time; requests wait for it
         #: Engines of the cache directory built in this process, by store fingerprint.
         self._engines: dict[str, Engine] = {}
@@ -215,14 +217,17 @@ class CacheLinker:
     def _tell_next(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
         """A step's checkpoint says which nodes run next: their agents are the last the hot
         tier evicts (``Schedule.runs_next``), and those not hot start loading now."""
+        thread = str(saved["configurable"]["thread_id"])
         nodes = next_nodes(checkpoint)
+        soon = self._steps.saw(thread, nodes)
         if not nodes:
             return
-        prefix = f"{saved['configurable']['thread_id']}:"
+        prefix = f"{thread}:"
         as_of = time_of(checkpoint)  # written while the next step may run already
         for engine in self.engines:
-            hot = [a for a in engine.admin.hot_agents(prefix) if node_of(a, prefix) in nodes]
-            engine.admin.schedule.runs_next(hot, as_of)
+            hot = engine.admin.hot_agents(prefix)
+            engine.admin.schedule.runs_next([a for a in hot if node_of(a, prefix) in nodes], as_of)
+            engine.admin.schedule.runs_soon([a for a in hot if node_of(a, prefix) in soon], as_of)
         if self.prefetch:
             self._prefetch_next(CheckpointTuple(saved, checkpoint, {}, None, None), tell=True)
 
@@ -366,6 +371,7 @@ class CacheLinker:
 
     def forget_thread(self, thread_id: str) -> None:
         self.settle()  # no commit of the thread is recorded after this
+        self._steps.forget(thread_id)
         for engine, record in self._thread_agents(thread_id):
             engine.admin.delete(record.agent_id)
         self.links.drop_thread(thread_id)

@@ -80,8 +80,9 @@ def test_what_was_said_expires_and_a_request_spends_it() -> None:
     schedule.runs_next(["n"])
     schedule.waits(["w"])
     schedule.awaits_tool("t")
-    assert schedule.eviction_order(["n", "t", "u", "w"]) == ["w", "u", "t", "n"]
-    assert schedule.told() == {"waiting": 1, "tool": 1, "next": 1}
+    schedule.runs_soon(["s", "n"])  # a step later: n stays next
+    assert schedule.eviction_order(["n", "s", "t", "u", "w"]) == ["w", "u", "s", "t", "n"]
+    assert schedule.told() == {"waiting": 1, "soon": 1, "tool": 1, "next": 1}
     now[0] = 6.0  # the tool did not come back in time: ranked as any other
     assert schedule.need("t") is Need.UNKNOWN and schedule.eviction_order(["u", "t"]) == ["u", "t"]
     schedule.started("n")  # its turn came

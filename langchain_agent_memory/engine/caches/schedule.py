@@ -5,8 +5,9 @@ very one whose turn comes next: a supervisor that routed to a worker a moment ag
 whose tool is still running. The engine is told more where someone knows it:
 
 - a graph's checkpointer names the agents of the tasks that run next (``runs_next``) as soon
-  as a step's checkpoint is written, and those of tasks waiting on a human (``waits``: far,
-  evicted first);
+  as a step's checkpoint is written, those of the step after (``runs_soon``: the nodes seen
+  to follow those, a supervisor its workers return to), and those of tasks waiting on a
+  human (``waits``: far, evicted first);
 - a reply that made tool calls: its agent comes back when the tool returns (``awaits_tool``;
   kept for ``tool_ttl_s``, after which it ranks as any other);
 - a request that starts for an agent consumes what was said of it (``started``); what a
@@ -33,8 +34,9 @@ class Need(IntEnum):
 
     WAITING = 0  # on a human (an interrupt): far
     UNKNOWN = 1  # nothing said: by recency
-    TOOL = 2  # its reply made tool calls: back when they return
-    NEXT = 3  # a task of its graph runs next
+    SOON = 2  # the step after the next one
+    TOOL = 3  # its reply made tool calls: back when they return
+    NEXT = 4  # a task of its graph runs next
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +68,17 @@ class Schedule:
         """These agents' tasks run next (a graph's pending ``Send``s and nodes), as of the
         time ``as_of`` (``time.time()``; a checkpoint's): an agent whose request started
         since has run already."""
-        if as_of is not None:
-            with self._lock:
-                agent_ids = [a for a in agent_ids if self._started.get(a, float("-inf")) <= as_of]
-        self._say(agent_ids, Need.NEXT, self.hint_ttl_s)
+        self._say(self._fresh(agent_ids, as_of), Need.NEXT, self.hint_ttl_s)
+
+    def _fresh(self, agent_ids: Iterable[str], as_of: float | None) -> list[str]:
+        """Those of ``agent_ids`` whose latest request started before ``as_of``."""
+        with self._lock:
+            return [a for a in agent_ids if as_of is None or self._started.get(a, float("-inf")) <= as_of]
+
+    def runs_soon(self, agent_ids: Iterable[str], as_of: float | None = None) -> None:
+        """These agents run in the step after the next one (as far as the graph has shown:
+        ``runs_next``'s ``as_of``); what was said of them already is not lowered."""
+        self._say(self._fresh(agent_ids, as_of), Need.SOON, self.hint_ttl_s, raise_only=True)
 
     def waits(self, agent_ids: Iterable[str]) -> None:
         """These agents wait on a human (an interrupt): their turns are far."""
@@ -109,8 +118,11 @@ class Schedule:
             live = [h.need for h in self._hints.values() if h.until >= now]
         return {need.name.lower(): live.count(need) for need in Need if need is not Need.UNKNOWN}
 
-    def _say(self, agent_ids: Iterable[str], need: Need, ttl_s: float) -> None:
-        until = self._clock() + ttl_s
+    def _say(self, agent_ids: Iterable[str], need: Need, ttl_s: float, raise_only: bool = False) -> None:
+        now = self._clock()
         with self._lock:
             for agent_id in agent_ids:
-                self._hints[agent_id] = _Hint(need, until)
+                held = self._hints.get(agent_id)
+                if raise_only and held is not None and held.until >= now and held.need >= need:
+                    continue
+                self._hints[agent_id] = _Hint(need, now + ttl_s)
