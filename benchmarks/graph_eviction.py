@@ -96,7 +96,10 @@ def build(llm: Any, saver: Any, thread: int, seed: int) -> Any:
 
     prompts = _system_prompts(thread)
     rng = random.Random(seed)
+    # The tools stay bound on every turn of a worker, as an agent loop binds them: the
+    # system text (which lists them) is then the same turn after turn.
     tools = llm.bind_tools([inventory], tool_choice="inventory").bind(max_tokens=40)  # the whole call
+    answers = llm.bind_tools([inventory])
 
     def sup(state: State) -> dict[str, Any]:
         hist = state["hist"].get("sup", [])
@@ -114,7 +117,7 @@ def build(llm: Any, saver: Any, thread: int, seed: int) -> Any:
             time.sleep(rng.uniform(0.2, 2.0))  # the tool runs
             first = call.tool_calls[0]
             result = ToolMessage(str(inventory.invoke(first["args"])), tool_call_id=first["id"])
-            answer = llm.invoke([*msgs, call, result])
+            answer = answers.invoke([*msgs, call, result])
             rows = [_row(name, call), _row(name, answer)]
             return {"hist": {name: [*hist, ask, call, result, answer]}, "rows": rows}
 

@@ -10,6 +10,7 @@ import contextlib
 import glob
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -131,18 +132,19 @@ class PostgresServer:
 
 
 def _free_port() -> int:
-    # weed also listens on port + 10000 (gRPC): stay below 55535.
+    """A port free now, and its + 10000 (weed's gRPC listens there), both below the kernel's
+    ephemeral range (32768 and up by default): the suite's many client connections take
+    ephemeral ports, and one could take a port picked here before weed binds it."""
+    rng = random.Random()
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 55000:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
+        port = rng.randrange(20000, 22768)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
 
 
 class SeaweedServer:
@@ -171,7 +173,18 @@ class SeaweedServer:
             ]
             (self.root / "s3.json").write_text(json.dumps({"identities": identities}))
             self.extra = [f"-s3.config={self.root / 's3.json'}"]
-        self.start()
+        for attempt in range(3):  # a port taken between the pick and weed's bind: pick again
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == 2 or b"address already in use" not in (self.root / "log").read_bytes():
+                    raise
+                self.stop()
+                for stale in self.root.iterdir():  # what the failed start wrote, not the config
+                    if stale.name != "s3.json":
+                        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+                self.ports = {k: _free_port() for k in ("master", "volume", "filer", "s3")}
 
     @property
     def endpoint(self) -> str:
