@@ -62,10 +62,9 @@ class LocalTier:
         of ``hashes`` is on this worker's disk."""
         missing = [h for h in hashes if not self._local.has_block(h)]
         if missing:
-            leading = next(i for i, h in enumerate(hashes) if not self._local.has_block(h))
             raise BlocksUnavailableError(
                 f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
-                leading,
+                self._local.leading_blocks(hashes),
             )
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:

@@ -118,15 +118,11 @@ class SharedBlocks:
         if failed is None:
             self.local.note_blocks(missing)  # counted in this worker's disk use
             return
-        available = self._leading_here(hashes)
+        available = self.local.leading_blocks(hashes)
         if isinstance(failed, BlockMissingError):
             raise failed
         self.reach.down(failed)
         raise BlocksUnavailableError(f"shared store: {failed}", available)
-
-    def _leading_here(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading ``hashes`` are on this worker's disk."""
-        return next((i for i, h in enumerate(hashes) if not self.local.has_block(h)), len(hashes))
 
     def _download(self, h: BlockHash) -> None:
         data = self.objects.get(self.objects.key(self.fingerprint, h))

@@ -109,6 +109,10 @@ class DiskBlockStore:
     def end(self, agent_id: str) -> None:
         """A request for the agent ended without a commit (a shared store's lease)."""
 
+    def leading_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, are here."""
+        return next((i for i, h in enumerate(hashes) if not self.has_block(h)), len(hashes))
+
     def local_tier(self) -> DiskBlockStore:
         """What the engine's model thread reads (``local_tier``): all of this store, which
         never waits on a network."""
