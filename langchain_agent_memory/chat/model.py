@@ -53,7 +53,8 @@ from ..engine import (
     validate_agent_id,
 )
 from . import prompt, reasoning
-from .errors import langchain_errors, refuse_unknown_arguments
+from .counting import count_message_tokens
+from .errors import langchain_errors, refuse_unknown_arguments, refuse_unknown_call_options
 from .fan_out import per_item_configs
 from .namespace import agent_namespace
 from .profile import model_profile
@@ -259,19 +260,9 @@ class ChatAgentMemory(BaseChatModel):
     def get_num_tokens_from_messages(
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
     ) -> int:
-        """Tokens the model reads for ``messages`` (and ``tools``) from scratch: the prompt
-        as rendered for a call (chat template, tool listing), so the count equals a cold
-        call's ``usage_metadata["input_tokens"]``."""
-        if not messages:
-            return 0
-        engine = self.engine
-        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
-        try:
-            text = prompt.render(engine.tokenizer, messages, formatted)
-        except Exception:  # a strict template may refuse a partial conversation (as
-            # ``trim_messages`` counts slices of one): count each message's text instead.
-            return sum(engine.count_tokens(prompt.text_of(m.content)) for m in messages)
-        return engine.count_tokens(text)
+        """Tokens the model reads for ``messages`` (and ``tools``) from scratch, the few of a
+        call's generation prompt not included: counts of parts add up (``counting``)."""
+        return count_message_tokens(self.engine, messages, [convert_to_openai_tool(t) for t in tools or ()])
 
     @property
     def engine(self) -> Engine:
@@ -332,6 +323,7 @@ class ChatAgentMemory(BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, run_manager: Any, kwargs: dict[str, Any]
     ) -> ChatRequest:
+        refuse_unknown_call_options(kwargs)  # ``invoke(..., temprature=0.2)``: named, not ignored
         engine = self._engine_for(kwargs.get("model", self.model))
         metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata", {})
         agent = agent_namespace(kwargs.get("agent_id") or self.agent_id, metadata)
@@ -432,6 +424,10 @@ class ChatAgentMemory(BaseChatModel):
                     yield out
 
     # ------------------------------------------------------------------ tools and structure
+
+    def bind(self, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        refuse_unknown_call_options(kwargs)  # ``.bind(temprature=...)`` fails here, not at the call
+        return super().bind(**kwargs)
 
     def bind_tools(
         self,

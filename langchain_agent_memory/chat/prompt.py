@@ -65,10 +65,13 @@ def render(
     messages: Sequence[BaseMessage],
     tools: Sequence[dict[str, Any]] | None = None,
     response_schema: dict[str, Any] | None = None,
+    *,
+    generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> str:
-    """The prompt text for ``messages`` (ending with the assistant's generation prompt), in
-    the template's own tool format where it has one (``tool_formats``), else Hermes."""
+    """The prompt text for ``messages`` (ending with the assistant's generation prompt unless
+    ``generation_prompt`` is False), in the template's own tool format where it has one
+    (``tool_formats``), else Hermes."""
     if not messages:
         raise ValueError("no messages to send: pass at least one message")
     if not getattr(tokenizer, "chat_template", None):
@@ -80,12 +83,12 @@ def render(
             with_listing(dicts, schema_system_text(response_schema))
         kwargs = {"tools": list(tools)} if tools else {}
         return tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=True, tokenize=False, **kwargs, **template_kwargs
+            dicts, add_generation_prompt=generation_prompt, tokenize=False, **kwargs, **template_kwargs
         )
     dicts = to_dicts(messages, tools, response_schema)
     try:
         return tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=True, tokenize=False, **template_kwargs
+            dicts, add_generation_prompt=generation_prompt, tokenize=False, **template_kwargs
         )
     except Exception:
         if not any(d["role"] == "tool" for d in dicts):
@@ -94,7 +97,7 @@ def render(
         # go in as user turns, still wrapped in <tool_response>.
         dicts = [{**d, "role": "user"} if d["role"] == "tool" else d for d in dicts]
         return tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=True, tokenize=False, **template_kwargs
+            dicts, add_generation_prompt=generation_prompt, tokenize=False, **template_kwargs
         )
 
 

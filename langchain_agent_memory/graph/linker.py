@@ -95,6 +95,10 @@ class CacheLinker:
         #: caches go back to it when a run resumes from it, not when it is read.
         self._pending: dict[tuple[str, str], dict[str, Any]] = {}
         self._steps = StepOrder()  # which nodes follow which: the step after next
+        #: fingerprint -> ids of agents with a cache (``_known_agents``), threads listed once
+        self._known: dict[str, set[str]] = {}
+        self._listed: set[str] = set()
+        self._known_lock = threading.Lock()
         self._rewinding = threading.Lock()  # one rewind at a time; requests wait for it
         #: Engines of the cache directory built in this process, by store fingerprint.
         self._engines: dict[str, Engine] = {}
@@ -215,8 +219,10 @@ class CacheLinker:
         self._tell_next(saved, checkpoint)
 
     def _tell_next(self, saved: RunnableConfig, checkpoint: Checkpoint) -> None:
-        """A step's checkpoint says which nodes run next: their agents are the last the hot
-        tier evicts (``Schedule.runs_next``), and those not hot start loading now."""
+        """A step's checkpoint says which nodes run next, and ``StepOrder`` which run in the
+        step after: the engines' schedules hear it (they evict those agents last), and those
+        not live start loading now, the next step's first, while this step still runs (a
+        supervisor is back in memory before its worker is done)."""
         thread = str(saved["configurable"]["thread_id"])
         nodes = next_nodes(checkpoint)
         soon = self._steps.saw(thread, nodes)
@@ -224,12 +230,35 @@ class CacheLinker:
             return
         prefix = f"{thread}:"
         as_of = time_of(checkpoint)  # written while the next step may run already
-        for engine in self.engines:
-            hot = engine.admin.hot_agents(prefix)
-            engine.admin.schedule.runs_next([a for a in hot if node_of(a, prefix) in nodes], as_of)
-            engine.admin.schedule.runs_soon([a for a in hot if node_of(a, prefix) in soon], as_of)
-        if self.prefetch:
-            self._prefetch_next(CheckpointTuple(saved, checkpoint, {}, None, None), tell=True)
+        for engine, ids in self._known_agents(thread):
+            schedule = engine.admin.schedule
+            upcoming = [a for a in ids if node_of(a, prefix) in nodes]
+            later = [a for a in ids if node_of(a, prefix) in soon] if schedule.follow else []
+            schedule.runs_next(upcoming, as_of)
+            schedule.runs_soon(later, as_of)
+            if self.prefetch and (upcoming or later):
+                self.last_prefetch = engine.admin.prefetch(upcoming + later)
+
+    def _known_agents(self, thread_id: str) -> list[tuple[Engine, list[str]]]:
+        """The thread's agents with a cache, by engine, without a read of the store per step:
+        those committed in this process, and, once per thread, those stored before."""
+        with self._known_lock:
+            listed = thread_id in self._listed
+            self._listed.add(thread_id)
+        if not listed:
+            for engine, record in self._thread_agents(thread_id):
+                self._note(engine, record.agent_id)
+        prefix = f"{thread_id}:"
+        with self._known_lock:
+            return [
+                (e, ids)
+                for e in self.engines
+                if (ids := sorted(a for a in self._known.get(e.fingerprint, ()) if a.startswith(prefix)))
+            ]
+
+    def _note(self, engine: Engine, agent_id: str) -> None:
+        with self._known_lock:
+            self._known.setdefault(engine.fingerprint, set()).add(agent_id)
 
     def interrupted(self, config: RunnableConfig) -> None:
         """A task of the thread waits on a human (an interrupt): nothing of the thread runs
@@ -274,6 +303,7 @@ class CacheLinker:
     def _on_commit(self, engine: Engine, record: AgentRecord) -> None:
         """A request of ``engine`` committed ``record``: keep it as a snapshot in the history."""
         if not record.agent_id.startswith(SNAPSHOT_PREFIX):
+            self._note(engine, record.agent_id)
             self._remember(engine, record.agent_id, record, record.updated_at)
 
     def _remember(
@@ -296,10 +326,9 @@ class CacheLinker:
                 return
         self.links.remember(engine.fingerprint, agent_id, at, digest, replace=replace)
 
-    def _prefetch_next(self, tup: CheckpointTuple, tell: bool = False) -> None:
+    def _prefetch_next(self, tup: CheckpointTuple) -> None:
         """Start loading, in the background, the caches of the nodes that run next (a
-        resumed thread's first node then gets its first token from memory); ``tell``: the
-        engines' schedules hear that they run next first (they then evict them last)."""
+        resumed thread's first node then gets its first token from memory)."""
         nodes = next_nodes(tup.checkpoint)
         prefix = f"{tup.config['configurable']['thread_id']}:"
         self.engine  # noqa: B018 - built if not yet: the run this read starts needs it
@@ -307,14 +336,12 @@ class CacheLinker:
         # so any of its agents may be next: all are loaded, in the order they last ran.
         wanted: dict[str, list[AgentRecord]] = {}
         for engine, r in self._thread_agents(prefix[:-1]):
+            self._note(engine, r.agent_id)
             if not nodes or node_of(r.agent_id, prefix) in nodes:
                 wanted.setdefault(engine.fingerprint, []).append(r)
         for fp, records in wanted.items():
             records.sort(key=lambda r: r.updated_at)
-            ids = [r.agent_id for r in records]
-            if tell and nodes:
-                self._engines[fp].admin.schedule.runs_next(ids, time_of(tup.checkpoint))
-            self.last_prefetch = self._engines[fp].admin.prefetch(ids)
+            self.last_prefetch = self._engines[fp].admin.prefetch([r.agent_id for r in records])
 
     def _before_request(self, agent_id: str, params: GenerationParams) -> None:
         """An engine request for ``agent_id`` (on the caller's thread, before it is queued):
@@ -372,6 +399,10 @@ class CacheLinker:
     def forget_thread(self, thread_id: str) -> None:
         self.settle()  # no commit of the thread is recorded after this
         self._steps.forget(thread_id)
+        with self._known_lock:
+            self._listed.discard(thread_id)
+            for ids in self._known.values():
+                ids.difference_update([a for a in ids if a.startswith(f"{thread_id}:")])
         for engine, record in self._thread_agents(thread_id):
             engine.admin.delete(record.agent_id)
         self.links.drop_thread(thread_id)

@@ -2,9 +2,15 @@
 
 A checkpoint names the nodes its thread runs next (``linker.next_nodes``), and only those.
 Written while that step already runs, it tells the hot tier little it could still act on;
-what lets it keep an agent is knowing a step further: a supervisor whose worker is running
-comes back when the worker is done. ``StepOrder`` notes, over every thread of the saver,
-which nodes followed which, and answers with the nodes seen to follow the next ones.
+what lets it keep an agent, or load it before its turn, is knowing a step further: a
+supervisor whose worker is running comes back when the worker is done.
+
+``StepOrder`` notes, over every thread of the saver (node names are the graph's), which
+nodes followed which, and predicts the step after next from the last two steps: after
+``w3 -> sup`` came ``w4`` last time, so while the supervisor runs after ``w3``, ``w4`` is
+soon. Where that pair was never seen, the nodes seen after the next step alone are taken,
+unless there are more than ``fan_limit`` of them: a supervisor seen to route to eleven
+workers predicts none of them (loading all eleven would evict the ones that are needed).
 """
 
 from __future__ import annotations
@@ -12,26 +18,37 @@ from __future__ import annotations
 import threading
 from collections.abc import Set
 
+Step = frozenset[str]
+
 
 class StepOrder:
     """Successions of nodes seen in checkpoints (thread-safe; a few names per node)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fan_limit: int = 2) -> None:
+        self.fan_limit = fan_limit
         self._after: dict[str, set[str]] = {}  # node -> nodes seen in the step after it
-        self._last: dict[str, frozenset[str]] = {}  # thread -> the nodes its last checkpoint named
+        self._after_pair: dict[tuple[Step, Step], Step] = {}  # (step, next step) -> the one after, last seen
+        self._last: dict[str, tuple[Step, Step]] = {}  # thread -> its last two steps (oldest first)
         self._lock = threading.Lock()
 
     def saw(self, thread: str, nodes: Set[str]) -> set[str]:
-        """``thread``'s next step runs ``nodes``: note that they followed its previous step's,
-        and return the nodes seen to follow these (the step after next), less these."""
+        """``thread``'s next step runs ``nodes``: note that they followed its previous steps,
+        and return the nodes predicted for the step after (less these)."""
+        step: Step = frozenset(nodes)
         with self._lock:
-            for before in self._last.get(thread, ()):
-                self._after.setdefault(before, set()).update(nodes)
-            self._last[thread] = frozenset(nodes)
-            soon: set[str] = set()
-            for node in nodes:
-                soon |= self._after.get(node, set())
-            return soon - set(nodes)
+            before, previous = self._last.get(thread, (frozenset(), frozenset()))
+            for node in previous:
+                self._after.setdefault(node, set()).update(step)
+            if previous:
+                self._after_pair[(before, previous)] = step
+            self._last[thread] = (previous, step)
+            soon = self._after_pair.get((previous, step)) if previous else None
+            if soon is None:
+                seen: set[str] = set()
+                for node in step:
+                    seen |= self._after.get(node, set())
+                soon = frozenset(seen) if len(seen - step) <= self.fan_limit else frozenset()
+            return set(soon - step)
 
     def forget(self, thread: str) -> None:
         """The thread ended or was deleted: its last step follows nothing."""

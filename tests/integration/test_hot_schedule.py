@@ -58,6 +58,28 @@ def test_the_hot_tier_keeps_the_agent_that_runs_next_and_drops_the_one_a_human_h
         engine.close()
 
 
+def test_a_prefetch_never_pushes_out_an_agent_needed_sooner(smollm: LoadedModel, tmp_path: Path) -> None:
+    """Loading an agent ahead of its turn (a graph's step after next) takes the place of one
+    nothing was said of, never of one whose turn comes sooner."""
+    engine = Engine(smollm.path, cache_dir=tmp_path, hot_agents=2)
+    try:
+        for agent in ("a", "b", "c"):
+            engine.generate(agent, _prompt(agent), SHORT)
+            engine.flush()
+        assert engine.admin.hot_agents() == ["b", "c"]  # a was evicted: on disk only
+        engine.admin.schedule.runs_next(["b", "c"])
+        engine.admin.schedule.runs_soon(["a"])
+        assert engine.admin.prefetch(["a"]).result(timeout=60) == 0  # b and c run sooner
+        assert engine.admin.hot_agents() == ["b", "c"]
+        engine.admin.schedule.started("b")  # b's turn came: nothing is said of it now
+        assert engine.admin.prefetch(["a"]).result(timeout=60) == 1
+        assert engine.admin.hot_agents() == ["c", "a"]
+        again = engine.generate("a", _prompt("a") + " And why?", SHORT)
+        assert again.outcome.source is CacheSource.HOT
+    finally:
+        engine.close()
+
+
 def test_a_byte_bound_evicts_as_the_agent_count_does(smollm: LoadedModel, tmp_path: Path) -> None:
     engine = Engine(smollm.path, cache_dir=tmp_path, hot_agents=16)
     try:

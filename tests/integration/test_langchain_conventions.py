@@ -5,6 +5,7 @@ once)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import operator
 from pathlib import Path
@@ -36,12 +37,16 @@ def test_tokens_are_counted_with_the_models_tokenizer(smollm: LoadedModel, tmp_p
     history = [SystemMessage("You are terse."), HumanMessage("What is a KV cache?")]
     counted = llm.get_num_tokens_from_messages(history)
     reply = llm.invoke(history, agent_id="count-plain")
-    assert reply.usage_metadata is not None and reply.usage_metadata["input_tokens"] == counted
+    # a call reads the messages and then the generation prompt (``<|im_start|>assistant\n``)
+    generation_prompt = len(smollm.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False))
+    assert reply.usage_metadata is not None
+    assert reply.usage_metadata["input_tokens"] == counted + generation_prompt
     # the tool listing is part of what the model reads
     with_tools = llm.get_num_tokens_from_messages(history, tools=[get_weather])
     assert with_tools > counted + 20
     reply = llm.bind_tools([get_weather]).invoke(history, agent_id="count-tools")
-    assert reply.usage_metadata is not None and reply.usage_metadata["input_tokens"] == with_tools
+    assert reply.usage_metadata is not None
+    assert reply.usage_metadata["input_tokens"] == with_tools + generation_prompt
 
 
 def test_trim_messages_counts_with_the_model(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -53,6 +58,41 @@ def test_trim_messages_counts_with_the_model(smollm: LoadedModel, tmp_path: Path
     kept = trim_messages(history, max_tokens=120, token_counter=llm, strategy="last", include_system=True)
     assert kept[0] == history[0] and kept[-1] == history[-1] and len(kept) < len(history)
     assert llm.get_num_tokens_from_messages(kept) <= 120
+
+
+def test_counts_of_partial_lists_add_up(smollm: LoadedModel, tmp_path: Path) -> None:
+    """SmolLM2's template adds a default system prompt to a list without one: a human message
+    alone counted 34 tokens, with a system message before it 23, and ``trim_messages`` then
+    kept the system message only. A list counts what its own messages add."""
+    llm = ChatAgentMemory(cache_dir=str(tmp_path))
+    system = SystemMessage("You are a terse assistant.")
+    human = HumanMessage("What is the capital of France? Answer in one word please.")
+    alone, both = llm.get_num_tokens_from_messages([human]), llm.get_num_tokens_from_messages([system, human])
+    assert both == alone + llm.get_num_tokens_from_messages([system])
+    kept = trim_messages([system, human], max_tokens=both, token_counter=llm, include_system=True)
+    assert kept == [system, human]
+    history = [system, human, AIMessage("Paris."), HumanMessage("And of Italy?")]
+    kept = trim_messages(
+        history, max_tokens=both + 5, token_counter=llm, include_system=True, strategy="last"
+    )
+    assert kept[0] == system and kept[-1] == history[-1] and len(kept) >= 3
+
+
+def test_a_per_call_option_with_a_typo_is_refused_with_the_nearest_name(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """``invoke("hi", max_token=3)`` generated its usual reply without a word."""
+    llm = ChatAgentMemory(cache_dir=str(tmp_path), max_tokens=4)
+    with pytest.raises(ValueError, match=r"'temprature' \(did you mean 'temperature'\?\)"):
+        llm.invoke("hi", temprature=0.2)
+    with pytest.raises(ValueError, match=r"'max_token' \(did you mean 'max_tokens'\?\)"):
+        list(llm.stream("hi", max_token=3))
+    with pytest.raises(ValueError, match="temprature"):
+        llm.bind(temprature=0.2)  # named at the bind, not at a later call
+    with pytest.raises(ValueError, match="max_token"):
+        asyncio.run(llm.ainvoke("hi", max_token=3))
+    reply = llm.bind(max_tokens=2).invoke("hi", agent_id="typo-check")  # known options work
+    assert reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] <= 2
 
 
 def test_profile_and_context_length_come_from_the_model(smollm: LoadedModel, tmp_path: Path) -> None:

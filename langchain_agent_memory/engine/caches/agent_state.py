@@ -5,7 +5,7 @@ from and prefills), a pending save, and the policy of which agents stay hot."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..kv import LayerCache, RecurrentCache
@@ -89,6 +89,22 @@ class HotPolicy:
     work_budget_bytes: int
     max_bytes: int | None = None
 
+    def over(self, hot: Mapping[str, AgentState], pinned: Collection[str], order: Sequence[str]) -> list[str]:
+        """The agents ``enforce`` drops: first to last in ``order`` (agents of ``hot``), while
+        there are too many or they take too many bytes; never a ``pinned`` one."""
+        victims = [a for a in order if a not in pinned]
+        count = len(hot)
+        total = sum(live_bytes(state) for state in hot.values()) if self.max_bytes is not None else 0
+        dropped = []
+        bytes_over = self.max_bytes is not None and total > self.max_bytes
+        while victims and (count > self.max_agents or bytes_over):
+            agent = victims.pop(0)
+            count -= 1
+            total -= live_bytes(hot[agent]) if self.max_bytes is not None else 0
+            bytes_over = self.max_bytes is not None and total > self.max_bytes
+            dropped.append(agent)
+        return dropped
+
     def enforce(
         self,
         hot: OrderedDict[str, AgentState],
@@ -101,16 +117,9 @@ class HotPolicy:
         read an older record); then drop the working copies over the budget, keeping those of
         the agents last in ``order``. Returns the agents dropped."""
         order = list(hot) if order is None else [a for a in order if a in hot]
-        victims = [a for a in order if a not in pinned]
-        dropped = []
-        total = sum(live_bytes(state) for state in hot.values()) if self.max_bytes is not None else 0
-        while victims and (
-            len(hot) > self.max_agents or (self.max_bytes is not None and total > self.max_bytes)
-        ):
-            agent = victims.pop(0)
-            gone = hot.pop(agent)
-            total -= live_bytes(gone) if self.max_bytes is not None else 0
-            dropped.append(agent)
+        dropped = self.over(hot, pinned, order)
+        for agent in dropped:
+            del hot[agent]
         used = 0
         for agent in reversed([a for a in order if a in hot]):  # most needed first
             for layer in hot[agent].layers or ():

@@ -309,8 +309,8 @@ class AgentCaches:
         if loaded is None or loaded.tokens != len(state.tokens):
             return False
         state.layers = loaded.layers
-        self.hot.keep(agent_id, state)
-        return True
+        # Loaded ahead of its turn: it does not push out an agent whose turn comes sooner.
+        return self.hot.keep(agent_id, state, unless_needed_sooner=True)
 
     # ------------------------------------------------------------------ administration
 

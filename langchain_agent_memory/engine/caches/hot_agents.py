@@ -62,16 +62,27 @@ class HotAgents:
             state = self._states.get(agent_id)
             return state.version if state is not None else None
 
-    def keep(self, agent_id: str, state: AgentState) -> None:
+    def keep(self, agent_id: str, state: AgentState, *, unless_needed_sooner: bool = False) -> bool:
         """``state`` is the agent's live cache, the most recent; past the policy's bounds the
         least needed others are dropped (``schedule``; their working copies first). This one
-        goes last: its caller may yet say when it is needed (a reply that made tool calls)."""
+        goes last: its caller may yet say when it is needed (a reply that made tool calls).
+        ``unless_needed_sooner`` (a prefetch): kept only if no agent it would push out is
+        needed sooner than it; returns whether it was kept."""
         with self.lock:
+            others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
+            if unless_needed_sooner:
+                need = self.schedule.need(agent_id)
+                trial = {**self._states, agent_id: state}
+                pushed = self.policy.over(trial, self._pinned(), others)
+                if any(self.schedule.need(a) > need for a in pushed) or len(trial) - len(pushed) > (
+                    self.policy.max_agents
+                ):
+                    return False
             self._states[agent_id] = state
             self._states.move_to_end(agent_id)
-            others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
             dropped = self.policy.enforce(self._states, self._pinned(), [*others, agent_id])
             self.evictions += len(dropped)
+            return True
 
     def drop(self, agent_id: str | None = None, *, only: AgentState | None = None) -> None:
         """Forget one agent's live cache (``only``: if it is still that one), or all."""
