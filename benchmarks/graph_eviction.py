@@ -27,7 +27,8 @@ is read from disk):
   comes back (``tool_ttl_s=30``);
 - ``mlx-lm LRU``: mlx-lm's ``LRUPromptCache`` (``mlx_lm.server``'s, ``max_size`` = the hot
   agents) fed the same prompts as token ids (the same chat template's), in the same order,
-  through ``generate_step``, as ``mlx_lm.server`` serves them, at 16-bit KV; a turn is hot
+  through ``generate_step`` on the engine's loaded model, as ``mlx_lm.server`` serves them,
+  at 16-bit KV; a turn is hot
   when the cache it found covers at least half its prompt, else it prefills (mlx-lm has no
   disk tier). Its wall is its compute plus the same tool and human pauses.
 
@@ -257,13 +258,15 @@ def run_peer(
 ) -> dict[str, Any]:
     """The same turns, in the order they ran, through mlx-lm's server-style LRU prompt cache."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
-    from langchain_agent_memory.engine.config import resolve_model_dir
+    from langchain_agent_memory.engine.config import load_model
 
-    lm, _ = load(str(resolve_model_dir(model)[0]))
+    # The engine's own loaded model (float32 weights on the CPU, the project's BLAS): the
+    # peer differs in what it keeps, not in the arithmetic. Plain ``mlx_lm.load`` prefills
+    # 2K tokens ~4x slower here (stock attention, bf16 weights).
+    lm = load_model(model).model
     lru = LRUPromptCache(max_size=hot_agents)
     out = []
     t0 = time.perf_counter()

@@ -14,7 +14,11 @@ the ratios are what counts):
 - ``XXH3``: blocks as written now, checked by their XXH3-128 digests;
 - ``SHA-256``: the same blocks with the XXH3 fields taken out of their headers (blocks
   written before they were added): checked by SHA-256;
-- the floors: ``cat`` (page cache) and a cold ``cat`` of the same files.
+- ``to tensors``: the whole restore, every layer's tensors made from the blocks read (what
+  the layer caches take; the ``XXH3`` row stops at the blocks' bytes in memory);
+- the floors: ``cat`` (page cache, into one small buffer used over and over), ``fresh read``
+  (the files read into one new buffer of their size: the page faults any restore into new
+  memory pays, ~2-3 GB/s on this VM) and a cold ``cat`` of the same files.
 
 Writes results/restore.json and results/restore.png.
 """
@@ -103,6 +107,31 @@ def _restore(store: Any, hashes: list[Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _to_tensors(store: Any, hashes: list[Any]) -> float:
+    """A whole restore: the blocks read and verified, then every layer's tensors as the
+    layer caches take them (the blocks' rows concatenated along the tokens)."""
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    t0 = time.perf_counter()
+    groups = store.read_blocks(hashes)
+    mx.eval([g.tensor(name) for g in groups for name in g.names()])
+    return time.perf_counter() - t0
+
+
+def _fresh_read(paths: list[Path]) -> float:
+    """The files read into one fresh host buffer of their size (no checks, no arrays): what
+    any restore into new memory pays, the kernel's page faults included."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    buf = np.empty(sum(p.stat().st_size for p in paths), np.uint8)
+    view, at = memoryview(buf), 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            at += f.readinto(view[at:])  # type: ignore[attr-defined]
+    return time.perf_counter() - t0
+
+
 def run(tokens: list[int], repeats: int, console: Console) -> dict[str, Any]:
     from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
@@ -122,13 +151,16 @@ def run(tokens: list[int], repeats: int, console: Console) -> dict[str, Any]:
                 _strip_fast_digests(sha.block_path(h))
             paths = {"xxh3": [fast.block_path(h) for h in hashes], "sha": [sha.block_path(h) for h in hashes]}
             nbytes = sum(p.stat().st_size for p in paths["xxh3"])
-            times: dict[str, list[float]] = {k: [] for k in ("xxh3", "sha", "cat", "cold cat", "cold xxh3")}
+            keys = ("xxh3", "sha", "cat", "fresh read", "to tensors", "cold cat", "cold xxh3")
+            times: dict[str, list[float]] = {k: [] for k in keys}
             for r in range(repeats):
                 console.print(f"[dim]{n} tokens: repeat {r + 1} of {repeats}[/dim]")
                 _cat(paths["xxh3"] + paths["sha"])  # both in the page cache
                 times["xxh3"].append(_restore(fast, hashes))
                 times["sha"].append(_restore(sha, hashes))
                 times["cat"].append(_cat(paths["xxh3"]))
+                times["fresh read"].append(_fresh_read(paths["xxh3"]))
+                times["to tensors"].append(_to_tensors(fast, hashes))
                 _drop_from_page_cache(paths["xxh3"])
                 times["cold cat"].append(_cat(paths["xxh3"]))
                 _drop_from_page_cache(paths["xxh3"])
@@ -138,6 +170,7 @@ def run(tokens: list[int], repeats: int, console: Console) -> dict[str, Any]:
                 "tokens": n, "bytes": nbytes, "blocks": len(hashes),
                 "seconds": med, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
                 "xxh3_over_cat": med["xxh3"] / med["cat"], "sha_over_cat": med["sha"] / med["cat"],
+                "xxh3_over_fresh_read": med["xxh3"] / med["fresh read"],
                 "cold_xxh3_over_cold_cat": med["cold xxh3"] / med["cold cat"],
             })  # fmt: skip
             fast.close()
@@ -147,12 +180,18 @@ def run(tokens: list[int], repeats: int, console: Console) -> dict[str, Any]:
 
 def _table(data: dict[str, Any]) -> Table:
     t = Table(title="restore bandwidth (GB/s; median of repeats) and time over the page-cache floor")
-    for c in ("tokens", "MB", "XXH3", "SHA-256", "cat", "cold XXH3", "cold cat", "XXH3/cat", "SHA/cat"):
+    columns = ("tokens", "MB", "XXH3", "SHA-256", "to tensors", "cat", "fresh read", "cold XXH3", "cold cat")
+    for c in (*columns, "XXH3/cat", "XXH3/fresh", "SHA/cat"):
         t.add_column(c, justify="right")
     for r in data["rows"]:
         g = r["gb_per_s"]
-        speeds = [f"{g[k]:.2f}" for k in ("xxh3", "sha", "cat", "cold xxh3", "cold cat")]
-        ratios = [f"{r['xxh3_over_cat']:.2f}×", f"{r['sha_over_cat']:.2f}×"]
+        keys = ("xxh3", "sha", "to tensors", "cat", "fresh read", "cold xxh3", "cold cat")
+        speeds = [f"{g[k]:.2f}" for k in keys]
+        ratios = [
+            f"{r['xxh3_over_cat']:.2f}×",
+            f"{r['xxh3_over_fresh_read']:.2f}×",
+            f"{r['sha_over_cat']:.2f}×",
+        ]
         t.add_row(str(r["tokens"]), f"{r['bytes'] / 1e6:.0f}", *speeds, *ratios)
     return t
 
@@ -165,8 +204,12 @@ def _plot(data: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["tokens"] for r in data["rows"]]
-    for key, label in (("xxh3", "restore, XXH3"), ("sha", "restore, SHA-256"), ("cat", "cat (page cache)"),
-                       ("cold xxh3", "restore cold, XXH3"), ("cold cat", "cat (cold)")):  # fmt: skip
+    lines = (
+        ("xxh3", "restore, XXH3"), ("sha", "restore, SHA-256"), ("to tensors", "restore to layer tensors"),
+        ("cat", "cat (page cache)"), ("fresh read", "read into fresh memory"),
+        ("cold xxh3", "restore cold, XXH3"), ("cold cat", "cat (cold)"),
+    )  # fmt: skip
+    for key, label in lines:
         ax.plot(xs, [r["gb_per_s"][key] for r in data["rows"]], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("agent context (tokens)")

@@ -129,13 +129,20 @@ def response_metadata(req: ChatRequest, result: GenerationResult) -> dict[str, A
         "finish_reason": result.finish_reason,
         "agent_id": req.agent,
         "cache": str(result.outcome),
+        # where the reused cache was read from: "memory", "disk", "disk, prefetched", None (cold)
+        "loaded_from": result.outcome.loaded_from,
         "cached_tokens": result.reused_tokens,
         # "pending": written after the reply left (``flush`` waits); False: a worker sharing the
         # store saved this agent while the call ran (that save stands)
         "cache_saved": result.saved,
         "time_to_first_token_s": round(result.timings.ttft_s, 4),
+        # where the time went: reading the cache, forking a sibling's, prefill, decode, the
+        # turn made ready to store (on the model's thread; the write itself runs after)
+        "load_s": round(result.timings.load_s, 4),
+        "fork_s": round(result.timings.fork_s, 4),
         "prefill_s": round(result.timings.prefill_s, 4),
         "decode_s": round(result.timings.decode_s, 4),
+        "save_s": round(result.timings.save_s, 4),
         "bytes_written": result.bytes_written,
     }
 

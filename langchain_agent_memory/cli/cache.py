@@ -34,6 +34,7 @@ from .common import (
     Format,
     Store,
     all_stores,
+    cache_root,
     checked,
     emit,
     size_text,
@@ -74,9 +75,8 @@ def ls(
         for record in opened.agents(prefix)
         if all_ or not is_internal(record.agent_id)
     ]
-    emit(
-        "agent caches", rows, ["model", "agent", "tokens", "blocks", "updated"], format, {"tokens", "blocks"}
-    )
+    columns = ["model", "agent", "tokens", "blocks", "updated"]
+    emit("agent caches", rows, columns, format, {"tokens", "blocks"}, group="model")
 
 
 @cache_app.command("show")
@@ -215,17 +215,28 @@ def verify(
 
 @cache_app.command("du")
 def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
-    """Disk use per model / KV format, as a disk budget counts it: the blocks agents name,
-    the index and quarantined files (never changes the store)."""
+    """Disk use of the cache directory: per model / KV format as a disk budget counts it (the
+    blocks agents name, the index, quarantined files), then the converted models and GGUF
+    downloads kept beside them, and the total (never changes anything)."""
     rows = []
     for store in stores_of(cache_dir, read_only=True):
         usage = store.usage()
         quarantine = store.dir / "quarantine"
         bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
+        agents = sum(not is_internal(agent) for agent, _ in usage.agents)
         rows.append({
-            "model": store.fingerprint, "agents": len(usage.agents), "blocks": len(usage.sizes),
+            "model": store.fingerprint, "agents": agents, "blocks": len(usage.sizes),
             "bytes": usage.total, "size": size_text(usage.total), "quarantined": bad,
         })  # fmt: skip
+    root = cache_root(cache_dir)
+    for name, what in (("models", "converted models"), ("gguf", "GGUF downloads")):
+        size = sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file())
+        if size:
+            rows.append({"model": f"{name}/ ({what})", "agents": "", "blocks": "", "bytes": size,
+                         "size": size_text(size), "quarantined": ""})  # fmt: skip
+    total = sum(r["bytes"] for r in rows)
+    rows.append({"model": f"total ({root})", "agents": "", "blocks": "", "bytes": total,
+                 "size": size_text(total), "quarantined": ""})  # fmt: skip
     emit("cache disk use", rows, ["model", "agents", "blocks", "size", "quarantined"], format,
           {"agents", "blocks", "size", "quarantined"})  # fmt: skip
 
@@ -260,10 +271,14 @@ def prune(
             locks.enter_context(one.locked())
         report = enforce(stores, budget, dry_run=dry_run)
     verb = "would evict" if dry_run else "evicted"
-    for fp, agent in report.evicted:
+    agents = [(fp, agent) for fp, agent in report.evicted if not is_internal(agent)]
+    for fp, agent in agents:
         typer.echo(f"{verb} {agent} ({fp})")
+    # A checkpointer's snapshots (``@snapshot:`` ids) go with the caches: counted apart.
+    snapshots = len(report.evicted) - len(agents)
+    also = f" and {snapshots} checkpoint snapshot(s)" if snapshots else ""
     typer.echo(
-        f"{verb} {len(report.evicted)} agent cache(s) ({report.expired} unused for longer than "
+        f"{verb} {len(agents)} agent cache(s){also} ({report.expired} unused for longer than "
         f"{older_than or 'any limit'}): {size_text(report.bytes_before)} -> {size_text(report.bytes_after)}"
     )
     if report.over_budget:

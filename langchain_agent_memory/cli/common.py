@@ -56,6 +56,11 @@ def stores_of(
         yield from stores
 
 
+def cache_root(cache_dir: Path | None) -> Path:
+    """The cache directory: ``--cache-dir``, else the settings' (``AGENT_MEMORY_CACHE_DIR``)."""
+    return Path(cache_dir or get_settings().cache_dir).expanduser()
+
+
 @contextmanager
 def all_stores(
     cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
@@ -69,7 +74,7 @@ def all_stores(
         raise typer.BadParameter(
             "a shared store needs both --store (postgresql://...) and --blocks (s3://...)"
         )
-    root = Path(cache_dir or get_settings().cache_dir).expanduser() / "kv"
+    root = cache_root(cache_dir) / "kv"
     fingerprints = {p.name for p in root.glob("*") if (p / "format.json").exists()}
     if store and blocks:
         catalog = Catalog(store)
@@ -107,9 +112,17 @@ Format = Annotated[
 ]
 
 
-def emit(title: str, rows: list[dict[str, Any]], columns: list[str], fmt: str, right: set[str]) -> None:
+def emit(
+    title: str,
+    rows: list[dict[str, Any]],
+    columns: list[str],
+    fmt: str,
+    right: set[str],
+    group: str | None = None,
+) -> None:
     """A listing: a table on a terminal, tab-separated lines elsewhere (pipes, files), or
-    ``--format json`` (every field, machine-readable)."""
+    ``--format json`` (every field, machine-readable). ``group``: on a terminal, one table
+    per value of that column, named in its title rather than repeated on every row."""
     if fmt == "json":
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -120,12 +133,19 @@ def emit(title: str, rows: list[dict[str, Any]], columns: list[str], fmt: str, r
         for r in rows:
             typer.echo("\t".join(str(r[c]) for c in columns))
         return
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col, justify="right" if col in right else "left")
-    for r in rows:
-        table.add_row(*(str(r[c]) for c in columns))
-    wide_console().print(table)
+    groups = (
+        {r[group]: [x for x in rows if x[group] == r[group]] for r in rows}
+        if group and rows
+        else {None: rows}
+    )
+    for value, members in groups.items():
+        shown = [c for c in columns if c != group]
+        table = Table(title=title if value is None else f"{title}: {value}")
+        for col in shown:
+            table.add_column(col, justify="right" if col in right else "left")
+        for r in members:
+            table.add_row(*(str(r[c]) for c in shown))
+        wide_console().print(table)
 
 
 def size_text(n: float) -> str:

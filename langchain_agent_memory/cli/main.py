@@ -13,6 +13,7 @@ from ..config import get_settings
 from ..engine import parse_age, parse_size
 
 if TYPE_CHECKING:
+    from ..server import ServerConfig
     from .repl import ChatOptions
 
 from .cache import cache_app
@@ -99,8 +100,8 @@ def convert(
 
 
 def _chat_options(
-    agent: str, model: str | None, system: str | None, max_tokens: int, temperature: float, kv_bits: int,
-    cache_dir: Path | None,
+    agent: str, model: str | None, system: str | None, max_tokens: int, temperature: float,
+    repetition_penalty: float, kv_bits: int, cache_dir: Path | None,
 ) -> ChatOptions:  # fmt: skip
     """``chat`` / ``run``'s options, the agent id checked."""
     from ..engine import validate_agent_id
@@ -112,8 +113,18 @@ def _chat_options(
         raise typer.BadParameter(str(exc), param_hint="--agent") from exc
     return ChatOptions(
         agent=agent, model=model, system=system, max_tokens=max_tokens, temperature=temperature,
+        repetition_penalty=None if repetition_penalty == 1.0 else repetition_penalty,
         kv_bits=kv_bits_of(kv_bits), cache_dir=str(cache_dir) if cache_dir else None,
     )  # fmt: skip
+
+
+#: ``chat`` / ``run``'s defaults: the small shipped models loop under plain greedy decoding
+#: until the cap (as Ollama does, a mild repetition penalty by default; 1.0 turns it off).
+MAX_TOKENS, REPETITION_PENALTY = 128, 1.1
+RepetitionPenalty = Annotated[
+    float,
+    typer.Option(min=1.0, help="Penalise repeating recent tokens (1.0: off); small models loop without"),
+]
 
 
 @app.command("chat")
@@ -121,15 +132,19 @@ def chat(
     agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply")] = 256,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply")] = MAX_TOKENS,
     temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    repetition_penalty: RepetitionPenalty = REPETITION_PENALTY,
     kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
     cache_dir: CacheDir = None,
 ) -> None:
     """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
     from .repl import run
 
-    run(_chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir), wide_console())
+    options = _chat_options(
+        agent, model, system, max_tokens, temperature, repetition_penalty, kv_bits, cache_dir
+    )
+    run(options, wide_console())
 
 
 @app.command("run")
@@ -140,8 +155,9 @@ def run_once(
     agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in the reply")] = 256,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in the reply")] = MAX_TOKENS,
     temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    repetition_penalty: RepetitionPenalty = REPETITION_PENALTY,
     kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
     cache_dir: CacheDir = None,
 ) -> None:
@@ -151,7 +167,9 @@ def run_once(
     cold) goes to stderr."""
     from .repl import ChatSession, describe
 
-    options = _chat_options(agent, model, system, max_tokens, temperature, kv_bits, cache_dir)
+    options = _chat_options(
+        agent, model, system, max_tokens, temperature, repetition_penalty, kv_bits, cache_dir
+    )
     piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     text = "\n\n".join(part.strip() for part in (piped, question or "") if part and part.strip())
     if not text:
@@ -277,7 +295,29 @@ def serve(
         wide_console().print(
             f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it"
         )
+    wide_console().print(startup_summary(config, host, port), highlight=False)
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+
+
+def startup_summary(config: ServerConfig, host: str, port: int) -> str:
+    """What ``serve`` serves, said before uvicorn's own lines: models, KV format, where the
+    caches live, the store, whether keys are required, where the API docs are."""
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    names = config.served_names or config.models
+    models = ", ".join(n if n == m else f"{n} ({m})" for n, m in zip(names, config.models, strict=True))
+    kv = config.kv_format or ("16-bit" if config.kv_bits is None else f"{config.kv_bits}-bit class")
+    keys = "required" if config.api_key or config.scoped_keys else "off (anyone who can connect may call)"
+    store = f"{config.store} + {config.blocks}" if config.store else "the cache directory"
+    lines = [
+        f"agent-memory serve: {models}",
+        f"  KV format:  {kv}",
+        f"  caches:     {config.cache_dir or get_settings().cache_dir}",
+        f"  store:      {store}",
+        f"  API keys:   {keys}",
+        f"  endpoints:  {base}/v1/chat/completions, {base}/v1/completions, {base}/v1/agents",
+        f"  API docs:   {base + '/docs' if config.docs else 'off (--no-docs)'}",
+    ]
+    return "\n".join(lines)
 
 
 app.command("models")(models)

@@ -42,8 +42,9 @@ class ChatOptions:
     agent: str = "chat"
     model: str | None = None
     system: str | None = None
-    max_tokens: int = 256
+    max_tokens: int = 128
     temperature: float = 0.0
+    repetition_penalty: float | None = 1.1
     kv_bits: int | None = 4
     cache_dir: str | None = None
 
@@ -57,6 +58,7 @@ class ChatSession:
             model=options.model,
             max_tokens=options.max_tokens,
             temperature=options.temperature,
+            repetition_penalty=options.repetition_penalty,
             kv_bits=options.kv_bits,  # type: ignore[arg-type]
             cache_dir=options.cache_dir,
         )
@@ -115,8 +117,10 @@ def describe(reply: AIMessage, agent: str | None = None) -> str:
     out = usage.get("output_tokens", 0)
     speed = f", {out / meta['decode_s']:.1f} tok/s" if meta.get("decode_s") else ""
     prompt = usage.get("input_tokens", 0)
+    loaded = meta.get("loaded_from")
+    where = f" (read from {loaded})" if loaded and loaded != "memory" else ""
     return (
-        f"{whose}{meta.get('cache', '?')}: {cached} of {prompt} prompt tokens from cache, "
+        f"{whose}{meta.get('cache', '?')}{where}: {cached} of {prompt} prompt tokens from cache, "
         f"first token in {meta.get('time_to_first_token_s', 0):.2f} s{speed}"
     )
 

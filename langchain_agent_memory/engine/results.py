@@ -28,6 +28,21 @@ class CacheSource(str, Enum):
 class CacheOutcome:
     source: CacheSource
     match: MatchKind
+    #: A HOT start whose caches a prefetch (a checkpointer's, ``Engine.prefetch``) read from
+    #: disk before the request came: served from memory, but not kept there since last turn.
+    prefetched: bool = False
+
+    @property
+    def loaded_from(self) -> Literal["memory", "disk", "disk, prefetched"] | None:
+        """Where this turn's reused cache was read from: ``"memory"`` (live, or blocks in the
+        pool's memory tier), ``"disk"`` (read for this request: ``warm``), ``"disk,
+        prefetched"`` (read from disk ahead of the request: a resumed graph's first turn);
+        None: nothing reused (``cold``)."""
+        if self.source is CacheSource.COLD:
+            return None
+        if self.source is CacheSource.WARM:
+            return "disk"
+        return "disk, prefetched" if self.prefetched else "memory"
 
     def __str__(self) -> str:
         return (
@@ -77,7 +92,8 @@ class GenerationParams:
 @dataclass(slots=True)
 class Timings:
     load_s: float = 0.0  # building the cache from blocks (memory or disk)
-    prefill_s: float = 0.0
+    fork_s: float = 0.0  # copying an in-flight sibling's caches (a fan-out's shared prefix)
+    prefill_s: float = 0.0  # fork_s included
     ttft_s: float = 0.0  # request start -> first token sampled
     decode_s: float = 0.0
     save_s: float = 0.0  # on the worker: the turn quantized into the stored form, blocks made ready

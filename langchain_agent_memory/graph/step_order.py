@@ -36,13 +36,17 @@ class StepOrder:
         and return the nodes predicted for the step after (less these)."""
         step: Step = frozenset(nodes)
         with self._lock:
-            before, previous = self._last.get(thread, (frozenset(), frozenset()))
-            for node in previous:
+            # An empty step is a run that ended (nothing pending): the thread's next run
+            # follows it as a step of its own, so the first node of every run is predicted
+            # too (after ``review -> end -> sup`` came ``w1``). A thread never seen has none.
+            last = self._last.get(thread)
+            before, previous = last if last is not None else (None, None)
+            for node in previous or ():
                 self._after.setdefault(node, set()).update(step)
-            if previous:
+            if before is not None and previous is not None:
                 self._after_pair[(before, previous)] = step
-            self._last[thread] = (previous, step)
-            soon = self._after_pair.get((previous, step)) if previous else None
+            self._last[thread] = (previous if previous is not None else frozenset(), step)
+            soon = self._after_pair.get((previous, step)) if previous is not None else None
             if soon is None:
                 seen: set[str] = set()
                 for node in step:

@@ -23,6 +23,7 @@ _FINISH = {"stop": "stop", "length": "length", "timeout": "length", "cancelled":
 _META = (
     "agent_id",
     "cache",
+    "loaded_from",
     "cached_tokens",
     "cache_saved",
     "time_to_first_token_s",
@@ -165,6 +166,7 @@ def text_completion(cid: str, model: str, result: GenerationResult) -> dict[str,
         "usage": text_usage(result),
         "agent_memory": {
             "cache": str(result.outcome),
+            "loaded_from": result.outcome.loaded_from,
             "cached_tokens": result.reused_tokens,
             "cache_saved": result.saved,
             "time_to_first_token_s": round(result.timings.ttft_s, 4),

@@ -171,14 +171,26 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
     app.invoke(None, cfg)  # the critic runs: both agents now have caches
     app.invoke({"messages": [HumanMessage("Who wrote it?")]}, cfg)  # stops before the critic
     engine = llm.engine
-    engine.admin.drop_hot()  # as after a restart: nothing live
+    engine.flush()
+    engine.agents.clear_memory()  # as after a restart: nothing live, no block in memory
     assert engine.stats()["hot_agents"] == 0
     saver.get_tuple(cfg)  # what a resume reads first
     assert saver.last_prefetch is not None and saver.last_prefetch.result() == 1
     assert engine.stats()["hot_agents"] == 1  # the critic (next), not the writer
     out = app.invoke(None, cfg)
-    assert out["messages"][-1].response_metadata["agent_id"] == "t1:critic"
-    assert out["messages"][-1].response_metadata["cache"] == "hot-extend"
+    meta = out["messages"][-1].response_metadata
+    assert meta["agent_id"] == "t1:critic" and meta["cache"] == "hot-extend"
+    assert meta["loaded_from"] == "disk, prefetched"  # served from memory, read from disk before the call
+    # without a checkpointer nothing is prefetched: read from disk by the call itself
+    history = [SystemMessage(SYSTEM), HumanMessage("Name the license.")]
+    first = llm.invoke(history, agent_id="solo").response_metadata
+    assert first["cache"] == "cold" and first["loaded_from"] is None
+    engine.flush()
+    engine.agents.clear_memory()
+    again = llm.invoke([*history, HumanMessage("Who wrote it?")], agent_id="solo").response_metadata
+    assert again["cache"].startswith("warm-") and again["loaded_from"] == "disk"
+    last = llm.invoke([*history, HumanMessage("Who wrote it?"), HumanMessage("When?")], agent_id="solo")
+    assert last.response_metadata["loaded_from"] == "memory"
 
 
 def test_browsing_history_changes_no_cache(two_turns) -> None:  # type: ignore[no-untyped-def]

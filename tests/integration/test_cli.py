@@ -37,6 +37,19 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     assert {r["agent"] for r in json.loads(listing)} == {"t1:lawyer", "t2:lawyer"}  # its own entries hidden
     everything = json.loads(_run("cache", "ls", "--all", "--cache-dir", d, "--format", "json"))
     assert "@snapshot:0123abcd" in {r["agent"] for r in everything}
+    # prune counts agents, not a checkpointer's snapshots (it said "3 agent cache(s)")
+    plan = CliRunner().invoke(app, ["cache", "prune", "--max-size", "1B", "--dry-run", "--cache-dir", d]).output
+    assert "would evict 2 agent cache(s) and 1 checkpoint snapshot(s)" in plan
+    assert "@snapshot" not in plan.split("would evict 2")[0]
+    # du counts what the cache directory holds beside the caches: converted models
+    (tmp_path / "models" / "some-model").mkdir(parents=True)
+    (tmp_path / "models" / "some-model" / "model.safetensors").write_bytes(b"w" * 5000)
+    du = {r["model"]: r for r in json.loads(_run("cache", "du", "--cache-dir", d, "--format", "json"))}
+    assert du["models/ (converted models)"]["bytes"] == 5000
+    assert du[f"total ({tmp_path})"]["bytes"] == sum(
+        r["bytes"] for k, r in du.items() if not k.startswith("total")
+    )
+    assert du[engine.fingerprint]["agents"] == 2  # the snapshot is not an agent
     assert "t2:lawyer" not in _run("cache", "ls", "--prefix", "t1:", "--cache-dir", d)
     shown = _run("cache", "show", "t1:lawyer", "--cache-dir", d)
     assert f"tokens: {engine.admin.cached_tokens('t1:lawyer')}" in shown and "Apache" in shown
@@ -208,3 +221,37 @@ def test_run_reads_stdin_streams_and_says_how_the_cache_served(smollm: LoadedMod
     assert "deleted 1 agent cache" in _run("cache", "rm", "notes", "--cache-dir", d)
     missing = CliRunner().invoke(app, ["cache", "show", "notes", "--cache-dir", d])
     assert missing.exit_code != 0
+
+
+def test_run_and_chat_take_a_repetition_penalty_and_cap_replies_by_default(tmp_path: Path) -> None:
+    """The embedded model loops under plain greedy decoding: ``run`` / ``chat`` had no
+    ``--repetition-penalty`` and let replies run to 256 tokens."""
+    from langchain_agent_memory.cli.main import _chat_options
+    from langchain_agent_memory.cli.repl import ChatSession
+
+    for command in ("run", "chat"):
+        usage = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--repetition-penalty" in usage and "128" in usage
+    default = ChatSession(_chat_options("a", None, None, 128, 0.0, 1.1, 4, tmp_path))
+    assert default.llm.repetition_penalty == 1.1 and default.llm.max_tokens == 128
+    off = ChatSession(_chat_options("b", None, None, 64, 0.0, 1.0, 4, tmp_path))
+    assert off.llm.repetition_penalty is None  # 1.0: off
+    bad = CliRunner().invoke(app, ["run", "--repetition-penalty", "0.5", "hi", "--cache-dir", str(tmp_path)])
+    assert bad.exit_code != 0 and "repetition-penalty" in bad.output
+
+
+def test_serve_says_what_it_serves_before_uvicorn_does(tmp_path: Path) -> None:
+    """``serve`` printed only uvicorn's lines: not the model, the KV format, where the caches
+    go or whether a key is needed."""
+    from langchain_agent_memory.cli.main import startup_summary
+    from langchain_agent_memory.server import ServerConfig
+
+    config = ServerConfig(
+        models=["smollm2-135m"], served_names=["small"], cache_dir=str(tmp_path), api_key="k"
+    )
+    text = startup_summary(config, "0.0.0.0", 9000)
+    assert "small (smollm2-135m)" in text and "4-bit class" in text and str(tmp_path) in text
+    assert "API keys:   required" in text and "http://0.0.0.0:9000/docs" in text
+    open_one = startup_summary(ServerConfig(kv_bits=None, docs=False), "::1", 8000)
+    assert "16-bit" in open_one and "off (anyone" in open_one and "off (--no-docs)" in open_one
+    assert "http://[::1]:8000/v1/chat/completions" in open_one

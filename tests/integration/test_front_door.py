@@ -149,3 +149,11 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert "ChatAgentMemory" in api and "AgentMemorySaver" in api and "max_tokens" in api
     outcomes = (tmp_path / "site" / "concepts" / "outcomes" / "index.html").read_text()
     assert "hot-extend" in outcomes  # the README's glossary, included
+    assert "loaded_from" in outcomes and "disk, prefetched" in outcomes
+    # the README's figure, on the home page too (served from benchmarks/results/)
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert 'src="figures/gpu.png"' in home
+    assert (tmp_path / "site" / "figures" / "gpu.png").read_bytes() == (
+        ROOT / "benchmarks/results/gpu.png"
+    ).read_bytes()
+    assert (tmp_path / "site" / "guides" / "troubleshooting" / "index.html").exists()

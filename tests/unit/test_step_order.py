@@ -43,6 +43,19 @@ def test_the_worker_after_a_supervisor_is_told_by_the_worker_before() -> None:
     assert order.saw("u", {"sup"}) == {"w3"}  # w5 -> sup -> w3 was seen last, in thread t
 
 
+def test_the_first_node_of_a_thread_s_next_run_is_predicted() -> None:
+    """A round ends at a human's review; the next run starts at the supervisor again and its
+    first worker is the one the last round started with."""
+    order = StepOrder()
+    for _ in range(2):
+        order.saw("t", {"sup"})
+        order.saw("t", {"w1"})
+        order.saw("t", {"sup"})
+        order.saw("t", {"review"})
+        order.saw("t", set())  # the run ended: nothing pending
+    assert order.saw("t", {"sup"}) == {"w1"}
+
+
 def test_a_forgotten_thread_starts_afresh() -> None:
     order = StepOrder()
     order.saw("t", {"plan"})

@@ -32,6 +32,8 @@ class AgentState:
     version: int | None = None
     #: A hybrid model's stored recurrent-state snapshots: token position -> its block.
     states: dict[int, BlockHash] = field(default_factory=dict)
+    #: Its live caches were read from disk by a prefetch, not yet served to a request.
+    prefetched: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -50,6 +52,8 @@ class Admission:
     prefix_blocks: list[BlockHash]
     #: The agent's lease, taken at admission and given back by the commit or by ``fail``.
     lease: Lease | None = None
+    #: A HOT start from caches a prefetch read from disk (``CacheOutcome.prefetched``).
+    prefetched: bool = False
     reused: int = field(init=False)  # tokens reused: ``known`` as admitted (it grows later)
 
     def __post_init__(self) -> None:

@@ -140,7 +140,7 @@ class AgentCaches:
                     load_s = time.perf_counter() - t0
                     return Admission(
                         state=state, source=source, match=m, layers=loaded.layers, known=known,
-                        tail=tail, load_s=load_s, prefix_blocks=state.blocks,
+                        tail=tail, load_s=load_s, prefix_blocks=state.blocks, prefetched=state.prefetched,
                     )  # fmt: skip
             return self.cold_start(state, prompt)
 
@@ -308,7 +308,7 @@ class AgentCaches:
         loaded = self.materialize(agent_id, state, plan)
         if loaded is None or loaded.tokens != len(state.tokens):
             return False
-        state.layers = loaded.layers
+        state.layers, state.prefetched = loaded.layers, loaded.from_disk
         # Loaded ahead of its turn: it does not push out an agent whose turn comes sooner.
         return self.hot.keep(agent_id, state, unless_needed_sooner=True)
 

@@ -197,10 +197,12 @@ class RequestSteps:
             or not can_fork(src.layers, tokens)
         ):
             return  # it prefills those tokens itself
+        t0 = time.perf_counter()
         start = req.start
         known, tail = _joined(start.known, start.tail).split(tokens)
         layers = self.agents.new_layers()
         fork_layers(src.layers, layers, tokens)
+        req.timings.fork_s += time.perf_counter() - t0
         shared = PrefixMatch(MatchKind.SHARED, tokens, len(known.text))
         req.start = Admission(
             state=start.state, source=CacheSource.HOT, match=shared, layers=layers, known=known,
@@ -457,7 +459,7 @@ class RequestSteps:
             prompt_tokens=start.reused + len(start.tail),
             completion_tokens=len(req.generated) + int(req.ended_by_eos),
             reused_tokens=start.reused,
-            outcome=CacheOutcome(start.source, start.outcome_match),
+            outcome=CacheOutcome(start.source, start.outcome_match, start.prefetched),
             finish_reason=finish,
             timings=req.timings,
             bytes_written=save.nbytes,
