@@ -72,9 +72,8 @@ def agent_node(llm: ChatAgentMemory, name: str, system: str, questions: list[str
             state["turn"] + 1,
             usage.get("input_tokens", 0),
             usage.get("input_token_details", {}).get("cache_read", 0),
-            # where the cache came from: "hot-extend (disk, prefetched)" after a restart
-            meta["cache"]
-            + (f" ({meta['loaded_from']})" if meta["loaded_from"] not in (None, "memory") else ""),
+            # after a restart the saver loads the next agents from disk before their calls
+            meta["cache"] + (" (prefetched)" if meta["loaded_from"] == "disk, prefetched" else ""),
             meta["time_to_first_token_s"],
             usage.get("output_tokens", 0) / meta["decode_s"] if meta["decode_s"] else 0.0,
             question.content,
