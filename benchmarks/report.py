@@ -236,16 +236,19 @@ def concurrency_staggered() -> str:
 
 def fanout() -> str:
     data = _load("fanout")
-    base = data["summary"]["one agent"]
     rows = []
-    for system, v in data["summary"].items():
-        caches = data["runs"][system][-1]["rounds"][0]["caches"]
-        counts = ", ".join(f"{caches.count(c)} {c}" for c in sorted(set(caches)))
+    for r in data["rows"]:
+        w, ph = r["wall_s"], r["phases"]
         rows.append([
-            system, f"{v['round1_s']:.1f}", f"{base['round1_s'] / v['round1_s']:.2f}x",
-            f"{v['round2_s']:.1f}", f"{base['round2_s'] / v['round2_s']:.2f}x", counts,
+            str(r["items"]), f"{w['sequential']:.2f}", f"{w['fan-out']:.2f}", f"{w['mlx-lm batch']:.2f}",
+            f"{r['fan_over_sequential']:.2f}x", f"{r['fan_over_mlx_batch']:.2f}x",
+            *(f"{ph[k]:.3f}" for k in ("load_s", "fork_s", "prefill_s", "decode_s", "save_s")),
+            f"{r['other_s']:.2f}",
         ])  # fmt: skip
-    header = ["system", "round 1 (cold) s", "vs one agent", "round 2 s", "vs one agent", "round 1 caches"]
+    header = [
+        "Sends", "sequential s", "fan-out s", "mlx-lm batch s", "fan-out / sequential", "fan-out / mlx-lm",
+        "load s", "fork s", "prefill s", "decode s", "save s", "other s",
+    ]  # fmt: skip
     return _md(header, rows)
 
 

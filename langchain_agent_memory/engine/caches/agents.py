@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
+from ..ops.runtime import mx
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
 from ..storage.agent_ids import validate_agent_id
@@ -310,7 +311,13 @@ class AgentCaches:
             return False
         state.layers, state.prefetched = loaded.layers, loaded.from_disk
         # Loaded ahead of its turn: it does not push out an agent whose turn comes sooner.
-        return self.hot.keep(agent_id, state, unless_needed_sooner=True)
+        if not self.hot.keep(agent_id, state, unless_needed_sooner=True):
+            return False
+        dtype = getattr(mx, self.spec.dtype)
+        for layer in loaded.layers:  # unpacked now, while its turn is not here yet
+            if isinstance(layer, LayerCache):
+                layer.unpack(dtype)
+        return True
 
     # ------------------------------------------------------------------ administration
 

@@ -130,6 +130,17 @@ class LayerCache:
         """Free the working copy (the next request unpacks the stored form again)."""
         self.work.buf = None
 
+    def unpack(self, dtype: mx.Dtype) -> None:
+        """Build the working copy of what the layer holds now, ahead of the request that
+        would build it before its first token (a prefetch: the agent's turn is not yet here).
+        Nothing to build where requests attend over the stored form (``serve_stored``)."""
+        if self.serve_stored or not self.offset:
+            return
+        self.work.visible(self._first_visible(self.offset), self.offset, dtype, False, self._segments)
+        w = self.work.buf
+        if w is not None:
+            mx.eval(w.k, w.v)
+
     # ---------------------------------------------------------------- mlx-lm protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
