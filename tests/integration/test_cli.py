@@ -38,7 +38,9 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     everything = json.loads(_run("cache", "ls", "--all", "--cache-dir", d, "--format", "json"))
     assert "@snapshot:0123abcd" in {r["agent"] for r in everything}
     # prune counts agents, not a checkpointer's snapshots (it said "3 agent cache(s)")
-    plan = CliRunner().invoke(app, ["cache", "prune", "--max-size", "1B", "--dry-run", "--cache-dir", d]).output
+    plan = (
+        CliRunner().invoke(app, ["cache", "prune", "--max-size", "1B", "--dry-run", "--cache-dir", d]).output
+    )
     assert "would evict 2 agent cache(s) and 1 checkpoint snapshot(s)" in plan
     assert "@snapshot" not in plan.split("would evict 2")[0]
     # du counts what the cache directory holds beside the caches: converted models

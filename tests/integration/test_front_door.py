@@ -157,3 +157,29 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
         ROOT / "benchmarks/results/gpu.png"
     ).read_bytes()
     assert (tmp_path / "site" / "guides" / "troubleshooting" / "index.html").exists()
+
+
+def test_the_package_builds_and_passes_twine_check(tmp_path: Path) -> None:
+    """What publishing needs: a wheel and an sdist ``twine check`` accepts, the licence file
+    inside, and LangChain's agents (``create_agent``) in the main install, not an extra (the
+    guide's agent failed with ``No module named 'langchain'`` after the main set-up)."""
+    import zipfile
+
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    dists = sorted(tmp_path.iterdir(), key=lambda p: p.suffix)
+    assert [p.suffix for p in dists] == [".gz", ".whl"]
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", *map(str, dists)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    with zipfile.ZipFile(dists[1]) as wheel:
+        info = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = wheel.read(info).decode()
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel.namelist())
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
+    assert "Requires-Dist: langchain>=1.0" in requires  # no ``extra ==`` marker: the main install
+    assert "License-Expression: Apache-2.0" in metadata and "Classifier: Typing :: Typed" in metadata
