@@ -22,10 +22,19 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..engine import SharedBlockStore, StorageBudget, enforce, is_internal, parse_age, parse_size
+from ..engine import (
+    BlockMissingError,
+    CacheFormatError,
+    SharedBlockStore,
+    StorageBudget,
+    enforce,
+    is_internal,
+    parse_age,
+    parse_size,
+)
 
 if TYPE_CHECKING:
-    pass
+    from pathlib import Path
 
 from .common import (
     HELP,
@@ -190,14 +199,18 @@ def verify(
         bool, typer.Option(help="Upload what this cache directory has; mark the rest missing")
     ] = True,
 ) -> None:
-    """Shared store: check every block the catalog says is stored against the object store
-    and repair what is missing (uploaded again from this cache directory's copy, else marked
-    missing: the agents naming it prefill, and their next save uploads it). Exits 1 if any
-    reference is left to a block the store does not hold."""
-    if not (store and blocks):
-        raise typer.BadParameter(
-            "verify checks a shared store: give --store and --blocks", param_hint="--store"
-        )
+    """Check the stored blocks. This cache directory: every block agents name is read and its
+    checksums compared; a damaged one is quarantined (with --repair: the agents naming it
+    prefill what it held) and exits 1. A shared store (--store, --blocks): every block the
+    catalog says is stored is checked against the object store and what is missing repaired
+    (uploaded again from this cache directory's copy, else marked missing: the agents naming
+    it prefill, and their next save uploads it); exits 1 if any reference is left to a block
+    the store does not hold."""
+    if bool(store) != bool(blocks):
+        raise typer.BadParameter("a shared store needs both --store and --blocks", param_hint="--store")
+    if not store:
+        _verify_local(cache_dir, repair)
+        return
     rows, dangling = [], 0
     for opened in stores_of(cache_dir, store, blocks):
         if isinstance(opened, SharedBlockStore):
@@ -210,6 +223,34 @@ def verify(
     columns = ["model", "checked", "missing", "uploaded", "marked missing", "dangling"]
     emit("shared store blocks", rows, columns, "table", set(columns[1:]))
     if dangling:
+        raise typer.Exit(1)
+
+
+def _verify_local(cache_dir: Path | None, repair: bool) -> None:
+    """``verify`` of this cache directory: every named block read back and checked; exits 1
+    if one was damaged (missing ones, quarantined before, are reported: their agents
+    prefill what they held)."""
+    rows, damaged = [], 0
+    with all_stores(cache_dir) as stores:
+        for opened in stores:
+            named = sorted(opened.referenced_blocks())
+            bad, missing = [], 0
+            for h in named:
+                try:
+                    opened.read_blocks([h])
+                except BlockMissingError:
+                    missing += 1
+                except CacheFormatError as exc:
+                    typer.echo(f"damaged: {h[:16]} ({opened.fingerprint}): {exc}", err=True)
+                    bad.append(h)
+            for h in bad if repair else ():
+                opened.quarantine_block(h)
+            damaged += len(bad)
+            rows.append({"model": opened.fingerprint, "checked": len(named), "damaged": len(bad),
+                         "quarantined": len(bad) if repair else 0, "missing": missing})  # fmt: skip
+    columns = ["model", "checked", "damaged", "quarantined", "missing"]
+    emit("stored blocks", rows, columns, "table", set(columns[1:]))
+    if damaged:
         raise typer.Exit(1)
 
 

@@ -257,3 +257,31 @@ def test_serve_says_what_it_serves_before_uvicorn_does(tmp_path: Path) -> None:
     open_one = startup_summary(ServerConfig(kv_bits=None, docs=False), "::1", 8000)
     assert "16-bit" in open_one and "off (anyone" in open_one and "off (--no-docs)" in open_one
     assert "http://[::1]:8000/v1/chat/completions" in open_one
+
+
+def test_cache_verify_checks_this_directorys_blocks(smollm: LoadedModel, tmp_path: Path) -> None:
+    """``cache verify`` refused to run without a shared store: a user who suspects a damaged
+    disk could not check the cache directory itself."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    try:
+        engine.generate("v:one", f"{SYSTEM}\nQ: Its name?\nA:", GenerationParams(max_tokens=2))
+        engine.flush()
+        d = str(tmp_path)
+        clean = CliRunner().invoke(app, ["cache", "verify", "--cache-dir", d])
+        assert clean.exit_code == 0, clean.output
+        h = engine.admin.store.get_agent("v:one").blocks[0]  # type: ignore[union-attr]
+        path = engine.admin.store.block_path(h)
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x01  # one flipped bit in the tensor data
+        path.write_bytes(bytes(data))
+        found = CliRunner().invoke(app, ["cache", "verify", "--cache-dir", d])
+        assert found.exit_code == 1 and f"damaged: {h[:16]}" in found.stderr
+        assert not path.exists()  # quarantined: the agent prefills what it held
+        again = CliRunner().invoke(app, ["cache", "verify", "--cache-dir", d])
+        header, row = again.stdout.strip().splitlines()  # not a terminal: tab-separated lines
+        fields = dict(zip(header.split("\t"), row.split("\t"), strict=True))
+        assert again.exit_code == 0 and fields["damaged"] == "0" and fields["missing"] == "1"
+        half = CliRunner().invoke(app, ["cache", "verify", "--store", "postgresql://x", "--cache-dir", d])
+        assert half.exit_code != 0 and "--blocks" in half.output
+    finally:
+        engine.close()
