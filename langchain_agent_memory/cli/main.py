@@ -125,17 +125,23 @@ RepetitionPenalty = Annotated[
     float,
     typer.Option(min=1.0, help="Penalise repeating recent tokens (1.0: off); small models loop without"),
 ]
+AgentName = Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")]
+ModelName = Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")]
+SystemPrompt = Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")]
+MaxTokens = Annotated[int, typer.Option(min=1, help="Most tokens in a reply")]
+Temperature = Annotated[float, typer.Option(min=0.0, help="0: greedy")]
+KvBits = Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")]
 
 
 @app.command("chat")
 def chat(
-    agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
-    system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply")] = MAX_TOKENS,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    agent: AgentName = "chat",
+    model: ModelName = None,
+    system: SystemPrompt = None,
+    max_tokens: MaxTokens = MAX_TOKENS,
+    temperature: Temperature = 0.0,
     repetition_penalty: RepetitionPenalty = REPETITION_PENALTY,
-    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    kv_bits: KvBits = 4,
     cache_dir: CacheDir = None,
 ) -> None:
     """Talk with one agent in the terminal; quit and come back later: it resumes warm."""
@@ -152,13 +158,13 @@ def run_once(
     question: Annotated[
         str | None, typer.Argument(help="What to ask (stdin, when piped, comes first)")
     ] = None,
-    agent: Annotated[str, typer.Option("--agent", "-a", help="Whose conversation (and KV cache)")] = "chat",
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default the settings')")] = None,
-    system: Annotated[str | None, typer.Option(help="System prompt (sent on every turn)")] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Most tokens in the reply")] = MAX_TOKENS,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy")] = 0.0,
+    agent: AgentName = "chat",
+    model: ModelName = None,
+    system: SystemPrompt = None,
+    max_tokens: MaxTokens = MAX_TOKENS,
+    temperature: Temperature = 0.0,
     repetition_penalty: RepetitionPenalty = REPETITION_PENALTY,
-    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    kv_bits: KvBits = 4,
     cache_dir: CacheDir = None,
 ) -> None:
     """Ask one agent one question and stream the answer: `cat notes.md | agent-memory run
@@ -205,7 +211,7 @@ def serve(
             help="Start even if the shared store is out of reach (serve from the local tier meanwhile)"
         ),
     ] = False,
-    kv_bits: Annotated[int, typer.Option(help="KV cache bits: 4, 8, or 16 (unquantized)")] = 4,
+    kv_bits: KvBits = 4,
     kv_format: Annotated[
         str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
     ] = None,
