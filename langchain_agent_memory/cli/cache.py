@@ -206,9 +206,7 @@ def verify(
     (uploaded again from this cache directory's copy, else marked missing: the agents naming
     it prefill, and their next save uploads it); exits 1 if any reference is left to a block
     the store does not hold."""
-    if bool(store) != bool(blocks):
-        raise typer.BadParameter("a shared store needs both --store and --blocks", param_hint="--store")
-    if not store:
+    if not (store or blocks):  # half a shared store is refused by ``all_stores``
         _verify_local(cache_dir, repair)
         return
     rows, dangling = [], 0
