@@ -239,6 +239,53 @@ def test_fan_out_prefills_the_shared_prefix_once(smollm: Any, tmp_path: Path, to
         assert again.outcome.match.value == "extend"
 
 
+def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
+    smollm: Any, tmp_path: Path, together: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four new agents released at once whose prompts start with a system prompt another
+    agent stored and run on past its whole blocks: the stored blocks are decoded to full
+    precision once between them (not once each), the part past the blocks is run once and
+    forked, and each answer equals the one that agent gets alone on the same stored prompt
+    (16-bit KV)."""
+    from langchain_agent_memory.engine.kv import layer_work
+    from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
+
+    prefix = "You answer questions about this license.\n\n" + corpus.apache_license()[:2400]
+    questions = ["Its name?", "Who wrote it?", "Can I sell copies?", "Is there a warranty?"]
+    prompts = {f"item {i}": f"{prefix}\n\nQ: {q}\nA:" for i, q in enumerate(questions)}
+    params = GenerationParams(max_tokens=8)
+
+    def stored_prompt(name: str) -> Engine:
+        engine = Engine("smollm2-135m", cache_dir=tmp_path / name, kv_bits=None)
+        engine.generate("first", f"{prefix}\n\nQ: Which license is this?\nA:", params)
+        return engine
+
+    alone = stored_prompt("alone")
+    expected = {agent: alone.generate(agent, prompt, params) for agent, prompt in prompts.items()}
+    assert {str(r.outcome) for r in expected.values()} == {"hot-shared"}
+    stored = min(r.reused_tokens for r in expected.values())  # the whole blocks of the prompt
+    assert stored % BLOCK_TOKENS == 0
+
+    decodes: list[int] = []
+    decode = layer_work.decode_segments
+
+    def counted(segments: Any, rows: int, *args: Any) -> Any:
+        if sum(seg[0][0].shape[2] for seg in segments) >= stored:
+            decodes.append(rows)
+        return decode(segments, rows, *args)
+
+    engine = stored_prompt("fan-out")
+    layers = len(engine.agents.new_layers())
+    monkeypatch.setattr(layer_work, "decode_segments", counted)
+    got = together(engine, prompts, params)
+    for agent, result in got.items():
+        assert str(result.outcome) == "hot-shared", (agent, result.outcome)
+        assert result.text == expected[agent].text, agent
+    assert len(decodes) <= 2 * layers < len(prompts) * layers, len(decodes)  # not once per agent
+    forked = [r for r in got.values() if r.reused_tokens > stored]
+    assert len(forked) >= len(prompts) - 1, [r.reused_tokens for r in got.values()]
+
+
 @pytest.mark.parametrize("attention", ["copy", "stored"])
 def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
     attention: str,

@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
+from ..kv.layer_work import DecodedPrefix
 from ..ops.runtime import mx
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
 from ..storage.agent_ids import validate_agent_id
-from ..storage.blocks import AgentRecord, BlockHash, BlockMissingError, CacheFormatError, NewerFormatError
+from ..storage.blocks import (
+    BLOCK_TOKENS,
+    AgentRecord,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    NewerFormatError,
+)
 from ..storage.budget import EvictionReport, StorageBudget, enforce
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
@@ -89,6 +98,11 @@ class AgentCaches:
         self.commit, self.write, self.held = self.writes.commit, self.writes.write, self.writes.held
         self.queued_block, self.has_local = self.writes.queued_block, self.writes.has_local
         self.saving_agents = self.writes.saving_agents
+        #: (blocks, tokens, layer) -> that layer's stored prefix decoded once for all the
+        #: requests that start from it (``DecodedPrefix``); gone with its last user.
+        self._decoded: weakref.WeakValueDictionary[tuple[Any, ...], DecodedPrefix] = (
+            weakref.WeakValueDictionary()
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -261,8 +275,23 @@ class AgentCaches:
     ) -> tuple[list[LayerCache], bool]:
         """Layer caches of the first ``n_tokens`` of ``chain`` (a hybrid model's recurrent
         layers from the snapshot block ``state``), and whether a block was read from disk
-        (``restore.layers_from_blocks``)."""
-        return layers_from_blocks(self, chain, n_tokens, only, state)
+        (``restore.layers_from_blocks``). Layers built from the same blocks decode their
+        working copies' stored part once between them (``DecodedPrefix``: a fan-out)."""
+        layers, from_disk = layers_from_blocks(self, chain, n_tokens, only, state)
+        if self.serve_stored:
+            return layers, from_disk
+        blocks = tuple(chain[: -(-n_tokens // BLOCK_TOKENS)])
+        with self.lock:
+            for i in range(len(layers)) if only is None else sorted(only):
+                layer = layers[i]
+                if isinstance(layer, RecurrentCache):
+                    continue
+                key = (blocks, n_tokens, i)
+                decoded = self._decoded.get(key)
+                if decoded is None:
+                    decoded = self._decoded[key] = DecodedPrefix()
+                layer.work.share(decoded)
+        return layers, from_disk
 
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the

@@ -167,7 +167,7 @@ class LayerCache:
         self.offset += L
         lo = self._first_visible(self.offset - L)
         rotated = self.prefill_rotated and L > 1
-        k, v, krot, vrot = work.visible(lo, self.offset, keys.dtype, rotated, self._segments)
+        k, v, krot, vrot = work.visible(lo, self.offset, keys.dtype, rotated, self._segments, self.pending.n)
         # Lazy: where ``attend`` is called instead (adapted model), these are never computed.
         out_k, out_v = in_space(k, krot, False), in_space(v, vrot, False)
         self._fetched = _Fetched(out_k, out_v, k, v, krot, vrot)
@@ -245,7 +245,7 @@ class LayerCache:
 
     def _visible(self, lo: int, dtype: mx.Dtype, rotated: bool) -> tuple[mx.array, mx.array, bool, bool]:
         """Positions ``[lo, offset)`` of the working copy (``WorkingCopy.visible``)."""
-        return self.work.visible(lo, self.offset, dtype, rotated, self._segments)
+        return self.work.visible(lo, self.offset, dtype, rotated, self._segments, self.pending.n)
 
     def _decoded(self, lo: int, dtype: mx.Dtype, krot: bool, vrot: bool) -> tuple[mx.array, mx.array]:
         """Positions ``[lo, offset)`` as held, at full precision (in the rotated space where
@@ -313,6 +313,7 @@ class LayerCache:
         k, v = self.pending.joined()
         if k is None or v is None:
             return
+        self.work.unshare()
         first = self.committed_end
         self.committed.add(k, v, first)
         self.pending.set(None, None)
@@ -377,6 +378,7 @@ class LayerCache:
         self.offset = self.committed.body_start + self.committed.n_body
         self.pending.set(None, None)
         self.work.buf = None
+        self.work.unshare()
         self._fetched = None
 
 

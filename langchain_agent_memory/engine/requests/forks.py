@@ -19,6 +19,18 @@ from ..prefix import NOT_A_BOUNDARY, TokenizedText
 
 #: Fewest tokens worth waiting for and forking (below this, prefilling them is as cheap).
 MIN_SHARED_TOKENS = 128
+#: Fewest tokens worth forking from a source that runs no more than that to hold them: a
+#: fan-out's prompts run on past the stored blocks (the rest of the shared system prompt,
+#: the template's turn header), which each sibling prefilled again (8 Sends over 1K stored
+#: tokens of SmolLM2: 20 of their 35 new tokens each).
+MIN_FORK_TOKENS = 16
+
+
+def worth_forking(saved: int, wait: int) -> bool:
+    """Whether to fork a source whose first tokens save ``saved`` of a request's prefill,
+    once the source has run ``wait`` more of its own: a long prefix whatever the wait, a
+    short one where the source runs no more than the fork saves."""
+    return saved >= MIN_SHARED_TOKENS or (saved >= MIN_FORK_TOKENS and wait <= saved)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -68,6 +80,8 @@ def fork_layers(source: Sequence[LayerCache], fresh: Sequence[LayerCache], n_tok
         stored_end = min(n_tokens, src.committed_end)
         head, body = src.committed_slice(src.start, stored_end)
         dst.load(src.start, head, *(body or (None, None)))
+        if stored_end == src.committed_end and src.work.shared is not None:
+            dst.work.share(src.work.shared)  # the same stored part: decoded once for both
         if n_tokens > src.committed_end:
             pk, pv = src.pending_k, src.pending_v
             assert pk is not None and pv is not None

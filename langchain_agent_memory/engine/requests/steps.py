@@ -31,7 +31,7 @@ from ..results import (
 )
 from ..storage.blocks import BLOCK_TOKENS
 from ..storage.protocols import Lease
-from .forks import MIN_SHARED_TOKENS, can_fork, clean_cut, common_prefix, fork_layers
+from .forks import can_fork, clean_cut, common_prefix, fork_layers, worth_forking
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
 from .text import TextStream, last_clean, token_ends
@@ -150,8 +150,8 @@ class RequestSteps:
             self.fail(req, exc)
 
     def _shared_prefix(self, req: Request) -> tuple[Request, int] | None:
-        """The in-flight request whose prompt shares the longest prefix with ``req``'s, if
-        forking it saves at least ``MIN_SHARED_TOKENS`` over what ``req`` reuses already."""
+        """The in-flight request whose prompt shares the longest prefix with ``req``'s, and
+        how many tokens to fork, if that is worth it (``worth_forking``)."""
         start = req.start
         assert start is not None
         ids = start.known.ids + start.tail.ids
@@ -167,7 +167,7 @@ class RequestSteps:
         full = _joined(start.known, start.tail)
         step = BLOCK_TOKENS if any(isinstance(c, RecurrentCache) for c in start.layers) else 1
         n = clean_cut(full, min(best_n, len(ids) - 1), step)  # one token at least is run: its logits
-        return (best, n) if n >= start.reused + MIN_SHARED_TOKENS else None
+        return (best, n) if worth_forking(n - start.reused, n - best.holds) else None
 
     def _fork(self, req: Request) -> None:
         """Start ``req``, and every other request waiting on the same source, from copies of
