@@ -127,6 +127,7 @@ def response_metadata(req: ChatRequest, result: GenerationResult) -> dict[str, A
         "model_name": req.engine.lm.name,
         "model_provider": "agent-memory",
         "finish_reason": result.finish_reason,
+        "stop_sequence": result.stop_sequence,  # the one that ended the reply, if one did
         "agent_id": req.agent,
         "cache": str(result.outcome),
         # where the reused cache was read from: "memory", "disk", "disk, prefetched", None (cold)

@@ -112,6 +112,8 @@ class GenerationResult:
     outcome: CacheOutcome
     finish_reason: str  # "stop" (end of turn or stop sequence), "length", "cancelled", "timeout"
     timings: Timings
+    #: The stop sequence that ended the reply (None: it ended otherwise).
+    stop_sequence: str | None = None
     #: Tensor bytes of the new blocks this turn's save writes (file headers aside).
     bytes_written: int = 0
     #: "pending": the reply left before its save (blocks, record) was durable; it is written

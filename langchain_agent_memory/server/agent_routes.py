@@ -21,7 +21,7 @@ import json
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote, unquote
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -29,7 +29,6 @@ from fastapi import Depends, FastAPI, Header, Request
 from ..chat.model import ChatAgentMemory
 from ..engine import AgentRecord, Engine, is_internal, validate_agent_id
 from .errors import APIError, as_api_errors
-from .protocol import SampledRequest
 
 DEFAULT_AGENT = "default"
 
@@ -65,17 +64,21 @@ def parse_scoped_key(value: str) -> tuple[str, str]:
 def authorizer(api_key: str | None, scoped: dict[str, str]) -> Callable[..., Caller]:
     """The dependency every ``/v1`` route takes: the caller its bearer key stands for."""
 
-    def authorize(authorization: str | None = Header(default=None)) -> Caller:
+    def authorize(
+        authorization: str | None = Header(default=None), x_api_key: str | None = Header(default=None)
+    ) -> Caller:
         if api_key is None and not scoped:
             return Caller()
         scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" and x_api_key is not None:  # Anthropic's clients send it so
+            scheme, token = "bearer", x_api_key
         if scheme.lower() == "bearer":
             if api_key is not None and hmac.compare_digest(token.encode(), api_key.encode()):
                 return Caller()
             for key, prefix in scoped.items():  # every one compared: no timing tells which
                 if hmac.compare_digest(token.encode(), key.encode()):
                     return Caller(prefix)
-        message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        message = "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
         raise APIError(401, message, "invalid_api_key")
 
     return authorize
@@ -96,7 +99,20 @@ def header_agent(raw: str | None) -> str | None:
     return unquote(raw, errors="strict") if "%" in raw else raw
 
 
-def agent_of(body: SampledRequest, header: str | None, caller: Caller) -> str:
+class AgentFields(Protocol):
+    """What a request body says of its agent (chat completions' fields; Anthropic's
+    ``metadata.user_id`` stands for ``user``)."""
+
+    agent_id: str | None
+
+    @property
+    def prompt_cache_key(self) -> str | None: ...
+
+    @property
+    def user(self) -> str | None: ...
+
+
+def agent_of(body: AgentFields, header: str | None, caller: Caller) -> str:
     """The agent a request's cache belongs to: ``prompt_cache_key``, else the ``X-Agent-ID``
     header / ``agent_id`` field (which must agree), else ``user``, else the default. An
     explicit choice wins over ``user``: an app that always sends ``user`` would otherwise

@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP server (``agent-memory serve``).
 
 Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
-``GET /v1/models``, ``GET /health``. Each request runs on ``ChatAgentMemory`` under the
-agent named by the ``X-Agent-ID`` header or the body's ``agent_id`` (``default`` when
-neither is given), so one server keeps every client agent's KV cache, across restarts.
+``POST /v1/completions``, Anthropic's ``POST /v1/messages`` (``anthropic_routes``),
+``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /health``, ``GET /ready``.
+Each request runs on ``ChatAgentMemory`` under the agent named by the ``X-Agent-ID`` header
+or the body's ``agent_id`` (``default`` when neither is given), so one server keeps every
+client agent's KV cache, across restarts.
 
-Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400
-for a malformed or unsupported request, 401 without the bearer token (when one is set),
-404 for an unknown model, 413 for a body over the limit.
+Errors come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (under
+``/v1/messages``, Anthropic's): 400 for a malformed or unsupported request, 401 without the
+key (when one is set), 404 for an unknown model, 413 for a body over the limit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..chat.replies import forced_tools
 from ..engine import DEFAULT_MODEL, GenerationParams
 from . import replies
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
+from .anthropic_routes import add_messages_routes
 from .errors import (
     APIError,
     BodyLimit,
@@ -164,17 +167,17 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         )
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param=param)
+        return error_response(400, message, param=param, path=request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     authorize = authorizer(config.api_key, dict(config.scoped_keys))
 
@@ -206,6 +209,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         return _model_card(name)
 
     add_agent_routes(app, models, authorize)
+    add_messages_routes(app, models, authorize, config.max_tokens_limit)
     if config.docs and not open_docs:
 
         @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])

@@ -1,6 +1,7 @@
-"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the
-request checks that answer with them (a body over the limit, a malformed body, a failure
-turned into a status code)."""
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}`` (in
+Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, under ``/v1/messages``),
+and the request checks that answer with them (a body over the limit, a malformed body, a
+failure turned into a status code)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,30 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+#: Anthropic's error types by status (anything else: ``invalid_request_error`` / ``api_error``).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}  # fmt: skip
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a route answers in Anthropic's shapes (``anthropic_routes``)."""
+    return path.startswith("/v1/messages")
+
+
 def error_response(
-    status: int, message: str, code: str | None = None, param: str | None = None
+    status: int, message: str, code: str | None = None, param: str | None = None, path: str = ""
 ) -> JSONResponse:
-    # OpenAI's shape: every client error is an ``invalid_request_error`` (a wrong key too),
-    # told apart by ``code`` (``invalid_api_key``, ``model_not_found``, ...).
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body: dict[str, Any]
+    if speaks_anthropic(path):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        # OpenAI's shape: every client error is an ``invalid_request_error`` (a wrong key
+        # too), told apart by ``code`` (``invalid_api_key``, ``model_not_found``, ...).
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if status == 503:  # the shared store is out of reach: a retry may succeed
         headers = {"Retry-After": "5"}
@@ -57,7 +75,8 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         too_big = f"request body is over the server's limit of {self.max_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await error_response(413, too_big, "request_too_large")(scope, receive, send)
+            refused = error_response(413, too_big, "request_too_large", path=scope.get("path", ""))
+            return await refused(scope, receive, send)
         seen = 0
 
         async def limited() -> Message:

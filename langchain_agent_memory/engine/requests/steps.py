@@ -461,6 +461,7 @@ class RequestSteps:
             reused_tokens=start.reused,
             outcome=CacheOutcome(start.source, start.outcome_match, start.prefetched),
             finish_reason=finish,
+            stop_sequence=stream.stop_sequence,
             timings=req.timings,
             bytes_written=save.nbytes,
             saved="pending",

@@ -3,7 +3,7 @@ token ends that let the next turn match it by text.
 
 >>> stops = StopMatcher(["</s>", "\\nUser:"])
 >>> stops.hold, stops.find("Hi there\\nUser: more", 0)
-(5, 8)
+(5, (8, '\\nUser:'))
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ class StopMatcher:
         self.stops = [s for s in self.stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
 
-    def find(self, text: str, search_from: int) -> int | None:
-        """The index of the earliest stop sequence that starts at ``search_from`` or later."""
+    def find(self, text: str, search_from: int) -> tuple[int, str] | None:
+        """Where the earliest stop sequence that starts at ``search_from`` or later begins,
+        and which one it is."""
         best = None
         for s in self.stops:
             i = text.find(s, max(0, search_from))
-            if i != -1 and (best is None or i < best):
-                best = i
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
         return best
 
 
@@ -51,6 +52,7 @@ class TextStream:
         self.text = ""  # the reply so far (cut at a stop sequence once ``stopped``)
         self.emitted = 0  # characters of ``text`` handed out
         self.stopped = False
+        self.stop_sequence: str | None = None  # the one that stopped it
 
     def add(self, token: int) -> str:
         """Feed one generated token; return the new text to emit (maybe "")."""
@@ -78,9 +80,9 @@ class TextStream:
 
     def _advance(self, text: str, final: bool) -> str:
         hold = self._stops.hold
-        cut = self._stops.find(text, self.emitted - hold)
-        if cut is not None:
-            self.text, self.stopped = text[:cut], True
+        found = self._stops.find(text, self.emitted - hold)
+        if found is not None:
+            self.text, self.stopped, self.stop_sequence = text[: found[0]], True, found[1]
             return ""
         self.text = text
         if final or len(text) - hold <= self.emitted:

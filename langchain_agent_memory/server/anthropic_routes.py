@@ -1,0 +1,103 @@
+"""Anthropic's Messages API on the agents' caches: ``POST /v1/messages`` (JSON, or SSE with
+``"stream": true``) and ``POST /v1/messages/count_tokens``, for Claude Code and other
+Anthropic-SDK clients (``anthropic.Anthropic(base_url=...)``, LangChain's ``ChatAnthropic``).
+
+A request runs on ``ChatAgentMemory`` as a chat completion does (``anthropic_protocol``:
+the agent, the messages, the call), its reply comes back in Anthropic's shapes
+(``anthropic_replies``), and its errors too (``errors``: ``{"type": "error", "error":
+{"type", "message"}}``). The key goes in ``x-api-key`` (Anthropic's clients) or as a bearer
+token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from ..chat.model import ChatAgentMemory
+from ..chat.replies import forced_tools
+from . import anthropic_replies
+from .agent_routes import Caller, agent_header, agent_of, served
+from .anthropic_protocol import CountTokensRequest, MessagesRequest
+from .anthropic_replies import EventWriter, event
+from .errors import as_api_errors, parse_body, within_limit
+from .replies import new_id
+
+logger = logging.getLogger(__name__)
+
+
+def add_messages_routes(
+    app: FastAPI, models: dict[str, ChatAgentMemory], authorize: Callable[..., Caller], max_tokens_limit: int
+) -> None:
+    @app.post("/v1/messages", response_model=None)
+    async def messages(
+        request: Request,
+        x_agent_id: str | None = Header(default=None),
+        caller: Caller = Depends(authorize),  # noqa: B008 - FastAPI's dependency
+    ) -> JSONResponse | EventSourceResponse:
+        body = parse_body(MessagesRequest, await request.body())
+        llm = served(models, body.model)
+        agent = agent_of(body, x_agent_id, caller)
+        with as_api_errors():
+            history = body.to_messages()
+        kwargs = body.call_kwargs(agent, within_limit(body.max_tokens, max_tokens_limit))
+        headers = {"X-Agent-ID": agent_header(agent)}
+        writer = EventWriter(new_id("msg_"), body.model)
+        if not body.stream:
+            with as_api_errors():
+                reply = await llm.ainvoke(history, **kwargs)
+            return JSONResponse(anthropic_replies.message(writer.mid, body.model, reply), headers=headers)
+        if forced_tools(kwargs.get("tools") or [], kwargs.get("tool_choice")):
+            # A forced call is generated whole (see chat completions): its events at once.
+            with as_api_errors():
+                reply = await llm.ainvoke(history, **kwargs)
+            return EventSourceResponse(_sent(writer.whole(reply)), headers=headers, ping=15)
+        chunks = aiter(llm.astream(history, **kwargs))
+        with as_api_errors():  # errors before the first token still get a status code
+            first = await anext(chunks)
+        return EventSourceResponse(_events(first, chunks, writer), headers=headers, ping=15)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request, _: Caller = Depends(authorize)) -> dict[str, Any]:  # noqa: B008
+        """The tokens a request of these messages (and tools) reads, its generation prompt aside."""
+        body = parse_body(CountTokensRequest, await request.body())
+        llm = served(models, body.model)
+        with as_api_errors():
+            history, tools = body.to_messages(), body.openai_tools() or None
+            count = await asyncio.to_thread(llm.get_num_tokens_from_messages, history, tools)
+        return {"input_tokens": count}
+
+
+async def _events(
+    first: Any, chunks: AsyncIterator[Any], writer: EventWriter
+) -> AsyncIterator[dict[str, str]]:
+    """A streamed reply's SSE events; a failure after the status line was sent goes in the
+    stream as Anthropic's ``error`` event."""
+    try:
+        for out in writer.start():
+            yield out
+        chunk = first
+        while True:
+            for out in writer.chunk(chunk):
+                yield out
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                yield event("error", error={"type": "api_error", "message": f"generation failed: {exc}"})
+                return
+    finally:  # the client went away: closing the stream stops decoding
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+    for out in events:
+        yield out
