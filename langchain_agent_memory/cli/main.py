@@ -211,6 +211,9 @@ def serve(
             help="Start even if the shared store is out of reach (serve from the local tier meanwhile)"
         ),
     ] = False,
+    metrics_public: Annotated[
+        bool, typer.Option(help="Serve /metrics (Prometheus) without the API key, for a scraper")
+    ] = False,
     kv_bits: KvBits = 4,
     kv_format: Annotated[
         str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
@@ -296,6 +299,7 @@ def serve(
         store=store,
         blocks=blocks,
         lazy_store=lazy_store or None,  # unset: the settings' (AGENT_MEMORY_LAZY_STORE)
+        metrics_public=metrics_public,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         wide_console().print(
@@ -320,7 +324,9 @@ def startup_summary(config: ServerConfig, host: str, port: int) -> str:
         f"  caches:     {config.cache_dir or get_settings().cache_dir}",
         f"  store:      {store}",
         f"  API keys:   {keys}",
-        f"  endpoints:  {base}/v1/chat/completions, {base}/v1/completions, {base}/v1/agents",
+        f"  endpoints:  {base}/v1/chat/completions, {base}/v1/completions, {base}/v1/messages, "
+        f"{base}/v1/agents",
+        f"  metrics:    {base}/metrics ({'no key' if config.metrics_public else 'behind the key'})",
         f"  API docs:   {base + '/docs' if config.docs else 'off (--no-docs)'}",
     ]
     return "\n".join(lines)

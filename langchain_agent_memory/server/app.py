@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
 ``POST /v1/completions``, Anthropic's ``POST /v1/messages`` (``anthropic_routes``),
-``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /health``, ``GET /ready``.
+``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /metrics`` (``metrics``),
+``GET /health``, ``GET /ready``.
 Each request runs on ``ChatAgentMemory`` under the agent named by the ``X-Agent-ID`` header
 or the body's ``agent_id`` (``default`` when neither is given), so one server keeps every
 client agent's KV cache, across restarts.
@@ -26,13 +27,14 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
-from ..engine import DEFAULT_MODEL, GenerationParams
+from ..engine import DEFAULT_MODEL, GenerationParams, StreamChunk
 from . import replies
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .anthropic_routes import add_messages_routes
@@ -45,6 +47,7 @@ from .errors import (
     validation_message,
     within_limit,
 )
+from .metrics import EngineCollector, ReplyMetrics, RequestCounter
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -97,6 +100,8 @@ class ServerConfig:
     served_names: list[str] | None = None
     #: Origins a browser may call from (CORS; ``["*"]``: any); empty: no CORS headers.
     allowed_origins: list[str] = field(default_factory=list)
+    #: ``GET /metrics`` without the API key (a Prometheus scraper on a private network).
+    metrics_public: bool = False
     #: Sampling a request gets for what it leaves out (``--temperature`` ... on the CLI).
     temperature: float = 0.0
     top_p: float = 1.0
@@ -107,6 +112,9 @@ class ServerConfig:
 def create_app(config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     models: dict[str, ChatAgentMemory] = {}
+    registry = CollectorRegistry()  # the app's own: two apps in one process keep apart
+    reply_metrics = ReplyMetrics(registry)
+    registry.register(EngineCollector(lambda: {name: llm.engine for name, llm in models.items()}))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +139,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 lazy_store=config.lazy_store,
                 max_disk_bytes=config.max_disk_bytes,
                 cache_ttl=config.cache_ttl,
+                callbacks=[reply_metrics.handler(name)],
             )
             engine = await asyncio.to_thread(lambda llm=llm: llm.engine)  # load before serving
             if config.context_length is not None:
@@ -157,6 +166,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(RequestCounter, registry=registry)  # outermost: refused bodies counted too
     if config.allowed_origins:  # browsers calling from a web app
         app.add_middleware(
             CORSMiddleware,
@@ -208,6 +218,14 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         served(models, name)
         return _model_card(name)
 
+    metrics_auth = [] if config.metrics_public else [Depends(authorize)]
+
+    @app.get("/metrics", dependencies=metrics_auth, include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus' text format (``metrics``)."""
+        body = await asyncio.to_thread(generate_latest, registry)  # reads the stores
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     add_agent_routes(app, models, authorize)
     add_messages_routes(app, models, authorize, config.max_tokens_limit)
     if config.docs and not open_docs:
@@ -247,12 +265,19 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         if not body.stream:
             with as_api_errors():
                 result = await engine.agenerate(agent, body.text, params)
+            reply_metrics.result(body.model, result)
             return JSONResponse(replies.text_completion(cid, body.model, result), headers=headers)
         chunks = aiter(engine.astream(agent, body.text, params))
         with as_api_errors():
             first = await anext(chunks)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(first, chunks, lambda c: replies.text_chunks(cid, body.model, c, include_usage), [])
+
+        def render(chunk: StreamChunk) -> list[dict[str, Any]]:
+            if chunk.result is not None:
+                reply_metrics.result(body.model, chunk.result)
+            return replies.text_chunks(cid, body.model, chunk, include_usage)
+
+        events = _events(first, chunks, render, [])
         return EventSourceResponse(events, headers=headers, ping=15)
 
     @app.post("/v1/chat/completions", response_model=None)
