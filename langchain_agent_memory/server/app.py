@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (``agent-memory serve``).
 
 Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
-``POST /v1/completions``, Anthropic's ``POST /v1/messages`` (``anthropic_routes``),
+``POST /v1/completions``, Anthropic's ``POST /v1/messages`` (``anthropic_routes``), OpenAI's
+Responses (``/v1/responses``: ``responses_routes``),
 ``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /metrics`` (``metrics``),
 ``GET /health``, ``GET /ready``.
 Each request runs on ``ChatAgentMemory`` under the agent named by the ``X-Agent-ID`` header
@@ -57,6 +58,7 @@ from .protocol import (
     penalty_kwargs,
     to_messages,
 )
+from .responses_routes import add_responses_routes
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=SampledRequest)
@@ -154,6 +156,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 await asyncio.to_thread(llm.engine.flush)
             except Exception:  # logged when it failed; the previous cache is intact
                 logger.warning("a save of model %s failed before shutdown", llm.model)
+        close_responses()
 
     # With an API key the API's description wants it too (it names every route); docs=False
     # serves none.
@@ -228,6 +231,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     add_agent_routes(app, models, authorize)
     add_messages_routes(app, models, authorize, config.max_tokens_limit)
+    close_responses = add_responses_routes(
+        app, models, authorize, (config.default_max_tokens, config.max_tokens_limit)
+    )
     if config.docs and not open_docs:
 
         @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(authorize)])

@@ -1,0 +1,206 @@
+"""OpenAI's Responses API on the agents' caches: ``POST /v1/responses`` (JSON, or SSE with
+``"stream": true``), ``GET`` and ``DELETE /v1/responses/{id}``, for the Codex CLI, the
+Agents SDK and ``ChatOpenAI(use_responses_api=True)``.
+
+A response chain is an agent: a new chain's agent is its first response's id (or the agent
+the request names: ``X-Agent-ID``, ``agent_id``, ``prompt_cache_key``, ``user``), and a
+request with ``previous_response_id`` runs on that response's agent with the chain's
+history read back from the stored responses (``responses_store``): the agent's cache holds
+that history already, so the new turn is an EXTEND of it (hot, or warm after a restart),
+never a re-prefill. ``store: false`` keeps nothing: the turn runs on a copy of the chain's
+agent (a fork: its blocks shared), deleted after the reply, and no response is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
+from sse_starlette import EventSourceResponse
+
+from ..chat.model import ChatAgentMemory
+from ..chat.replies import forced_tools
+from .agent_routes import Caller, agent_header, agent_of, served, valid_agent
+from .errors import APIError, as_api_errors, parse_body, within_limit
+from .replies import new_id
+from .responses_protocol import ResponsesRequest, to_messages
+from .responses_replies import OutputWriter, created_now, finished, skeleton
+from .responses_store import ResponseStore, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+
+def add_responses_routes(
+    app: FastAPI,
+    models: dict[str, ChatAgentMemory],
+    authorize: Callable[..., Caller],
+    limits: tuple[int, int],
+) -> Callable[[], None]:
+    """The routes; ``limits``: (default max tokens, most a request may ask). Returns what
+    closes the response stores."""
+    default_tokens, max_tokens_limit = limits
+    stores: dict[str, ResponseStore] = {}
+
+    def store_of(model: str) -> ResponseStore:
+        if model not in stores:  # beside the model's caches: a restart finds its chains
+            stores[model] = ResponseStore(Path(served(models, model).engine.cache_dir) / "responses.sqlite")
+        return stores[model]
+
+    def stored(model: str, rid: str) -> StoredResponse:
+        record = store_of(model).get(rid)
+        if record is None:
+            raise APIError(404, f"response {rid!r} is not stored here", "response_not_found")
+        return record
+
+    @app.post("/v1/responses", response_model=None)
+    async def create(
+        request: Request,
+        x_agent_id: str | None = Header(default=None),
+        caller: Caller = Depends(authorize),  # noqa: B008 - FastAPI's dependency
+    ) -> JSONResponse | EventSourceResponse:
+        body = parse_body(ResponsesRequest, await request.body())
+        llm = served(models, body.model)
+        store = await asyncio.to_thread(store_of, body.model)
+        rid, items = new_id("resp_"), body.items()
+        chain_agent, history = None, []
+        if body.previous_response_id:
+            try:
+                previous, history = await asyncio.to_thread(store.history, body.previous_response_id)
+            except KeyError as exc:
+                message = (
+                    f"previous_response_id {body.previous_response_id!r}: response {exc} is not stored "
+                    "here (sent with store: false, deleted, or kept by another server)"
+                )
+                raise APIError(404, message, "response_not_found", "previous_response_id") from None
+            chain_agent = previous.agent_id
+        if x_agent_id or body.agent_id or body.prompt_cache_key or body.user:
+            agent = agent_of(body, x_agent_id, caller)  # the one the request names
+        else:
+            agent = chain_agent or rid
+            valid_agent(agent, caller)
+        with as_api_errors():
+            messages: list[BaseMessage] = [SystemMessage(body.instructions)] if body.instructions else []
+            messages += to_messages(history + items)
+            max_tokens = within_limit(body.max_output_tokens or default_tokens, max_tokens_limit)
+            runs_on = agent if body.store else await asyncio.to_thread(_scratch_copy, llm, agent, rid)
+            kwargs = body.call_kwargs(runs_on, max_tokens)
+        choice = body.tool_choice
+        echoed = {
+            "model": body.model, "instructions": body.instructions,
+            "previous_response_id": body.previous_response_id, "store": body.store,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": choice if choice is None or isinstance(choice, str) else choice.model_dump(),
+            "temperature": llm.temperature if body.temperature is None else body.temperature,
+            "top_p": llm.top_p if body.top_p is None else body.top_p,
+            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {}, "user": body.user,
+        }  # fmt: skip
+        base, writer = skeleton(rid, echoed, created_now()), OutputWriter()
+        headers = {"X-Agent-ID": agent_header(agent)}
+
+        async def done(reply: AIMessage) -> dict[str, Any]:
+            """The whole response: stored (or the scratch copy dropped)."""
+            response = finished(base, writer.items, reply)
+            if body.store:
+                record = StoredResponse(response, agent, items, body.previous_response_id)
+                await asyncio.to_thread(store.put, record)
+            else:
+                await asyncio.to_thread(llm.engine.admin.delete, runs_on)
+            return response
+
+        if not body.stream or forced_tools(kwargs.get("tools") or [], kwargs.get("tool_choice")):
+            # A forced call is generated whole (see chat completions): its events at once.
+            with as_api_errors():
+                reply = await llm.ainvoke(messages, **kwargs)
+            events = [*writer.start(base), *writer.whole(reply), *writer.close(reply)]
+            response = await done(reply)
+            if not body.stream:
+                return JSONResponse(response, headers=headers)
+            events.append(_end(writer, response))
+            return EventSourceResponse(_sent(events), headers=headers, ping=15)
+        chunks = aiter(llm.astream(messages, **kwargs))
+        with as_api_errors():  # errors before the first token still get a status code
+            first = await anext(chunks)
+        return EventSourceResponse(_events(first, chunks, writer, base, done), headers=headers, ping=15)
+
+    auth = Depends(authorize)
+
+    @app.get("/v1/responses/{rid}")
+    async def get(rid: str, model: str | None = None, _: Caller = auth) -> dict[str, Any]:
+        """A stored response (``model``: the served model it was made with; default the first)."""
+        return (await asyncio.to_thread(stored, model or next(iter(models)), rid)).response
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(rid: str, model: str | None = None, _: Caller = auth) -> dict[str, Any]:
+        name = model or next(iter(models))
+        await asyncio.to_thread(stored, name, rid)
+        await asyncio.to_thread(store_of(name).delete, rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def close() -> None:
+        for store in stores.values():
+            store.close()
+
+    return close
+
+
+def _scratch_copy(llm: ChatAgentMemory, agent: str, rid: str) -> str:
+    """A copy of ``agent``'s cache for a turn that keeps nothing (``store: false``)."""
+    scratch = f"{agent}~{rid}"
+    admin = llm.engine.admin
+    if admin.has_agent(agent):
+        admin.fork(agent, scratch)
+    return scratch
+
+
+def _end(writer: OutputWriter, response: dict[str, Any]) -> dict[str, str]:
+    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    return writer.event(kind, response=response)
+
+
+async def _events(
+    first: Any,
+    chunks: AsyncIterator[Any],
+    writer: OutputWriter,
+    base: dict[str, Any],
+    done: Callable[[AIMessage], Any],
+) -> AsyncIterator[dict[str, str]]:
+    """A streamed response's SSE events; a failure after the status line was sent goes in
+    the stream (``response.failed``)."""
+    try:
+        for out in writer.start(base):
+            yield out
+        chunk = first
+        while True:
+            for out in writer.chunk(chunk):
+                yield out
+            if chunk.chunk_position == "last":
+                reply = AIMessage(
+                    content="", tool_calls=chunk.tool_calls, invalid_tool_calls=chunk.invalid_tool_calls,
+                    usage_metadata=chunk.usage_metadata, response_metadata=chunk.response_metadata,
+                )  # fmt: skip
+                for out in writer.close(reply):
+                    yield out
+                yield _end(writer, await done(reply))
+                return
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                failed = {**base, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
+                yield writer.event("response.failed", response=failed)
+                return
+    finally:  # the client went away: closing the stream stops decoding
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+    for out in events:
+        yield out
