@@ -22,12 +22,13 @@ from sse_starlette import EventSourceResponse
 
 from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
-from . import anthropic_replies
+from . import anthropic_replies, streams
 from .agent_routes import Caller, agent_header, agent_of, served
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .anthropic_replies import EventWriter, event
 from .errors import as_api_errors, parse_body, within_limit
 from .replies import new_id
+from .streams import closed, first_chunk, resolved
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,10 @@ def add_messages_routes(
             # A forced call is generated whole (see chat completions): its events at once.
             with as_api_errors():
                 reply = await llm.ainvoke(history, **kwargs)
-            return EventSourceResponse(_sent(writer.whole(reply)), headers=headers, ping=15)
+            return EventSourceResponse(_sent(writer.whole(reply)), headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(llm.astream(history, **kwargs))
-        with as_api_errors():  # errors before the first token still get a status code
-            first = await anext(chunks)
-        return EventSourceResponse(_events(first, chunks, writer), headers=headers, ping=15)
+        first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
+        return EventSourceResponse(_events(first, chunks, writer), headers=headers, ping=streams.KEEPALIVE_S)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, _: Caller = Depends(authorize)) -> dict[str, Any]:  # noqa: B008
@@ -82,20 +82,20 @@ async def _events(
     try:
         for out in writer.start():
             yield out
-        chunk = first
+        chunk = None
         while True:
-            for out in writer.chunk(chunk):
-                yield out
             try:
-                chunk = await anext(chunks)
+                chunk = await resolved(first) if chunk is None else await anext(chunks)
             except StopAsyncIteration:
                 return
             except Exception as exc:  # the status line is sent: the error goes in the stream
                 logger.exception("generation failed mid-stream")
                 yield event("error", error={"type": "api_error", "message": f"generation failed: {exc}"})
                 return
+            for out in writer.chunk(chunk):
+                yield out
     finally:  # the client went away: closing the stream stops decoding
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await closed(chunks, first)
 
 
 async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
 from ..engine import DEFAULT_MODEL, GenerationParams, StreamChunk
-from . import replies
+from . import replies, streams
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .anthropic_routes import add_messages_routes
 from .errors import (
@@ -59,6 +59,7 @@ from .protocol import (
     to_messages,
 )
 from .responses_routes import add_responses_routes
+from .streams import closed, first_chunk, resolved
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=SampledRequest)
@@ -274,8 +275,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             reply_metrics.result(body.model, result)
             return JSONResponse(replies.text_completion(cid, body.model, result), headers=headers)
         chunks = aiter(engine.astream(agent, body.text, params))
-        with as_api_errors():
-            first = await anext(chunks)
+        first = await first_chunk(chunks)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def render(chunk: StreamChunk) -> list[dict[str, Any]]:
@@ -284,7 +284,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             return replies.text_chunks(cid, body.model, chunk, include_usage)
 
         events = _events(first, chunks, render, [])
-        return EventSourceResponse(events, headers=headers, ping=15)
+        return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
@@ -321,12 +321,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             with as_api_errors():
                 message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
             sent = _sent([writer.first(), *writer.whole(message)])
-            return EventSourceResponse(sent, headers=headers, ping=15)
+            return EventSourceResponse(sent, headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(llm.astream(messages, stop=body.stops, **kwargs))
-        with as_api_errors():  # errors before the first token still get a status code
-            first = await anext(chunks)
+        first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
         events = _events(first, chunks, writer.text, [writer.first()])
-        return EventSourceResponse(events, headers=headers, ping=15)
+        return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     return app
 
@@ -339,12 +338,10 @@ async def _events(
     try:
         for out in head:
             yield {"data": json.dumps(out)}
-        chunk = first
+        chunk = None
         while True:
-            for out in render(chunk):
-                yield {"data": json.dumps(out, ensure_ascii=False)}
             try:
-                chunk = await anext(chunks)
+                chunk = await resolved(first) if chunk is None else await anext(chunks)
             except StopAsyncIteration:
                 break
             except Exception as exc:  # the status line is sent: the error goes in the stream
@@ -352,9 +349,11 @@ async def _events(
                 error = {"message": f"generation failed: {exc}", "type": "server_error", "code": None}
                 yield {"data": json.dumps({"error": error})}
                 return
+            for out in render(chunk):
+                yield {"data": json.dumps(out, ensure_ascii=False)}
         yield {"data": "[DONE]"}
     finally:  # the client went away: closing the stream stops decoding
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await closed(chunks, first)
 
 
 async def _sent(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:

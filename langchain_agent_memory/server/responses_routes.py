@@ -26,12 +26,14 @@ from sse_starlette import EventSourceResponse
 
 from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
+from . import streams
 from .agent_routes import Caller, agent_header, agent_of, served, valid_agent
 from .errors import APIError, as_api_errors, parse_body, within_limit
 from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
 from .responses_replies import OutputWriter, created_now, finished, skeleton
 from .responses_store import ResponseStore, StoredResponse
+from .streams import closed, first_chunk, resolved
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +124,11 @@ def add_responses_routes(
             if not body.stream:
                 return JSONResponse(response, headers=headers)
             events.append(_end(writer, response))
-            return EventSourceResponse(_sent(events), headers=headers, ping=15)
+            return EventSourceResponse(_sent(events), headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(llm.astream(messages, **kwargs))
-        with as_api_errors():  # errors before the first token still get a status code
-            first = await anext(chunks)
-        return EventSourceResponse(_events(first, chunks, writer, base, done), headers=headers, ping=15)
+        first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
+        events = _events(first, chunks, writer, base, done)
+        return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     auth = Depends(authorize)
 
@@ -175,8 +177,17 @@ async def _events(
     try:
         for out in writer.start(base):
             yield out
-        chunk = first
+        chunk = None
         while True:
+            try:
+                chunk = await resolved(first) if chunk is None else await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                failed = {**base, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
+                yield writer.event("response.failed", response=failed)
+                return
             for out in writer.chunk(chunk):
                 yield out
             if chunk.chunk_position == "last":
@@ -188,17 +199,8 @@ async def _events(
                     yield out
                 yield _end(writer, await done(reply))
                 return
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except Exception as exc:  # the status line is sent: the error goes in the stream
-                logger.exception("generation failed mid-stream")
-                failed = {**base, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
-                yield writer.event("response.failed", response=failed)
-                return
     finally:  # the client went away: closing the stream stops decoding
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await closed(chunks, first)
 
 
 async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
