@@ -214,6 +214,14 @@ def serve(
     metrics_public: Annotated[
         bool, typer.Option(help="Serve /metrics (Prometheus) without the API key, for a scraper")
     ] = False,
+    context_scale: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Multiply the prompt token counts told to clients: a harness that assumes a bigger "
+            "context (Claude Code: 200K) compacts when the model's is full (200K / 8K: 25)",
+        ),
+    ] = 1.0,
     kv_bits: KvBits = 4,
     kv_format: Annotated[
         str | None, typer.Option(help="A KV format preset instead of --kv-bits (e.g. k6v4-rot-h4, q8, fp16)")
@@ -300,6 +308,7 @@ def serve(
         blocks=blocks,
         lazy_store=lazy_store or None,  # unset: the settings' (AGENT_MEMORY_LAZY_STORE)
         metrics_public=metrics_public,
+        context_scale=context_scale,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         wide_console().print(

@@ -26,6 +26,7 @@ from . import anthropic_replies, streams
 from .agent_routes import Caller, agent_header, agent_of, served
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .anthropic_replies import EventWriter, event
+from .context_scale import scaled, scaled_chunks
 from .errors import as_api_errors, parse_body, within_limit
 from .replies import new_id
 from .streams import closed, first_chunk, resolved
@@ -34,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 def add_messages_routes(
-    app: FastAPI, models: dict[str, ChatAgentMemory], authorize: Callable[..., Caller], max_tokens_limit: int
+    app: FastAPI,
+    models: dict[str, ChatAgentMemory],
+    authorize: Callable[..., Caller],
+    max_tokens_limit: int,
+    scale: float = 1.0,
 ) -> None:
+    """The routes; ``scale``: the prompt token counts told to clients (``context_scale``)."""
+
     @app.post("/v1/messages", response_model=None)
     async def messages(
         request: Request,
@@ -52,14 +59,14 @@ def add_messages_routes(
         writer = EventWriter(new_id("msg_"), body.model)
         if not body.stream:
             with as_api_errors():
-                reply = await llm.ainvoke(history, **kwargs)
+                reply = scaled(await llm.ainvoke(history, **kwargs), scale)
             return JSONResponse(anthropic_replies.message(writer.mid, body.model, reply), headers=headers)
         if forced_tools(kwargs.get("tools") or [], kwargs.get("tool_choice")):
             # A forced call is generated whole (see chat completions): its events at once.
             with as_api_errors():
-                reply = await llm.ainvoke(history, **kwargs)
+                reply = scaled(await llm.ainvoke(history, **kwargs), scale)
             return EventSourceResponse(_sent(writer.whole(reply)), headers=headers, ping=streams.KEEPALIVE_S)
-        chunks = aiter(llm.astream(history, **kwargs))
+        chunks = aiter(scaled_chunks(llm.astream(history, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
         return EventSourceResponse(_events(first, chunks, writer), headers=headers, ping=streams.KEEPALIVE_S)
 
@@ -71,7 +78,7 @@ def add_messages_routes(
         with as_api_errors():
             history, tools = body.to_messages(), body.openai_tools() or None
             count = await asyncio.to_thread(llm.get_num_tokens_from_messages, history, tools)
-        return {"input_tokens": count}
+        return {"input_tokens": round(count * scale)}
 
 
 async def _events(

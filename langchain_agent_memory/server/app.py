@@ -39,6 +39,7 @@ from ..engine import DEFAULT_MODEL, GenerationParams, StreamChunk
 from . import replies, streams
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .anthropic_routes import add_messages_routes
+from .context_scale import scaled, scaled_chunks
 from .errors import (
     APIError,
     BodyLimit,
@@ -105,6 +106,9 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     #: ``GET /metrics`` without the API key (a Prometheus scraper on a private network).
     metrics_public: bool = False
+    #: Prompt token counts told to clients times this (``context_scale``): a harness that
+    #: assumes a bigger context than the model's compacts in time (e.g. 200K / 8K = 25).
+    context_scale: float = 1.0
     #: Sampling a request gets for what it leaves out (``--temperature`` ... on the CLI).
     temperature: float = 0.0
     top_p: float = 1.0
@@ -114,6 +118,9 @@ class ServerConfig:
 
 def create_app(config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
+    if not config.context_scale > 0:
+        raise ValueError(f"context_scale must be above 0, not {config.context_scale}")
+    scale = config.context_scale
     models: dict[str, ChatAgentMemory] = {}
     registry = CollectorRegistry()  # the app's own: two apps in one process keep apart
     reply_metrics = ReplyMetrics(registry)
@@ -231,9 +238,9 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     add_agent_routes(app, models, authorize)
-    add_messages_routes(app, models, authorize, config.max_tokens_limit)
+    add_messages_routes(app, models, authorize, config.max_tokens_limit, scale)
     close_responses = add_responses_routes(
-        app, models, authorize, (config.default_max_tokens, config.max_tokens_limit)
+        app, models, authorize, (config.default_max_tokens, config.max_tokens_limit), scale
     )
     if config.docs and not open_docs:
 
@@ -309,7 +316,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         cid = replies.new_id()
         if not body.stream:
             with as_api_errors():
-                message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
+                message = scaled(await llm.ainvoke(messages, stop=body.stops, **kwargs), scale)
             return JSONResponse(replies.completion(cid, body.model, message), headers=headers)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -319,10 +326,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             # generated whole, so that one cut off by max_tokens is sent as the call as far
             # as it went (a stream's chunks would give it back as text).
             with as_api_errors():
-                message = await llm.ainvoke(messages, stop=body.stops, **kwargs)
+                message = scaled(await llm.ainvoke(messages, stop=body.stops, **kwargs), scale)
             sent = _sent([writer.first(), *writer.whole(message)])
             return EventSourceResponse(sent, headers=headers, ping=streams.KEEPALIVE_S)
-        chunks = aiter(llm.astream(messages, stop=body.stops, **kwargs))
+        chunks = aiter(scaled_chunks(llm.astream(messages, stop=body.stops, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
         events = _events(first, chunks, writer.text, [writer.first()])
         return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)

@@ -28,6 +28,7 @@ from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
 from . import streams
 from .agent_routes import Caller, agent_header, agent_of, served, valid_agent
+from .context_scale import scaled, scaled_chunks
 from .errors import APIError, as_api_errors, parse_body, within_limit
 from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
@@ -43,9 +44,11 @@ def add_responses_routes(
     models: dict[str, ChatAgentMemory],
     authorize: Callable[..., Caller],
     limits: tuple[int, int],
+    scale: float = 1.0,
 ) -> Callable[[], None]:
-    """The routes; ``limits``: (default max tokens, most a request may ask). Returns what
-    closes the response stores."""
+    """The routes; ``limits``: (default max tokens, most a request may ask); ``scale``: the
+    prompt token counts told to clients (``context_scale``). Returns what closes the
+    response stores."""
     default_tokens, max_tokens_limit = limits
     stores: dict[str, ResponseStore] = {}
 
@@ -118,14 +121,14 @@ def add_responses_routes(
         if not body.stream or forced_tools(kwargs.get("tools") or [], kwargs.get("tool_choice")):
             # A forced call is generated whole (see chat completions): its events at once.
             with as_api_errors():
-                reply = await llm.ainvoke(messages, **kwargs)
+                reply = scaled(await llm.ainvoke(messages, **kwargs), scale)
             events = [*writer.start(base), *writer.whole(reply), *writer.close(reply)]
             response = await done(reply)
             if not body.stream:
                 return JSONResponse(response, headers=headers)
             events.append(_end(writer, response))
             return EventSourceResponse(_sent(events), headers=headers, ping=streams.KEEPALIVE_S)
-        chunks = aiter(llm.astream(messages, **kwargs))
+        chunks = aiter(scaled_chunks(llm.astream(messages, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
         events = _events(first, chunks, writer, base, done)
         return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)

@@ -5,6 +5,7 @@ at the wire). The server runs in this process (uvicorn on a thread) on the sessi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -172,3 +173,23 @@ def test_agent_ids_in_a_header_and_in_metadata(client: anthropic.Anthropic, serv
     listed = httpx.get(f"{server}/v1/agents", headers={"Authorization": f"Bearer {KEY}"}).json()
     ids = {a["id"] for a in listed["data"]}
     assert {"été 1", "session 2"} <= ids
+
+
+def test_context_scale_multiplies_the_prompt_counts_clients_see(smollm: LoadedModel, tmp_path: Path) -> None:
+    """Claude Code assumes 200K tokens of context: a server told the model holds 1/25 of
+    that reports prompts 25 times their size, so the harness compacts in time; the output
+    counts and what the engine does are unchanged."""
+    counts = {}
+    for scale in (1.0, 25.0):
+        config = ServerConfig(
+            models=[MODEL], cache_dir=str(tmp_path / str(scale)), api_key=KEY, context_scale=scale
+        )
+        with app_on_loopback(create_app(config)) as url:
+            client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+            reply = client.messages.create(model=MODEL, max_tokens=6, messages=ASK, **_user("scaled"))
+            counted = client.messages.count_tokens(model=MODEL, messages=ASK)
+            u = reply.usage
+            counts[scale] = (u.cache_creation_input_tokens + u.cache_read_input_tokens, counted.input_tokens,
+                             u.output_tokens)  # fmt: skip
+    (prompt, counted, out), (prompt25, counted25, out25) = counts[1.0], counts[25.0]
+    assert prompt25 == 25 * prompt and counted25 == 25 * counted and out25 == out
