@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -33,7 +32,7 @@ from .errors import APIError, as_api_errors, parse_body, within_limit
 from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
 from .responses_replies import OutputWriter, created_now, finished, skeleton
-from .responses_store import ResponseStore, StoredResponse
+from .responses_store import ResponseStore, StoredResponse, open_response_store
 from .streams import closed, first_chunk, resolved
 
 logger = logging.getLogger(__name__)
@@ -53,8 +52,8 @@ def add_responses_routes(
     stores: dict[str, ResponseStore] = {}
 
     def store_of(model: str) -> ResponseStore:
-        if model not in stores:  # beside the model's caches: a restart finds its chains
-            stores[model] = ResponseStore(Path(served(models, model).engine.cache_dir) / "responses.sqlite")
+        if model not in stores:  # where the model's agents are: a restart, another worker find its chains
+            stores[model] = open_response_store(served(models, model).engine)
         return stores[model]
 
     def stored(model: str, rid: str) -> StoredResponse:

@@ -5,6 +5,7 @@ of the server too (a new app on the same cache directory)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -128,3 +129,31 @@ def test_chat_openai_on_the_responses_api(client: openai.OpenAI) -> None:
     roomy = llm.model_copy(update={"max_tokens": 48})  # room for the whole call
     call = roomy.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
     assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather"
+
+
+def test_a_chain_goes_on_on_another_worker_of_a_shared_store(
+    smollm: LoadedModel, shared_store: tuple[str, str], tmp_path: Path
+) -> None:
+    """Two servers on one shared store (PostgreSQL + S3), each with its own cache
+    directory: a chain begun on one continues on the other, which reads the stored chain
+    from the database and the agent's blocks from the store (``warm-extend``)."""
+    store, blocks = shared_store
+    clients = []
+    with contextlib.ExitStack() as stack:
+        for worker in ("a", "b"):
+            config = ServerConfig(
+                models=[MODEL], cache_dir=str(tmp_path / worker), api_key=KEY, store=store, blocks=blocks
+            )
+            url = stack.enter_context(app_on_loopback(create_app(config)))
+            clients.append(openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0))
+        a, b = clients
+        one = a.responses.create(
+            model=MODEL, input="Name a fruit.", max_output_tokens=8, extra_body={"wait_for_save": True}
+        )
+        assert one.model_extra["agent_memory"]["cache_saved"] is True  # in the shared store
+        two = b.responses.create(
+            model=MODEL, input="And a color?", previous_response_id=one.id, max_output_tokens=8
+        )
+        assert two.model_extra["agent_memory"]["cache"] == "warm-extend"
+        assert two.usage.input_tokens_details.cached_tokens >= one.usage.input_tokens
+        assert a.responses.retrieve(two.id).id == two.id  # stored for every worker
