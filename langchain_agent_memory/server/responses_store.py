@@ -126,7 +126,7 @@ class PostgresRows:
     while the database is out of reach (``RemoteUnavailableError``: a 503)."""
 
     def __init__(self, url: str) -> None:
-        from ..engine.storage.pg_session import PgSession
+        from ..engine import PgSession
 
         def setup(conn: Any) -> None:
             conn.execute(f"CREATE TABLE IF NOT EXISTS agent_memory_responses ({_COLUMNS})")
