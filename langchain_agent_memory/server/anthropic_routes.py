@@ -12,8 +12,7 @@ token.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -29,9 +28,7 @@ from .anthropic_replies import EventWriter, event
 from .context_scale import scaled, scaled_chunks
 from .errors import as_api_errors, parse_body, within_limit
 from .replies import new_id
-from .streams import closed, first_chunk, resolved
-
-logger = logging.getLogger(__name__)
+from .streams import first_chunk, relay, sent
 
 
 def add_messages_routes(
@@ -65,10 +62,11 @@ def add_messages_routes(
             # A forced call is generated whole (see chat completions): its events at once.
             with as_api_errors():
                 reply = scaled(await llm.ainvoke(history, **kwargs), scale)
-            return EventSourceResponse(_sent(writer.whole(reply)), headers=headers, ping=streams.KEEPALIVE_S)
+            return EventSourceResponse(sent(writer.whole(reply)), headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(scaled_chunks(llm.astream(history, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
-        return EventSourceResponse(_events(first, chunks, writer), headers=headers, ping=streams.KEEPALIVE_S)
+        events = relay(first, chunks, writer.chunk, _error, head=writer.start())
+        return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request, _: Caller = Depends(authorize)) -> dict[str, Any]:  # noqa: B008
@@ -81,30 +79,5 @@ def add_messages_routes(
         return {"input_tokens": round(count * scale)}
 
 
-async def _events(
-    first: Any, chunks: AsyncIterator[Any], writer: EventWriter
-) -> AsyncIterator[dict[str, str]]:
-    """A streamed reply's SSE events; a failure after the status line was sent goes in the
-    stream as Anthropic's ``error`` event."""
-    try:
-        for out in writer.start():
-            yield out
-        chunk = None
-        while True:
-            try:
-                chunk = await resolved(first) if chunk is None else await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except Exception as exc:  # the status line is sent: the error goes in the stream
-                logger.exception("generation failed mid-stream")
-                yield event("error", error={"type": "api_error", "message": f"generation failed: {exc}"})
-                return
-            for out in writer.chunk(chunk):
-                yield out
-    finally:  # the client went away: closing the stream stops decoding
-        await closed(chunks, first)
-
-
-async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
-    for out in events:
-        yield out
+def _error(exc: Exception) -> list[dict[str, str]]:
+    return [event("error", error={"type": "api_error", "message": f"generation failed: {exc}"})]

@@ -60,7 +60,7 @@ from .protocol import (
     to_messages,
 )
 from .responses_routes import add_responses_routes
-from .streams import closed, first_chunk, resolved
+from .streams import first_chunk, relay, sent
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R", bound=SampledRequest)
@@ -290,7 +290,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 reply_metrics.result(body.model, chunk.result)
             return replies.text_chunks(cid, body.model, chunk, include_usage)
 
-        events = _events(first, chunks, render, [])
+        events = _stream(first, chunks, render, [])
         return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -327,47 +327,36 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             # as it went (a stream's chunks would give it back as text).
             with as_api_errors():
                 message = scaled(await llm.ainvoke(messages, stop=body.stops, **kwargs), scale)
-            sent = _sent([writer.first(), *writer.whole(message)])
-            return EventSourceResponse(sent, headers=headers, ping=streams.KEEPALIVE_S)
+            whole = [*map(_data, [writer.first(), *writer.whole(message)]), {"data": "[DONE]"}]
+            return EventSourceResponse(sent(whole), headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(scaled_chunks(llm.astream(messages, stop=body.stops, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
-        events = _events(first, chunks, writer.text, [writer.first()])
+        events = _stream(first, chunks, writer.text, [writer.first()])
         return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     return app
 
 
-async def _events(
+def _data(out: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(out, ensure_ascii=False)}
+
+
+def _stream(
     first: Any, chunks: AsyncIterator[Any], render: Callable[[Any], list[dict[str, Any]]], head: list[Any]
 ) -> AsyncIterator[dict[str, str]]:
-    """A reply's SSE events: ``head``, then what ``render`` makes of each stream chunk, then
-    ``[DONE]``; a failure after the status line was sent goes in the stream."""
-    try:
-        for out in head:
-            yield {"data": json.dumps(out)}
-        chunk = None
-        while True:
-            try:
-                chunk = await resolved(first) if chunk is None else await anext(chunks)
-            except StopAsyncIteration:
-                break
-            except Exception as exc:  # the status line is sent: the error goes in the stream
-                logger.exception("generation failed mid-stream")
-                error = {"message": f"generation failed: {exc}", "type": "server_error", "code": None}
-                yield {"data": json.dumps({"error": error})}
-                return
-            for out in render(chunk):
-                yield {"data": json.dumps(out, ensure_ascii=False)}
-        yield {"data": "[DONE]"}
-    finally:  # the client went away: closing the stream stops decoding
-        await closed(chunks, first)
+    """A reply's SSE events (``streams.relay``): ``head``, what ``render`` makes of each
+    chunk, then ``[DONE]``; a failure after the status line was sent goes in the stream."""
 
+    def failed(exc: Exception) -> list[dict[str, str]]:
+        return [
+            _data({"error": {"message": f"generation failed: {exc}", "type": "server_error", "code": None}})
+        ]
 
-async def _sent(chunks: list[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
-    """A reply generated whole, as SSE events."""
-    for out in chunks:
-        yield {"data": json.dumps(out, ensure_ascii=False)}
-    yield {"data": "[DONE]"}
+    async def done() -> list[dict[str, str]]:
+        return [{"data": "[DONE]"}]
+
+    head = [_data(out) for out in head]
+    return relay(first, chunks, lambda c: [_data(out) for out in render(c)], failed, head=head, tail=done)
 
 
 def _model_card(name: str) -> dict[str, Any]:

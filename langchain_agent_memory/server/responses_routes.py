@@ -14,8 +14,7 @@ agent (a fork: its blocks shared), deleted after the reply, and no response is s
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -33,9 +32,7 @@ from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
 from .responses_replies import OutputWriter, created_now, finished, skeleton
 from .responses_store import ResponseStore, StoredResponse, open_response_store
-from .streams import closed, first_chunk, resolved
-
-logger = logging.getLogger(__name__)
+from .streams import first_chunk, relay, sent
 
 
 def add_responses_routes(
@@ -126,10 +123,10 @@ def add_responses_routes(
             if not body.stream:
                 return JSONResponse(response, headers=headers)
             events.append(_end(writer, response))
-            return EventSourceResponse(_sent(events), headers=headers, ping=streams.KEEPALIVE_S)
+            return EventSourceResponse(sent(events), headers=headers, ping=streams.KEEPALIVE_S)
         chunks = aiter(scaled_chunks(llm.astream(messages, **kwargs), scale))
         first = await first_chunk(chunks)  # errors before it still get a status code (``streams``)
-        events = _events(first, chunks, writer, base, done)
+        events = _stream(first, chunks, writer, base, done)
         return EventSourceResponse(events, headers=headers, ping=streams.KEEPALIVE_S)
 
     auth = Depends(authorize)
@@ -167,44 +164,34 @@ def _end(writer: OutputWriter, response: dict[str, Any]) -> dict[str, str]:
     return writer.event(kind, response=response)
 
 
-async def _events(
+def _stream(
     first: Any,
     chunks: AsyncIterator[Any],
     writer: OutputWriter,
     base: dict[str, Any],
-    done: Callable[[AIMessage], Any],
+    done: Callable[[AIMessage], Awaitable[dict[str, Any]]],
 ) -> AsyncIterator[dict[str, str]]:
-    """A streamed response's SSE events; a failure after the status line was sent goes in
-    the stream (``response.failed``)."""
-    try:
-        for out in writer.start(base):
-            yield out
-        chunk = None
-        while True:
-            try:
-                chunk = await resolved(first) if chunk is None else await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except Exception as exc:  # the status line is sent: the error goes in the stream
-                logger.exception("generation failed mid-stream")
-                failed = {**base, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
-                yield writer.event("response.failed", response=failed)
-                return
-            for out in writer.chunk(chunk):
-                yield out
-            if chunk.chunk_position == "last":
-                reply = AIMessage(
-                    content="", tool_calls=chunk.tool_calls, invalid_tool_calls=chunk.invalid_tool_calls,
-                    usage_metadata=chunk.usage_metadata, response_metadata=chunk.response_metadata,
-                )  # fmt: skip
-                for out in writer.close(reply):
-                    yield out
-                yield _end(writer, await done(reply))
-                return
-    finally:  # the client went away: closing the stream stops decoding
-        await closed(chunks, first)
+    """A streamed response's SSE events (``streams.relay``): the last chunk closes its items,
+    then the whole response (stored) ends it; a failure after the status line was sent is a
+    ``response.failed`` event."""
+    replies: list[AIMessage] = []
 
+    def render(chunk: Any) -> list[dict[str, str]]:
+        out = writer.chunk(chunk)
+        if chunk.chunk_position == "last":
+            reply = AIMessage(
+                content="", tool_calls=chunk.tool_calls, invalid_tool_calls=chunk.invalid_tool_calls,
+                usage_metadata=chunk.usage_metadata, response_metadata=chunk.response_metadata,
+            )  # fmt: skip
+            replies.append(reply)
+            out += writer.close(reply)
+        return out
 
-async def _sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
-    for out in events:
-        yield out
+    async def tail() -> list[dict[str, str]]:
+        return [_end(writer, await done(replies[-1]))] if replies else []
+
+    def failed(exc: Exception) -> list[dict[str, str]]:
+        response = {**base, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
+        return [writer.event("response.failed", response=response)]
+
+    return relay(first, chunks, render, failed, head=writer.start(base), tail=tail)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from .errors import as_api_errors
+
+logger = logging.getLogger(__name__)
 
 #: Longest wait for a stream's first token before its status line is sent.
 FIRST_TOKEN_WAIT_S = 5.0
@@ -44,3 +47,42 @@ async def closed(chunks: AsyncIterator[Any], first: First) -> None:
         with contextlib.suppress(BaseException):
             await first
     await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def relay(
+    first: First,
+    chunks: AsyncIterator[Any],
+    render: Callable[[Any], list[dict[str, str]]],
+    on_error: Callable[[Exception], list[dict[str, str]]],
+    head: list[dict[str, str]] | tuple[()] = (),
+    tail: Callable[[], Awaitable[list[dict[str, str]]]] | None = None,
+) -> AsyncIterator[dict[str, str]]:
+    """A streamed reply's SSE events: ``head``, what ``render`` makes of each chunk, then
+    ``tail``'s; a failure after the status line was sent goes in the stream (``on_error``'s
+    events end it). Closing it (the client went away) stops decoding."""
+    try:
+        for out in head:
+            yield out
+        chunk = None
+        while True:
+            try:
+                chunk = await resolved(first) if chunk is None else await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                logger.exception("generation failed mid-stream")
+                for out in on_error(exc):
+                    yield out
+                return
+            for out in render(chunk):
+                yield out
+        for out in await tail() if tail is not None else ():
+            yield out
+    finally:
+        await closed(chunks, first)
+
+
+async def sent(events: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+    """A reply generated whole, as SSE events."""
+    for out in events:
+        yield out
