@@ -1,10 +1,14 @@
-"""Bytes written per conversation turn: only the new blocks (and the rewritten partial
-tail block) vs rewriting the agent's whole cache each turn (what the reference system did).
+"""What a user's SSD pays per conversation turn: the bytes each turn's save writes (the
+new blocks and the rewritten partial tail block), and everything the process wrote
+(``/proc/self/io``'s ``write_bytes``: block files, the index and its journal), against the
+new tokens' K/V at the default format (the floor: what any store of them must write) and
+against rewriting the agent's whole cache each turn (what the reference system did).
 
-    .venv/bin/python benchmarks/turn_writes.py [--turns 8] [--kv-bits 4]
+    .venv/bin/python benchmarks/turn_writes.py [--turns 50] [--kv-bits 4]
 
 One agent on the default model, a ~1.2K-token system prompt (Python reference manual),
-short questions, 32-token answers. Writes benchmarks/results/turn_writes.json and .png.
+short questions, 32-token answers; each turn's save waited for before the next. Writes
+benchmarks/results/turn_writes.json and .png.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ QUESTIONS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--kv-bits", type=int, default=4)
     a = ap.parse_args()
 
@@ -48,53 +52,66 @@ def main() -> None:
         eng = Engine(cache_dir=tmp, kv_bits=a.kv_bits)
         system = "Answer briefly using this text.\n\n" + corpus.python_docs_topic("for") * 2
         messages = [{"role": "system", "content": system}]
+        cached_before, per_token = 0, 0.0
         for turn in track(range(a.turns), description="turns", console=console):
             messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
             prompt = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            io_before = _written()
             r = eng.generate("agent", prompt, GenerationParams(max_tokens=32))
+            r.wait_saved()
+            io_bytes = _written() - io_before
             messages.append({"role": "assistant", "content": r.text})
             files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
             record = eng.admin.store.get_agent("agent")
             assert record is not None
             whole = sum(eng.admin.store.block_path(h).stat().st_size for h in record.blocks)
+            if not per_token and len(record.token_ids) >= 256:  # one whole block's tensors: the format's rate
+                per_token = _block_tensor_bytes(eng, record.blocks[0]) / 256
+            new_tokens = len(record.token_ids) - cached_before
+            cached_before = len(record.token_ids)
             rows.append(
                 {
                     "turn": turn + 1,
                     "prompt_tokens": r.prompt_tokens,
                     "reused_tokens": r.reused_tokens,
                     "cached_tokens": len(record.token_ids),
+                    "new_tokens": new_tokens,
+                    "new_tokens_kv_bytes": round(new_tokens * per_token),
                     "bytes_written": r.bytes_written,
+                    "process_bytes_written": io_bytes,
                     "whole_cache_bytes": whole,
                     "block_files": len(files),
                     "outcome": str(r.outcome),
                 }
             )
     table = Table(title=f"bytes written per turn (KV {a.kv_bits}-bit)")
-    for c in (
-        "turn",
-        "outcome",
-        "prompt tok",
-        "reused",
-        "cached tok",
-        "written",
-        "whole cache",
-        "written/whole",
-    ):
+    for c in ("turn", "outcome", "new tok", "cached tok", "new tokens' KV", "save wrote", "process wrote",
+              "whole cache", "save / new KV", "process / new KV"):  # fmt: skip
         table.add_column(c, justify="right")
     for r in rows:
+        if r["turn"] not in (1, 2, 3, 10, 25, len(rows)) and r["turn"] % 10:
+            continue
         table.add_row(
-            str(r["turn"]), r["outcome"], str(r["prompt_tokens"]), str(r["reused_tokens"]),
-            str(r["cached_tokens"]), f"{r['bytes_written'] / 1e6:.2f} MB",
-            f"{r['whole_cache_bytes'] / 1e6:.2f} MB", f"{r['bytes_written'] / r['whole_cache_bytes']:.2f}",
+            str(r["turn"]), r["outcome"], str(r["new_tokens"]), str(r["cached_tokens"]),
+            f"{r['new_tokens_kv_bytes'] / 1e6:.2f} MB", f"{r['bytes_written'] / 1e6:.2f} MB",
+            f"{r['process_bytes_written'] / 1e6:.2f} MB", f"{r['whole_cache_bytes'] / 1e6:.2f} MB",
+            f"{r['bytes_written'] / r['new_tokens_kv_bytes']:.2f}",
+            f"{r['process_bytes_written'] / r['new_tokens_kv_bytes']:.2f}",
         )  # fmt: skip
     console.print(table)
     later = rows[1:]
+    new_kv = sum(r["new_tokens_kv_bytes"] for r in later)
     summary = {
+        "turns": len(rows),
+        # after the first turn (whose system prompt is new tokens too)
+        "save_over_new_kv": sum(r["bytes_written"] for r in later) / new_kv,
+        "process_over_new_kv": sum(r["process_bytes_written"] for r in later) / new_kv,
         "mean_written_over_whole_after_turn_1": sum(
             r["bytes_written"] / r["whole_cache_bytes"] for r in later
         )
         / len(later),
         "total_written": sum(r["bytes_written"] for r in rows),
+        "total_process_written": sum(r["process_bytes_written"] for r in rows),
         "total_if_rewritten_whole": sum(r["whole_cache_bytes"] for r in rows),
     }
     console.print(summary)
@@ -117,6 +134,26 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out / "turn_writes.png", dpi=120)
     console.print(f"wrote {out / 'turn_writes.json'} and turn_writes.png")
+
+
+def _written() -> int:
+    """``write_bytes`` of ``/proc/self/io``: what this process sent to storage (0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _block_tensor_bytes(eng: object, h: object) -> int:
+    """A stored block's tensor bytes (its file less the header)."""
+    from safetensors import safe_open
+
+    path = eng.admin.store.block_path(h)  # type: ignore[attr-defined]
+    with safe_open(str(path), "numpy") as f:
+        return sum(f.get_tensor(k).nbytes for k in f.keys())  # noqa: SIM118 - a safetensors handle
 
 
 if __name__ == "__main__":
