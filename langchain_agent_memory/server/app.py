@@ -4,6 +4,7 @@ Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
 ``POST /v1/completions``, Anthropic's ``POST /v1/messages`` (``anthropic_routes``), OpenAI's
 Responses (``/v1/responses``: ``responses_routes``),
 ``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /metrics`` (``metrics``),
+``GET /dashboard`` (``dashboard``),
 ``GET /health``, ``GET /ready``.
 Each request runs on ``ChatAgentMemory`` under the agent named by the ``X-Agent-ID`` header
 or the body's ``agent_id`` (``default`` when neither is given), so one server keeps every
@@ -40,6 +41,7 @@ from . import replies, streams
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .anthropic_routes import add_messages_routes
 from .context_scale import scaled, scaled_chunks
+from .dashboard import add_dashboard_routes
 from .errors import (
     APIError,
     BodyLimit,
@@ -238,6 +240,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     add_agent_routes(app, models, authorize)
+    add_dashboard_routes(app, models, authorize, reply_metrics)
     add_messages_routes(app, models, authorize, config.max_tokens_limit, scale)
     close_responses = add_responses_routes(
         app, models, authorize, (config.default_max_tokens, config.max_tokens_limit), scale
@@ -279,7 +282,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         if not body.stream:
             with as_api_errors():
                 result = await engine.agenerate(agent, body.text, params)
-            reply_metrics.result(body.model, result)
+            reply_metrics.result(body.model, result, agent)
             return JSONResponse(replies.text_completion(cid, body.model, result), headers=headers)
         chunks = aiter(engine.astream(agent, body.text, params))
         first = await first_chunk(chunks)
@@ -287,7 +290,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
         def render(chunk: StreamChunk) -> list[dict[str, Any]]:
             if chunk.result is not None:
-                reply_metrics.result(body.model, chunk.result)
+                reply_metrics.result(body.model, chunk.result, agent)
             return replies.text_chunks(cid, body.model, chunk, include_usage)
 
         events = _stream(first, chunks, render, [])

@@ -20,6 +20,9 @@ Every metric has a ``model`` label (the name the model is served under).
 from __future__ import annotations
 
 import logging
+import statistics
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds: from a hot turn's tens of milliseconds to a long cold prefill on a CPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Replies kept per model for the dashboard's live figures, and agents for its hit rates.
+RECENT_REPLIES = 32
+MAX_AGENTS_SEEN = 10_000
 DECODE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -64,12 +70,29 @@ class ReplyMetrics:
             "agent_memory_generated_tokens", "Tokens generated.", ["model"], registry=registry
         )
 
+        #: For the dashboard (not exported: an agent label would grow without bound): per
+        #: (model, agent) [turns, hot turns], the latest agents last; per model the latest
+        #: replies' (time to first token, tokens generated, decode seconds).
+        self.agents: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self.recent: dict[str, deque[tuple[float, int, float]]] = {}
+        self._lock = threading.Lock()
+
     def observe(
-        self, model: str, cache: str, prompt: int, reused: int, generated: int, ttft_s: float, decode_s: float
-    ) -> None:
+        self, model: str, cache: str, prompt: int, reused: int, generated: int,
+        ttft_s: float, decode_s: float, agent: str | None = None,
+    ) -> None:  # fmt: skip
         """One reply: ``cache`` as replies report it (``hot-extend``, ``cold``, ...)."""
         source, _, match = cache.partition("-")
         match = match or "miss"
+        with self._lock:
+            self.recent.setdefault(model, deque(maxlen=RECENT_REPLIES)).append((ttft_s, generated, decode_s))
+            if agent is not None:
+                seen = self.agents.pop((model, agent), [0, 0])
+                seen[0] += 1
+                seen[1] += source == "hot"
+                self.agents[(model, agent)] = seen
+                while len(self.agents) > MAX_AGENTS_SEEN:
+                    self.agents.popitem(last=False)
         self.replies.labels(model, source, match).inc()
         self.prompt_tokens.labels(model, source, match, "reused").inc(reused)
         self.prompt_tokens.labels(model, source, match, "prefilled").inc(max(0, prompt - reused))
@@ -77,11 +100,27 @@ class ReplyMetrics:
         self.ttft.labels(model).observe(ttft_s)
         self.decode.labels(model).observe(decode_s)
 
-    def result(self, model: str, result: GenerationResult) -> None:
+    def result(self, model: str, result: GenerationResult, agent: str) -> None:
         """A plain completion's engine result."""
         t = result.timings
         self.observe(model, str(result.outcome), result.prompt_tokens, result.reused_tokens,
-                     result.completion_tokens, t.ttft_s, t.decode_s)  # fmt: skip
+                     result.completion_tokens, t.ttft_s, t.decode_s, agent)  # fmt: skip
+
+    def latest(self, model: str) -> dict[str, float | None]:
+        """The latest replies' median time to first token and decode tokens per second."""
+        with self._lock:
+            recent = list(self.recent.get(model, ()))
+        decoding = sum(d for _, _, d in recent)
+        return {
+            "ttft_s": statistics.median(t for t, _, _ in recent) if recent else None,
+            "tokens_per_s": sum(max(0, n - 1) for _, n, _ in recent) / decoding if decoding else None,
+        }
+
+    def agent_turns(self, model: str, agent: str) -> tuple[int, int]:
+        """(turns, hot turns) of the agent's replies this server made (0, 0: none)."""
+        with self._lock:
+            turns, hot = self.agents.get((model, agent), (0, 0))
+        return turns, hot
 
     def handler(self, model: str) -> BaseCallbackHandler:
         """A LangChain callback that observes each reply of a served chat model."""
@@ -113,6 +152,7 @@ class _ReplyHandler(BaseCallbackHandler):
                         usage["output_tokens"],
                         ttft,
                         decode,
+                        meta.get("agent_id"),
                     )
                 except Exception:  # a metric must never fail a reply
                     logger.exception("metrics: a reply could not be observed")
