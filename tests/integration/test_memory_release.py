@@ -76,7 +76,10 @@ def test_engines_opened_and_closed_by_the_dozen_leave_no_threads_behind(
         cycle(i)
     gc.collect()
     after = _native_threads()
-    assert after <= settled + 2, (settled, after)  # a background save's thread may linger
+    # A background save's thread may linger, and a second worker (its mlx streams, its BLAS
+    # team: 4 native threads) is lent when a dropped engine is still being finalized as the
+    # next one starts: once, whenever that happens. The leak this guards against was ~48 a model.
+    assert after <= settled + 6, (settled, after)
     figures["threads after 12 engines"] = (
         f"{settled} native threads after one engine, {after} after 12 more (6 closed, 6 dropped)"
     )
