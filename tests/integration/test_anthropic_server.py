@@ -168,8 +168,13 @@ def test_chat_anthropic_invoke_stream_and_tools(server: str) -> None:
 
 
 def test_agent_ids_in_a_header_and_in_metadata(client: anthropic.Anthropic, server: str) -> None:
-    client.messages.create(model=MODEL, max_tokens=4, messages=ASK, extra_headers={"X-Agent-ID": "été 1"})
-    client.messages.create(model=MODEL, max_tokens=4, messages=ASK, metadata={"user_id": "session 2"})
+    saved = {"extra_body": {"wait_for_save": True}}  # listed once the reply is here
+    client.messages.create(
+        model=MODEL, max_tokens=4, messages=ASK, extra_headers={"X-Agent-ID": "été 1"}, **saved
+    )
+    client.messages.create(
+        model=MODEL, max_tokens=4, messages=ASK, metadata={"user_id": "session 2"}, **saved
+    )
     listed = httpx.get(f"{server}/v1/agents", headers={"Authorization": f"Bearer {KEY}"}).json()
     ids = {a["id"] for a in listed["data"]}
     assert {"été 1", "session 2"} <= ids
