@@ -7,8 +7,12 @@ the request names: ``X-Agent-ID``, ``agent_id``, ``prompt_cache_key``, ``user``)
 request with ``previous_response_id`` runs on that response's agent with the chain's
 history read back from the stored responses (``responses_store``): the agent's cache holds
 that history already, so the new turn is an EXTEND of it (hot, or warm after a restart),
-never a re-prefill. ``store: false`` keeps nothing: the turn runs on a copy of the chain's
-agent (a fork: its blocks shared), deleted after the reply, and no response is stored.
+never a re-prefill. ``store: false`` stores no response. A turn on an agent the request
+names (the Codex CLI sends its whole history each turn with ``prompt_cache_key`` and
+``store: false``) still runs on that agent and keeps its cache, as OpenAI's prompt cache
+serves ``store: false`` requests: its next turn is an EXTEND. A turn on an unnamed chain
+runs on a copy of the chain's agent (a fork: its blocks shared), deleted after the reply:
+nothing could reach it again, and the chain's own agent stays as the stored chain left it.
 """
 
 from __future__ import annotations
@@ -80,16 +84,18 @@ def add_responses_routes(
                 )
                 raise APIError(404, message, "response_not_found", "previous_response_id") from None
             chain_agent = previous.agent_id
-        if x_agent_id or body.agent_id or body.prompt_cache_key or body.user:
+        named = bool(x_agent_id or body.agent_id or body.prompt_cache_key or body.user)
+        if named:
             agent = agent_of(body, x_agent_id, caller)  # the one the request names
         else:
             agent = chain_agent or rid
             valid_agent(agent, caller)
+        scratch = not body.store and not named  # see the module's docstring
         with as_api_errors():
             messages: list[BaseMessage] = [SystemMessage(body.instructions)] if body.instructions else []
             messages += to_messages(history + items)
             max_tokens = within_limit(body.max_output_tokens or default_tokens, max_tokens_limit)
-            runs_on = agent if body.store else await asyncio.to_thread(_scratch_copy, llm, agent, rid)
+            runs_on = await asyncio.to_thread(_scratch_copy, llm, agent, rid) if scratch else agent
             kwargs = body.call_kwargs(runs_on, max_tokens)
         choice = body.tool_choice
         echoed = {
@@ -110,7 +116,7 @@ def add_responses_routes(
             if body.store:
                 record = StoredResponse(response, agent, items, body.previous_response_id)
                 await asyncio.to_thread(store.put, record)
-            else:
+            if scratch:
                 await asyncio.to_thread(llm.engine.admin.delete, runs_on)
             return response
 

@@ -118,6 +118,33 @@ def test_store_false_keeps_nothing_and_delete_forgets(client: openai.OpenAI) -> 
         client.responses.retrieve(kept.id)
 
 
+def test_a_codex_style_session_resends_its_history_with_store_false(client: openai.OpenAI) -> None:
+    """What the Codex CLI sends a local provider: the whole history every turn, with
+    ``store: false``, its session id as ``prompt_cache_key``, reasoning and include options,
+    streamed. No response is stored, but the session's agent keeps its cache: the second
+    turn extends it instead of prefilling the history again."""
+    session = "codex session 0195f1c2"
+    codex = {
+        "model": MODEL, "instructions": "You are a coding agent. Answer briefly.", "store": False,
+        "prompt_cache_key": session, "tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "include": ["reasoning.encrypted_content"],
+        "max_output_tokens": 8, "stream": True,
+    }  # fmt: skip
+
+    def said(text: str) -> dict:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    history: list[dict] = [said("Hi.")]
+    first = list(client.responses.create(input=history, **codex))[-1].response
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    history.append(said("Why?"))
+    two = list(client.responses.create(input=history, **codex))[-1].response
+    assert two.model_extra["agent_memory"]["cache"] == "hot-extend"
+    assert two.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):  # store: false: nothing to retrieve
+        client.responses.retrieve(two.id)
+
+
 def test_chat_openai_on_the_responses_api(client: openai.OpenAI) -> None:
     llm = ChatOpenAI(
         model=MODEL, base_url=str(client.base_url), api_key=KEY, use_responses_api=True, max_tokens=8,
