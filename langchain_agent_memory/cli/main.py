@@ -230,6 +230,13 @@ def serve(
         list[str] | None,
         typer.Option(help="The name clients use for each --model (repeat, in the same order)"),
     ] = None,
+    model_alias: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Another name that reaches a served model, PATTERN=NAME (e.g. 'claude-*=smollm2-135m' "
+            "for Claude Code's models); repeat"
+        ),
+    ] = None,
     allowed_origins: Annotated[
         list[str] | None, typer.Option(help="Origins browsers may call from (CORS; '*': any); repeat")
     ] = None,
@@ -270,6 +277,7 @@ def serve(
 
         from ..server import ServerConfig, create_app
         from ..server.agent_routes import parse_scoped_key
+        from ..server.served_models import parse_alias
     except ImportError as exc:
         raise typer.BadParameter(str(exc), param_hint="serve") from exc
 
@@ -282,6 +290,10 @@ def serve(
         scoped = dict(parse_scoped_key(k) for k in api_key or [] if ":" in k)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--api-key") from exc
+    try:
+        aliases = dict(parse_alias(a) for a in model_alias or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model-alias") from exc
     if served_model_name and len(served_model_name) != len(model or [None]):
         raise typer.BadParameter("give one --served-model-name per --model", param_hint="--served-model-name")
     config = ServerConfig(
@@ -290,6 +302,7 @@ def serve(
         kv_bits=kv_bits_of(kv_bits),  # type: ignore[arg-type]
         kv_format=kv_format,
         served_names=served_model_name or None,
+        model_aliases=aliases,
         allowed_origins=allowed_origins or [],
         temperature=temperature,
         top_p=top_p,
@@ -315,7 +328,11 @@ def serve(
             f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone can use it"
         )
     wide_console().print(startup_summary(config, host, port), highlight=False)
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+    try:
+        served_app = create_app(config)
+    except ValueError as exc:  # an alias to a model not served
+        raise typer.BadParameter(str(exc), param_hint="--model-alias") from exc
+    uvicorn.run(served_app, host=host, port=port, log_level=log_level)
 
 
 def startup_summary(config: ServerConfig, host: str, port: int) -> str:
@@ -327,6 +344,8 @@ def startup_summary(config: ServerConfig, host: str, port: int) -> str:
     kv = config.kv_format or ("16-bit" if config.kv_bits is None else f"{config.kv_bits}-bit class")
     keys = "required" if config.api_key or config.scoped_keys else "off (anyone who can connect may call)"
     store = f"{config.store} + {config.blocks}" if config.store else "the cache directory"
+    if config.model_aliases:
+        models += "; also as " + ", ".join(f"{p} -> {n}" for p, n in config.model_aliases.items())
     lines = [
         f"agent-memory serve: {models}",
         f"  KV format:  {kv}",
@@ -334,7 +353,7 @@ def startup_summary(config: ServerConfig, host: str, port: int) -> str:
         f"  store:      {store}",
         f"  API keys:   {keys}",
         f"  endpoints:  {base}/v1/chat/completions, {base}/v1/completions, {base}/v1/messages, "
-        f"{base}/v1/agents",
+        f"{base}/v1/responses, {base}/v1/agents, {base}/dashboard",
         f"  metrics:    {base}/metrics ({'no key' if config.metrics_public else 'behind the key'})",
         f"  API docs:   {base + '/docs' if config.docs else 'off (--no-docs)'}",
     ]

@@ -29,6 +29,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from ..chat.model import ChatAgentMemory
 from ..engine import AgentRecord, Engine, is_internal, validate_agent_id
 from .errors import APIError, as_api_errors
+from .served_models import ServedModels
 
 DEFAULT_AGENT = "default"
 
@@ -147,12 +148,13 @@ def valid_agent(agent_id: str, caller: Caller, param: str = "agent_id") -> None:
     caller.check(agent_id, param)
 
 
-def served(models: dict[str, ChatAgentMemory], name: str) -> ChatAgentMemory:
+def served(models: ServedModels, name: str) -> ChatAgentMemory:
     llm = models.get(name)
     if llm is None:
-        raise APIError(
-            404, f"model {name!r} is not served here; served: {', '.join(models)}", "model_not_found", "model"
-        )
+        aliases = ", ".join(f"{p}={n}" for p, n in models.aliases.items())
+        also = f"; aliases: {aliases}" if aliases else ""
+        message = f"model {name!r} is not served here; served: {', '.join(models)}{also}"
+        raise APIError(404, message, "model_not_found", "model")
     return llm
 
 
@@ -172,9 +174,7 @@ def _agent_card(engine: Engine, model: str, record: AgentRecord) -> dict[str, An
     }
 
 
-def add_agent_routes(
-    app: FastAPI, models: dict[str, ChatAgentMemory], authorize: Callable[..., Caller]
-) -> None:
+def add_agent_routes(app: FastAPI, models: ServedModels, authorize: Callable[..., Caller]) -> None:
     def engine_of(model: str | None) -> Engine:
         return served(models, model or next(iter(models))).engine
 

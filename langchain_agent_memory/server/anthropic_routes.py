@@ -19,7 +19,6 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from ..chat.model import ChatAgentMemory
 from ..chat.replies import forced_tools
 from . import anthropic_replies, streams
 from .agent_routes import Caller, agent_header, agent_of, served
@@ -28,12 +27,13 @@ from .anthropic_replies import EventWriter, event
 from .context_scale import scaled, scaled_chunks
 from .errors import as_api_errors, parse_body, within_limit
 from .replies import new_id
+from .served_models import ServedModels
 from .streams import first_chunk, relay, sent
 
 
 def add_messages_routes(
     app: FastAPI,
-    models: dict[str, ChatAgentMemory],
+    models: ServedModels,
     authorize: Callable[..., Caller],
     max_tokens_limit: int,
     scale: float = 1.0,

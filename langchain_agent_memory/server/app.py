@@ -62,6 +62,7 @@ from .protocol import (
     to_messages,
 )
 from .responses_routes import add_responses_routes
+from .served_models import ServedModels, check_aliases
 from .streams import first_chunk, relay, sent
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class ServerConfig:
     #: The names clients use for the models (``--served-model-name``), one per model; None:
     #: the models' own names.
     served_names: list[str] | None = None
+    #: Other names that reach a served model: shell-style pattern -> served name
+    #: (``--model-alias 'claude-*=smollm2-135m'``; ``served_models``).
+    model_aliases: dict[str, str] = field(default_factory=dict)
     #: Origins a browser may call from (CORS; ``["*"]``: any); empty: no CORS headers.
     allowed_origins: list[str] = field(default_factory=list)
     #: ``GET /metrics`` without the API key (a Prometheus scraper on a private network).
@@ -123,7 +127,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
     if not config.context_scale > 0:
         raise ValueError(f"context_scale must be above 0, not {config.context_scale}")
     scale = config.context_scale
-    models: dict[str, ChatAgentMemory] = {}
+    check_aliases(config.model_aliases, config.served_names or config.models)
+    models = ServedModels(config.model_aliases)
     registry = CollectorRegistry()  # the app's own: two apps in one process keep apart
     reply_metrics = ReplyMetrics(registry)
     registry.register(EngineCollector(lambda: {name: llm.engine for name, llm in models.items()}))

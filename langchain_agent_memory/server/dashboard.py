@@ -16,14 +16,14 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import HTMLResponse
 
-from ..chat.model import ChatAgentMemory
 from ..engine import is_internal
 from .agent_routes import Caller
 from .metrics import ReplyMetrics
+from .served_models import ServedModels
 
 
 def add_dashboard_routes(
-    app: FastAPI, models: dict[str, ChatAgentMemory], authorize: Callable[..., Caller], replies: ReplyMetrics
+    app: FastAPI, models: ServedModels, authorize: Callable[..., Caller], replies: ReplyMetrics
 ) -> None:
     page = resources.files(__package__).joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
@@ -36,9 +36,7 @@ def add_dashboard_routes(
         return {"models": await asyncio.to_thread(_models, models, replies, caller)}
 
 
-def _models(
-    models: dict[str, ChatAgentMemory], replies: ReplyMetrics, caller: Caller
-) -> list[dict[str, Any]]:
+def _models(models: ServedModels, replies: ReplyMetrics, caller: Caller) -> list[dict[str, Any]]:
     out = []
     for name, llm in models.items():
         engine = llm.engine

@@ -36,12 +36,13 @@ from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
 from .responses_replies import OutputWriter, created_now, finished, skeleton
 from .responses_store import ResponseStore, StoredResponse, open_response_store
+from .served_models import ServedModels
 from .streams import first_chunk, relay, sent
 
 
 def add_responses_routes(
     app: FastAPI,
-    models: dict[str, ChatAgentMemory],
+    models: ServedModels,
     authorize: Callable[..., Caller],
     limits: tuple[int, int],
     scale: float = 1.0,

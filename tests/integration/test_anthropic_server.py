@@ -30,7 +30,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = ServerConfig(models=[MODEL], cache_dir=str(tmp_path_factory.mktemp("anthropic")), api_key=KEY)
+    config = ServerConfig(
+        models=[MODEL], cache_dir=str(tmp_path_factory.mktemp("anthropic")), api_key=KEY,
+        model_aliases={"claude-*-haiku-*": MODEL},  # Claude Code's background model
+    )  # fmt: skip
     with app_on_loopback(create_app(config)) as url:
         yield url
 
@@ -139,7 +142,7 @@ def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic, server: st
     bad_key = anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         bad_key.messages.create(model=MODEL, max_tokens=4, messages=ASK)
-    with pytest.raises(anthropic.NotFoundError, match="not served here"):
+    with pytest.raises(anthropic.NotFoundError, match=r"not served here.*aliases: claude-\*-haiku-\*="):
         client.messages.create(model="claude-opus-9", max_tokens=4, messages=ASK)
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     with pytest.raises(anthropic.BadRequestError, match="'image' are not supported"):
@@ -151,6 +154,16 @@ def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic, server: st
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
+
+
+def test_a_model_alias_reaches_the_served_model(client: anthropic.Anthropic) -> None:
+    """A harness's own model names (Claude Code's background model) reach the served model
+    through ``--model-alias``; a name no alias matches is still a 404 (above), and an alias
+    to a model not served fails when the app is made."""
+    reply = client.messages.create(model="claude-3-5-haiku-20241022", max_tokens=4, messages=ASK)
+    assert reply.content and reply.usage.output_tokens > 0
+    with pytest.raises(ValueError, match="names 'smollm3', which is not served"):
+        create_app(ServerConfig(models=[MODEL], model_aliases={"claude-*": "smollm3"}))
 
 
 def test_chat_anthropic_invoke_stream_and_tools(server: str) -> None:

@@ -249,14 +249,22 @@ def test_serve_says_what_it_serves_before_uvicorn_does(tmp_path: Path) -> None:
     from langchain_agent_memory.server import ServerConfig
 
     config = ServerConfig(
-        models=["smollm2-135m"], served_names=["small"], cache_dir=str(tmp_path), api_key="k"
-    )
+        models=["smollm2-135m"], served_names=["small"], cache_dir=str(tmp_path), api_key="k",
+        model_aliases={"claude-*": "small"},
+    )  # fmt: skip
     text = startup_summary(config, "0.0.0.0", 9000)
-    assert "small (smollm2-135m)" in text and "4-bit class" in text and str(tmp_path) in text
+    assert "small (smollm2-135m); also as claude-* -> small" in text
+    assert "4-bit class" in text and str(tmp_path) in text
     assert "API keys:   required" in text and "http://0.0.0.0:9000/docs" in text
     open_one = startup_summary(ServerConfig(kv_bits=None, docs=False), "::1", 8000)
     assert "16-bit" in open_one and "off (anyone" in open_one and "off (--no-docs)" in open_one
     assert "http://[::1]:8000/v1/chat/completions" in open_one
+
+
+def test_serve_refuses_a_malformed_or_dangling_model_alias(tmp_path: Path) -> None:
+    for alias, said in (("claude-*", "PATTERN=NAME"), ("claude-*=nope", "not served")):
+        result = CliRunner().invoke(app, ["serve", "--model-alias", alias, "--cache-dir", str(tmp_path)])
+        assert result.exit_code != 0 and said in result.output, result.output
 
 
 def test_cache_verify_checks_this_directorys_blocks(smollm: LoadedModel, tmp_path: Path) -> None:
