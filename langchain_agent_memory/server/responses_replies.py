@@ -159,3 +159,40 @@ def _empty(item: dict[str, Any]) -> dict[str, Any]:
 
 def created_now() -> int:
     return int(time.time())
+
+
+def input_items_page(
+    rid: str, items: list[dict[str, Any]], order: str, after: str | None, limit: int
+) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: the input items a response was made from, as
+    OpenAI lists them (newest first unless ``order`` is ``asc``; ``after`` an item id, ``limit``
+    a page). An item the client sent without an id gets one from the response's id and its
+    place, the same at every read. ``KeyError``: ``after`` is not one of them."""
+    listed = [_listed(rid, i, item) for i, item in enumerate(items)]
+    if order == "desc":
+        listed.reverse()
+    if after is not None:
+        at = next((k for k, item in enumerate(listed) if item["id"] == after), None)
+        if at is None:
+            raise KeyError(after)
+        listed = listed[at + 1 :]
+    page = listed[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(listed) > limit,
+    }
+
+
+def _listed(rid: str, index: int, item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    out = {"type": kind, **item}
+    if kind == "message":
+        if isinstance(out.get("content"), str):
+            text_type = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": text_type, "text": out["content"]}]
+        out.setdefault("status", "completed")
+    out.setdefault("id", f"{'msg' if kind == 'message' else 'item'}_{rid.removeprefix('resp_')}_{index}")
+    return out

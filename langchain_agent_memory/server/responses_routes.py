@@ -1,6 +1,7 @@
 """OpenAI's Responses API on the agents' caches: ``POST /v1/responses`` (JSON, or SSE with
-``"stream": true``), ``GET`` and ``DELETE /v1/responses/{id}``, for the Codex CLI, the
-Agents SDK and ``ChatOpenAI(use_responses_api=True)``.
+``"stream": true``), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, for the Codex CLI, the Agents SDK and
+``ChatOpenAI(use_responses_api=True)``.
 
 A response chain is an agent: a new chain's agent is its first response's id (or the agent
 the request names: ``X-Agent-ID``, ``agent_id``, ``prompt_cache_key``, ``user``), and a
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse
 from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from sse_starlette import EventSourceResponse
@@ -34,7 +35,7 @@ from .context_scale import scaled, scaled_chunks
 from .errors import APIError, as_api_errors, parse_body, within_limit
 from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
-from .responses_replies import OutputWriter, created_now, finished, skeleton
+from .responses_replies import OutputWriter, created_now, finished, input_items_page, skeleton
 from .responses_store import ResponseStore, StoredResponse, open_response_store
 from .served_models import ServedModels
 from .streams import first_chunk, relay, sent
@@ -142,6 +143,24 @@ def add_responses_routes(
     async def get(rid: str, model: str | None = None, _: Caller = auth) -> dict[str, Any]:
         """A stored response (``model``: the served model it was made with; default the first)."""
         return (await asyncio.to_thread(stored, model or next(iter(models)), rid)).response
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def input_items(
+        rid: str,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+        limit: int = Query(default=20, ge=1, le=100),
+        model: str | None = None,
+        _: Caller = auth,
+    ) -> dict[str, Any]:
+        """The input items response ``rid`` was made from (this turn's: the turns before it
+        are the input items of the responses it continued)."""
+        record = await asyncio.to_thread(stored, model or next(iter(models)), rid)
+        try:
+            return input_items_page(rid, record.input, order, after, limit)
+        except KeyError:
+            raise APIError(404, f"input item {after!r} is not one of response {rid!r}'s", "not_found",
+                           "after") from None  # fmt: skip
 
     @app.delete("/v1/responses/{rid}")
     async def delete(rid: str, model: str | None = None, _: Caller = auth) -> dict[str, Any]:

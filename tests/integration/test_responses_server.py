@@ -99,6 +99,11 @@ def test_a_function_call_round_trip(client: openai.OpenAI) -> None:
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}],
     )  # fmt: skip
     assert answered.model_extra["agent_memory"]["cache"] == "hot-extend"
+    listed = client.responses.input_items.list(answered.id)  # this turn's input
+    assert [(i.type, i.output) for i in listed.data] == [("function_call_output", "18 C, sunny")]
+    (first,) = client.responses.input_items.list(asked.id, order="asc").data
+    assert first.type == "message" and first.content[0].text == "What is the weather in Paris?"
+    assert client.responses.input_items.list(asked.id).data[0].id == first.id  # stable ids
 
 
 def test_store_false_keeps_nothing_and_delete_forgets(client: openai.OpenAI) -> None:
