@@ -26,7 +26,7 @@ from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.prefix import MatchKind
 from langchain_agent_memory.engine.storage.blocks import (
     BLOCK_TOKENS,
-    STATES_FORMAT_VERSION,
+    SEGMENTS_FORMAT_VERSION,
     AgentRecord,
     CacheFormatError,
     freeze_blocks,
@@ -213,7 +213,7 @@ def test_newer_format_record_is_refused_not_overwritten(smollm: LoadedModel, tmp
     eng.generate("a", p, GenerationParams(max_tokens=2))
     index = sqlite3.connect(eng.admin.store.dir / "index.sqlite")
     (raw,) = index.execute("SELECT record FROM agents WHERE agent_id = 'a'").fetchone()
-    newer = json.dumps({**json.loads(raw), "format_version": STATES_FORMAT_VERSION + 1})
+    newer = json.dumps({**json.loads(raw), "format_version": SEGMENTS_FORMAT_VERSION + 1})
     index.execute("UPDATE agents SET record = ? WHERE agent_id = 'a'", (newer,))
     index.commit()
     fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)

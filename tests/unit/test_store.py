@@ -14,7 +14,7 @@ from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage.agent_ids import validate_agent_id
 from langchain_agent_memory.engine.storage.blocks import (
     FORMAT_VERSION,
-    STATES_FORMAT_VERSION,
+    SEGMENTS_FORMAT_VERSION,
     AgentRecord,
     Block,
     BlockMissingError,
@@ -148,7 +148,7 @@ def test_newer_agent_record_is_refused(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     store.put_agent(AgentRecord("a", [], [], [], ""))
     _edit_record(
-        store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": STATES_FORMAT_VERSION + 1})
+        store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": SEGMENTS_FORMAT_VERSION + 1})
     )
     with pytest.raises(CacheFormatError, match="newer"):
         store.get_agent("a")
@@ -340,3 +340,48 @@ def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(good)
     assert store.get_block(blk.hash).hash == blk.hash
     assert missed == [], [good[max(0, a - 20) : a + 20] for a in missed[:5]]
+
+
+def test_a_segment_holds_its_new_rows_and_reads_back_whole(tmp_path: Path) -> None:
+    """A block written as a segment (``rows_from``) stores only its new rows, and continues
+    the stored block of its first rows: reading it gives the whole block's tensors."""
+    store = DiskBlockStore(tmp_path, FP)
+    parent = _block(tokens=(7,) * 4, seed=1)
+    store.put_block(parent)
+    tokens = list(range(40))
+    full = _block(parent.hash, tokens, seed=2)
+    first = Block(block_hash(parent.hash, tokens[:10], FP), parent.hash, tokens[:10],
+                  {k: v[:, :, :10] for k, v in full.tensors.items()})  # fmt: skip
+    middle = Block(block_hash(parent.hash, tokens[:25], FP), parent.hash, tokens[:25],
+                   {k: v[:, :, :25] for k, v in full.tensors.items()}, rows_from=10)  # fmt: skip
+    store.put_block(first)
+    store.put_block(middle)
+    full.rows_from = 25
+    written = store.put_block(full)
+    assert written < store.put_block(Block(block_hash(None, tokens, FP), None, tokens, full.tensors)) * 0.5
+    back = store.get_block(full.hash)
+    assert back.rows_from == 25 and store.prior_of(full.hash) == middle.hash
+    for k, v in full.tensors.items():
+        assert mx.array_equal(back.tensors[k], v).item(), k
+    (group,) = store.read_blocks([full.hash])
+    assert all(mx.array_equal(group.tensor(k), v).item() for k, v in full.tensors.items())
+    # Its first rows gone: the segment cannot be read, and says so as a damaged block.
+    store.delete_block(first.hash)
+    with pytest.raises(CacheFormatError, match="continues block"):
+        store.get_block(full.hash)
+
+
+def test_a_record_with_segments_round_trips_and_keeps_its_chain() -> None:
+    chain = [block_hash(None, [i], FP) for i in range(3)]
+    state = block_hash(chain[2], [0xFFFFFFFF], FP)
+    p1, p2 = block_hash(None, [9], FP), block_hash(None, [8], FP)
+    record = AgentRecord("a", [*chain, state], [1, 2, 3], [1, 2, 3], "abc", states=[3])
+    record.set_priors({chain[2]: p1, p1: p2})
+    assert record.chain == chain and record.state_blocks() == {3: state} and record.blocks[-2:] == [p1, p2]
+    back = AgentRecord.from_json(record.to_json())
+    assert json.loads(record.to_json())["format_version"] == SEGMENTS_FORMAT_VERSION
+    assert back.chain == chain and back.priors == record.priors and back.blocks == record.blocks
+    forged = json.loads(record.to_json())
+    forged["blocks"] = forged["blocks"][:-1]  # a predecessor it does not list
+    with pytest.raises(CacheFormatError, match="segment"):
+        AgentRecord.from_json(json.dumps(forged))

@@ -76,7 +76,7 @@ class PendingSave:
     blocks: dict[BlockHash, Block]  # the blocks the store lacked, frozen for the write
     old: list[BlockHash]  # the chain it replaces
     state: AgentState  # the agent's live state it stands for
-    nbytes: int  # tensor bytes of ``blocks``
+    nbytes: int  # tensor bytes ``blocks`` put on disk (``Block.written_nbytes``)
     lease: Lease | None = None  # the request's: the record's commit gives it back
 
 

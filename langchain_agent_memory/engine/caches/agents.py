@@ -10,6 +10,7 @@ added and keeps the agent hot (``HotPolicy``: how many stay hot, which keep work
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -253,18 +254,29 @@ class AgentCaches:
             return None
 
     def _quarantine_bad(self, chain: list[BlockHash]) -> int:
-        """Move every unreadable block of ``chain`` aside; return how many were moved."""
+        """Move every unreadable block of ``chain`` aside, the blocks its segments continue
+        first (a segment of a damaged or missing block is unreadable too); return how many
+        were moved."""
         moved = 0
         with self.reads.locked():
             for h in chain:
-                self.pool.forget(h)
-                try:
-                    self.reads.get_block(h)
-                except (BlockMissingError, BlocksUnavailableError):
-                    continue
-                except CacheFormatError:
-                    moved += self.reads.quarantine_block(h) is not None
+                for b in reversed(self._lineage(h)):
+                    self.pool.forget(b)
+                    try:
+                        self.reads.get_block(b)
+                    except (BlockMissingError, BlocksUnavailableError):
+                        continue
+                    except CacheFormatError:
+                        moved += self.reads.quarantine_block(b) is not None
         return moved
+
+    def _lineage(self, h: BlockHash) -> list[BlockHash]:
+        """``h``, then the blocks of its earlier rows as far as their headers can be read."""
+        out = [h]
+        with contextlib.suppress(CacheFormatError, BlocksUnavailableError):
+            while (prior := self.reads.prior_of(out[-1])) is not None and prior not in out:
+                out.append(prior)
+        return out
 
     def from_blocks(
         self,

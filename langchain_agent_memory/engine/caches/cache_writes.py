@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from ..errors import CommitConflictError
 from ..kv import RecurrentCache
 from ..prefix import TokenizedText
-from ..storage.blocks import AgentRecord, Block, BlockHash, CacheWriteError, chain_hashes, freeze_blocks
+from ..storage.blocks import (
+    BLOCK_TOKENS,
+    AgentRecord,
+    Block,
+    BlockHash,
+    CacheWriteError,
+    block_hash,
+    chain_hashes,
+    freeze_blocks,
+)
 from ..storage.pool import BlockPool
 from ..storage.protocols import BlockStore
 from .agent_state import Admission, AgentState, PendingSave, kept_from
@@ -69,6 +78,7 @@ class CacheWrites:
         # elsewhere is built for nothing, never written twice.
         wanted = [(b, h) for b, h in enumerate(chain) if not self.has_local(h)]
         blocks = blocks_of(self.pool, [b for b, _ in wanted], chain, known, layers)
+        self._append_only(blocks, chain, len(kept), old)
         blocks.update(new_states)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
         with self._lock:
@@ -83,9 +93,30 @@ class CacheWrites:
             known, chain, layers if at_end else None, self.store.seen_version(agent_id), states
         )
         self.hot.keep(agent_id, state)
-        nbytes = sum(block.nbytes for block in blocks.values())
+        nbytes = sum(block.written_nbytes for block in blocks.values())
         replaced = old.blocks + list(old.states.values()) if old else []
         return PendingSave(record, blocks, replaced, state, nbytes, start.lease)
+
+    def _append_only(
+        self, blocks: dict[BlockHash, Block], chain: list[BlockHash], t: int, old: AgentState | None
+    ) -> None:
+        """Write block ``t``, the first one this commit changed, as a segment of its new rows
+        where it continues the agent's stored, partly filled last block: a turn then writes
+        its own tokens' K/V, not the earlier rows of that block again (a save of ~50 new
+        tokens rewrote up to 255: 3.5x the bytes). Block 0 (with its 16-bit head tokens)
+        is always whole."""
+        if old is None or not 0 < t < len(old.blocks) or chain[t] not in blocks:
+            return
+        prior, m = old.blocks[t], len(old.tokens) - t * BLOCK_TOKENS
+        block = blocks[chain[t]]
+        n = len(block.token_ids)
+        if not 0 < m < n or not self.has_local(prior):
+            return
+        if any(len(x.shape) != 4 or x.shape[2] != n for x in block.tensors.values()):
+            return  # a tensor not laid out by token (none is today): written whole
+        if block_hash(chain[t - 1], block.token_ids[:m], self.store.fingerprint) != prior:
+            return  # the block's first m tokens are not the stored ones (a DIVERGE inside it)
+        block.rows_from = m
 
     def write(self, save: PendingSave) -> AgentRecord | None:
         """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then

@@ -16,8 +16,10 @@ from typing import Any
 from safetensors import serialize_file
 
 from ..ops.files import TEMP_PREFIX, atomic_write
+from ..ops.runtime import mx
 from .blocks import (
     FORMAT_VERSION,
+    SEGMENTS_FORMAT_VERSION,
     Block,
     BlockHash,
     BlockMissingError,
@@ -25,6 +27,7 @@ from .blocks import (
     block_hash,
     block_lineage,
     host_views,
+    prior_hash,
     raise_if_vanished,
     version_error,
 )
@@ -48,6 +51,9 @@ class BlockFiles:
         self.fingerprint = fingerprint
         self.dir = directory / "blocks"
         self.quarantine_dir = directory / "quarantine"
+        #: Block -> the block of its earlier rows (None: whole), as its header says: blocks
+        #: are immutable, so an answer holds for as long as the block does.
+        self._priors: dict[BlockHash, BlockHash | None] = {}
 
     def path(self, h: BlockHash) -> Path:
         if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
@@ -70,14 +76,22 @@ class BlockFiles:
         path = self.path(block.hash)
         if path.exists():
             return 0
-        tensors = {k: t.packed() for k, t in (block.host or host_views(block.tensors)).items()}
+        host = block.host or host_views(block.tensors)
+        m, n = block.rows_from, len(block.token_ids)
+        if m and any(t.shape[2] != n for t in host.values()):
+            raise ValueError(f"block {block.hash[:12]}: a segment's tensors hold every token of the block")
+        tensors = {k: (t.rows(m, n) if m else t).packed() for k, t in host.items()}
         lineage = {
-            "format_version": str(FORMAT_VERSION),
+            "format_version": str(SEGMENTS_FORMAT_VERSION if m else FORMAT_VERSION),
             "fingerprint": self.fingerprint,
             "hash": block.hash,
             "parent": block.parent or "",
             "token_ids": json.dumps(block.token_ids),
         }
+        if m:  # the rows before are the block of its first m tokens (``prior_hash``)
+            lineage["rows_from"] = str(m)
+        prior = prior_hash(block.parent, block.token_ids, m, self.fingerprint) if m else None
+        self._priors[block.hash] = prior
         # SHA-256 and XXH3-128, whole and each layer's own (for reads of some layers only:
         # ``reader.select``); a reader checks the fastest it knows.
         meta = block_checksums([(k, t.data) for k, t in tensors.items()], lineage)
@@ -98,13 +112,56 @@ class BlockFiles:
         if missing:
             raise CacheFormatError(f"block file {header.path} lacks tensors {missing[:3]}")
         token_ids, parent = block_lineage(header)
-        return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted})
+        return Block(h, parent, token_ids, {k: group.tensor(k) for k in wanted}, rows_from=_rows_from(header))
+
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        """The block holding segment ``h``'s earlier rows (None: ``h`` is whole)."""
+        if h not in self._priors:
+            (header,) = self._headers([h])
+            self._priors[h] = self._prior(header)
+        return self._priors[h]
+
+    def _prior(self, header: BlockHeader) -> BlockHash | None:
+        m = _rows_from(header)
+        if not m:
+            return None
+        token_ids, parent = block_lineage(header)
+        return prior_hash(parent, token_ids, m, self.fingerprint)
 
     def read(self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None) -> list[BlockGroup]:
         """The blocks ``hashes`` (in order), verified, as groups of consecutive blocks of one
         tensor layout, each uploaded to the device as one array (``reader``). ``layers``: only
         these layers' tensors are needed (read alone where every block has per-layer
-        checksums; blocks written before them are read whole)."""
+        checksums; blocks written before them are read whole). A segment comes as a group of
+        its own, its earlier rows read from the blocks before it and joined to its own."""
+        headers = self._headers(hashes)
+        out: list[BlockGroup] = []
+        start = 0
+        for i, header in enumerate(headers):
+            if _rows_from(header):
+                out += self._read(headers[start:i], layers)
+                out.append(self._joined(header, layers))
+                start = i + 1
+        return out + self._read(headers[start:], layers)
+
+    def _joined(self, header: BlockHeader, layers: Collection[int] | None) -> BlockGroup:
+        """A segment's whole block: the block of its earlier rows (read the same way, so a
+        run of segments reads back to a whole block), then its own rows."""
+        prior = self._prior(header)
+        assert prior is not None
+        try:
+            (before,) = self.read([prior], layers)
+        except CacheFormatError as exc:  # missing too: the segment cannot be read (quarantined)
+            raise CacheFormatError(
+                f"block file {header.path} continues block {prior[:12]}, which is unreadable: {exc}"
+            ) from exc
+        if before.headers[0].n_tokens != _rows_from(header):
+            raise CacheFormatError(f"block file {header.path} does not continue block {prior[:12]}")
+        (own,) = self._read([header], layers)
+        whole = {k: mx.concatenate([before.tensor(k), own.tensor(k)], axis=2) for k in own.names()}
+        return BlockGroup(own.headers, own.blob, whole=whole)
+
+    def _headers(self, hashes: Sequence[BlockHash]) -> list[BlockHeader]:
         headers = []
         layouts: Layouts = {}
         for h in hashes:
@@ -120,7 +177,11 @@ class BlockFiles:
                 ) from None
             self._check_header(h, header)
             headers.append(header)
+        return headers
 
+    def _read(self, headers: list[BlockHeader], layers: Collection[int] | None) -> list[BlockGroup]:
+        if not headers:
+            return []
         if layers is not None and all("part_checksums" in hd.meta for hd in headers):
             wanted = {f"L{i}" for i in layers}
             headers = [select(hd, wanted) for hd in headers]
@@ -142,8 +203,10 @@ class BlockFiles:
     def _check_header(self, h: BlockHash, header: BlockHeader) -> None:
         meta, path = header.meta, header.path
         version = meta.get("format_version")
-        if version != str(FORMAT_VERSION):
-            raise version_error(f"block {path.name}", _int_or(version))
+        if version not in (str(FORMAT_VERSION), str(SEGMENTS_FORMAT_VERSION)):
+            raise version_error(f"block {path.name}", _int_or(version), SEGMENTS_FORMAT_VERSION)
+        if (version == str(SEGMENTS_FORMAT_VERSION)) != ("rows_from" in meta):
+            raise CacheFormatError(f"block file {path} has a corrupt header: version {version}, rows_from")
         if meta.get("fingerprint") != self.fingerprint:
             raise CacheFormatError(
                 f"block {path.name} was written for model/quantization {meta.get('fingerprint')!r}, "
@@ -154,8 +217,13 @@ class BlockFiles:
         token_ids, parent = block_lineage(header)
         if block_hash(parent, token_ids, self.fingerprint) != h:
             raise CacheFormatError(f"block file {path} header does not match its hash")
+        m = _rows_from(header)
+        rows = len(token_ids) - m
+        if m and not (0 < m < len(token_ids) and all(e.shape[2] == rows for e in header.tensors)):
+            raise CacheFormatError(f"block file {path} holds rows that do not continue its block")
 
     def delete(self, h: BlockHash) -> None:
+        self._priors.pop(h, None)
         with contextlib.suppress(FileNotFoundError):
             self.path(h).unlink()
 
@@ -173,6 +241,14 @@ class BlockFiles:
         dst.parent.mkdir(exist_ok=True)
         os.replace(src, dst)
         return dst
+
+
+def _rows_from(header: BlockHeader) -> int:
+    """A segment's first row (0: a whole block); ``CacheFormatError`` if unreadable."""
+    try:
+        return int(header.meta.get("rows_from", 0))
+    except ValueError:
+        raise CacheFormatError(f"block file {header.path} has a corrupt header: rows_from") from None
 
 
 def _int_or(value: Any) -> Any:

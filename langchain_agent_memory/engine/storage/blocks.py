@@ -39,6 +39,10 @@ FORMAT_VERSION = 1
 #: Agent records of a hybrid model (``AgentRecord.states``): refused by a version that reads
 #: only ``FORMAT_VERSION``; records without state snapshots are still written as 1.
 STATES_FORMAT_VERSION = 2
+#: Agent records whose chain has segments (``AgentRecord.priors``), and block files that are
+#: segments (``Block.rows_from``): refused by versions that cannot read segments; records and
+#: blocks without them are still written as before.
+SEGMENTS_FORMAT_VERSION = 3
 BLOCK_TOKENS = 256
 #: The token id of a recurrent-state snapshot's block, at the end of the chain block it
 #: follows: the child of that block with this one "token" (``STATE_TOKEN - d`` for a
@@ -81,6 +85,16 @@ def prompt_hashes(token_ids: Sequence[int], fingerprint: str) -> Iterator[BlockH
     """The hashes of a prompt's whole blocks that a cold start may reuse: never the block of
     its last token (that token's logits must be computed)."""
     return chain_hashes(token_ids[: (len(token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS], fingerprint)
+
+
+def prior_hash(
+    parent: BlockHash | None, token_ids: Sequence[int], rows_from: int, fingerprint: str
+) -> BlockHash:
+    """The block holding the first ``rows_from`` tokens of a segment (its predecessor: the
+    same block position, fewer tokens)."""
+    if not 0 < rows_from < len(token_ids):
+        raise ValueError(f"a segment starts inside its block, not at row {rows_from} of {len(token_ids)}")
+    return block_hash(parent, token_ids[:rows_from], fingerprint)
 
 
 def state_block_hash(h: BlockHash, fingerprint: str, before_end: int = 0) -> BlockHash:
@@ -232,12 +246,22 @@ class Block:
     #: The tensors as host views (``host_views``), made on the MLX thread for a write on
     #: another; None: ``put_block`` makes them (on the calling thread).
     host: Mapping[str, HostTensor] | None = None
+    #: Written as a segment: the file holds only tokens ``[rows_from, n)``; the rows before
+    #: are block ``prior_hash(self)``, stored already (a turn appends to its agent's partly
+    #: filled last block without writing that block's earlier rows again). 0: whole.
+    rows_from: int = 0
 
     @property
     def nbytes(self) -> int:
         if isinstance(self.tensors, TokenSlices):
             return self.tensors.nbytes
         return sum(int(t.nbytes) for t in self.tensors.values())
+
+    @property
+    def written_nbytes(self) -> int:
+        """Tensor bytes its write puts on disk: a segment's own rows only."""
+        n = len(self.token_ids)
+        return self.nbytes * (n - self.rows_from) // n if self.rows_from else self.nbytes
 
 
 @dataclass(slots=True)
@@ -247,7 +271,9 @@ class AgentRecord:
     ``blocks`` is every block the record names, which is what stores count references,
     write, upload and collect by: the chain (``chain``: block ``i`` holds tokens
     ``[256 i, 256 (i + 1))``), then, for a hybrid model, one recurrent-state snapshot per
-    entry of ``states`` (the token positions snapshotted, ascending; ``state_block_hash``)."""
+    entry of ``states`` (the token positions snapshotted, ascending; ``state_block_hash``),
+    then the predecessors of the chain's segments (``priors``: segment -> the block of its
+    earlier rows, itself whole or a segment; ``set_priors``)."""
 
     agent_id: str
     blocks: list[BlockHash]
@@ -257,26 +283,42 @@ class AgentRecord:
     updated_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     states: list[int] = field(default_factory=list)
+    priors: dict[BlockHash, BlockHash] = field(default_factory=dict)
 
     @property
     def chain(self) -> list[BlockHash]:
-        return self.blocks[: len(self.blocks) - len(self.states)]
+        return self.blocks[: len(self.blocks) - len(self.states) - len(self.priors)]
 
     def named(self, agent_id: str) -> AgentRecord:
         """A record of ``agent_id`` that stands for what this one does (the same blocks: a
         fork, a snapshot, a restore)."""
         return AgentRecord(
             agent_id, list(self.blocks), list(self.token_ids), list(self.token_ends), self.text,
-            states=list(self.states),
+            states=list(self.states), priors=dict(self.priors),
         )  # fmt: skip
 
     def state_blocks(self) -> dict[int, BlockHash]:
         """Token position -> the block of the recurrent state there."""
-        return dict(zip(self.states, self.blocks[len(self.blocks) - len(self.states) :], strict=True))
+        n = len(self.chain)
+        return dict(zip(self.states, self.blocks[n : n + len(self.states)], strict=True))
+
+    def set_priors(self, priors: Mapping[BlockHash, BlockHash]) -> None:
+        """Name these segment predecessors (``priors``) after the chain and the snapshots,
+        so that the blocks a read of the chain needs are counted, kept and uploaded with it."""
+        kept = self.blocks[: len(self.blocks) - len(self.priors)]
+        self.priors = dict(priors)
+        self.blocks = kept + list(self.priors.values())
 
     def to_json(self) -> str:
+        version = (
+            SEGMENTS_FORMAT_VERSION
+            if self.priors
+            else STATES_FORMAT_VERSION
+            if self.states
+            else FORMAT_VERSION
+        )
         data: dict[str, Any] = {
-            "format_version": STATES_FORMAT_VERSION if self.states else FORMAT_VERSION,
+            "format_version": version,
             "agent_id": self.agent_id,
             "blocks": self.blocks,
             "token_ids": self.token_ids,
@@ -286,6 +328,8 @@ class AgentRecord:
         }
         if self.states:
             data["states"] = self.states
+        if self.priors:
+            data["priors"] = self.priors
         return json.dumps(data)
 
     @classmethod
@@ -302,8 +346,8 @@ class AgentRecord:
     def _from_json(cls, raw: str) -> AgentRecord:
         data = json.loads(raw)
         version = data.get("format_version")
-        if version not in (FORMAT_VERSION, STATES_FORMAT_VERSION):
-            raise version_error("agent record", version, STATES_FORMAT_VERSION)
+        if version not in (FORMAT_VERSION, STATES_FORMAT_VERSION, SEGMENTS_FORMAT_VERSION):
+            raise version_error("agent record", version, SEGMENTS_FORMAT_VERSION)
         record = cls(
             agent_id=data["agent_id"],
             blocks=[BlockHash(b) for b in data["blocks"]],
@@ -313,9 +357,14 @@ class AgentRecord:
             updated_at=float(data["updated_at"]),
             format_version=version,
             states=list(data.get("states", [])),
+            priors={BlockHash(k): BlockHash(v) for k, v in dict(data.get("priors", {})).items()},
         )
+        if record.priors and record.blocks[len(record.blocks) - len(record.priors) :] != list(
+            record.priors.values()
+        ):
+            raise CacheFormatError("agent record names segment predecessors it does not list")
         if not (
-            len(record.states) <= len(record.blocks)
+            len(record.states) + len(record.priors) <= len(record.blocks)
             and all(type(p) is int and 0 < p <= len(record.token_ids) for p in record.states)
             and record.states == sorted(set(record.states))
         ):
@@ -324,7 +373,7 @@ class AgentRecord:
         if not (
             isinstance(record.agent_id, str)
             and isinstance(record.text, str)
-            and all(isinstance(b, str) and len(b) == 64 for b in record.blocks)
+            and all(isinstance(b, str) and len(b) == 64 for b in [*record.blocks, *record.priors])
             and all(type(t) is int for t in record.token_ids + record.token_ends)
             and len(record.token_ids) == len(record.token_ends)
         ):

@@ -16,7 +16,7 @@ from pathlib import Path
 from .agent_ids import validate_agent_id
 from .block_files import BlockFiles
 from .blocks import (
-    STATES_FORMAT_VERSION,
+    SEGMENTS_FORMAT_VERSION,
     AgentRecord,
     BlockHash,
     CacheFormatError,
@@ -212,8 +212,8 @@ class AgentIndex:
                 "SELECT block FROM refs WHERE agent_id = ? ORDER BY pos", (agent_id,)
             ).fetchall()
         version = row[0] if row else None
-        if isinstance(version, int) and version > STATES_FORMAT_VERSION:
-            raise version_error(f"agent record {agent_id!r}", version, STATES_FORMAT_VERSION)
+        if isinstance(version, int) and version > SEGMENTS_FORMAT_VERSION:
+            raise version_error(f"agent record {agent_id!r}", version, SEGMENTS_FORMAT_VERSION)
         return [BlockHash(r[0]) for r in rows]
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:

@@ -47,6 +47,10 @@ class LocalTier:
     def has_block(self, h: BlockHash) -> bool:
         return self._local.has_block(h)
 
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        self._here([h])
+        return self._local.prior_of(h)
+
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         self._here([h])
         return self._local.get_block(h, names)

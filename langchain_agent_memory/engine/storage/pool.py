@@ -8,6 +8,7 @@ no record naming it, checked under the store's directory lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
@@ -15,7 +16,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .blocks import AgentNotFoundError, AgentRecord, Block, BlockHash, BlockMissingError, CacheWriteError
+from ..errors import RemoteUnavailableError
+from .blocks import (
+    AgentNotFoundError,
+    AgentRecord,
+    Block,
+    BlockHash,
+    BlockMissingError,
+    CacheFormatError,
+    CacheWriteError,
+    prior_hash,
+)
 from .protocols import BlockStore
 
 logger = logging.getLogger(__name__)
@@ -105,6 +116,8 @@ class BlockPool:
                     if not self.store.has_block(h):
                         written += self.put(block_of(i), admit)
                         new_blocks.append(h)
+                # The record names what reading its chain takes: its segments' earlier blocks.
+                record.set_priors(self._priors(record.chain, block_of))
                 written += self.store.put_agent(record)
             except (OSError, sqlite3.Error, CacheWriteError) as exc:
                 self.release(new_blocks)  # written for a record that was not
@@ -116,6 +129,37 @@ class BlockPool:
                 ) from exc
             self.release(replaced, record.blocks)
         return written
+
+    def _priors(self, chain: list[BlockHash], block_of: Callable[[int], Block]) -> dict[BlockHash, BlockHash]:
+        """Each segment of ``chain`` -> the block of its earlier rows, and so on back to a
+        whole block (``Block.rows_from``): from the blocks in hand (the save's, the memory
+        tier's), else from the stored blocks' headers."""
+
+        def prior(i: int | None, h: BlockHash) -> BlockHash | None:
+            block = None
+            if i is not None:
+                with contextlib.suppress(CacheWriteError, BlockMissingError):
+                    block = block_of(i)
+            block = block or self.hot_block(h)
+            if block is None:
+                return self.store.prior_of(h)
+            if not block.rows_from:
+                return None
+            return prior_hash(block.parent, block.token_ids, block.rows_from, self.store.fingerprint)
+
+        priors: dict[BlockHash, BlockHash] = {}
+        try:
+            for i, h in enumerate(chain):
+                p = prior(i, h)
+                while p is not None and h not in priors:
+                    priors[h], h = p, p
+                    p = prior(None, h)
+        except (CacheFormatError, RemoteUnavailableError) as exc:  # BlocksUnavailableError too
+            raise CacheWriteError(
+                f"a block of this cache continues one that is gone, damaged or out of reach ({exc}); "
+                "the cache was not saved (its next request reads what is stored, or prefills)"
+            ) from exc
+        return priors
 
     def set_agent(self, record: AgentRecord) -> None:
         """Store ``record``, whose blocks are all stored already (a fork, a snapshot, a

@@ -298,8 +298,15 @@ class BlockGroup:
     headers: list[BlockHeader]
     blob: mx.array  # (n_blocks, data_len) uint8
     _entries: dict[str, TensorEntry] = field(default_factory=dict)
+    #: One segmented block's tensors, its earlier rows joined to the segment's own
+    #: (``BlockFiles.read``): what ``tensor`` returns instead of the blob's.
+    whole: dict[str, mx.array] | None = None
 
     def tensor(self, name: str, first: int = 0) -> mx.array:
+        if self.whole is not None:
+            if first:
+                raise BlockFileError("a segmented block is read whole")
+            return self.whole[name]
         if not self._entries:
             self._entries.update((e.name, e) for e in self.headers[0].tensors)
         entry = self._entries[name]

@@ -178,6 +178,10 @@ class SharedBlockStore:
         """Written to this worker's disk; uploaded when a record naming it commits."""
         return self.local.put_block(block)
 
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        self.blocks.fetch([h])
+        return self.local.prior_of(h)
+
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         self.blocks.fetch([h])
         return self.local.get_block(h, names)

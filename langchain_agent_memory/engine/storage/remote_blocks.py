@@ -105,6 +105,13 @@ class SharedBlocks:
         missing = [h for h in hashes if not self.local.has_block(h)]
         if not missing:
             return
+        self._download_all(hashes, missing)
+        # A segment is read with the blocks of its earlier rows: bring those too.
+        priors = [p for h in missing if (p := self.local.prior_of(h)) is not None]
+        if priors := [p for p in priors if not self.local.has_block(p)]:
+            self.fetch(priors)
+
+    def _download_all(self, hashes: Sequence[BlockHash], missing: list[BlockHash]) -> None:
         futures = {h: self.io.submit(self._download, h) for h in missing}
         done, _ = wait(futures.values(), timeout=self.read_timeout_s)
         failed: BaseException | None = None

@@ -146,6 +146,10 @@ class DiskBlockStore:
     def put_block(self, block: Block) -> int:
         return self.files.put(block)
 
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        """The block of segment ``h``'s earlier rows (None: whole); ``h`` must be here."""
+        return self.files.prior_of(h)
+
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         return self.files.get(h, names)
 
