@@ -1,14 +1,16 @@
-"""What a user's SSD pays per conversation turn: the bytes each turn's save writes (the
-new blocks and the rewritten partial tail block), and everything the process wrote
-(``/proc/self/io``'s ``write_bytes``: block files, the index and its journal), against the
-new tokens' K/V at the default format (the floor: what any store of them must write) and
-against rewriting the agent's whole cache each turn (what the reference system did).
+"""What a user's SSD pays per conversation turn: the bytes each turn's save writes (its new
+tokens' rows: new blocks, and a segment continuing the last, partly filled one), and
+everything the process wrote (``/proc/self/io``'s ``write_bytes``: block files, the index
+and its journal), against the new tokens' K/V at the default format (the floor: what any
+store of them must write) and against rewriting the agent's whole cache each turn (what
+the reference system did).
 
     .venv/bin/python benchmarks/turn_writes.py [--turns 50] [--kv-bits 4]
 
 One agent on the default model, a ~1.2K-token system prompt (Python reference manual),
-short questions, 32-token answers; each turn's save waited for before the next. Writes
-benchmarks/results/turn_writes.json and .png.
+short questions, 32-token answers; each turn's save waited for before the next. Then what
+the segments cost a restore: a fresh engine's warm load of the agent against the same text
+stored whole. Writes benchmarks/results/turn_writes.json and .png.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 QUESTIONS = [
@@ -31,6 +34,35 @@ QUESTIONS = [
     "What is a while loop?",
     "What happens when an exception is raised in a loop?",
 ]
+
+
+def _restores(eng: Any, tmp: str, kv_bits: int, repeats: int = 3) -> dict[str, Any]:
+    """What the segments cost a restore: a fresh engine's warm load of the agent (its blocks
+    continued turn by turn) against the same text written in one turn (whole blocks, in a
+    directory of its own), side by side, median of ``repeats``."""
+    import statistics
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    text = eng.admin.cached_text("agent")
+    one = GenerationParams(max_tokens=1)
+    whole_dir = tempfile.mkdtemp(prefix="turn-writes-whole-")
+    Engine(cache_dir=whole_dir, kv_bits=kv_bits).generate("agent", text, one).wait_saved()
+    times: dict[str, list[float]] = {"segments": [], "whole": []}
+    for _ in range(repeats):
+        for kind, where in (("segments", tmp), ("whole", whole_dir)):
+            fresh = Engine(cache_dir=where, kv_bits=kv_bits)
+            r = fresh.generate("agent", fresh.admin.cached_text("agent") + " ok", one)
+            assert str(r.outcome).startswith("warm"), r.outcome
+            times[kind].append(r.timings.load_s)
+            fresh.close()
+    record = eng.admin.store.get_agent("agent")
+    return {
+        "restore_segments_s": statistics.median(times["segments"]),
+        "restore_whole_s": statistics.median(times["whole"]),
+        "chain_blocks": len(record.chain) if record else 0,
+        "segment_parts": len(record.priors) if record else 0,
+    }
 
 
 def main() -> None:
@@ -84,6 +116,7 @@ def main() -> None:
                     "outcome": str(r.outcome),
                 }
             )
+        restore = _restores(eng, tmp, a.kv_bits)
     table = Table(title=f"bytes written per turn (KV {a.kv_bits}-bit)")
     for c in ("turn", "outcome", "new tok", "cached tok", "new tokens' KV", "save wrote", "process wrote",
               "whole cache", "save / new KV", "process / new KV"):  # fmt: skip
@@ -113,6 +146,7 @@ def main() -> None:
         "total_written": sum(r["bytes_written"] for r in rows),
         "total_process_written": sum(r["process_bytes_written"] for r in rows),
         "total_if_rewritten_whole": sum(r["whole_cache_bytes"] for r in rows),
+        **restore,
     }
     console.print(summary)
     out = HERE / "results"

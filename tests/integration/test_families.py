@@ -252,7 +252,9 @@ def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
     assert warm.reused_tokens == n1 - 1  # the stored turn's end: its last token is re-run
     record = again.admin.store.get_agent("x")
     assert (
-        record is not None and record.states and len(record.blocks) == len(record.chain) + len(record.states)
+        record is not None
+        and record.states
+        and len(record.blocks) == len(record.chain) + len(record.states) + len(record.priors)
     )
 
     # DIVERGE: on the 256-token snapshot, between 256 and 512, before the first snapshot;

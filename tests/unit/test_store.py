@@ -381,7 +381,12 @@ def test_a_record_with_segments_round_trips_and_keeps_its_chain() -> None:
     back = AgentRecord.from_json(record.to_json())
     assert json.loads(record.to_json())["format_version"] == SEGMENTS_FORMAT_VERSION
     assert back.chain == chain and back.priors == record.priors and back.blocks == record.blocks
+    assert "token_ids" not in json.loads(record.to_json())  # packed: rewritten by every turn
     forged = json.loads(record.to_json())
     forged["blocks"] = forged["blocks"][:-1]  # a predecessor it does not list
     with pytest.raises(CacheFormatError, match="segment"):
         AgentRecord.from_json(json.dumps(forged))
+    damaged = json.loads(record.to_json())
+    damaged["packed"] = damaged["packed"][:-8]
+    with pytest.raises(CacheFormatError, match="packed tokens"):
+        AgentRecord.from_json(json.dumps(damaged))

@@ -16,8 +16,8 @@ from typing import Any
 from safetensors import serialize_file
 
 from ..ops.files import TEMP_PREFIX, atomic_write
-from ..ops.runtime import mx
 from .blocks import (
+    BLOCK_TOKENS,
     FORMAT_VERSION,
     SEGMENTS_FORMAT_VERSION,
     Block,
@@ -39,6 +39,7 @@ from .reader import (
     block_checksums,
     read_groups,
     read_header,
+    read_joined,
     select,
     sound,
 )
@@ -54,6 +55,9 @@ class BlockFiles:
         #: Block -> the block of its earlier rows (None: whole), as its header says: blocks
         #: are immutable, so an answer holds for as long as the block does.
         self._priors: dict[BlockHash, BlockHash | None] = {}
+        #: Tensor tables checked before, by data length (``read_header``): kept across reads,
+        #: as a segment's table (its rows' count) comes back in later reads and other agents'.
+        self._layouts: Layouts = {}
 
     def path(self, h: BlockHash) -> Path:
         if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
@@ -133,37 +137,48 @@ class BlockFiles:
         tensor layout, each uploaded to the device as one array (``reader``). ``layers``: only
         these layers' tensors are needed (read alone where every block has per-layer
         checksums; blocks written before them are read whole). A segment comes as a group of
-        its own, its earlier rows read from the blocks before it and joined to its own."""
+        its own: the blocks of its earlier rows and its own rows, joined."""
         headers = self._headers(hashes)
+        parts = [self._parts(hd) for hd in headers]  # a whole block: itself alone
+        if all(len(p) == 1 for p in parts):
+            return self._read(headers, layers)
         out: list[BlockGroup] = []
-        start = 0
-        for i, header in enumerate(headers):
-            if _rows_from(header):
-                out += self._read(headers[start:i], layers)
-                out.append(self._joined(header, layers))
-                start = i + 1
-        return out + self._read(headers[start:], layers)
+        i = 0
+        while i < len(parts):  # runs of whole blocks, runs of segmented ones
+            j = i + 1
+            while j < len(parts) and (len(parts[j]) == 1) == (len(parts[i]) == 1):
+                j += 1
+            if len(parts[i]) == 1:
+                out += self._read([p[0] for p in parts[i:j]], layers)
+            else:
+                out += self._read_joined(parts[i:j], layers)
+            i = j
+        return out
 
-    def _joined(self, header: BlockHeader, layers: Collection[int] | None) -> BlockGroup:
-        """A segment's whole block: the block of its earlier rows (read the same way, so a
-        run of segments reads back to a whole block), then its own rows."""
-        prior = self._prior(header)
-        assert prior is not None
-        try:
-            (before,) = self.read([prior], layers)
-        except CacheFormatError as exc:  # missing too: the segment cannot be read (quarantined)
-            raise CacheFormatError(
-                f"block file {header.path} continues block {prior[:12]}, which is unreadable: {exc}"
-            ) from exc
-        if before.headers[0].n_tokens != _rows_from(header):
-            raise CacheFormatError(f"block file {header.path} does not continue block {prior[:12]}")
-        (own,) = self._read([header], layers)
-        whole = {k: mx.concatenate([before.tensor(k), own.tensor(k)], axis=2) for k in own.names()}
-        return BlockGroup(own.headers, own.blob, whole=whole)
+    def _parts(self, header: BlockHeader) -> list[BlockHeader]:
+        """The headers a block is read from: the blocks of a segment's earlier rows (back to a
+        whole one), then its own. ``CacheFormatError`` (the segment is unreadable) where one
+        of them is missing, damaged or does not lead up to it."""
+        out = [header]
+        while m := _rows_from(out[-1]):
+            prior = self._prior(out[-1])
+            assert prior is not None
+            try:
+                (before,) = self._headers([prior])
+            except CacheFormatError as exc:  # missing too: the segment cannot be read
+                raise CacheFormatError(
+                    f"block file {header.path} continues block {prior[:12]}, which is unreadable: {exc}"
+                ) from exc
+            if before.n_tokens != m or len(out) > BLOCK_TOKENS:
+                raise CacheFormatError(f"block file {out[-1].path} does not continue block {prior[:12]}")
+            out.append(before)
+        return out[::-1]
 
     def _headers(self, hashes: Sequence[BlockHash]) -> list[BlockHeader]:
         headers = []
-        layouts: Layouts = {}
+        layouts = self._layouts
+        if len(layouts) > 4096:  # one per row count and layer set, in practice a few hundred
+            layouts.clear()
         for h in hashes:
             path = self.path(h)
             if not path.exists():
@@ -182,20 +197,17 @@ class BlockFiles:
     def _read(self, headers: list[BlockHeader], layers: Collection[int] | None) -> list[BlockGroup]:
         if not headers:
             return []
-        if layers is not None and all("part_checksums" in hd.meta for hd in headers):
-            wanted = {f"L{i}" for i in layers}
-            headers = [select(hd, wanted) for hd in headers]
-
-        def verify(header: BlockHeader, named: Sequence[tuple[str, Any]]) -> None:
-            try:
-                ok = sound(header, named)
-            except BlockFileError as exc:
-                raise CacheFormatError(f"block file {exc}") from exc
-            if not ok:
-                raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
-
         try:
-            return read_groups(headers, verify)
+            return read_groups(_selected(headers, layers), _verify)
+        except BlockFileError as exc:
+            raise_if_vanished(exc, self.dir)
+            raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
+
+    def _read_joined(
+        self, blocks: list[list[BlockHeader]], layers: Collection[int] | None
+    ) -> list[BlockGroup]:
+        try:
+            return read_joined([_selected(parts, layers) for parts in blocks], _verify)
         except BlockFileError as exc:
             raise_if_vanished(exc, self.dir)
             raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
@@ -241,6 +253,23 @@ class BlockFiles:
         dst.parent.mkdir(exist_ok=True)
         os.replace(src, dst)
         return dst
+
+
+def _selected(headers: list[BlockHeader], layers: Collection[int] | None) -> list[BlockHeader]:
+    """Only ``layers``' tensors, where every block can be checked layer by layer."""
+    if layers is not None and all("part_checksums" in hd.meta for hd in headers):
+        wanted = {f"L{i}" for i in layers}
+        return [select(hd, wanted) for hd in headers]
+    return headers
+
+
+def _verify(header: BlockHeader, named: Sequence[tuple[str, Any]]) -> None:
+    try:
+        ok = sound(header, named)
+    except BlockFileError as exc:
+        raise CacheFormatError(f"block file {exc}") from exc
+    if not ok:
+        raise CacheFormatError(f"block file {header.path} failed its checksum: the data is corrupt")
 
 
 def _rows_from(header: BlockHeader) -> int:

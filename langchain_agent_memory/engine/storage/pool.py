@@ -112,12 +112,13 @@ class BlockPool:
         with self.store.locked():
             replaced = set(old) | set(self.store.agent_chain(record.agent_id))
             try:
+                # The record names what reading its chain takes: its segments' earlier blocks
+                # (each checked below like the rest: another process may have deleted one).
+                record.set_priors(self._priors(record.chain, block_of))
                 for i, h in enumerate(record.blocks):
                     if not self.store.has_block(h):
                         written += self.put(block_of(i), admit)
                         new_blocks.append(h)
-                # The record names what reading its chain takes: its segments' earlier blocks.
-                record.set_priors(self._priors(record.chain, block_of))
                 written += self.store.put_agent(record)
             except (OSError, sqlite3.Error, CacheWriteError) as exc:
                 self.release(new_blocks)  # written for a record that was not

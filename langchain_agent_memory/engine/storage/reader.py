@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -67,6 +68,7 @@ _DTYPES: dict[str, tuple[mx.Dtype, Any]] = {
     "I64": (mx.int64, np.uint64),
     "U64": (mx.uint64, np.uint64),
 }
+_WIDTHS = {name: np.dtype(raw).itemsize for name, (_, raw) in _DTYPES.items()}
 #: Header size above which a file is not ours (ours are a few KB).
 _MAX_HEADER = 16 << 20
 #: Threads reading block files (I/O and hashing release the GIL).
@@ -147,8 +149,8 @@ def read_header(path: Path, layouts: Layouts | None = None) -> BlockHeader:
     for e in entries:
         if e.dtype not in _DTYPES:
             raise BlockFileError(f"tensor {e.name} has dtype {e.dtype}, not one a block holds")
-        width = np.dtype(_DTYPES[e.dtype][1]).itemsize
-        if not (0 <= e.begin <= e.end <= data_len) or e.end - e.begin != width * int(np.prod(e.shape)):
+        width = _WIDTHS[e.dtype]  # math.prod: np.prod's ~4 us a call was half of a header's parse
+        if not (0 <= e.begin <= e.end <= data_len) or e.end - e.begin != width * math.prod(e.shape):
             raise BlockFileError(f"tensor {e.name} does not fit the file (truncated?)")
     if layouts is not None:
         layouts[data_len] = (header, tuple(entries))
@@ -298,15 +300,8 @@ class BlockGroup:
     headers: list[BlockHeader]
     blob: mx.array  # (n_blocks, data_len) uint8
     _entries: dict[str, TensorEntry] = field(default_factory=dict)
-    #: One segmented block's tensors, its earlier rows joined to the segment's own
-    #: (``BlockFiles.read``): what ``tensor`` returns instead of the blob's.
-    whole: dict[str, mx.array] | None = None
 
     def tensor(self, name: str, first: int = 0) -> mx.array:
-        if self.whole is not None:
-            if first:
-                raise BlockFileError("a segmented block is read whole")
-            return self.whole[name]
         if not self._entries:
             self._entries.update((e.name, e) for e in self.headers[0].tensors)
         entry = self._entries[name]
@@ -335,13 +330,13 @@ class BlockGroup:
 Verify = Callable[[BlockHeader, Sequence[tuple[str, Any]]], None]
 
 
-def read_groups(headers: list[BlockHeader], verify: Verify) -> list[BlockGroup]:
+def read_groups(headers: list[BlockHeader], verify: Verify, apart: Collection[int] = ()) -> list[BlockGroup]:
     """The data of ``headers`` (in order), grouped by layout, checked with ``verify(header,
     named)`` (the bytes just read, by tensor name; it raises on a mismatch: ``sound``) and
-    uploaded one array per group."""
+    uploaded one array per group. ``apart``: headers that begin a group of their own."""
     runs: list[list[int]] = []
     for i, hd in enumerate(headers):
-        if runs and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
+        if runs and i not in apart and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
             runs[-1].append(i)
         else:
             runs.append([i])
@@ -373,17 +368,7 @@ def _read(
         g, row, hd = job
         up, host = uploads[g], hosts[g]
         with cuda_memory.staging(hd.data_len) if host is None else contextlib.nullcontext(host[row]) as dest:
-            view, got = memoryview(dest), 0
-            try:
-                with open(hd.path, "rb") as f:
-                    for begin, end in hd.ranges or ((0, hd.data_len),):
-                        f.seek(hd.data_offset + begin)
-                        got += f.readinto(view[got : got + end - begin])
-            except OSError as exc:
-                raise BlockFileError(f"unreadable: {exc}") from exc
-            if got != hd.data_len:
-                raise BlockFileError(f"read {got} of {hd.data_len} bytes (truncated?)")
-            verify(hd, [(e.name, dest[e.begin : e.end]) for e in hd.tensors])
+            _fill(hd, dest, verify)
             if up is not None:
                 up.write(row, dest)
 
@@ -397,6 +382,70 @@ def _read(
         BlockGroup([headers[i] for i in run], up.array if up is not None else _as_array(*rows))
         for run, up, rows in zip(runs, uploads, rows_of, strict=True)
     ]
+
+
+def _fill(hd: BlockHeader, dest: Any, verify: Verify) -> None:
+    """Read ``hd``'s data (or its selected ranges) into ``dest`` and ``verify`` it."""
+    view, got = memoryview(dest), 0
+    try:
+        with open(hd.path, "rb") as f:
+            for begin, end in hd.ranges or ((0, hd.data_len),):
+                f.seek(hd.data_offset + begin)
+                got += f.readinto(view[got : got + end - begin])
+    except OSError as exc:
+        raise BlockFileError(f"unreadable: {exc}") from exc
+    if got != hd.data_len:
+        raise BlockFileError(f"read {got} of {hd.data_len} bytes (truncated?)")
+    verify(hd, [(e.name, dest[e.begin : e.end]) for e in hd.tensors])
+
+
+def read_joined(blocks: list[list[BlockHeader]], verify: Verify) -> list[BlockGroup]:
+    """Blocks stored as segments, each read by ``join`` (on threads), then those of one
+    layout in a row uploaded as one group, as ``read_groups`` does with whole blocks."""
+    if len(blocks) > 1 and READ_THREADS > 1:
+        with ThreadPoolExecutor(min(READ_THREADS, len(blocks)), thread_name_prefix="agent-memory-read") as ex:
+            rows = list(ex.map(lambda parts: join(parts, verify), blocks))
+    else:
+        rows = [join(parts, verify) for parts in blocks]
+    groups: list[tuple[list[BlockHeader], list[np.ndarray]]] = []
+    for header, row in rows:
+        if groups and groups[-1][0][0].tensors == header.tensors:
+            groups[-1][0].append(header)
+            groups[-1][1].append(row)
+        else:
+            groups.append(([header], [row]))
+    return [BlockGroup(headers, mx.array(np.stack(data))) for headers, data in groups]
+
+
+def join(parts: list[BlockHeader], verify: Verify) -> tuple[BlockHeader, np.ndarray]:
+    """A block stored as segments: ``parts`` are the whole block of its first rows, then each
+    segment (``block_files``). Each is read and verified, and their tensors' rows are joined
+    on the host into one buffer laid out as a whole block of all its tokens (its tensors in
+    the order a writer puts them): its header and data, read then as any block's (a join per
+    tensor on the device took 4x a whole block's restore)."""
+    datas = [np.empty(hd.data_len, np.uint8) for hd in parts]
+    for hd, data in zip(parts, datas, strict=True):
+        _fill(hd, data, verify)
+    last = parts[-1]
+    n, entries, offset = last.n_tokens, [], 0
+    for e in sorted(last.tensors, key=lambda e: e.begin):
+        shape = (*e.shape[:2], n, *e.shape[3:])
+        size = _WIDTHS[e.dtype] * math.prod(shape)
+        entries.append(TensorEntry(e.name, e.dtype, shape, offset, offset + size))
+        offset += size
+    out = np.empty(offset, np.uint8)
+    tables = [{x.name: x for x in hd.tensors} for hd in parts]
+    for e in entries:
+        try:
+            pieces = [data[t[e.name].begin : t[e.name].end] for data, t in zip(datas, tables, strict=True)]
+        except KeyError:
+            raise BlockFileError(f"{last.path}: a block it continues lacks tensor {e.name}") from None
+        heads = math.prod(e.shape[:2])
+        rows = np.concatenate([p.reshape(heads, -1) for p in pieces], axis=1)  # rows are the inner axis
+        out[e.begin : e.end] = rows.reshape(-1)
+    header = BlockHeader(last.path, last.data_offset, offset, tuple(sorted(entries, key=lambda e: e.name)),
+                         last.meta, n)  # fmt: skip
+    return header, out
 
 
 def _host_rows(n: int, width: int) -> tuple[np.ndarray, mx.array | None]:
