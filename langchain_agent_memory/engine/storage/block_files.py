@@ -92,10 +92,9 @@ class BlockFiles:
             "parent": block.parent or "",
             "token_ids": json.dumps(block.token_ids),
         }
-        if m:  # the rows before are the block of its first m tokens (``prior_hash``)
+        if m:  # the rows before are the block of its first m tokens (``Block.prior``)
             lineage["rows_from"] = str(m)
-        prior = prior_hash(block.parent, block.token_ids, m, self.fingerprint) if m else None
-        self._priors[block.hash] = prior
+        self._priors[block.hash] = block.prior(self.fingerprint)
         # SHA-256 and XXH3-128, whole and each layer's own (for reads of some layers only:
         # ``reader.select``); a reader checks the fastest it knows.
         meta = block_checksums([(k, t.data) for k, t in tensors.items()], lineage)
@@ -140,8 +139,6 @@ class BlockFiles:
         its own: the blocks of its earlier rows and its own rows, joined."""
         headers = self._headers(hashes)
         parts = [self._parts(hd) for hd in headers]  # a whole block: itself alone
-        if all(len(p) == 1 for p in parts):
-            return self._read(headers, layers)
         out: list[BlockGroup] = []
         i = 0
         while i < len(parts):  # runs of whole blocks, runs of segmented ones
@@ -195,19 +192,21 @@ class BlockFiles:
         return headers
 
     def _read(self, headers: list[BlockHeader], layers: Collection[int] | None) -> list[BlockGroup]:
-        if not headers:
-            return []
-        try:
+        with self._unreadable():
             return read_groups(_selected(headers, layers), _verify)
-        except BlockFileError as exc:
-            raise_if_vanished(exc, self.dir)
-            raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc
 
     def _read_joined(
         self, blocks: list[list[BlockHeader]], layers: Collection[int] | None
     ) -> list[BlockGroup]:
-        try:
+        with self._unreadable():
             return read_joined([_selected(parts, layers) for parts in blocks], _verify)
+
+    @contextlib.contextmanager
+    def _unreadable(self) -> Iterator[None]:
+        """A read's ``BlockFileError`` as the store's errors: missing if a file vanished
+        meanwhile, else ``CacheFormatError``."""
+        try:
+            yield
         except BlockFileError as exc:
             raise_if_vanished(exc, self.dir)
             raise CacheFormatError(f"a block file is unreadable (truncated or corrupt): {exc}") from exc

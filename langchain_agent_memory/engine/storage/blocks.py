@@ -259,6 +259,12 @@ class Block:
             return self.tensors.nbytes
         return sum(int(t.nbytes) for t in self.tensors.values())
 
+    def prior(self, fingerprint: str) -> BlockHash | None:
+        """The block of a segment's earlier rows (None: written whole)."""
+        if not self.rows_from:
+            return None
+        return prior_hash(self.parent, self.token_ids, self.rows_from, fingerprint)
+
     @property
     def written_nbytes(self) -> int:
         """Tensor bytes its write puts on disk: a segment's own rows only."""

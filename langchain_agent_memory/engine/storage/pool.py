@@ -25,7 +25,6 @@ from .blocks import (
     BlockMissingError,
     CacheFormatError,
     CacheWriteError,
-    prior_hash,
 )
 from .protocols import BlockStore
 
@@ -142,11 +141,7 @@ class BlockPool:
                 with contextlib.suppress(CacheWriteError, BlockMissingError):
                     block = block_of(i)
             block = block or self.hot_block(h)
-            if block is None:
-                return self.store.prior_of(h)
-            if not block.rows_from:
-                return None
-            return prior_hash(block.parent, block.token_ids, block.rows_from, self.store.fingerprint)
+            return self.store.prior_of(h) if block is None else block.prior(self.store.fingerprint)
 
         priors: dict[BlockHash, BlockHash] = {}
         try:

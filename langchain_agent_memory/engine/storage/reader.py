@@ -330,16 +330,22 @@ class BlockGroup:
 Verify = Callable[[BlockHeader, Sequence[tuple[str, Any]]], None]
 
 
-def read_groups(headers: list[BlockHeader], verify: Verify, apart: Collection[int] = ()) -> list[BlockGroup]:
-    """The data of ``headers`` (in order), grouped by layout, checked with ``verify(header,
-    named)`` (the bytes just read, by tensor name; it raises on a mismatch: ``sound``) and
-    uploaded one array per group. ``apart``: headers that begin a group of their own."""
+def _runs(headers: Sequence[BlockHeader]) -> list[list[int]]:
+    """Indices of ``headers`` in runs of consecutive ones of one layout (one array each)."""
     runs: list[list[int]] = []
     for i, hd in enumerate(headers):
-        if runs and i not in apart and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
+        if runs and headers[runs[-1][0]].tensors == hd.tensors:  # same layout
             runs[-1].append(i)
         else:
             runs.append([i])
+    return runs
+
+
+def read_groups(headers: list[BlockHeader], verify: Verify) -> list[BlockGroup]:
+    """The data of ``headers`` (in order), grouped by layout, checked with ``verify(header,
+    named)`` (the bytes just read, by tensor name; it raises on a mismatch: ``sound``) and
+    uploaded one array per group."""
+    runs = _runs(headers)
     try:
         return _read(headers, runs, verify, to_gpu=True)
     except cuda_memory.UploadError as exc:
@@ -407,14 +413,11 @@ def read_joined(blocks: list[list[BlockHeader]], verify: Verify) -> list[BlockGr
             rows = list(ex.map(lambda parts: join(parts, verify), blocks))
     else:
         rows = [join(parts, verify) for parts in blocks]
-    groups: list[tuple[list[BlockHeader], list[np.ndarray]]] = []
-    for header, row in rows:
-        if groups and groups[-1][0][0].tensors == header.tensors:
-            groups[-1][0].append(header)
-            groups[-1][1].append(row)
-        else:
-            groups.append(([header], [row]))
-    return [BlockGroup(headers, mx.array(np.stack(data))) for headers, data in groups]
+    headers = [header for header, _ in rows]
+    return [
+        BlockGroup([headers[i] for i in run], mx.array(np.stack([rows[i][1] for i in run])))
+        for run in _runs(headers)
+    ]
 
 
 def join(parts: list[BlockHeader], verify: Verify) -> tuple[BlockHeader, np.ndarray]:
