@@ -247,7 +247,7 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
     precision once between them (not once each), the part past the blocks is run once and
     forked, and each answer equals the one that agent gets alone on the same stored prompt
     (16-bit KV)."""
-    from langchain_agent_memory.engine.kv import layer_work
+    from langchain_agent_memory.engine.kv import batch, layer_work
     from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
 
     prefix = "You answer questions about this license.\n\n" + corpus.apache_license()[:2400]
@@ -274,14 +274,25 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
             decodes.append(rows)
         return decode(segments, rows, *args)
 
+    once: list[int] = []  # decode steps whose members read the stored prompt once between them
+    over_shared = batch.attention_over_shared_prefix
+
+    def counted_steps(queries: mx.array, prefix_k: mx.array, *args: Any) -> mx.array:
+        once.append(prefix_k.shape[2])
+        return over_shared(queries, prefix_k, *args)
+
     engine = stored_prompt("fan-out")
     layers = len(engine.agents.new_layers())
     monkeypatch.setattr(layer_work, "decode_segments", counted)
+    monkeypatch.setattr(batch, "attention_over_shared_prefix", counted_steps)
     got = together(engine, prompts, params)
     for agent, result in got.items():
         assert str(result.outcome) == "hot-shared", (agent, result.outcome)
         assert result.text == expected[agent].text, agent
     assert len(decodes) <= 2 * layers < len(prompts) * layers, len(decodes)  # not once per agent
+    # Batched decode steps read the stored prompt's rows once for all members, every layer.
+    assert engine.stats()["max_decode_batch"] >= 2
+    assert len(once) >= layers and min(once) >= stored, (len(once), min(once, default=0))
     forked = [r for r in got.values() if r.reused_tokens > stored]
     assert len(forked) >= len(prompts) - 1, [r.reused_tokens for r in got.values()]
 

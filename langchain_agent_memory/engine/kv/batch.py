@@ -9,13 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..ops.cpu_attention import attention_over_shared_prefix
 from ..ops.runtime import mx
 from . import fetches
 from .buffers import Working, grown_rows
+from .codecs import rotation
 from .layer import LayerCache
 from .recurrent import BatchRecurrentCache, RecurrentCache
 from .stored import attention, positional_mask
 from .stored_batch import StoredBatch
+
+#: Fewer shared rows than this: each member attends over its own copy (the shared path's few
+#: extra ops cost more than reading so few rows once per member saves).
+_MIN_SHARED_ROWS = 64
+#: Above this many scores of the shared rows in one call (a long prefill of several members),
+#: each member attends alone: its own path tiles what would not fit.
+_MAX_SHARED_SCORES = 1 << 24
 
 
 class BatchLayerCache:
@@ -146,10 +155,46 @@ class BatchLayerCache:
         if m is not None:
             mask = m.valid[:, None, None, : m.end]
             return attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
+        shared = self._attend_shared(queries, scale, sinks)
+        if shared is not None:
+            return shared
         parts = mx.split(queries, len(self.caches))
         return mx.concatenate(
             [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
         )
+
+    def _attend_shared(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array | None:
+        """Members whose working copies begin with the same decode of the same stored
+        blocks (``Working.shared_from``: a fan-out's siblings over one stored prompt): those
+        rows read once for the whole batch, each member's own after them
+        (``attention_over_shared_prefix``), in a decode step or their tails' prefill. None
+        where the members share too little, or the shared product would be too large."""
+        B, _, L, _ = queries.shape
+        if sinks is not None or self._sliding or B < 2 or any(c.spec.chunk for c in self.caches):
+            return None
+        copies = [c.fetched_copy() for c in self.caches]
+        first = copies[0]
+        if first is None or any(c is None or c[:4] != first[:4] for c in copies):
+            return None
+        n, krot, vrot = first[1], first[2], first[3]
+        if n < _MIN_SHARED_ROWS or B * queries.shape[1] * L * n > _MAX_SHARED_SCORES:
+            return None
+        own = [(k[:, :, n:], v[:, :, n:]) for *_, k, v in copies]  # type: ignore[misc]
+        if min(k.shape[2] for k, _ in own) < L:
+            return None  # a query inside the shared rows (not from a decode or a tail)
+        width = max(k.shape[2] for k, _ in own)
+        valid = mx.arange(width)[None] >= mx.array([width - k.shape[2] for k, _ in own])[:, None]
+        q = queries @ rotation(queries.shape[-1]) if krot else queries
+        out = attention_over_shared_prefix(
+            q,
+            first[4][:, :, :n],
+            first[5][:, :, :n],
+            mx.concatenate([_left_pad(k, width) for k, _ in own], axis=0),
+            mx.concatenate([_left_pad(v, width) for _, v in own], axis=0),
+            valid,
+            scale,
+        )
+        return out @ rotation(out.shape[-1]).T if vrot else out
 
     # ---------------------------------------------------------------- membership
 

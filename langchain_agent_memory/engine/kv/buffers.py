@@ -62,6 +62,17 @@ class Working:
     end: int
     krot: bool = False  # K rows in the keys codec's rotated space (during a prefill)
     vrot: bool = False
+    #: Rows ``[start, start + shared_rows)`` are the decode of ``shared_from`` (a
+    #: ``DecodedPrefix``): every copy with the same two holds the same values there, so a
+    #: decode batch of them reads those rows once for all (``BatchLayerCache.attend``).
+    shared_from: object | None = None
+    shared_rows: int = 0
+
+    def keep_shared(self, end: int) -> None:
+        """Rows from ``end`` on (relative to ``start``) are no longer the shared decode's."""
+        self.shared_rows = max(0, min(self.shared_rows, end))
+        if not self.shared_rows:
+            self.shared_from = None
 
 
 class Pending:

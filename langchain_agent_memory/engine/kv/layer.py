@@ -281,6 +281,18 @@ class LayerCache:
         out = attention(q, f.k, f.v, scale, mask, sinks)
         return out @ rotation(out.shape[-1]).T if f.vrot else out
 
+    def fetched_copy(self) -> tuple[object, int, bool, bool, mx.array, mx.array] | None:
+        """What the last ``update_and_fetch`` returned where it is the whole working copy:
+        the decode its first rows are (``Working.shared_from``), how many rows, whether K
+        and V are in the codec's rotated space, and the keys and values. None otherwise (a
+        window, served from the stored form, no shared decode)."""
+        f, w = self._fetched, self.work.buf
+        if f is None or w is None or w.shared_from is None or self.serve_stored:
+            return None
+        if f.k.shape[2] != self.offset - w.start:
+            return None
+        return w.shared_from, w.shared_rows, f.krot, f.vrot, f.k, f.v
+
     def held_kv(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Every key and value held, positions ``[start, offset)``, at full precision in the
         model's space (the self-check compares them with mlx-lm's)."""

@@ -107,8 +107,8 @@ class WorkingCopy:
             krot = rotated and any(seg[2].rotate for seg in held)
             vrot = rotated and any(seg[3].rotate for seg in held)
             rows = self.rows(end - lo) if len(held) > 1 else end - lo
-            k, v = self._decode(held, lo, rows, dtype, krot, vrot, own)
-            w = self.buf = Working(k, v, lo, end, krot, vrot)
+            k, v, n = self._decode(held, lo, rows, dtype, krot, vrot, own)
+            w = self.buf = Working(k, v, lo, end, krot, vrot, self.shared if n else None, n)
         elif not rotated and (w.krot or w.vrot):
             # The whole buffer, its spare rows too (zeros, or rows past ``end`` that appends
             # overwrite before any query reads them): cut to the used rows, the next append
@@ -120,15 +120,16 @@ class WorkingCopy:
 
     def _decode(
         self, held: list[Segment], lo: int, rows: int, dtype: mx.Dtype, krot: bool, vrot: bool, own: int
-    ) -> tuple[mx.array, mx.array]:
+    ) -> tuple[mx.array, mx.array, int]:
         """``held`` decoded into buffers of ``rows`` positions: the stored part through
         ``shared`` where it is set (decoded once for all its users), then the request's own
-        rows written in. The first chunk of a warm request waits for it: keys and values are
-        decoded on two streams of their own, beside the model."""
+        rows written in; and how many leading rows are ``shared``'s decode (0: none). The
+        first chunk of a warm request waits for it: keys and values are decoded on two
+        streams of their own, beside the model."""
         streams = side_streams()
         stored = held[:-1] if own and held else held
         if self.shared is None or not stored:
-            return decode_segments(held, rows, dtype, krot, vrot, streams)
+            return (*decode_segments(held, rows, dtype, krot, vrot, streams), 0)
         n = sum(seg[0][0].shape[2] for seg in stored)
         key = (lo, n, dtype, krot, vrot)
         got = self.shared.get(key)
@@ -141,7 +142,7 @@ class WorkingCopy:
             m = n + seg[0][0].shape[2]
             k[:, :, n:m] = in_space(seg[2].decode(seg[0], dtype), seg[2].rotate, krot)
             v[:, :, n:m] = in_space(seg[3].decode(seg[1], dtype), seg[3].rotate, vrot)
-        return k, v
+        return k, v, n
 
     def append(self, keys: mx.array, values: mx.array, end: int, first_visible: Callable[[int], int]) -> None:
         """Add a step's new tokens where the copy is in step with the layer (holds its
@@ -159,6 +160,7 @@ class WorkingCopy:
             if drop > 0:
                 w.k, w.v = w.k[:, :, drop:used], w.v[:, :, drop:used]
                 w.start, used = w.start + drop, used - drop
+                w.keep_shared(0)
             rows = self.rows(used + n)
             w.k, w.v = with_room(w.k, used, rows), with_room(w.v, used, rows)
         w.k[:, :, used : used + n] = in_space(keys.astype(w.k.dtype), False, w.krot)
@@ -175,6 +177,7 @@ class WorkingCopy:
             return
         dk, dv = decode_segments(segments(lo), end - lo, w.k.dtype, w.krot, w.vrot)
         a, b = lo - w.start, end - w.start
+        w.keep_shared(a)
         w.k[:, :, a:b] = dk
         w.v[:, :, a:b] = dv
         mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
@@ -184,12 +187,14 @@ class WorkingCopy:
         w = self.buf
         if w is not None and w.end > end:
             w.end = end
+            w.keep_shared(end - w.start)
 
     def trim_to(self, n_tokens: int) -> None:
         """Keep positions < ``n_tokens`` (rows past them: room), or nothing where it starts later."""
         w = self.buf
         if w is not None and w.start <= n_tokens:
             w.end = min(w.end, n_tokens)
+            w.keep_shared(n_tokens - w.start)
         else:
             self.buf = None
 
@@ -199,6 +204,7 @@ class WorkingCopy:
         if w is not None and w.start < cut < w.end:
             a, b = cut - w.start, w.end - w.start
             w.k, w.v, w.start = mx.contiguous(w.k[:, :, a:b]), mx.contiguous(w.v[:, :, a:b]), cut
+            w.keep_shared(0)
         elif w is not None and w.start < cut:
             self.buf = None
 

@@ -218,10 +218,7 @@ def _attend_tiled(
             s = s + add[..., a:z, :, :]
         top = s.max(-3, keepdims=True)
         new = top if m is None else mx.maximum(m, top)
-        p, e = exp_parts(s - new, exp_bits_neg, fixed)
-        w = mul_kernel(p, e, fixed=fixed).reshape(B, kv, z - a, rows)
-        o = w.swapaxes(-1, -2) @ v[:, :, a:z]
-        total = w.sum(-2)
+        o, total = _weighted(s, new, v[:, :, a:z], fixed)
         if m is None:
             acc, den = o, total
         else:  # rescale what earlier tiles summed to the new running max
@@ -231,6 +228,65 @@ def _attend_tiled(
         m = new
     assert acc is not None and den is not None
     return acc / den[..., None]
+
+
+def _weighted(s: mx.array, top: mx.array, v: mx.array, fixed: bool) -> tuple[mx.array, mx.array]:
+    """Transposed scores ``s`` (B, KV, keys, n_rep, L) against their max ``top``: the
+    unnormalised output ``exp(s - top)^T v`` (B, KV, n_rep * L, Dv) and its weights' sums."""
+    B, kv, n, n_rep, L = s.shape
+    p, e = exp_parts(s - top, exp_bits_neg, fixed)
+    w = mul_kernel(p, e, fixed=fixed).reshape(B, kv, n, n_rep * L)
+    return w.swapaxes(-1, -2) @ v, w.sum(-2)
+
+
+def attention_over_shared_prefix(
+    queries: mx.array,
+    prefix_k: mx.array,
+    prefix_v: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    valid: mx.array,
+    scale: float,
+) -> mx.array:
+    """Attention of a batch whose members' keys all begin with the same rows (a fan-out's
+    siblings over one stored system prompt): each member's queries (B, H, L, D), its last
+    L positions, over ``prefix_k`` / ``prefix_v`` (1, KV, n, D), which every query sees,
+    then over its own ``keys`` / ``values`` (B, KV, T, D), causally; ``valid`` (B, T)
+    marks each member's rows among the left padding.
+
+    The prefix is read once for the whole batch, every member's queries folded into one
+    (1, KV, B * n_rep * L, D) product, instead of once per member: 8 SmolLM2 siblings at 1K
+    tokens read 13 MB of keys and values per layer and decode step where 1.7 MB hold them,
+    and their tails' prefill ran one host softmax per member and layer (a sync each). The
+    two parts' softmaxes are merged by their maxima (flash decoding's rule): the sum of one
+    softmax over each member's own keys."""
+    B, H, L, D = queries.shape
+    kv, n = prefix_k.shape[1], prefix_k.shape[2]
+    n_rep, T = H // kv, keys.shape[2]
+    rows = n_rep * L
+    q = (_f32(queries) * scale).reshape(B, kv, rows, D)
+    # The prefix: every member's query rows as columns of one product, (1, KV, n, B * rows).
+    qp = q.transpose(1, 0, 2, 3).reshape(1, kv, B * rows, D)
+    sp = (_f32(prefix_k) @ qp.swapaxes(-1, -2)).reshape(1, kv, n, B * rows, 1)
+    top_p = sp.max(-3, keepdims=True)
+    op, dp = _weighted(sp, top_p, _f32(prefix_v), B * rows * n * kv >= SMALL_ELEMENTS)
+
+    def per_member(x: mx.array) -> mx.array:  # (1, KV, B * rows, ...) -> (B, KV, rows, ...)
+        return x.reshape(kv, B, rows, *x.shape[3:]).transpose(1, 0, 2, *range(3, x.ndim))
+
+    op, dp, top_p = per_member(op), per_member(dp), per_member(top_p.reshape(1, kv, -1))
+    # The members' own rows: query j (of L) sees key column c <= T - L + j (bottom-right
+    # aligned, as each member's positions are), and none of the padding.
+    see = valid[:, None, :] & (mx.arange(T)[None, None, :] <= mx.arange(T - L, T)[None, :, None])
+    st = (_f32(keys) @ q.swapaxes(-1, -2)).reshape(B, kv, T, n_rep, L)
+    st = st + mx.where(see, 0.0, _MASKED).swapaxes(-1, -2)[:, None, :, None, :]
+    top_t = st.max(-3, keepdims=True)
+    ot, dt = _weighted(st, top_t, _f32(values), B * rows * T * kv >= SMALL_ELEMENTS)
+    top_t = top_t.reshape(B, kv, rows)
+    top = mx.maximum(top_p, top_t)
+    cp, ct = fast_exp(top_p - top), fast_exp(top_t - top)
+    o = (op * cp[..., None] + ot * ct[..., None]) / (dp * cp + dt * ct)[..., None]
+    return o.reshape(B, H, L, -1).astype(queries.dtype)
 
 
 _block_cache: list[tuple[mx.array, list[tuple[int, int, int, int]] | None]] = []
