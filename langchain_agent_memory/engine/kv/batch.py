@@ -12,7 +12,7 @@ from typing import Any
 from ..ops.cpu_attention import attention_over_shared_prefix
 from ..ops.runtime import mx
 from . import fetches
-from .buffers import Working, grown_rows
+from .buffers import Working, grown_rows, in_space
 from .codecs import rotation
 from .layer import LayerCache
 from .recurrent import BatchRecurrentCache, RecurrentCache
@@ -45,11 +45,18 @@ class BatchLayerCache:
     """
 
     def __init__(
-        self, caches: list[LayerCache], offsets: mx.array, merge: bool = True, merge_stored: bool = True
+        self,
+        caches: list[LayerCache],
+        offsets: mx.array,
+        merge: bool = True,
+        merge_stored: bool = True,
+        merge_shared: bool = True,
     ) -> None:
         self.caches = list(caches)
         self._merges = merge  # full-attention layers over working copies: one merged buffer
         self._merges_stored = merge_stored  # ... over stored forms: one ``StoredBatch``
+        # ... over copies that begin with a shared prefix: their rows past it (``_Merged.prefix``)
+        self._merges_shared = merge_shared
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets
         self._merged: _Merged | None = None
@@ -87,7 +94,7 @@ class BatchLayerCache:
             m.append(keys, values)
             for cache in self.caches:
                 cache.offset += keys.shape[2]
-            self._fetched = (m.k[:, :, : m.end], m.v[:, :, : m.end])
+            self._fetched = m.fetched()  # lazy where there is a shared prefix: ``attend`` reads it
             return self._fetched
         n = len(self.caches)
         fetched = [
@@ -114,7 +121,7 @@ class BatchLayerCache:
             return None  # ``attend`` masks by what each agent holds (``StoredBatch.valid``)
         m = self._merge()
         if m is not None:
-            return m.valid[:, None, None, : m.end + N]
+            return m.mask(N)
         masks = []
         for c in self.caches:
             lo = c._first_visible(c.offset)
@@ -123,15 +130,13 @@ class BatchLayerCache:
         return mx.stack([_left_pad(mask, width, False) for mask in masks])[:, None]
 
     def _merge(self) -> _Merged | None:
-        """The merged buffer of a full-attention layer (built at the batch's first step)."""
-        if (
-            self._merged is None
-            and self._merges
-            and not self._sliding
-            and len(self.caches) > 1
-            and not self._stored
-        ):
-            self._merged = _Merged.of(self.caches, self.caches[0].dtype)
+        """The merged buffer of a full-attention layer (built at the batch's first step):
+        the members' whole copies where the device merges (``merged_batch``), else their
+        rows past a prefix they share (``_Merged.prefix``), or none."""
+        if self._merged is None and not self._sliding and len(self.caches) > 1 and not self._stored:
+            shared = _shared_rows(self.caches) if self._merges_shared else 0
+            if self._merges or shared:
+                self._merged = _Merged.of(self.caches, self.caches[0].dtype, shared)
         return self._merged
 
     def _batch_stored(self) -> StoredBatch | None:
@@ -152,9 +157,13 @@ class BatchLayerCache:
         if self._stored_batch is not None:
             return self._stored_batch.attend(queries, scale, sinks)
         m = self._merged
+        if m is not None and m.prefix is not None and sinks is None:
+            pk, pv = m.prefix
+            k, v, valid = m.k[:, :, : m.end], m.v[:, :, : m.end], m.valid[:, : m.end]
+            return attention_over_shared_prefix(queries, pk, pv, k, v, valid, scale)
         if m is not None:
-            mask = m.valid[:, None, None, : m.end]
-            return attention(queries, m.k[:, :, : m.end], m.v[:, :, : m.end], scale, mask, sinks)
+            k, v = m.fetched()
+            return attention(queries, k, v, scale, m.mask(0), sinks)
         shared = self._attend_shared(queries, scale, sinks)
         if shared is not None:
             return shared
@@ -227,8 +236,13 @@ class BatchLayerCache:
             else:  # built again with them at the next step
                 self._stored_batch.hand_back(self.caches)
                 self._stored_batch = None
-        if self._merged is not None:
-            self._merged.extend(caches)
+        m = self._merged
+        if m is not None and m.prefix is not None and _shared_rows(caches, m.origin) != m.shared:
+            for i, cache in enumerate(self.caches):  # rebuilt with them at the next step, if at all
+                m.hand_back(i, cache)
+            self._merged = None
+        elif m is not None:
+            m.extend(caches)
         self.caches += caches
         self._sliding = any(c.spec.window is not None for c in self.caches)
         self._stored = any(c.serve_stored for c in self.caches)
@@ -247,7 +261,13 @@ class BatchLayerCache:
 class _Merged:
     """Several agents' visible K/V, right-aligned in one buffer (agent i's positions in
     columns ``[pads[i], end)``); ``valid`` marks the columns each agent may attend to;
-    ``added[i]``: how many of agent i's newest tokens only this buffer holds."""
+    ``added[i]``: how many of agent i's newest tokens only this buffer holds.
+
+    With a ``prefix`` (the agents' copies all begin with the same ``shared`` rows: a
+    fan-out's siblings over one stored prompt), the buffer holds each agent's rows after
+    it only and ``attend`` reads the prefix once for all (``attention_over_shared_prefix``):
+    joining copies ~50 rows per agent, not its whole context (on the CPU, merging 8 whole
+    1K-token copies cost more than the steps saved), and a step reads the prefix once."""
 
     k: mx.array
     v: mx.array
@@ -255,9 +275,12 @@ class _Merged:
     end: int
     valid: mx.array
     added: list[int]
+    shared: int = 0
+    prefix: tuple[mx.array, mx.array] | None = None
+    origin: object | None = None  # the ``Working.shared_from`` of the prefix
 
     @classmethod
-    def of(cls, caches: list[LayerCache], dtype: mx.Dtype) -> _Merged:
+    def of(cls, caches: list[LayerCache], dtype: mx.Dtype, shared: int = 0) -> _Merged:
         m = cls(
             mx.zeros((0, 0, 0, 0), dtype),
             mx.zeros((0, 0, 0, 0), dtype),
@@ -265,12 +288,46 @@ class _Merged:
             0,
             mx.zeros((0, 0), mx.bool_),
             [],
+            shared,
         )
         m.extend(caches)
         return m
 
+    def fetched(self) -> tuple[mx.array, mx.array]:
+        """Every agent's visible keys and values, as mlx-lm's attention takes them (lazy
+        with a prefix: built only where the model does not call ``attend``)."""
+        k, v = self.k[:, :, : self.end], self.v[:, :, : self.end]
+        if self.prefix is None:
+            return k, v
+        B, (pk, pv) = k.shape[0], self.prefix
+        return (
+            mx.concatenate([mx.broadcast_to(pk, (B, *pk.shape[1:])), k], axis=2),
+            mx.concatenate([mx.broadcast_to(pv, (B, *pv.shape[1:])), v], axis=2),
+        )
+
+    def mask(self, N: int) -> mx.array:
+        """(B, 1, 1, keys) mask over ``fetched`` after ``N`` more tokens."""
+        valid = self.valid[:, : self.end + N]
+        if self.prefix is not None:
+            valid = mx.concatenate([mx.ones((valid.shape[0], self.shared), mx.bool_), valid], axis=1)
+        return valid[:, None, None]
+
     def extend(self, caches: list[LayerCache]) -> None:
-        works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
+        n = self.shared
+        if n:
+            # Each copy as it is (after a prefill, in the codec's rotated space): only the
+            # rows past the prefix are moved out of it, and the prefix once for all, not
+            # every member's whole copy (8 siblings at 1K: ~200 ms of a first step).
+            raw = [c._visible(c.start, c.dtype, rotated=True) for c in caches]
+            if self.prefix is None:  # the first members: one's prefix rows stand for all
+                k, v, krot, vrot = raw[0]
+                self.prefix = (in_space(k[:, :, :n], krot, False), in_space(v[:, :, :n], vrot, False))
+                self.origin = caches[0].work.buf.shared_from  # type: ignore[union-attr]
+            works = [
+                (in_space(k[:, :, n:], kr, False), in_space(v[:, :, n:], vr, False)) for k, v, kr, vr in raw
+            ]
+        else:
+            works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
         for c in caches:
             c.work.buf = None  # from now on the merged buffer holds it
         end = max([self.end, *(k.shape[2] for k, _ in works)])
@@ -315,7 +372,15 @@ class _Merged:
         if new:
             cache.offset -= new
             cache.push_pending(k[:, :, -new:], v[:, :, -new:])
-        cache.work.buf = Working(k, v, cache.start, cache.offset)
+        if self.prefix is None:
+            cache.work.buf = Working(k, v, cache.start, cache.offset)
+            return
+        # Its copy again (lazy: built where it is read, as the next turn's, not here).
+        pk, pv = self.prefix
+        k, v = mx.concatenate([pk, k], axis=2), mx.concatenate([pv, v], axis=2)
+        cache.work.buf = Working(
+            k, v, cache.start, cache.offset, shared_from=self.origin, shared_rows=self.shared
+        )
 
     def filter(self, keep: list[int]) -> _Merged:
         """The buffer of members ``keep`` only (columns no member uses any more dropped)."""
@@ -328,7 +393,33 @@ class _Merged:
             self.end - cut,
             self.valid[idx, cut:],
             [self.added[i] for i in keep],
+            self.shared,
+            self.prefix,
+            self.origin,
         )
+
+
+def _shared_rows(caches: list[LayerCache], origin: object | None = None) -> int:
+    """How many leading rows every member's working copy holds of one decode of the same
+    stored blocks (``Working.shared_from``; ``origin`` where given), where the model attends
+    through the caches (``attend``, an adapted model: ``prefill_rotated``) and there are
+    enough of them to read once for all; else 0."""
+    if not all(c.prefill_rotated and not c.serve_stored and c.spec.chunk is None for c in caches):
+        return 0
+    origins = set()
+    rows = set()
+    for c in caches:
+        if c.offset > c.start and c.work.buf is None:
+            c._visible(c.start, c.dtype, rotated=True)  # what the merge would build anyway
+        w = c.work.buf
+        if w is None or w.shared_from is None or w.start != c.start:
+            return 0
+        origins.add(id(w.shared_from))
+        rows.add(w.shared_rows)
+    if origin is not None:
+        origins.add(id(origin))
+    n = rows.pop() if len(rows) == 1 and len(origins) == 1 else 0
+    return n if n >= _MIN_SHARED_ROWS and all(c.offset - c.start > n for c in caches) else 0
 
 
 def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
@@ -341,16 +432,21 @@ def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
 
 
 def batch_layer_caches(
-    per_agent: list[list[LayerCache]], merge: bool = True, merge_stored: bool = True
+    per_agent: list[list[LayerCache]],
+    merge: bool = True,
+    merge_stored: bool = True,
+    merge_shared: bool = True,
 ) -> list[BatchLayerCache]:
     """Layer-major view of several agents' layer caches, for batched forward passes (keep
     it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``);
     ``merge``: working copies of full-attention layers merged into one buffer; ``merge_stored``:
-    stored forms into one ``StoredBatch`` (both off: each agent attends over its own)."""
+    stored forms into one ``StoredBatch``; ``merge_shared``: copies that begin with the same
+    shared decode, their rows past it merged (all off: each agent attends over its own, as
+    in a one-pass batch whose members never leave it to get their rows back)."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
     return [
         BatchRecurrentCache(list(layer), offsets)  # type: ignore[misc]
         if isinstance(layer[0], RecurrentCache)
-        else BatchLayerCache(list(layer), offsets, merge, merge_stored)
+        else BatchLayerCache(list(layer), offsets, merge, merge_stored, merge_shared)
         for layer in zip(*per_agent, strict=True)
     ]
