@@ -188,7 +188,7 @@ class BatchLayerCache:
         n, krot, vrot = first[1], first[2], first[3]
         if n < _MIN_SHARED_ROWS or B * queries.shape[1] * L * n > _MAX_SHARED_SCORES:
             return None
-        own = [(k[:, :, n:], v[:, :, n:]) for *_, k, v in copies]  # type: ignore[misc]
+        own = [(k, v) for *_, k, v in copies]  # type: ignore[misc]
         if min(k.shape[2] for k, _ in own) < L:
             return None  # a query inside the shared rows (not from a decode or a tail)
         width = max(k.shape[2] for k, _ in own)
@@ -196,8 +196,8 @@ class BatchLayerCache:
         q = queries @ rotation(queries.shape[-1]) if krot else queries
         out = attention_over_shared_prefix(
             q,
-            first[4][:, :, :n],
-            first[5][:, :, :n],
+            first[4],
+            first[5],
             mx.concatenate([_left_pad(k, width) for k, _ in own], axis=0),
             mx.concatenate([_left_pad(v, width) for _, v in own], axis=0),
             valid,
@@ -318,14 +318,15 @@ class _Merged:
             # Each copy as it is (after a prefill, in the codec's rotated space): only the
             # rows past the prefix are moved out of it, and the prefix once for all, not
             # every member's whole copy (8 siblings at 1K: ~200 ms of a first step).
-            raw = [c._visible(c.start, c.dtype, rotated=True) for c in caches]
+            raw = []
+            for c in caches:
+                krot, vrot = c._visible(c.start, c.dtype, rotated=True)[2:]
+                raw.append((*c.work.split_rows(), krot, vrot))
             if self.prefix is None:  # the first members: one's prefix rows stand for all
-                k, v, krot, vrot = raw[0]
-                self.prefix = (in_space(k[:, :, :n], krot, False), in_space(v[:, :, :n], vrot, False))
+                pk, pv, _, _, krot, vrot = raw[0]
+                self.prefix = (in_space(pk, krot, False), in_space(pv, vrot, False))
                 self.origin = caches[0].work.buf.shared_from  # type: ignore[union-attr]
-            works = [
-                (in_space(k[:, :, n:], kr, False), in_space(v[:, :, n:], vr, False)) for k, v, kr, vr in raw
-            ]
+            works = [(in_space(k, kr, False), in_space(v, vr, False)) for _, _, k, v, kr, vr in raw]
         else:
             works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
         for c in caches:

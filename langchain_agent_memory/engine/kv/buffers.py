@@ -67,6 +67,10 @@ class Working:
     #: decode batch of them reads those rows once for all (``BatchLayerCache.attend``).
     shared_from: object | None = None
     shared_rows: int = 0
+    #: Where set, those shared rows are not in ``k`` / ``v``: they are ``head``, views of the
+    #: shared decode itself, and ``k`` / ``v`` hold the rows after them (a fan-out sibling's
+    #: copy references the prompt it shares, not a copy of it; ``WorkingCopy.whole``).
+    head: tuple[mx.array, mx.array] | None = None
 
     def keep_shared(self, end: int) -> None:
         """Rows from ``end`` on (relative to ``start``) are no longer the shared decode's."""
