@@ -275,16 +275,16 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
         return decode(segments, rows, *args)
 
     once: list[int] = []  # decode steps whose members read the stored prompt once between them
-    over_shared = batch.attention_over_shared_prefix
+    over_prefix = batch.attention_over_decoded_prefix
 
     def counted_steps(queries: mx.array, prefix_k: mx.array, *args: Any) -> mx.array:
         once.append(prefix_k.shape[2])
-        return over_shared(queries, prefix_k, *args)
+        return over_prefix(queries, prefix_k, *args)
 
     engine = stored_prompt("fan-out")
     layers = len(engine.agents.new_layers())
     monkeypatch.setattr(layer_work, "decode_segments", counted)
-    monkeypatch.setattr(batch, "attention_over_shared_prefix", counted_steps)
+    monkeypatch.setattr(batch, "attention_over_decoded_prefix", counted_steps)
     got = together(engine, prompts, params)
     for agent, result in got.items():
         assert str(result.outcome) == "hot-shared", (agent, result.outcome)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..ops.cpu_attention import attention_over_shared_prefix
+from ..ops.cpu_attention import attention_over_decoded_prefix
 from ..ops.runtime import mx
 from . import fetches
 from .buffers import Working, grown_rows, in_space
@@ -19,12 +19,12 @@ from .recurrent import BatchRecurrentCache, RecurrentCache
 from .stored import attention, positional_mask
 from .stored_batch import StoredBatch
 
-#: Fewer shared rows than this: each member attends over its own copy (the shared path's few
+#: Fewer prefix rows than this: each member attends over its own copy (the prefix path's few
 #: extra ops cost more than reading so few rows once per member saves).
-_MIN_SHARED_ROWS = 64
-#: Above this many scores of the shared rows in one call (a long prefill of several members),
+_MIN_PREFIX_ROWS = 64
+#: Above this many scores of the prefix rows in one call (a long prefill of several members),
 #: each member attends alone: its own path tiles what would not fit.
-_MAX_SHARED_SCORES = 1 << 24
+_MAX_PREFIX_SCORES = 1 << 24
 
 
 class BatchLayerCache:
@@ -50,13 +50,13 @@ class BatchLayerCache:
         offsets: mx.array,
         merge: bool = True,
         merge_stored: bool = True,
-        merge_shared: bool = True,
+        merge_prefix: bool = True,
     ) -> None:
         self.caches = list(caches)
         self._merges = merge  # full-attention layers over working copies: one merged buffer
         self._merges_stored = merge_stored  # ... over stored forms: one ``StoredBatch``
-        # ... over copies that begin with a shared prefix: their rows past it (``_Merged.prefix``)
-        self._merges_shared = merge_shared
+        # ... over copies that begin with a decoded prefix: their rows past it (``_Merged.prefix``)
+        self._merges_prefix = merge_prefix
         # Every layer's RoPE reads the agents' positions before the step (shared array).
         self.offset = offsets
         self._merged: _Merged | None = None
@@ -94,7 +94,7 @@ class BatchLayerCache:
             m.append(keys, values)
             for cache in self.caches:
                 cache.offset += keys.shape[2]
-            self._fetched = m.fetched()  # lazy where there is a shared prefix: ``attend`` reads it
+            self._fetched = m.fetched()  # lazy where there is a decoded prefix: ``attend`` reads it
             return self._fetched
         n = len(self.caches)
         fetched = [
@@ -134,9 +134,9 @@ class BatchLayerCache:
         the members' whole copies where the device merges (``merged_batch``), else their
         rows past a prefix they share (``_Merged.prefix``), or none."""
         if self._merged is None and not self._sliding and len(self.caches) > 1 and not self._stored:
-            shared = _shared_rows(self.caches) if self._merges_shared else 0
-            if self._merges or shared:
-                self._merged = _Merged.of(self.caches, self.caches[0].dtype, shared)
+            n = _decoded_rows(self.caches) if self._merges_prefix else 0
+            if self._merges or n:
+                self._merged = _Merged.of(self.caches, self.caches[0].dtype, n)
         return self._merged
 
     def _batch_stored(self) -> StoredBatch | None:
@@ -160,24 +160,24 @@ class BatchLayerCache:
         if m is not None and m.prefix is not None and sinks is None:
             pk, pv = m.prefix
             k, v, valid = m.k[:, :, : m.end], m.v[:, :, : m.end], m.valid[:, : m.end]
-            return attention_over_shared_prefix(queries, pk, pv, k, v, valid, scale)
+            return attention_over_decoded_prefix(queries, pk, pv, k, v, valid, scale)
         if m is not None:
             k, v = m.fetched()
             return attention(queries, k, v, scale, m.mask(0), sinks)
-        shared = self._attend_shared(queries, scale, sinks)
-        if shared is not None:
-            return shared
+        once = self._attend_prefix_once(queries, scale, sinks)
+        if once is not None:
+            return once
         parts = mx.split(queries, len(self.caches))
         return mx.concatenate(
             [c.attend(q, scale, sinks) for c, q in zip(self.caches, parts, strict=True)], axis=0
         )
 
-    def _attend_shared(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array | None:
+    def _attend_prefix_once(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array | None:
         """Members whose working copies begin with the same decode of the same stored
-        blocks (``Working.shared_from``: a fan-out's siblings over one stored prompt): those
+        blocks (``Working.decoded_from``: a fan-out's siblings over one stored prompt): those
         rows read once for the whole batch, each member's own after them
-        (``attention_over_shared_prefix``), in a decode step or their tails' prefill. None
-        where the members share too little, or the shared product would be too large."""
+        (``attention_over_decoded_prefix``), in a decode step or their tails' prefill. None
+        where the members share too little, or the prefix product would be too large."""
         B, _, L, _ = queries.shape
         if sinks is not None or self._sliding or B < 2 or any(c.spec.chunk for c in self.caches):
             return None
@@ -186,15 +186,15 @@ class BatchLayerCache:
         if first is None or any(c is None or c[:4] != first[:4] for c in copies):
             return None
         n, krot, vrot = first[1], first[2], first[3]
-        if n < _MIN_SHARED_ROWS or B * queries.shape[1] * L * n > _MAX_SHARED_SCORES:
+        if n < _MIN_PREFIX_ROWS or B * queries.shape[1] * L * n > _MAX_PREFIX_SCORES:
             return None
         own = [(k, v) for *_, k, v in copies]  # type: ignore[misc]
         if min(k.shape[2] for k, _ in own) < L:
-            return None  # a query inside the shared rows (not from a decode or a tail)
+            return None  # a query inside the prefix rows (not from a decode or a tail)
         width = max(k.shape[2] for k, _ in own)
         valid = mx.arange(width)[None] >= mx.array([width - k.shape[2] for k, _ in own])[:, None]
         q = queries @ rotation(queries.shape[-1]) if krot else queries
-        out = attention_over_shared_prefix(
+        out = attention_over_decoded_prefix(
             q,
             first[4],
             first[5],
@@ -237,7 +237,7 @@ class BatchLayerCache:
                 self._stored_batch.hand_back(self.caches)
                 self._stored_batch = None
         m = self._merged
-        if m is not None and m.prefix is not None and _shared_rows(caches, m.origin) != m.shared:
+        if m is not None and m.prefix is not None and _decoded_rows(caches, m.origin) != m.prefix_rows:
             for i, cache in enumerate(self.caches):  # rebuilt with them at the next step, if at all
                 m.hand_back(i, cache)
             self._merged = None
@@ -263,9 +263,9 @@ class _Merged:
     columns ``[pads[i], end)``); ``valid`` marks the columns each agent may attend to;
     ``added[i]``: how many of agent i's newest tokens only this buffer holds.
 
-    With a ``prefix`` (the agents' copies all begin with the same ``shared`` rows: a
+    With a ``prefix`` (the agents' copies all begin with the same ``prefix_rows`` rows: a
     fan-out's siblings over one stored prompt), the buffer holds each agent's rows after
-    it only and ``attend`` reads the prefix once for all (``attention_over_shared_prefix``):
+    it only and ``attend`` reads the prefix once for all (``attention_over_decoded_prefix``):
     joining copies ~50 rows per agent, not its whole context (on the CPU, merging 8 whole
     1K-token copies cost more than the steps saved), and a step reads the prefix once."""
 
@@ -275,12 +275,12 @@ class _Merged:
     end: int
     valid: mx.array
     added: list[int]
-    shared: int = 0
+    prefix_rows: int = 0
     prefix: tuple[mx.array, mx.array] | None = None
-    origin: object | None = None  # the ``Working.shared_from`` of the prefix
+    origin: object | None = None  # the ``Working.decoded_from`` of the prefix
 
     @classmethod
-    def of(cls, caches: list[LayerCache], dtype: mx.Dtype, shared: int = 0) -> _Merged:
+    def of(cls, caches: list[LayerCache], dtype: mx.Dtype, prefix_rows: int = 0) -> _Merged:
         m = cls(
             mx.zeros((0, 0, 0, 0), dtype),
             mx.zeros((0, 0, 0, 0), dtype),
@@ -288,7 +288,7 @@ class _Merged:
             0,
             mx.zeros((0, 0), mx.bool_),
             [],
-            shared,
+            prefix_rows,
         )
         m.extend(caches)
         return m
@@ -309,11 +309,11 @@ class _Merged:
         """(B, 1, 1, keys) mask over ``fetched`` after ``N`` more tokens."""
         valid = self.valid[:, : self.end + N]
         if self.prefix is not None:
-            valid = mx.concatenate([mx.ones((valid.shape[0], self.shared), mx.bool_), valid], axis=1)
+            valid = mx.concatenate([mx.ones((valid.shape[0], self.prefix_rows), mx.bool_), valid], axis=1)
         return valid[:, None, None]
 
     def extend(self, caches: list[LayerCache]) -> None:
-        n = self.shared
+        n = self.prefix_rows
         if n:
             # Each copy as it is (after a prefill, in the codec's rotated space): only the
             # rows past the prefix are moved out of it, and the prefix once for all, not
@@ -325,7 +325,7 @@ class _Merged:
             if self.prefix is None:  # the first members: one's prefix rows stand for all
                 pk, pv, _, _, krot, vrot = raw[0]
                 self.prefix = (in_space(pk, krot, False), in_space(pv, vrot, False))
-                self.origin = caches[0].work.buf.shared_from  # type: ignore[union-attr]
+                self.origin = caches[0].work.buf.decoded_from  # type: ignore[union-attr]
             works = [(in_space(k, kr, False), in_space(v, vr, False)) for _, _, k, v, kr, vr in raw]
         else:
             works = [c._visible(c.start, c.dtype, rotated=False)[:2] for c in caches]
@@ -383,8 +383,8 @@ class _Merged:
             v,
             cache.start,
             cache.offset,
-            shared_from=self.origin,
-            shared_rows=self.shared,
+            decoded_from=self.origin,
+            decoded_rows=self.prefix_rows,
             head=self.prefix,
         )
 
@@ -399,15 +399,15 @@ class _Merged:
             self.end - cut,
             self.valid[idx, cut:],
             [self.added[i] for i in keep],
-            self.shared,
+            self.prefix_rows,
             self.prefix,
             self.origin,
         )
 
 
-def _shared_rows(caches: list[LayerCache], origin: object | None = None) -> int:
+def _decoded_rows(caches: list[LayerCache], origin: object | None = None) -> int:
     """How many leading rows every member's working copy holds of one decode of the same
-    stored blocks (``Working.shared_from``; ``origin`` where given), where the model attends
+    stored blocks (``Working.decoded_from``; ``origin`` where given), where the model attends
     through the caches (``attend``, an adapted model: ``prefill_rotated``) and there are
     enough of them to read once for all; else 0."""
     if not all(c.prefill_rotated and not c.serve_stored and c.spec.chunk is None for c in caches):
@@ -418,14 +418,14 @@ def _shared_rows(caches: list[LayerCache], origin: object | None = None) -> int:
         if c.offset > c.start and c.work.buf is None:
             c._visible(c.start, c.dtype, rotated=True)  # what the merge would build anyway
         w = c.work.buf
-        if w is None or w.shared_from is None or w.start != c.start:
+        if w is None or w.decoded_from is None or w.start != c.start:
             return 0
-        origins.add(id(w.shared_from))
-        rows.add(w.shared_rows)
+        origins.add(id(w.decoded_from))
+        rows.add(w.decoded_rows)
     if origin is not None:
         origins.add(id(origin))
     n = rows.pop() if len(rows) == 1 and len(origins) == 1 else 0
-    return n if n >= _MIN_SHARED_ROWS and all(c.offset - c.start > n for c in caches) else 0
+    return n if n >= _MIN_PREFIX_ROWS and all(c.offset - c.start > n for c in caches) else 0
 
 
 def _left_pad(x: mx.array, width: int, value: Any = 0) -> mx.array:
@@ -441,18 +441,18 @@ def batch_layer_caches(
     per_agent: list[list[LayerCache]],
     merge: bool = True,
     merge_stored: bool = True,
-    merge_shared: bool = True,
+    merge_prefix: bool = True,
 ) -> list[BatchLayerCache]:
     """Layer-major view of several agents' layer caches, for batched forward passes (keep
     it for the next steps: ``step``; members join with ``extend`` and leave with ``filter``);
     ``merge``: working copies of full-attention layers merged into one buffer; ``merge_stored``:
-    stored forms into one ``StoredBatch``; ``merge_shared``: copies that begin with the same
-    shared decode, their rows past it merged (all off: each agent attends over its own, as
+    stored forms into one ``StoredBatch``; ``merge_prefix``: copies that begin with the same
+    prefix decode, their rows past it merged (all off: each agent attends over its own, as
     in a one-pass batch whose members never leave it to get their rows back)."""
     offsets = mx.array([layers[0].offset for layers in per_agent])
     return [
         BatchRecurrentCache(list(layer), offsets)  # type: ignore[misc]
         if isinstance(layer[0], RecurrentCache)
-        else BatchLayerCache(list(layer), offsets, merge, merge_stored, merge_shared)
+        else BatchLayerCache(list(layer), offsets, merge, merge_stored, merge_prefix)
         for layer in zip(*per_agent, strict=True)
     ]

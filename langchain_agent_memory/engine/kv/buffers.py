@@ -62,21 +62,21 @@ class Working:
     end: int
     krot: bool = False  # K rows in the keys codec's rotated space (during a prefill)
     vrot: bool = False
-    #: Rows ``[start, start + shared_rows)`` are the decode of ``shared_from`` (a
+    #: Rows ``[start, start + decoded_rows)`` are the decode of ``decoded_from`` (a
     #: ``DecodedPrefix``): every copy with the same two holds the same values there, so a
     #: decode batch of them reads those rows once for all (``BatchLayerCache.attend``).
-    shared_from: object | None = None
-    shared_rows: int = 0
-    #: Where set, those shared rows are not in ``k`` / ``v``: they are ``head``, views of the
-    #: shared decode itself, and ``k`` / ``v`` hold the rows after them (a fan-out sibling's
+    decoded_from: object | None = None
+    decoded_rows: int = 0
+    #: Where set, those prefix rows are not in ``k`` / ``v``: they are ``head``, views of the
+    #: prefix decode itself, and ``k`` / ``v`` hold the rows after them (a fan-out sibling's
     #: copy references the prompt it shares, not a copy of it; ``WorkingCopy.whole``).
     head: tuple[mx.array, mx.array] | None = None
 
-    def keep_shared(self, end: int) -> None:
-        """Rows from ``end`` on (relative to ``start``) are no longer the shared decode's."""
-        self.shared_rows = max(0, min(self.shared_rows, end))
-        if not self.shared_rows:
-            self.shared_from = None
+    def keep_decoded(self, end: int) -> None:
+        """Rows from ``end`` on (relative to ``start``) are no longer the prefix decode's."""
+        self.decoded_rows = max(0, min(self.decoded_rows, end))
+        if not self.decoded_rows:
+            self.decoded_from = None
 
 
 class Pending:

@@ -283,16 +283,16 @@ class LayerCache:
 
     def fetched_copy(self) -> tuple[object, int, bool, bool, mx.array, mx.array, mx.array, mx.array] | None:
         """What the last ``update_and_fetch`` returned where it is the whole working copy:
-        the decode its first rows are (``Working.shared_from``), how many rows, whether K
-        and V are in the codec's rotated space, the shared rows' keys and values and the
+        the decode its first rows are (``Working.decoded_from``), how many rows, whether K
+        and V are in the codec's rotated space, the prefix rows' keys and values and the
         rest's (``WorkingCopy.split_rows``). None otherwise (a window, served from the
         stored form, no shared decode)."""
         f, w = self._fetched, self.work.buf
-        if f is None or w is None or w.shared_from is None or self.serve_stored:
+        if f is None or w is None or w.decoded_from is None or self.serve_stored:
             return None
         if f.k.shape[2] != self.offset - w.start:
             return None
-        return w.shared_from, w.shared_rows, f.krot, f.vrot, *self.work.split_rows()
+        return w.decoded_from, w.decoded_rows, f.krot, f.vrot, *self.work.split_rows()
 
     def held_kv(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Every key and value held, positions ``[start, offset)``, at full precision in the

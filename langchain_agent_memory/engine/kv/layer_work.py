@@ -86,23 +86,23 @@ class WorkingCopy:
         return int(w.k.nbytes + w.v.nbytes + head)
 
     def split_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """The copy's shared rows (``Working.shared_rows``) and its rows after them, as
+        """The copy's prefix rows (``Working.decoded_rows``) and its rows after them, as
         keys and values each (views: the shared decode's own where the copy references it)."""
         w = self.buf
-        assert w is not None and w.shared_rows
-        n, used = w.shared_rows, w.end - w.start
+        assert w is not None and w.decoded_rows
+        n, used = w.decoded_rows, w.end - w.start
         if w.head is not None:
             return w.head[0], w.head[1], w.k[:, :, : used - n], w.v[:, :, : used - n]
         return w.k[:, :, :n], w.v[:, :, :n], w.k[:, :, n:used], w.v[:, :, n:used]
 
     def whole(self) -> None:
-        """A copy that references its shared rows (``Working.head``) made one buffer: its
+        """A copy that references its prefix rows (``Working.head``) made one buffer: its
         own attention (a request alone, a decode step) then reads one array, and it may be
         written anywhere."""
         w = self.buf
         if w is None or w.head is None:
             return
-        (hk, hv), n, used = w.head, w.shared_rows, w.end - w.start
+        (hk, hv), n, used = w.head, w.decoded_rows, w.end - w.start
         rows = self.rows(used)
         w.k = mx.concatenate([hk, w.k[:, :, : used - n], spare_rows(hk, rows - used)], axis=2)
         w.v = mx.concatenate([hv, w.v[:, :, : used - n], spare_rows(hv, rows - used)], axis=2)
@@ -153,7 +153,7 @@ class WorkingCopy:
         if w.head is not None:
             hk, hv = self.split_rows()[:2]
             k, v = (
-                mx.concatenate([h, x[:, :, : b - w.shared_rows]], axis=2) for h, x in ((hk, w.k), (hv, w.v))
+                mx.concatenate([h, x[:, :, : b - w.decoded_rows]], axis=2) for h, x in ((hk, w.k), (hv, w.v))
             )
             return k[:, :, a:], v[:, :, a:], w.krot, w.vrot
         return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
@@ -215,7 +215,7 @@ class WorkingCopy:
             self.whole()  # a window lets rows go: one buffer first
         n, used = keys.shape[2], w.end - w.start
         if w.head is not None:  # the buffers hold the rows after the shared ones
-            at = used - w.shared_rows
+            at = used - w.decoded_rows
             if at + n > w.k.shape[2]:
                 w.k, w.v = with_room(w.k, at, grown_rows(at + n)), with_room(w.v, at, grown_rows(at + n))
             w.k[:, :, at : at + n] = in_space(keys.astype(w.k.dtype), False, w.krot)
@@ -231,7 +231,7 @@ class WorkingCopy:
             if drop > 0:
                 w.k, w.v = w.k[:, :, drop:used], w.v[:, :, drop:used]
                 w.start, used = w.start + drop, used - drop
-                w.keep_shared(0)
+                w.keep_decoded(0)
             rows = self.rows(used + n)
             w.k, w.v = with_room(w.k, used, rows), with_room(w.v, used, rows)
         w.k[:, :, used : used + n] = in_space(keys.astype(w.k.dtype), False, w.krot)
@@ -246,13 +246,13 @@ class WorkingCopy:
         lo = max(first, w.start)
         if lo >= end:
             return
-        if lo - w.start < w.shared_rows:
+        if lo - w.start < w.decoded_rows:
             self.whole()
         dk, dv = decode_segments(segments(lo), end - lo, w.k.dtype, w.krot, w.vrot)
         a, b = lo - w.start, end - w.start
-        w.keep_shared(a)
+        w.keep_decoded(a)
         if w.head is not None:  # rows after the shared ones: in the buffers from their first
-            a, b = a - w.shared_rows, b - w.shared_rows
+            a, b = a - w.decoded_rows, b - w.decoded_rows
         w.k[:, :, a:b] = dk
         w.v[:, :, a:b] = dv
         mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
@@ -261,19 +261,19 @@ class WorkingCopy:
         """The layer holds positions before ``end`` only: the rows past it stay as room."""
         w = self.buf
         if w is not None and w.end > end:
-            if end - w.start < w.shared_rows:
+            if end - w.start < w.decoded_rows:
                 self.whole()
             w.end = end
-            w.keep_shared(end - w.start)
+            w.keep_decoded(end - w.start)
 
     def trim_to(self, n_tokens: int) -> None:
         """Keep positions < ``n_tokens`` (rows past them: room), or nothing where it starts later."""
         w = self.buf
         if w is not None and w.start <= n_tokens:
-            if n_tokens - w.start < w.shared_rows:
+            if n_tokens - w.start < w.decoded_rows:
                 self.whole()
             w.end = min(w.end, n_tokens)
-            w.keep_shared(n_tokens - w.start)
+            w.keep_decoded(n_tokens - w.start)
         else:
             self.buf = None
 
@@ -284,7 +284,7 @@ class WorkingCopy:
         if w is not None and w.start < cut < w.end:
             a, b = cut - w.start, w.end - w.start
             w.k, w.v, w.start = mx.contiguous(w.k[:, :, a:b]), mx.contiguous(w.v[:, :, a:b]), cut
-            w.keep_shared(0)
+            w.keep_decoded(0)
         elif w is not None and w.start < cut:
             self.buf = None
 

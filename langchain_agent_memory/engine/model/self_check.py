@@ -273,7 +273,7 @@ def _prefill_error(
 
     alone = [forward(mx.array(ref.ids[:n])[None], fresh(), LAST)[0, -1].astype(mx.float32) for n in (16, 24)]
     tokens = mx.array([ref.ids[:16] + ref.ids[15:16] * 8, ref.ids[:24]])
-    batch = batch_layer_caches([fresh(), fresh()], merge=False, merge_stored=False, merge_shared=False)
+    batch = batch_layer_caches([fresh(), fresh()], merge=False, merge_stored=False, merge_prefix=False)
     rows = forward(tokens, batch, mx.array([15, 23]))[:, -1].astype(mx.float32)
     return max(_error(rows[i], alone[i]) for i in (0, 1))
 

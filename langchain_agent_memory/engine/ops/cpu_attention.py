@@ -239,7 +239,7 @@ def _weighted(s: mx.array, top: mx.array, v: mx.array, fixed: bool) -> tuple[mx.
     return w.swapaxes(-1, -2) @ v, w.sum(-2)
 
 
-def attention_over_shared_prefix(
+def attention_over_decoded_prefix(
     queries: mx.array,
     prefix_k: mx.array,
     prefix_v: mx.array,

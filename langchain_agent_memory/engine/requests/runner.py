@@ -190,7 +190,7 @@ class ModelRunner:
         width = max(len(ids) for ids, _ in items)
         tokens = mx.array([ids + [ids[-1]] * (width - len(ids)) for ids, _ in items])
         caches = batch_layer_caches(
-            [layers for _, layers in items], merge=False, merge_stored=False, merge_shared=False
+            [layers for _, layers in items], merge=False, merge_stored=False, merge_prefix=False
         )
         lasts = mx.array([len(ids) - 1 for ids, _ in items])
         logits = forward_of(self.model)(tokens, caches, lasts)[:, -1].astype(mx.float32)
