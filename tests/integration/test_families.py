@@ -10,7 +10,9 @@ on mlx's attention there, with SmolLM2's real weights beside the random ones. To
 per device: models in their checkpoint dtype (float32 on the CPU, bfloat16 on a GPU, as
 users run them) for reload, DIVERGE and the 4-bit format, all token for token; batched ==
 alone at float32 weights on a GPU (a bf16 matmul of a 3-row batch rounds differently from
-one row's: 3 of 9 families drift within 8 tokens at bf16, none at float32)."""
+one row's: 3 of 9 families drift within 8 tokens at bf16, none at float32; float32 there
+means TF32 off, ``MLX_ENABLE_TF32=0``, set in tests/conftest.py: mlx's CUDA default runs a
+float32 matmul of several rows at TF32, and Qwen3-Next's near-tied router then flips)."""
 
 from __future__ import annotations
 

@@ -376,16 +376,11 @@ class _Merged:
         if self.prefix is None:
             cache.work.buf = Working(k, v, cache.start, cache.offset)
             return
-        # Its copy again, still referencing the prefix (``Working.head``): its commit writes
-        # its own rows only, and a copy is made whole where a request of its own reads it.
+        # Its copy again (lazy: built where it is read, as the next turn's, not here).
+        pk, pv = self.prefix
+        k, v = mx.concatenate([pk, k], axis=2), mx.concatenate([pv, v], axis=2)
         cache.work.buf = Working(
-            k,
-            v,
-            cache.start,
-            cache.offset,
-            decoded_from=self.origin,
-            decoded_rows=self.prefix_rows,
-            head=self.prefix,
+            k, v, cache.start, cache.offset, decoded_from=self.origin, decoded_rows=self.prefix_rows
         )
 
     def filter(self, keep: list[int]) -> _Merged:

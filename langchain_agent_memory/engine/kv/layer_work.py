@@ -107,6 +107,9 @@ class WorkingCopy:
         w.k = mx.concatenate([hk, w.k[:, :, : used - n], spare_rows(hk, rows - used)], axis=2)
         w.v = mx.concatenate([hv, w.v[:, :, : used - n], spare_rows(hv, rows - used)], axis=2)
         w.head = None
+        # Now, on this thread: a lazy join made on another thread (a trim from the caller's)
+        # would be evaluated on the model's, where that thread's stream does not exist.
+        mx.eval(w.k, w.v)
 
     def rows(self, needed: int) -> int:
         """Rows of a working-copy buffer for ``needed`` positions: ``grown_rows``, or the
@@ -139,7 +142,10 @@ class WorkingCopy:
             krot = rotated and any(seg[2].rotate for seg in held)
             vrot = rotated and any(seg[3].rotate for seg in held)
             rows = self.rows(end - lo) if len(held) > 1 else end - lo
-            k, v, n, head = self._decode(held, lo, rows, dtype, krot, vrot, own, rotated)
+            # Not split (``Working.head``) here yet: with copies built split, a model-matrix run
+            # failed now and then with a lazy array of another thread's stream (gemma3n, "no
+            # Stream(cpu, 0) in current thread"); not found in time, so built whole as before.
+            k, v, n, head = self._decode(held, lo, rows, dtype, krot, vrot, own, split=False)
             w = self.buf = Working(k, v, lo, end, krot, vrot, self.shared if n else None, n, head)
         if not rotated:
             self.whole()
