@@ -67,10 +67,6 @@ class Working:
     #: decode batch of them reads those rows once for all (``BatchLayerCache.attend``).
     decoded_from: object | None = None
     decoded_rows: int = 0
-    #: Where set, those prefix rows are not in ``k`` / ``v``: they are ``head``, views of the
-    #: prefix decode itself, and ``k`` / ``v`` hold the rows after them (a fan-out sibling's
-    #: copy references the prompt it shares, not a copy of it; ``WorkingCopy.whole``).
-    head: tuple[mx.array, mx.array] | None = None
 
     def keep_decoded(self, end: int) -> None:
         """Rows from ``end`` on (relative to ``start``) are no longer the prefix decode's."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ops.runtime import mx, side_streams
-from .buffers import Working, grown_rows, in_space, spare_rows, with_room
+from .buffers import Working, grown_rows, in_space, with_room
 from .stored import Segment
 
 #: A layer's held tokens from an absolute position on, oldest first (``LayerCache._segments``).
@@ -80,36 +80,15 @@ class WorkingCopy:
     @property
     def nbytes(self) -> int:
         w = self.buf
-        if w is None:
-            return 0
-        head = 0 if w.head is None else w.head[0].nbytes + w.head[1].nbytes
-        return int(w.k.nbytes + w.v.nbytes + head)
+        return 0 if w is None else int(w.k.nbytes + w.v.nbytes)
 
     def split_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """The copy's prefix rows (``Working.decoded_rows``) and its rows after them, as
-        keys and values each (views: the shared decode's own where the copy references it)."""
+        keys and values each (views)."""
         w = self.buf
         assert w is not None and w.decoded_rows
         n, used = w.decoded_rows, w.end - w.start
-        if w.head is not None:
-            return w.head[0], w.head[1], w.k[:, :, : used - n], w.v[:, :, : used - n]
         return w.k[:, :, :n], w.v[:, :, :n], w.k[:, :, n:used], w.v[:, :, n:used]
-
-    def whole(self) -> None:
-        """A copy that references its prefix rows (``Working.head``) made one buffer: its
-        own attention (a request alone, a decode step) then reads one array, and it may be
-        written anywhere."""
-        w = self.buf
-        if w is None or w.head is None:
-            return
-        (hk, hv), n, used = w.head, w.decoded_rows, w.end - w.start
-        rows = self.rows(used)
-        w.k = mx.concatenate([hk, w.k[:, :, : used - n], spare_rows(hk, rows - used)], axis=2)
-        w.v = mx.concatenate([hv, w.v[:, :, : used - n], spare_rows(hv, rows - used)], axis=2)
-        w.head = None
-        # Now, on this thread: a lazy join made on another thread (a trim from the caller's)
-        # would be evaluated on the model's, where that thread's stream does not exist.
-        mx.eval(w.k, w.v)
 
     def rows(self, needed: int) -> int:
         """Rows of a working-copy buffer for ``needed`` positions: ``grown_rows``, or the
@@ -126,13 +105,7 @@ class WorkingCopy:
         layer's ``segments``, then kept in step by ``append`` until the commit: a chunked
         prefill or a decode step does not unpack the body again. ``rotated``: a prefill may
         stay in the rotated space; otherwise (a decode step) the copy is moved out of it, once.
-        ``own``: the layer's last segment is this request's tokens (not stored) where > 0.
-
-        A copy built through ``shared`` for a prefill (``rotated``) references the shared
-        rows instead of copying them (``Working.head``; a fan-out's siblings' batched
-        prefill reads them once: ``BatchLayerCache``); what is returned is then a lazy join,
-        evaluated only where the model's own attention code reads it. A decode step makes
-        the copy ``whole`` first."""
+        ``own``: the layer's last segment is this request's tokens (not stored) where > 0."""
         w = self.buf
         if w is None or w.start > lo or w.end != end:
             held = segments(lo)
@@ -142,74 +115,42 @@ class WorkingCopy:
             krot = rotated and any(seg[2].rotate for seg in held)
             vrot = rotated and any(seg[3].rotate for seg in held)
             rows = self.rows(end - lo) if len(held) > 1 else end - lo
-            # Not split (``Working.head``) here yet: with copies built split, a model-matrix run
-            # failed now and then with a lazy array of another thread's stream (gemma3n, "no
-            # Stream(cpu, 0) in current thread"); not found in time, so built whole as before.
-            k, v, n, head = self._decode(held, lo, rows, dtype, krot, vrot, own, split=False)
-            w = self.buf = Working(k, v, lo, end, krot, vrot, self.shared if n else None, n, head)
-        if not rotated:
-            self.whole()
-        if not rotated and (w.krot or w.vrot):
+            k, v, n = self._decode(held, lo, rows, dtype, krot, vrot, own)
+            w = self.buf = Working(k, v, lo, end, krot, vrot, self.shared if n else None, n)
+        elif not rotated and (w.krot or w.vrot):
             # The whole buffer, its spare rows too (zeros, or rows past ``end`` that appends
             # overwrite before any query reads them): cut to the used rows, the next append
             # copied all of it again to make room (every layer of every member of a fan-out).
             w.k, w.v = in_space(w.k, w.krot, False), in_space(w.v, w.vrot, False)
             w.krot = w.vrot = False
         a, b = lo - w.start, w.end - w.start
-        if w.head is not None:
-            hk, hv = self.split_rows()[:2]
-            k, v = (
-                mx.concatenate([h, x[:, :, : b - w.decoded_rows]], axis=2) for h, x in ((hk, w.k), (hv, w.v))
-            )
-            return k[:, :, a:], v[:, :, a:], w.krot, w.vrot
         return w.k[:, :, a:b], w.v[:, :, a:b], w.krot, w.vrot
 
     def _decode(
-        self,
-        held: list[Segment],
-        lo: int,
-        rows: int,
-        dtype: mx.Dtype,
-        krot: bool,
-        vrot: bool,
-        own: int,
-        split: bool = False,
-    ) -> tuple[mx.array, mx.array, int, tuple[mx.array, mx.array] | None]:
+        self, held: list[Segment], lo: int, rows: int, dtype: mx.Dtype, krot: bool, vrot: bool, own: int
+    ) -> tuple[mx.array, mx.array, int]:
         """``held`` decoded into buffers of ``rows`` positions: the stored part through
         ``shared`` where it is set (decoded once for all its users), then the request's own
-        rows written in; how many leading rows are ``shared``'s decode (0: none); with
-        ``split``, those rows are not copied: they come back as views of the shared decode
-        (the head; the buffers then hold the rows after them). The first chunk of a warm
-        request waits for it: keys and values are decoded on two streams of their own,
-        beside the model."""
+        rows written in; and how many leading rows are ``shared``'s decode (0: none). The
+        first chunk of a warm request waits for it: keys and values are decoded on two
+        streams of their own, beside the model."""
         streams = side_streams()
         stored = held[:-1] if own and held else held
         if self.shared is None or not stored:
-            return (*decode_segments(held, rows, dtype, krot, vrot, streams), 0, None)
+            return (*decode_segments(held, rows, dtype, krot, vrot, streams), 0)
         n = sum(seg[0][0].shape[2] for seg in stored)
         key = (lo, n, dtype, krot, vrot)
         got = self.shared.get(key)
         if got is None:
             got = decode_segments(stored, rows, dtype, krot, vrot, streams)
             self.shared.put(key, *got)
-        if split:
-            head = (got[0][:, :, :n], got[1][:, :, :n])
-            if stored is held:
-                return spare_rows(got[0], rows - n), spare_rows(got[1], rows - n), n, head
-            seg = held[-1]
-            m = seg[0][0].shape[2]
-            k, v = (
-                with_room(in_space(c.decode(x, dtype), c.rotate, r), m, max(rows - n, m))
-                for x, c, r in ((seg[0], seg[2], krot), (seg[1], seg[3], vrot))
-            )
-            return k, v, n, head
         k, v = (x[:, :, :rows] if x.shape[2] >= rows else with_room(x, n, rows) for x in got)
         if stored is not held:  # a slice of its own: writing into it leaves ``shared``'s intact
             seg = held[-1]
             m = n + seg[0][0].shape[2]
             k[:, :, n:m] = in_space(seg[2].decode(seg[0], dtype), seg[2].rotate, krot)
             v[:, :, n:m] = in_space(seg[3].decode(seg[1], dtype), seg[3].rotate, vrot)
-        return k, v, n, None
+        return k, v, n
 
     def append(self, keys: mx.array, values: mx.array, end: int, first_visible: Callable[[int], int]) -> None:
         """Add a step's new tokens where the copy is in step with the layer (holds its
@@ -217,17 +158,7 @@ class WorkingCopy:
         w = self.buf
         if w is None or w.end != end:
             return
-        if w.head is not None and first_visible(end) > w.start:
-            self.whole()  # a window lets rows go: one buffer first
         n, used = keys.shape[2], w.end - w.start
-        if w.head is not None:  # the buffers hold the rows after the shared ones
-            at = used - w.decoded_rows
-            if at + n > w.k.shape[2]:
-                w.k, w.v = with_room(w.k, at, grown_rows(at + n)), with_room(w.v, at, grown_rows(at + n))
-            w.k[:, :, at : at + n] = in_space(keys.astype(w.k.dtype), False, w.krot)
-            w.v[:, :, at : at + n] = in_space(values.astype(w.v.dtype), False, w.vrot)
-            w.end += n
-            return
         if used + n > w.k.shape[2]:  # grow with room: appends are then in place
             # A sliding layer lets go of the rows no query from here on sees: its copy stays
             # about a window and a chunk long, not the whole context (a Gemma 3 4B shape's
@@ -252,13 +183,9 @@ class WorkingCopy:
         lo = max(first, w.start)
         if lo >= end:
             return
-        if lo - w.start < w.decoded_rows:
-            self.whole()
         dk, dv = decode_segments(segments(lo), end - lo, w.k.dtype, w.krot, w.vrot)
         a, b = lo - w.start, end - w.start
         w.keep_decoded(a)
-        if w.head is not None:  # rows after the shared ones: in the buffers from their first
-            a, b = a - w.decoded_rows, b - w.decoded_rows
         w.k[:, :, a:b] = dk
         w.v[:, :, a:b] = dv
         mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
@@ -267,8 +194,6 @@ class WorkingCopy:
         """The layer holds positions before ``end`` only: the rows past it stay as room."""
         w = self.buf
         if w is not None and w.end > end:
-            if end - w.start < w.decoded_rows:
-                self.whole()
             w.end = end
             w.keep_decoded(end - w.start)
 
@@ -276,8 +201,6 @@ class WorkingCopy:
         """Keep positions < ``n_tokens`` (rows past them: room), or nothing where it starts later."""
         w = self.buf
         if w is not None and w.start <= n_tokens:
-            if n_tokens - w.start < w.decoded_rows:
-                self.whole()
             w.end = min(w.end, n_tokens)
             w.keep_decoded(n_tokens - w.start)
         else:
@@ -285,7 +208,6 @@ class WorkingCopy:
 
     def drop_before(self, cut: int) -> None:
         """The layer frees positions before ``cut``: the copy keeps its window too."""
-        self.whole()
         w = self.buf
         if w is not None and w.start < cut < w.end:
             a, b = cut - w.start, w.end - w.start
