@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from mlx_lm.tokenizer_utils import _byte_decoder
 
+from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.prefix import (
     NOT_A_BOUNDARY,
     MatchKind,
     TokenizedText,
     common_prefix_length,
     match,
+    tokenize_prompt,
 )
+from langchain_agent_memory.engine.requests.text import token_ends
 
 # "Hello" " world" "," " bye"  -> ends 5, 11, 12, 16
 STORED = TokenizedText("Hello world, bye", [10, 11, 12, 13], [5, 11, 12, 16])
@@ -67,3 +71,36 @@ def test_split_truncate_extend_round_trip() -> None:
 )
 def test_common_prefix_length(a: str, b: str, n: int) -> None:
     assert common_prefix_length(a, b) == n
+
+
+def test_a_byte_piece_inside_a_reply_is_a_place_to_cut(smollm: LoadedModel) -> None:
+    """A reply (SmolLM2's byte-level BPE) with the first byte of a 3-byte character, then a
+    token that starts a new one: its text keeps a U+FFFD, and the byte piece ends there
+    (the tokens up to it decode to the text up to it). An EXACT match then keeps every
+    token but the last, as on a reply of whole characters (on the H100, a random-weight
+    Falcon-H1 reply with a byte piece second to last re-ran 7 tokens more, as a DIVERGE).
+    A byte piece that the next token completes stays inside its character."""
+    tok = smollm.tokenizer
+    byte = {b: tok.convert_tokens_to_ids(c) for c, b in _byte_decoder().items()}
+    prompt = tokenize_prompt(tok, "Q: the price?\nA:")
+    for piece in ([byte[0xE2]], [byte[0xE2], byte[0x82]]):
+        reply_ids = (
+            tok.encode(" It costs", add_special_tokens=False)
+            + piece
+            + tok.encode(" x", add_special_tokens=False)
+        )
+        reply = token_ends(tok, prompt.ids[-1], reply_ids)
+        assert reply.text == " It costs\ufffd x"
+        assert NOT_A_BOUNDARY not in reply.ends
+        stored = TokenizedText(prompt.text, prompt.ids[:], prompt.ends[:])
+        stored.extend(reply)
+        m = match(stored, stored.text)
+        assert (m.kind, m.reuse_tokens) == (MatchKind.EXACT, len(stored) - 1)
+        assert tok.decode(stored.ids[: m.reuse_tokens]) == stored.text[: m.reuse_chars]
+    euro = [byte[0xE2], byte[0x82], byte[0xAC]]  # "€", one byte per token
+    reply = token_ends(tok, prompt.ids[-1], tok.encode(" It costs", add_special_tokens=False) + euro)
+    assert reply.text == " It costs\u20ac" and reply.ends[-3:] == [
+        NOT_A_BOUNDARY,
+        NOT_A_BOUNDARY,
+        len(reply.text),
+    ]

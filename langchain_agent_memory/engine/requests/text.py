@@ -100,17 +100,28 @@ def token_ends(tokenizer: Any, anchor: int | None, ids: list[int]) -> TokenizedT
     last token that ended on a whole character (O(tokens), not a decode of every prefix);
     where that does not add up to the decode of the whole (a tokenizer whose cleanup looks
     across tokens), every prefix is decoded instead.
+
+    A token whose text so far ends in U+FFFD (bytes of a character not yet whole) is no
+    place to cut, unless what follows shows its bytes never became one (a byte piece of a
+    split character, then a token that starts a new one: the text keeps a U+FFFD): there
+    the tokens up to it decode to the text up to that U+FFFD, and any text after it decodes
+    the same after them (a truncated UTF-8 sequence ends at the next byte that starts a
+    character), so it ends there like any other token (``_held_ends``).
     """
     head = [anchor] if anchor is not None else []
     base = tokenizer.decode(head)
     full = tokenizer.decode(head + ids)[len(base) :] if ids else ""
     ends, built = [], ""
+    held: list[tuple[int, str]] = []  # tokens inside a character since the last clean one
     ctx, ctx_text, start = head, base, 0  # the last clean token (or the anchor) and what follows it
     for i in range(len(ids)):
         piece = tokenizer.decode(ctx + ids[start : i + 1])[len(ctx_text) :]
-        if piece.endswith("\ufffd"):  # inside a character: not a place to cut
+        if piece.endswith("\ufffd"):  # inside a character: not a place to cut (yet)
             ends.append(NOT_A_BOUNDARY)
+            held.append((i, piece))
             continue
+        _held_ends(ends, held, piece, len(built))
+        held = []
         built += piece
         ends.append(len(built))
         ctx, start = [ids[i]], i + 1
@@ -122,14 +133,33 @@ def token_ends(tokenizer: Any, anchor: int | None, ids: list[int]) -> TokenizedT
     return TokenizedText(full, ids, ends)
 
 
+def _held_ends(ends: list[int], held: list[tuple[int, str]], piece: str, at: int) -> None:
+    """Tokens ``held`` (index, their text from ``at``, ending in U+FFFD) before a token whose
+    text from ``at`` is ``piece`` (whole characters): each one whose text ``piece`` starts
+    with ends there after all (never before one that did). The others stay inside a
+    character (their bytes and the next token's made one)."""
+    last = 0
+    for i, text in held:
+        if piece.startswith(text) and len(text) >= last:
+            ends[i], last = at + len(text), len(text)
+
+
 def _token_ends_by_prefixes(
     tokenizer: Any, head: list[int], base: str, ids: list[int], full: str
 ) -> list[int]:
-    ends = []
+    ends: list[int] = []
+    held: list[tuple[int, str]] = []
     for i in range(len(ids)):
         piece = tokenizer.decode(head + ids[: i + 1])[len(base) :]
-        clean = not piece.endswith("\ufffd") and full.startswith(piece)
-        ends.append(len(piece) if clean else NOT_A_BOUNDARY)
+        if not full.startswith(piece):
+            ends.append(NOT_A_BOUNDARY)
+        elif piece.endswith("\ufffd"):  # as in ``token_ends``: a place to cut once a clean token follows
+            ends.append(NOT_A_BOUNDARY)
+            held.append((i, piece))
+        else:
+            _held_ends(ends, held, piece, 0)
+            held = []
+            ends.append(len(piece))
     return ends
 
 
