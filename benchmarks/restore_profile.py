@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--root", default=None)
+    ap.add_argument("--ab", action="store_true", help="odd reps: digests tensor by tensor (the old way)")
     args = ap.parse_args()
 
     from gpu import prompt_text, random_model_dir
@@ -233,6 +234,7 @@ def main() -> None:
     eng.generate("small", small + extension(1), one)  # every kernel of a warm turn compiled
     record = eng.admin.store.get_agent("bench")
     assert record is not None
+    gather_threads = reader.GATHER_THREADS
     for rep in range(args.reps):
         eng.flush()
         eng.admin.drop_hot()
@@ -240,11 +242,15 @@ def main() -> None:
         mx.clear_cache()
         SUMS.clear()
         COUNTS.clear()
+        # A/B in one process: odd reps hash tensor by tensor, even ones the gathered input
+        gathered = not (args.ab and rep % 2)
+        reader.GATHER_THREADS = gather_threads if gathered else 1 << 10
         r = eng.generate("bench", prompt + extension(2 + rep), one)
         t = r.timings
         emit(probe="warm", rep=rep, outcome=str(r.outcome), ttft_s=t.ttft_s, load_s=t.load_s,
-             prefill_s=t.prefill_s, threads=reader.READ_THREADS, **{k: round(v, 5) for k, v in SUMS.items()},
-             calls=dict(COUNTS))  # fmt: skip
+             prefill_s=t.prefill_s, threads=reader.READ_THREADS, gathered=gathered,
+             **{k: round(v, 5) for k, v in SUMS.items()}, calls=dict(COUNTS))  # fmt: skip
+    reader.GATHER_THREADS = gather_threads
     paths = [eng.admin.store.path(h) for h in record.blocks] if hasattr(eng.admin.store, "path") else []
     if not paths:
         paths = sorted((root / "state").rglob("*.safetensors"))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage import checksums, gather, reader
 from langchain_agent_memory.engine.storage.agent_ids import validate_agent_id
 from langchain_agent_memory.engine.storage.blocks import (
     FORMAT_VERSION,
@@ -22,8 +23,9 @@ from langchain_agent_memory.engine.storage.blocks import (
     NewerFormatError,
     block_hash,
 )
+from langchain_agent_memory.engine.storage.checksums import covered, fast_checksum, part_checksums
 from langchain_agent_memory.engine.storage.index import INDEX_SCHEMA_VERSION
-from langchain_agent_memory.engine.storage.reader import covered, fast_checksum
+from langchain_agent_memory.engine.storage.reader import TensorEntry
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FP = "model-a"
@@ -285,9 +287,19 @@ def test_the_fast_checksum_is_pinned() -> None:
     named = [("L0.v", b"\x01\x02\x03"), ("L0.k", b"abc")]
     assert fast_checksum(named, meta=b'{"hash":"x"}') == "277d3144ba9da95aece61b8b85d344df"
     assert fast_checksum(named) == "b82520d1777c65148d4a32ecb641462d"
+    data = b"\x01\x02\x03abc"  # the same input, gathered into one buffer first
+    entries = [TensorEntry("L0.v", "U8", (3,), 0, 3), TensorEntry("L0.k", "U8", (3,), 3, 6)]
+    with gather.gathered(data, entries) as stream:
+        assert stream is not None and bytes(stream) == b"L0.k\x00abcL0.v\x00\x01\x02\x03"
+        gathered = checksums.Gathered(stream)
+        assert fast_checksum(gathered, meta=b'{"hash":"x"}') == "277d3144ba9da95aece61b8b85d344df"
+        with pytest.raises(TypeError):
+            part_checksums(gathered)
 
 
-def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(tmp_path: Path) -> None:
+def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(
+    tmp_path: Path, digests: str
+) -> None:
     """New blocks carry SHA-256 (for readers that know only it) and XXH3-128 (what a read
     checks, covering the other header fields too); a block written before XXH3 was added is
     checked by its SHA-256, whole or by layer, and still refused when damaged."""
@@ -315,7 +327,15 @@ def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(tmp_pa
         store.read_blocks([blk.hash])
 
 
-def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path) -> None:
+@pytest.fixture(params=["tensor by tensor", "gathered"])
+def digests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A whole block's digests taken tensor by tensor (this machine's few reader threads) or
+    over its digest input gathered first (``gather``: what 4 or more reader threads do)."""
+    monkeypatch.setattr(reader, "GATHER_THREADS", 0 if request.param == "gathered" else 1 << 10)
+    return str(request.param)
+
+
+def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path, digests: str) -> None:
     """A byte flipped anywhere in a block file (its header's fields, SHA-256 digests
     included, its tensor table, its data) is refused on a whole read: the fast checksum
     covers the header's fields as well as the data."""

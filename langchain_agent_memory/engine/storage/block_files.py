@@ -31,12 +31,12 @@ from .blocks import (
     raise_if_vanished,
     version_error,
 )
+from .checksums import block_checksums
 from .reader import (
     BlockFileError,
     BlockGroup,
     BlockHeader,
     Layouts,
-    block_checksums,
     read_groups,
     read_header,
     read_joined,

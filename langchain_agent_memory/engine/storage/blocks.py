@@ -28,11 +28,8 @@ from ..errors import (  # noqa: F401 - defined there, re-exported
     NewerFormatError,
 )
 from ..ops.runtime import mx
-from .reader import (
-    BlockFileError,
-    BlockHeader,
-    checksum,
-)
+from .checksums import checksum
+from .reader import BlockFileError, BlockHeader
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +170,7 @@ def freeze_blocks(blocks: list[Block]) -> None:
 
 
 def tensor_checksum(tensors: dict[str, mx.array]) -> str:
-    """A block's checksum (``reader.checksum``) over evaluated arrays."""
+    """A block's checksum (``checksums.checksum``) over evaluated arrays."""
     return checksum(_named_bytes(tensors))
 
 
