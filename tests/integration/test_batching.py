@@ -6,6 +6,7 @@ caches it leaves equal the ones a run alone leaves."""
 from __future__ import annotations
 
 import operator
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -295,6 +296,32 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
     assert len(once) >= layers and min(once) >= stored, (len(once), min(once, default=0))
     forked = [r for r in got.values() if r.reused_tokens > stored]
     assert len(forked) >= len(prompts) - 1, [r.reused_tokens for r in got.values()]
+
+
+def test_fan_out_siblings_next_turns_equal_their_reload(smollm: Any, tmp_path: Path, together: Any) -> None:
+    """After a fan-out over a stored prompt (the default 4-bit-class format), each
+    sibling's next turn from the copy it kept in memory (its turn's rows replaced by what
+    the stored form decodes to, joined to the prompt's one decode where next read) equals
+    the same turn read back from disk by a new engine."""
+    prefix = "You answer questions about this license.\n\n" + corpus.apache_license()[:2400]
+    questions = ["Its name?", "Who wrote it?", "Can I sell copies?"]
+    prompts = {f"sibling {i}": f"{prefix}\n\nQ: {q}\nA:" for i, q in enumerate(questions)}
+    params = GenerationParams(max_tokens=8)
+    engine = Engine("smollm2-135m", cache_dir=tmp_path / "fan-out", kv_bits=4)
+    engine.generate("first", f"{prefix}\n\nQ: Which license is this?\nA:", params)
+    got = together(engine, prompts, params)
+    assert {str(r.outcome) for r in got.values()} == {"hot-shared"}
+    assert engine.stats()["max_decode_batch"] >= 2
+    engine.flush()
+    shutil.copytree(tmp_path / "fan-out", tmp_path / "reread")
+    follow = {agent: f"{prompts[agent]}{got[agent].text}\nQ: Why?\nA:" for agent in prompts}
+    hot = {agent: engine.generate(agent, prompt, params) for agent, prompt in follow.items()}
+    reread = Engine("smollm2-135m", cache_dir=tmp_path / "reread", kv_bits=4)
+    for agent, prompt in follow.items():
+        warm = reread.generate(agent, prompt, params)
+        assert str(hot[agent].outcome).startswith("hot-"), hot[agent].outcome
+        assert str(warm.outcome).startswith("warm-"), warm.outcome
+        assert (hot[agent].text, hot[agent].reused_tokens) == (warm.text, warm.reused_tokens), agent
 
 
 @pytest.mark.parametrize("attention", ["copy", "stored"])

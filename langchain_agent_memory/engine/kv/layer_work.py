@@ -185,10 +185,18 @@ class WorkingCopy:
             return
         dk, dv = decode_segments(segments(lo), end - lo, w.k.dtype, w.krot, w.vrot)
         a, b = lo - w.start, end - w.start
+        joined = w.decoded_rows > 0
         w.keep_decoded(a)
         w.k[:, :, a:b] = dk
         w.v[:, :, a:b] = dv
-        mx.eval(w.k, w.v)  # not a graph holding this request's arrays until the next one
+        # Not a graph holding this request's arrays until the next one; except a copy whose
+        # first rows are a decode shared with other requests (a fan-out sibling's, handed back
+        # by its batch as a join of that decode and its own rows: ``_Merged.hand_back``).
+        # Evaluated here, each sibling of 8 built a whole copy of the common prompt (~50 MB
+        # at 1K tokens of SmolLM2: 0.35 s of a 3.4 s fan-out, on the model's thread) that its
+        # agent may never read; it is built where its next turn reads it (on this thread).
+        if not joined:
+            mx.eval(w.k, w.v)
 
     def unfeed(self, end: int) -> None:
         """The layer holds positions before ``end`` only: the rows past it stay as room."""
