@@ -59,6 +59,7 @@ from .results import (
     asettled,
     settled,
 )
+from .storage import gather
 from .storage.agent_ids import validate_agent_id
 from .storage.blocks import AgentNotFoundError, CacheWriteError
 from .storage.pool import BlockPool
@@ -327,6 +328,7 @@ class Engine:
             self._worker.stepper = None
             self._closed = True
         self._worker.submit(release_memory).result()
+        gather.release()  # the block reader's digest buffers (kept between restores)
 
     def __enter__(self) -> Engine:
         return self

@@ -295,6 +295,12 @@ def test_the_fast_checksum_is_pinned() -> None:
         assert fast_checksum(gathered, meta=b'{"hash":"x"}') == "277d3144ba9da95aece61b8b85d344df"
         with pytest.raises(TypeError):
             part_checksums(gathered)
+    # The memory file is kept for the next block, until an engine closes (``release``).
+    assert gather._free
+    gather.release()
+    assert not gather._free
+    with gather.gathered(data, entries) as stream:
+        assert stream is not None and bytes(stream) == b"L0.k\x00abcL0.v\x00\x01\x02\x03"
 
 
 def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(
