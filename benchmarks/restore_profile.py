@@ -199,6 +199,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--kv-bits", type=int, default=4, choices=(4, 8, 16), help="16: the 16-bit format")
     ap.add_argument("--root", default=None)
     ap.add_argument("--ab", action="store_true", help="odd reps: digests tensor by tensor (the old way)")
     args = ap.parse_args()
@@ -216,7 +217,10 @@ def main() -> None:
     emit(probe="build", s=time.perf_counter() - t0, device=str(mx.default_device()))
 
     def engine() -> Any:
-        return Engine(model_dir, cache_dir=root / "state", kv_bits=4, context_length=2 * args.ctx)
+        bits = None if args.kv_bits == 16 else args.kv_bits
+        return Engine(
+            model_dir, cache_dir=root / f"state-{args.kv_bits}", kv_bits=bits, context_length=2 * args.ctx
+        )
 
     one = GenerationParams(max_tokens=1)
     writer = engine()
@@ -248,12 +252,12 @@ def main() -> None:
         r = eng.generate("bench", prompt + extension(2 + rep), one)
         t = r.timings
         emit(probe="warm", rep=rep, outcome=str(r.outcome), ttft_s=t.ttft_s, load_s=t.load_s,
-             prefill_s=t.prefill_s, threads=reader.READ_THREADS, gathered=gathered,
+             prefill_s=t.prefill_s, threads=reader.READ_THREADS, gathered=gathered, kv_bits=args.kv_bits,
              **{k: round(v, 5) for k, v in SUMS.items()}, calls=dict(COUNTS))  # fmt: skip
     reader.GATHER_THREADS = gather_threads
     paths = [eng.admin.store.path(h) for h in record.blocks] if hasattr(eng.admin.store, "path") else []
     if not paths:
-        paths = sorted((root / "state").rglob("*.safetensors"))
+        paths = sorted((root / f"state-{args.kv_bits}").rglob("*.safetensors"))
         paths = [p for p in paths if p.stem in set(record.blocks)]
     floors(paths, reader.READ_THREADS)
     eng.close()
