@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,15 +27,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonl_rows import emitter  # noqa: E402  (beside this script)
 
-
-def emit(**row: Any) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(Path(out) / "probe.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emitter("probe.jsonl")
 
 
 # ------------------------------------------------------------------------------ upload

@@ -18,8 +18,6 @@ Prints one JSON object per line (and appends them to ``$OUT/restore_profile.json
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import threading
@@ -33,6 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu.py, peers.py: run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jsonl_rows import emitter
+
 import langchain_agent_memory  # noqa: F401  (before mlx)
 
 SUMS: dict[str, float] = defaultdict(float)
@@ -40,13 +40,7 @@ COUNTS: dict[str, int] = defaultdict(int)
 _lock = threading.Lock()
 
 
-def emit(**row: Any) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(Path(out) / "restore_profile.jsonl", "a") as f:
-            f.write(line + "\n")
+emit = emitter("restore_profile.jsonl")
 
 
 def timed(owner: Any, name: str, key: str) -> None:
