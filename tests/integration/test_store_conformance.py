@@ -271,6 +271,18 @@ def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(
     assert theirs is not None and theirs.blocks == record.blocks
 
 
+def test_a_save_waiting_to_upload_is_listed_with_the_stores_agents(opener: Opener) -> None:
+    away = opener("w1", reachable=False)
+    _agent(away, "offline", seed=71)
+    waits = away.upload_pending("offline")
+    away.close()
+    _agent(opener("w2"), "theirs", seed=72)
+    back = opener("w1")  # the store answers again; the save has not been uploaded yet
+    listed = [r.agent_id for r in back.agents()]
+    assert listed == ["offline", "theirs"]  # sorted, as the store lists them
+    assert back.upload_pending("offline") == waits  # listing it uploads nothing
+
+
 def test_oldest_use_is_the_least_recently_used_agents_last_use(opener: Opener) -> None:
     store = opener("w1")
     assert store.oldest_use() is None  # no agent

@@ -95,17 +95,28 @@ class SharedRecords:
             return self.local.has_agent(agent_id)
 
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+        """The store's records, with this worker's saves it has not taken yet in their place
+        (they are the newest: an agent saved here while the store was out of reach, or
+        leased by another worker, is listed, not missing until its upload)."""
         try:
             rows = self.catalog.agents(self.fingerprint, prefix)
         except RemoteUnavailableError as exc:
             self.reach.down(exc)
             yield from self.local.agents(prefix)
             return
+        listed: dict[str, AgentRecord] = {}
         for agent_id, raw, _ in rows:
             try:
-                yield parse_record(raw, f"agent record {agent_id!r}")
+                listed[agent_id] = parse_record(raw, f"agent record {agent_id!r}")
             except CacheFormatError as exc:
                 logger.warning("skipping unreadable agent record: %s", exc)
+        for agent_id in self.local.pending_agents():
+            if agent_id.startswith(prefix):
+                with contextlib.suppress(CacheFormatError):  # unreadable: said when it is read
+                    mine = self.local.get_agent(agent_id)
+                    if mine is not None:
+                        listed[agent_id] = mine
+        yield from (listed[a] for a in sorted(listed))
 
     def put_agent(self, record: AgentRecord) -> int:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
