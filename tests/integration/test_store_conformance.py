@@ -9,6 +9,7 @@ the store keeps its own), a test says what each does."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,6 +282,42 @@ def test_a_save_waiting_to_upload_is_listed_with_the_stores_agents(opener: Opene
     listed = [r.agent_id for r in back.agents()]
     assert listed == ["offline", "theirs"]  # sorted, as the store lists them
     assert back.upload_pending("offline") == waits  # listing it uploads nothing
+
+
+@pytest.mark.parametrize("opener", ["shared"], indirect=True)  # one directory has no copy to fall behind
+def test_a_read_that_answered_before_another_workers_commit_never_mirrors_over_the_newer_one(
+    opener: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two reads of one agent race on a worker (a graph's prefetch and a request's
+    admission): the one the store answered before another worker's commit must not write its
+    older record here over the newer one, which the model's thread plans from."""
+    mine, theirs = opener("w1"), opener("w2")
+    assert isinstance(mine, SharedBlockStore)
+    _agent(mine, "x", seed=80)
+    assert theirs.get_agent("x") is not None  # the other worker goes on from version 1
+    catalog, answered, go_on = mine.records.catalog, threading.Event(), threading.Event()
+    plain_get = catalog.get
+
+    def late_get(fp: str, agent_id: str) -> tuple[str, int] | None:  # answers now, returns late
+        got = plain_get(fp, agent_id)
+        if not answered.is_set():
+            answered.set()
+            go_on.wait(10)
+        return got
+
+    monkeypatch.setattr(catalog, "get", late_get)
+    early = threading.Thread(target=mine.get_agent, args=("x",))
+    early.start()
+    assert answered.wait(10)  # version 1 read, not yet mirrored
+    newer, _ = _agent(theirs, "x", seed=81, n_blocks=3)  # version 2, committed by the other
+    late = threading.Thread(target=mine.get_agent, args=("x",))
+    late.start()
+    time.sleep(0.5)  # the later read reads version 2 meanwhile (or waits for the early one)
+    go_on.set()
+    early.join(10)
+    late.join(10)
+    here = mine.local.get_agent("x")  # what the model's thread plans from
+    assert here is not None and here.blocks == newer.blocks
 
 
 def test_oldest_use_is_the_least_recently_used_agents_last_use(opener: Opener) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -23,6 +24,9 @@ from .remote_blocks import Reach, SharedBlocks, SharedStats
 from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
+
+#: Locks an agent's reads and saves are serialized on (by a stable hash of its id).
+AGENT_LOCKS = 64
 
 
 class SharedRecords:
@@ -48,6 +52,11 @@ class SharedRecords:
         self.lease_s = lease_s
         self.pending = PendingSaves(local, self.stats, self.push_pending, retry_s=retry_s)
         self._pushing = threading.RLock()
+        # One agent's catalog read and its mirror here, its save and its push, happen one
+        # at a time: a read that answered before another worker's commit must not mirror
+        # its older record over the newer one a later read brought (a request would plan
+        # from it and find its blocks missing), nor over this worker's save in flight.
+        self._agent_locks = [threading.RLock() for _ in range(AGENT_LOCKS)]
         #: agent -> (version a pending save was based on, version its upload made): a live
         #: copy at the first is the second (this worker's own save, uploaded later).
         self._uploaded: dict[str, tuple[int | None, int]] = {}
@@ -61,10 +70,18 @@ class SharedRecords:
         """This worker's copy of the agent is gone (evicted)."""
         self._uploaded.pop(agent_id, None)
 
+    def agent_lock(self, agent_id: str) -> threading.RLock:
+        """The lock of ``agent_id``'s reads and saves (shared with a few other agents)."""
+        return self._agent_locks[zlib.crc32(agent_id.encode()) % AGENT_LOCKS]
+
     def get_agent(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
         is unreachable."""
         validate_agent_id(agent_id)
+        with self.agent_lock(agent_id):
+            return self._read_through(agent_id)
+
+    def _read_through(self, agent_id: str) -> AgentRecord | None:
         try:
             self.push_pending(agent_id)
             got = self.catalog.get(self.fingerprint, agent_id)
@@ -122,7 +139,7 @@ class SharedRecords:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        with self._pushing:
+        with self.agent_lock(record.agent_id), self._pushing:
             state = self.local.sync_state(record.agent_id)
             base = state[0] if state else None
             written = self.local.put_agent(record, sync=(base, True))
@@ -168,8 +185,11 @@ class SharedRecords:
                     raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
             first = self.reach.down(exc)
-            self.pending.bound()
-            if not pending:  # said when the save is left pending: loud once per outage
+            # A new save left pending: bounded (under the directory lock its caller holds; a
+            # retry adds no bytes and, holding the agent's lock, must not wait for that one)
+            # and said, loudly once per outage.
+            if not pending:
+                self.pending.bound()
                 logger.log(
                     logging.WARNING if first else logging.INFO,
                     "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
@@ -187,7 +207,7 @@ class SharedRecords:
                         "%g s); this save is kept on this worker and uploaded once the lease is free",
                         record.agent_id, exc, self.lease_s,
                     )  # fmt: skip
-                self.pending.bound()
+                    self.pending.bound()
                 self.pending.start()
                 return False
             self.stats.conflicts += 1
@@ -219,7 +239,8 @@ class SharedRecords:
     def push_pending(self, agent_id: str) -> None:
         """Upload this agent's pending save before reading the store (it is the newest)."""
         try:
-            with self._pushing:  # one push at a time: the uploader and a request may both try
+            # One push at a time: the uploader and a request may both try.
+            with self.agent_lock(agent_id), self._pushing:
                 state = self.local.sync_state(agent_id)
                 if not (state and state[1]):
                     return
@@ -239,6 +260,10 @@ class SharedRecords:
 
     def delete_agent(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
+        with self.agent_lock(agent_id):
+            return self._delete(agent_id)
+
+    def _delete(self, agent_id: str) -> bool:
         try:
             gone = self.catalog.delete(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
