@@ -188,6 +188,77 @@ def _async_copies(up: Any, size: int, n: int, threads: int) -> float | None:
     return time.perf_counter() - t0
 
 
+_BOOT = ("run", "_bootstrap", "_bootstrap_inner", "_named", "_serve", "_run_loop", "_loop")
+
+
+def _sampled(run: Callable[[], Any], every_s: float = 0.0005) -> tuple[Any, dict[str, Any]]:
+    """``run()`` while a thread samples every other thread's stack each ``every_s`` (the
+    engine's work is on its model and reader threads, which cProfile does not see): per
+    function, the samples it was running in (``self``) and under (``total``)."""
+    import sys
+    from collections import Counter
+
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    done = threading.Event()
+    me = threading.get_ident()
+    samples = 0
+
+    def sample() -> None:
+        nonlocal samples
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not done.wait(every_s):
+            for ident, frame in sys._current_frames().items():
+                if ident in (me, threading.get_ident()):
+                    continue
+                thread = names.get(ident, "?").split("_")[0]
+                seen, f, leaf = set(), frame, True
+                while f is not None:
+                    where = f"{thread}:{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
+                    if leaf:
+                        own[where] += 1
+                        leaf = False
+                    if where not in seen:
+                        seen.add(where)
+                        total[where] += 1
+                    f = f.f_back
+            samples += 1
+            names = {t.ident: t.name for t in threading.enumerate()}
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = run()
+    finally:
+        done.set()
+        sampler.join()
+    idle = ("wait", "acquire", "_worker", "get", "select", "sleep", "_wait_for_tstate_lock")
+    busy = {k: v for k, v in own.items() if not k.endswith(idle)}
+    return out, {
+        "samples": samples,
+        "every_s": every_s,
+        "self": Counter(busy).most_common(30),
+        "total": [kv for kv in total.most_common() if not kv[0].endswith(idle + _BOOT)][:60],
+    }
+
+
+def _profiled(eng: Any, prompt: str, one: Any) -> None:
+    """A warm turn, then a hot one, sampled (``_sampled``): where the engine's threads were."""
+    from peers import extension
+
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    for kind, i in (("warm", 20), ("hot", 21), ("warm", 22), ("hot", 23)):
+        if kind == "warm":
+            eng.flush()
+            eng.admin.drop_hot()
+            eng.agents.clear_memory()
+            mx.clear_cache()
+        r, where = _sampled(lambda i=i: eng.generate("bench", prompt + extension(i), one))
+        emit(probe=f"sampled-{kind}", ttft_s=r.timings.ttft_s, load_s=r.timings.load_s,
+             prefill_s=r.timings.prefill_s, outcome=str(r.outcome), **where)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctx", type=int, default=32768)
@@ -196,6 +267,8 @@ def main() -> None:
     ap.add_argument("--kv-bits", type=int, default=4, choices=(4, 8, 16), help="16: the 16-bit format")
     ap.add_argument("--root", default=None)
     ap.add_argument("--ab", action="store_true", help="odd reps: digests tensor by tensor (the old way)")
+    ap.add_argument("--cprofile", action="store_true", help="then warm and hot turns, their threads sampled")
+    ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
 
     from gpu import prompt_text, random_model_dir
@@ -249,6 +322,11 @@ def main() -> None:
              prefill_s=t.prefill_s, threads=reader.READ_THREADS, gathered=gathered, kv_bits=args.kv_bits,
              **{k: round(v, 5) for k, v in SUMS.items()}, calls=dict(COUNTS))  # fmt: skip
     reader.GATHER_THREADS = gather_threads
+    if args.cprofile:
+        _profiled(eng, prompt, one)
+    if not args.floors:
+        eng.close()
+        return
     paths = [eng.admin.store.path(h) for h in record.blocks] if hasattr(eng.admin.store, "path") else []
     if not paths:
         paths = sorted((root / f"state-{args.kv_bits}").rglob("*.safetensors"))
