@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--kv-bits", type=int, default=4, choices=(4, 8, 16), help="16: the 16-bit format")
     ap.add_argument("--root", default=None)
     ap.add_argument("--ab", action="store_true", help="odd reps: digests tensor by tensor (the old way)")
-    ap.add_argument("--cprofile", action="store_true", help="then warm and hot turns, their threads sampled")
+    ap.add_argument("--sample", action="store_true", help="then warm and hot turns, their threads sampled")
     ap.add_argument("--floors", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
 
@@ -322,7 +322,7 @@ def main() -> None:
              prefill_s=t.prefill_s, threads=reader.READ_THREADS, gathered=gathered, kv_bits=args.kv_bits,
              **{k: round(v, 5) for k, v in SUMS.items()}, calls=dict(COUNTS))  # fmt: skip
     reader.GATHER_THREADS = gather_threads
-    if args.cprofile:
+    if args.sample:
         _profiled(eng, prompt, one)
     if not args.floors:
         eng.close()
