@@ -191,10 +191,13 @@ def _async_copies(up: Any, size: int, n: int, threads: int) -> float | None:
 _BOOT = ("run", "_bootstrap", "_bootstrap_inner", "_named", "_serve", "_run_loop", "_loop")
 
 
-def _sampled(run: Callable[[], Any], every_s: float = 0.0005) -> tuple[Any, dict[str, Any]]:
+def _sampled(
+    run: Callable[[], Any], every_s: float = 0.0005, main_too: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """``run()`` while a thread samples every other thread's stack each ``every_s`` (the
     engine's work is on its model and reader threads, which cProfile does not see): per
-    function, the samples it was running in (``self``) and under (``total``)."""
+    function, the samples it was running in (``self``) and under (``total``); ``main_too``: the
+    calling thread too (a restore read on it)."""
     import sys
     from collections import Counter
 
@@ -209,7 +212,7 @@ def _sampled(run: Callable[[], Any], every_s: float = 0.0005) -> tuple[Any, dict
         names = {t.ident: t.name for t in threading.enumerate()}
         while not done.wait(every_s):
             for ident, frame in sys._current_frames().items():
-                if ident in (me, threading.get_ident()):
+                if ident == threading.get_ident() or (ident == me and not main_too):
                     continue
                 thread = names.get(ident, "?").split("_")[0]
                 seen, f, leaf = set(), frame, True
