@@ -281,6 +281,7 @@ def test_a_save_waiting_to_upload_is_listed_with_the_stores_agents(opener: Opene
     back = opener("w1")  # the store answers again; the save has not been uploaded yet
     listed = [r.agent_id for r in back.agents()]
     assert listed == ["offline", "theirs"]  # sorted, as the store lists them
+    assert back.has_agent("offline")  # a fork's or a delete's check finds it too
     assert back.upload_pending("offline") == waits  # listing it uploads nothing
 
 

@@ -105,6 +105,9 @@ class SharedRecords:
         return record
 
     def has_agent(self, agent_id: str) -> bool:
+        """Whether the store has the agent, or this worker a save of it not uploaded yet."""
+        if self.local.upload_pending(agent_id):
+            return True
         try:
             return self.catalog.has(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
