@@ -143,3 +143,23 @@ def test_a_left_padded_batch_equals_each_member_alone(path: list[int] | None) ->
         alone = stored_attention(queries[i : i + 1], m, 0.125, n - 1, 0, None)
         assert mx.allclose(got[i : i + 1], alone, atol=1e-4, rtol=1e-4).item()
     assert path is None or path
+
+
+def test_the_kept_rotation_made_on_one_thread_serves_every_thread() -> None:
+    """The rotation in a model's dtype is made once per process and kept: made on one thread
+    (a model loaded and checked on the main one), it must serve the engine's worker, and a
+    lazy array cannot be evaluated on another thread than the one that made it."""
+    import threading
+
+    stored = stored_module
+    stored._rotation_as.cache_clear()
+    stored._rotation_as(64, mx.float16)  # made here, never evaluated here
+    got: dict[str, float] = {}
+
+    def use() -> None:
+        got["sum"] = (mx.ones((2, 64), mx.float16) @ stored._rotation_as(64, mx.float16)).sum().item()
+
+    worker = threading.Thread(target=use)
+    worker.start()
+    worker.join()
+    assert "sum" in got  # the thread raised "There is no Stream(cpu, 0) in current thread" before

@@ -58,7 +58,13 @@ def attention(
 @functools.cache
 def _rotation_as(dim: int, dtype: mx.Dtype) -> mx.array:
     r = rotation(dim)
-    return r if r.dtype == dtype else r.astype(dtype)
+    if r.dtype == dtype:
+        return r
+    # Evaluated before it is kept: a lazy array can only be evaluated on the thread that
+    # made it ("There is no Stream(cpu, 0) in current thread"), and this one serves all.
+    out = r.astype(dtype)
+    mx.eval(out)
+    return out
 
 
 def decode_segment(parts: Parts, codec: TensorCodec, dtype: mx.Dtype) -> mx.array:
