@@ -70,7 +70,7 @@ class SharedRecords:
         """This worker's copy of the agent is gone (evicted)."""
         self._uploaded.pop(agent_id, None)
 
-    def agent_lock(self, agent_id: str) -> threading.RLock:
+    def _lock_of(self, agent_id: str) -> threading.RLock:
         """The lock of ``agent_id``'s reads and saves (shared with a few other agents)."""
         return self._agent_locks[zlib.crc32(agent_id.encode()) % AGENT_LOCKS]
 
@@ -78,31 +78,28 @@ class SharedRecords:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
         is unreachable."""
         validate_agent_id(agent_id)
-        with self.agent_lock(agent_id):
-            return self._read_through(agent_id)
-
-    def _read_through(self, agent_id: str) -> AgentRecord | None:
-        try:
-            self.push_pending(agent_id)
-            got = self.catalog.get(self.fingerprint, agent_id)
-        except RemoteUnavailableError as exc:
-            self.reach.down(exc)
-            return self.local.get_agent(agent_id)
-        state = self.local.sync_state(agent_id)
-        if got is None:
-            if self.local.has_agent(agent_id) and not (state and state[1]):
-                self.local.delete_agent(agent_id)  # deleted on another worker
-            return None
-        raw, version = got
-        if state == (version, False) and self.local.has_agent(agent_id):
-            with contextlib.suppress(CacheFormatError):
+        with self._lock_of(agent_id):
+            try:
+                self.push_pending(agent_id)
+                got = self.catalog.get(self.fingerprint, agent_id)
+            except RemoteUnavailableError as exc:
+                self.reach.down(exc)
                 return self.local.get_agent(agent_id)
-        self.local.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
-        record = parse_record(raw, f"agent record {agent_id!r}")
-        if record.agent_id != agent_id:
-            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
-        self.local.put_agent(record, sync=(version, False))
-        return record
+            state = self.local.sync_state(agent_id)
+            if got is None:
+                if self.local.has_agent(agent_id) and not (state and state[1]):
+                    self.local.delete_agent(agent_id)  # deleted on another worker
+                return None
+            raw, version = got
+            if state == (version, False) and self.local.has_agent(agent_id):
+                with contextlib.suppress(CacheFormatError):
+                    return self.local.get_agent(agent_id)
+            self.local.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
+            record = parse_record(raw, f"agent record {agent_id!r}")
+            if record.agent_id != agent_id:
+                raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
+            self.local.put_agent(record, sync=(version, False))
+            return record
 
     def has_agent(self, agent_id: str) -> bool:
         """Whether the store has the agent, or this worker a save of it not uploaded yet."""
@@ -142,7 +139,7 @@ class SharedRecords:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        with self.agent_lock(record.agent_id), self._pushing:
+        with self._lock_of(record.agent_id), self._pushing:
             state = self.local.sync_state(record.agent_id)
             base = state[0] if state else None
             written = self.local.put_agent(record, sync=(base, True))
@@ -243,7 +240,7 @@ class SharedRecords:
         """Upload this agent's pending save before reading the store (it is the newest)."""
         try:
             # One push at a time: the uploader and a request may both try.
-            with self.agent_lock(agent_id), self._pushing:
+            with self._lock_of(agent_id), self._pushing:
                 state = self.local.sync_state(agent_id)
                 if not (state and state[1]):
                     return
@@ -263,18 +260,15 @@ class SharedRecords:
 
     def delete_agent(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
-        with self.agent_lock(agent_id):
-            return self._delete(agent_id)
-
-    def _delete(self, agent_id: str) -> bool:
-        try:
-            gone = self.catalog.delete(self.fingerprint, agent_id)
-        except RemoteUnavailableError as exc:
-            raise CacheWriteError(
-                f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
-                "store answers"
-            ) from exc
-        return self.local.delete_agent(agent_id) or gone
+        with self._lock_of(agent_id):
+            try:
+                gone = self.catalog.delete(self.fingerprint, agent_id)
+            except RemoteUnavailableError as exc:
+                raise CacheWriteError(
+                    f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
+                    "store answers"
+                ) from exc
+            return self.local.delete_agent(agent_id) or gone
 
 
 def _continues(new: str, old: str) -> bool:
