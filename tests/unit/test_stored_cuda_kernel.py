@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from langchain_agent_memory.engine.kv import stored_cuda
-from langchain_agent_memory.engine.kv.codecs import TensorCodec
+from langchain_agent_memory.engine.kv.codecs import FULL, TensorCodec
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to run the kernels on the CPU")
 
@@ -159,7 +159,7 @@ def _as_held(name: str, x: mx.array) -> tuple[str, np.ndarray, tuple[int, ...], 
         memory = np.ascontiguousarray(a.transpose(0, 2, 1, 3))
         _, L, H, D = memory.shape
         return name, memory, a.shape, (L * H * D, D, H * D, 1)
-    if name in ("kq", "ks", "kb", "vq", "vs", "vb", "hk", "hv", "pk", "pv"):
+    if name in ("kq", "ks", "kb", "vq", "vs", "vb", "fk", "fv", "hk", "hv", "pk", "pv"):
         memory = np.zeros((*a.shape[:2], a.shape[2] + 37, a.shape[3]), dtype=a.dtype)
         memory[:, :, : a.shape[2]] = a
         return name, memory, a.shape, tuple(s // a.itemsize for s in memory.strides)
@@ -264,6 +264,14 @@ CASES = pytest.mark.parametrize(
         pytest.param(
             Case(1, 1, 1, 256, 0, 1030, 2, TensorCodec(2, 128, rotate=True), TensorCodec(6, 64, rotate=True)),
             id="width-256",
+        ),
+        pytest.param(Case(8, 2, 1, 128, 0, 600, 3, FULL, FULL), id="16-bit-body-decode"),
+        pytest.param(  # the 16-bit format in a left-padded batch (``StoredBatch``)
+            Case(8, 2, 1, 64, 0, 530, 4, FULL, FULL, ((0, 0, 0, ALL), (211, 0, 1, ALL)), True),
+            id="16-bit-body-left-padded-batch",
+        ),
+        pytest.param(
+            Case(4, 1, 2, 96, 0, 300, 5, FULL, FULL, ((0, 0, 0, 3),)), id="16-bit-body-two-tokens-causal"
         ),
     ],
 )

@@ -271,8 +271,9 @@ class LayerCache:
             self._direct = True
             lo = self._first_visible(self.offset - L)
             return stored_attention(
-                queries, self._segments(lo), scale, self.offset - L, lo, self.spec.window, sinks
-            )
+                queries, self._segments(lo), scale, self.offset - L, lo, self.spec.window, sinks,
+                full_body=self.quant.keys.bits is None,
+            )  # fmt: skip
         q = queries @ rotation(queries.shape[-1]) if f.krot else queries
         n_keys = f.k.shape[2]
         mask = positional_mask(

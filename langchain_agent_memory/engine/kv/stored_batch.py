@@ -219,8 +219,9 @@ class StoredBatch:
         segments.append(((pk[:, :, : self.end],), (pv[:, :, : self.end],), FULL, FULL))
         n = self.n_head + self.n_body + self.end
         return stored_attention(
-            queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n], row_starts=self.row_starts
-        )
+            queries, segments, scale, 0, 0, None, sinks, valid=self.valid[:, :n], row_starts=self.row_starts,
+            full_body=self.quant.keys.bits is None,
+        )  # fmt: skip
 
     def hand_back(self, caches: list[LayerCache]) -> None:
         """Every member gets its rows back (the batch is done)."""

@@ -93,15 +93,15 @@ def available() -> bool:
 
 def fits(rows: int, key_dim: int, value_dim: int, keys: TensorCodec, values: TensorCodec) -> bool:
     """Whether one call of ``rows`` query rows (per KV head) over a body stored as
-    ``keys`` / ``values`` takes the kernels."""
+    ``keys`` / ``values`` (both quantized, or both 16-bit) takes the kernels."""
+    if (keys.bits is None) != (values.bits is None):
+        return False
+    quantized = keys.bits is not None
     return (
-        keys.bits is not None
-        and values.bits is not None
-        and rows <= MAX_ROWS
+        rows <= MAX_ROWS
         and rows * key_dim <= MAX_QUERY_FLOATS
         and value_dim <= THREADS
-        and key_dim % keys.group_size == 0
-        and value_dim % values.group_size == 0
+        and (not quantized or (key_dim % keys.group_size == 0 and value_dim % values.group_size == 0))
         and available()
     )
 
@@ -109,6 +109,14 @@ def fits(rows: int, key_dim: int, value_dim: int, keys: TensorCodec, values: Ten
 @functools.cache
 def _constant(values: tuple[float, ...]) -> mx.array:
     return mx.array(values, dtype=mx.float32)
+
+
+@functools.cache
+def _empty(dtype: mx.Dtype) -> mx.array:
+    """An input a kernel launch does not read (the other body form's)."""
+    out = mx.zeros((1, 1, 0, 1), dtype=dtype)
+    mx.eval(out)  # made once, used from every thread: evaluated here (see ``stored._rotation_as``)
+    return out
 
 
 @functools.cache
@@ -145,10 +153,11 @@ def attention(
     starts: mx.array,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Attention of ``queries`` (B, heads, L, D) over 16-bit ``head`` tokens, a quantized
-    ``body`` (keys, values parts) and the request's own ``pending`` tokens (B, kv_heads, n,
-    width) at full precision; the body precedes the queries, the pending tokens are causal
-    from ``starts``' last column. ``starts`` (B, 4) int32: each row's first valid column of
+    """Attention of ``queries`` (B, heads, L, D) over 16-bit ``head`` tokens, a ``body``
+    (keys, values parts: quantized, or one 16-bit array each where the codecs' ``bits`` is
+    None) and the request's own ``pending`` tokens (B, kv_heads, n, width) at full
+    precision; the body precedes the queries, the pending tokens are causal from
+    ``starts``' last column. ``starts`` (B, 4) int32: each row's first valid column of
     body, head and pending (regions right-aligned per row), then the causal column
     (``plain_starts``). Returns (B, heads, L, value width) in the queries' dtype."""
     partial, merge = _kernels()
@@ -174,28 +183,42 @@ def partial_call(
     rep = n_heads // kv_heads
     R = rep * L
     kparts, vparts = body
-    dv = vparts[1].shape[-1] * values.group_size
     if head is not None and head[0].shape[2] > CHUNK:
         raise RuntimeError(f"{head[0].shape[2]} head tokens exceed one chunk of {CHUNK} (this is a bug)")
     n_split = splits(kparts[0].shape[2], 0 if head is None else head[0].shape[2], pending[0].shape[2])
-    k_scales, k_biases, v_scales, v_biases = (
-        x if x.dtype == SCALE_DTYPE else x.astype(SCALE_DTYPE)
-        for x in (kparts[1], kparts[2], vparts[1], vparts[2])
-    )
+    body16 = keys.bits is None
+    if body16:
+        # A 16-bit body is read as the head and own tokens are (``BODY16``); the quantized
+        # inputs are empty and the packing constants unused (but valid C++).
+        dv = vparts[0].shape[-1]
+        (fk,), (fv,) = kparts, vparts
+        kq = vq = _empty(mx.uint32)
+        k_scales = k_biases = v_scales = v_biases = _empty(SCALE_DTYPE)
+        kbits, vbits, kg, vg = 4, 4, 32, 32
+    else:
+        dv = vparts[1].shape[-1] * values.group_size
+        fk, fv = pending[0][:, :, :0], pending[1][:, :, :0]
+        kq, vq = kparts[0], vparts[0]
+        k_scales, k_biases, v_scales, v_biases = (
+            x if x.dtype == SCALE_DTYPE else x.astype(SCALE_DTYPE)
+            for x in (kparts[1], kparts[2], vparts[1], vparts[2])
+        )
+        kbits, vbits, kg, vg = keys.bits, values.bits, keys.group_size, values.group_size
     hk, hv = head if head is not None else (pending[0][:, :, :0], pending[1][:, :, :0])
     ones = _constant((1.0,))
     per_split = (B, kv_heads, n_split, R)
     return {
         "inputs": [
-            queries, kparts[0], k_scales, k_biases, vparts[0], v_scales, v_biases,
+            queries, kq, k_scales, k_biases, vq, v_scales, v_biases, fk, fv,
             hk, hv, pending[0], pending[1], starts, _constant((scale,)),
             _signs(D) if keys.rotate else ones, _signs(dv) if values.rotate else ones,
         ],
         "template": [
             ("R", R), ("L", L), ("REP", rep), ("D", D), ("DV", dv),
-            ("KBITS", keys.bits), ("VBITS", values.bits), ("KG", keys.group_size), ("VG", values.group_size),
+            ("KBITS", kbits), ("VBITS", vbits), ("KG", kg), ("VG", vg),
             ("CHUNK", CHUNK), ("THREADS", THREADS),
             ("KROT", keys.rotate), ("VROT", values.rotate), ("HAS_HEAD", head is not None),
+            ("BODY16", body16),
         ],
         "grid": (n_split * THREADS, kv_heads, B),
         "threadgroup": (THREADS, 1, 1),

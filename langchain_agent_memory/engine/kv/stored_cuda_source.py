@@ -58,9 +58,9 @@ PARTIAL_SOURCE = """
     const int lane = t & 31;
     const int warp = t >> 5;
 
-    // Which region this block reads: 0 the quantized body, 1 the head tokens, 2 the
-    // request's own tokens (block-uniform, so the barriers below are safe).
-    const int n_body = kq_shape[2];
+    // Which region this block reads: 0 the body (quantized, or 16-bit where BODY16), 1 the
+    // head tokens, 2 the request's own tokens (block-uniform, so the barriers below are safe).
+    const int n_body = BODY16 ? fk_shape[2] : kq_shape[2];
     const int body_splits = (n_body + CHUNK - 1) / CHUNK;
     int kind, first, last;
     if (split < body_splits) {
@@ -97,7 +97,7 @@ PARTIAL_SOURCE = """
     if (rotate_q) {
         walsh_hadamard_rows(qs, R, D, KBLK);
     }
-    if (kind == 0) {
+    if (kind == 0 && !BODY16) {
         for (int i = t; i < R * KGROUPS; i += THREADS) {
             const int r = i / KGROUPS;
             const int g = i % KGROUPS;
@@ -117,7 +117,7 @@ PARTIAL_SOURCE = """
         for (int r = 0; r < R; ++r) {
             sc[r] = j < count ? 0.f : neg_inf;
         }
-        if (j < count && kind == 0) {
+        if (j < count && kind == 0 && !BODY16) {
             const int64_t k = first + j;
             const uint32_t* row = kq + b * kq_strides[0] + h * kq_strides[1] + k * kq_strides[2];
             const __half* srow = ks + b * ks_strides[0] + h * ks_strides[1] + k * ks_strides[2];
@@ -158,10 +158,12 @@ PARTIAL_SOURCE = """
             }
         } else if (j < count) {
             const int64_t k = first + j;
+            const auto* frow = fk + b * fk_strides[0] + h * fk_strides[1] + k * fk_strides[2];
             const auto* hrow = hk + b * hk_strides[0] + h * hk_strides[1] + k * hk_strides[2];
             const auto* prow = pk + b * pk_strides[0] + h * pk_strides[1] + k * pk_strides[2];
             for (int d = 0; d < D; ++d) {
-                const float x = kind == 1 ? static_cast<float>(hrow[d * hk_strides[3]])
+                const float x = kind == 0 ? static_cast<float>(frow[d * fk_strides[3]])
+                    : kind == 1           ? static_cast<float>(hrow[d * hk_strides[3]])
                                           : static_cast<float>(prow[d * pk_strides[3]]);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
@@ -239,7 +241,7 @@ PARTIAL_SOURCE = """
     for (int r = 0; r < R; ++r) {
         acc[r] = 0.f;
     }
-    if (part < PV && kind == 0) {
+    if (part < PV && kind == 0 && !BODY16) {
         const uint32_t* vq_bh = vq + b * vq_strides[0] + h * vq_strides[1];
         const __half* vs_bh = vs + b * vs_strides[0] + h * vs_strides[1];
         const __half* vb_bh = vb + b * vb_strides[0] + h * vb_strides[1];
@@ -262,11 +264,13 @@ PARTIAL_SOURCE = """
             }
         }
     } else if (part < PV) {
+        const auto* fv_bh = fv + b * fv_strides[0] + h * fv_strides[1] + c * fv_strides[3];
         const auto* hv_bh = hv + b * hv_strides[0] + h * hv_strides[1] + c * hv_strides[3];
         const auto* pv_bh = pv + b * pv_strides[0] + h * pv_strides[1] + c * pv_strides[3];
         for (int j = part; j < count; j += PV) {
             const int64_t k = first + j;
-            const float x = kind == 1 ? static_cast<float>(hv_bh[k * hv_strides[2]])
+            const float x = kind == 0 ? static_cast<float>(fv_bh[k * fv_strides[2]])
+                : kind == 1           ? static_cast<float>(hv_bh[k * hv_strides[2]])
                                       : static_cast<float>(pv_bh[k * pv_strides[2]]);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -292,7 +296,7 @@ PARTIAL_SOURCE = """
             }
         }
     }
-    if (VROT && kind == 0) {  // the body's values were stored rotated: rotate the sums back
+    if (VROT && kind == 0 && !BODY16) {  // the body's values were stored rotated: rotate the sums back
         __syncthreads();
         if (part == 0) {
 #pragma unroll
@@ -366,7 +370,7 @@ MERGE_SOURCE = """
 """
 
 PARTIAL_INPUTS = [
-    *("q", "kq", "ks", "kb", "vq", "vs", "vb", "hk", "hv", "pk", "pv"),
+    *("q", "kq", "ks", "kb", "vq", "vs", "vb", "fk", "fv", "hk", "hv", "pk", "pv"),
     *("starts", "params", "ksigns", "vsigns"),
 ]
 

@@ -1,0 +1,375 @@
+"""The GPU as a user measures it: the engine through its public ``Engine`` API only, from
+threads, with ``mx.get_active_memory()``, beside mlx-lm in the same process.
+
+RANDOM WEIGHTS: a Llama-3.1-8B shape with random bf16 weights (SmolLM2's tokenizer): every
+number is a size or a time, never a quality figure.
+
+    python3 benchmarks/gpu_users.py device --out DIR [--parts capacity,decode,quantized]
+    .venv/bin/python benchmarks/gpu_users.py plot [benchmarks/results/gpu_users.json]
+
+Parts (each in a process of its own, so that a crash of one leaves the others' rows):
+
+- ``capacity``: N agents (N = 1, 4, 8, 16), each a distinct ~8K-token prompt, one turn of
+  32 tokens from N threads together, then a second turn the same way. Memory is mlx's
+  active memory above the loaded model: after each turn as it is (saves in flight), after
+  ``flush``, and the peak of each turn; per agent, the slope over N. Beside it, what the
+  agents' layer caches hold (the stored form), and mlx-lm's ``BatchGenerator`` over the
+  same prompts (N = 1, 2, 4) after 32 decode steps. The decode steps of each turn by
+  batch size (the scheduler's clock) show whether the second turn decodes in one batch.
+- ``decode``: one agent's decode tokens/s at 4K and 32K: ours at 16-bit and 4-bit KV,
+  mlx-lm's ``generate_step``, in one process.
+- ``quantized``: mlx-lm's quantized checkpoints (affine 4 / 8, mxfp4; dense and MoE) of
+  the family matrix's small random models, each first through plain mlx-lm (a forward and
+  8 greedy tokens) and then through the engine, each in a process of its own with a time
+  limit: a crash or a hang is told apart from the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import device_name, log, prompt_text, random_model_dir
+from peers import extension
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CAPACITY_N = (1, 4, 8, 16)
+MLX_N = (1, 2, 4)
+CONTEXT = 8192
+DECODE = 32
+QUANTIZED = [("llama", "affine", 4), ("llama", "affine", 8), ("gemma3", "mxfp4", 4),
+             ("qwen3_moe", "affine", 8), ("qwen3_5_moe", "affine", 4)]  # fmt: skip
+
+
+def _active() -> int:
+    import mlx.core as mx
+
+    gc.collect()
+    mx.synchronize()
+    return mx.get_active_memory()
+
+
+def _texts(tokenizer: Any, n: int) -> list[str]:
+    """``n`` distinct ~8K-token prompts (they differ from their first token: no shared block)."""
+    body = prompt_text(tokenizer, CONTEXT - 16)
+    return [f"Agent {i} of the capacity run.\n" + body for i in range(n)]
+
+
+def _held_bytes(engine: Any) -> dict[str, int]:
+    """What the live agents' layer caches hold: the stored form (+ pending tokens) and working copies."""
+    stored = work = 0
+    for agent in engine.agents.hot.ids():
+        state = engine.agents.hot.get(agent)
+        for layer in (state.layers or []) if state is not None else []:
+            stored += layer.nbytes
+            work += getattr(layer, "work_nbytes", 0)
+    return {"layers_bytes": stored, "work_bytes": work, "pool_bytes": engine.pool.snapshot_stats().hot_bytes}
+
+
+def _steps_delta(before: dict[int, list[float]], after: dict[int, list[float]]) -> dict[str, list[float]]:
+    out = {}
+    for b, (n, s) in after.items():
+        n0, s0 = before.get(b, [0, 0.0])
+        if n - n0:
+            out[str(b)] = [int(n - n0), round(s - s0, 4)]
+    return out
+
+
+def _one(engine: Any, barrier: threading.Barrier, replies: dict[str, str], agent: str, text: str) -> None:
+    from langchain_agent_memory.engine.engine import GenerationParams
+
+    barrier.wait()
+    replies[agent] = engine.generate(agent, text, GenerationParams(max_tokens=DECODE, temperature=0.0)).text
+
+
+def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    out: dict[str, Any] = {"ours": [], "mlx_lm": []}
+    engine = Engine(model_dir, cache_dir=root / "capacity", kv_bits=4, context_length=4 * CONTEXT)
+    tok = engine.tokenizer
+    texts = _texts(tok, max(CAPACITY_N))
+    # Kernels of these shapes compiled before the clock: one agent, two turns, then deleted.
+    engine.generate("warmup", texts[0][:2000], GenerationParams(max_tokens=4))
+    engine.generate("warmup", texts[0][:2000] + extension(1), GenerationParams(max_tokens=4))
+    engine.flush()
+    engine.admin.delete("warmup")
+    base = _active()
+    out["model_bytes"] = base
+    for run, n in enumerate(CAPACITY_N):
+        ids = [f"r{run}-a{i}" for i in range(n)]
+        prompts = {a: texts[i] for i, a in enumerate(ids)}
+        row: dict[str, Any] = {"n": n}
+        for turn in (1, 2):
+            before = engine.stats()["decode_steps"]
+            mx.reset_peak_memory()
+            replies: dict[str, str] = {}
+            barrier = threading.Barrier(n)
+            t0 = time.perf_counter()
+            threads = [
+                threading.Thread(target=_one, args=(engine, barrier, replies, a, prompts[a])) for a in ids
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            peak = mx.get_peak_memory() - base
+            as_is = _active() - base
+            held = _held_bytes(engine)
+            engine.flush()
+            flushed = _active() - base
+            after = engine.stats()["decode_steps"]
+            row[f"turn{turn}"] = {
+                "wall_s": round(wall, 3), "peak_bytes": peak, "active_bytes": as_is,
+                "flushed_bytes": flushed, **held, "decode_steps": _steps_delta(before, after),
+            }  # fmt: skip
+            log(f"ours n={n} turn {turn}: {json.dumps(row[f'turn{turn}'])}")
+            prompts = {a: prompts[a] + replies.get(a, "") + extension(turn) for a in ids}
+        out["ours"].append(row)
+        # The agents stay resident: the next N adds to them (the slope over N is per agent),
+        # as in the run this repeats; the memory above is over all agents so far.
+    out["ours_total_agents"] = sum(CAPACITY_N)
+    engine.close()
+    gc.collect()
+    mx.clear_cache()
+    out["mlx_lm"] = _mlx_capacity(model_dir, texts)
+    return out
+
+
+def _mlx_capacity(model_dir: Path, texts: list[str]) -> list[dict[str, Any]]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(str(model_dir))
+    rows = []
+    base = _active()
+    for n in MLX_N:
+        try:
+            mx.reset_peak_memory()
+            gen = BatchGenerator(model, max_tokens=DECODE, stop_tokens=[])
+            gen.insert([tokenizer.encode(t) for t in texts[:n]])
+            steps, full, t_prev = 0, [], None
+            while True:
+                responses = gen.next_generated()
+                now = time.perf_counter()
+                if not responses:
+                    break
+                steps += 1
+                if len(responses) == n and t_prev is not None:
+                    full.append(now - t_prev)
+                t_prev = now
+                if steps == DECODE:  # after 32 decode steps, all still resident
+                    after = _active() - base
+            peak = mx.get_peak_memory() - base
+            gen.close()
+            row = {"n": n, "active_bytes": after, "peak_bytes": peak,
+                   "step_median_s": statistics.median(full) if full else None}  # fmt: skip
+        except Exception as exc:
+            row = {"n": n, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        log(f"mlx-lm n={n}: {json.dumps(row)}")
+        rows.append(row)
+        gc.collect()
+        mx.clear_cache()
+    return rows
+
+
+def decode(model_dir: Path, root: Path) -> list[dict[str, Any]]:
+    """One agent's decode tokens/s: ours 16-bit, ours 4-bit, mlx-lm; 4K and 32K."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    loaded = load_model(model_dir)
+    rows = []
+    for ctx in (4096, 32768):
+        text = prompt_text(loaded.tokenizer, ctx)
+        for system in ("ours-16bit", "ours-4bit", "mlx-lm"):
+            row: dict[str, Any] = {"context": ctx, "system": system}
+            try:
+                if system == "mlx-lm":
+                    ids = loaded.tokenizer.encode(text)
+                    rates = []
+                    for _ in range(2):
+                        cache = make_prompt_cache(loaded.model)
+                        t0, count = None, 0
+                        for _tok, _ in generate_step(
+                            mx.array(ids), loaded.model, prompt_cache=cache, max_tokens=65
+                        ):
+                            count += 1
+                            if count == 1:
+                                t0 = time.perf_counter()
+                        rates.append((count - 1) / (time.perf_counter() - t0))
+                        del cache
+                    row["decode_tok_s"] = max(rates)
+                else:
+                    kv = None if system == "ours-16bit" else 4
+                    engine = Engine(
+                        model_dir, cache_dir=root / f"{system}-{ctx}", kv_bits=kv, context_length=2 * ctx
+                    )
+                    engine.generate("d", text, GenerationParams(max_tokens=1))
+                    rates = []
+                    for i in (1, 2):
+                        r = engine.generate("d", text + extension(i), GenerationParams(max_tokens=65))
+                        rates.append((r.completion_tokens - 1) / r.timings.decode_s)
+                    row["decode_tok_s"] = max(rates)
+                    row["rates"] = rates
+                    engine.close()
+                    del engine
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            gc.collect()
+            mx.clear_cache()
+            log(f"decode {json.dumps(row)}")
+            rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- quantized
+
+_MLX_ALONE = """
+import sys, time, mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, tok = load(sys.argv[1])
+ids = mx.array(tok.encode("The quick brown fox jumps over the lazy dog. " * 8))
+t0 = time.perf_counter()
+logits = model(ids[None]); mx.eval(logits)
+print("forward ok", logits.shape, round(time.perf_counter() - t0, 2), flush=True)
+out = [int(t) for t, _ in generate_step(ids, model, max_tokens=8)]
+print("mlx-lm tokens", out, flush=True)
+"""
+
+_ENGINE = """
+import sys, time
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.testing.model_matrix import _texts, against_mlx_lm
+t0 = time.perf_counter()
+engine = Engine(sys.argv[1], cache_dir=sys.argv[2], kv_bits=None)
+print("engine loaded", round(time.perf_counter() - t0, 2), "check", engine.lm.check, flush=True)
+_, differs = against_mlx_lm(engine, sys.argv[1], _texts()[0])
+print("engine vs mlx-lm:", "same" if not differs else differs, flush=True)
+engine.close()
+"""
+
+
+def quantized(root: Path, limit_s: float) -> list[dict[str, Any]]:
+    from mlx_lm.convert import convert
+
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.testing.model_matrix import build
+
+    tok = load_model("smollm2-135m").path  # the matrix's tokenizer
+    rows = []
+    for family, mode, bits in QUANTIZED:
+        row: dict[str, Any] = {"family": family, "mode": mode, "bits": bits}
+        try:
+            source = build(family, root / "models", tok)
+            dst = root / f"{family}-{mode}{bits}"
+            convert(str(source), str(dst), quantize=True, q_bits=bits, q_mode=mode,
+                    q_group_size=None if mode != "affine" else 64)  # fmt: skip
+            for name, code, args in (("mlx_lm", _MLX_ALONE, [str(dst)]),
+                                     ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")])):  # fmt: skip
+                t0 = time.perf_counter()
+                try:
+                    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                                       timeout=limit_s)  # fmt: skip
+                    row[name] = {"rc": p.returncode, "s": round(time.perf_counter() - t0, 1),
+                                 "out": (p.stdout + p.stderr)[-1500:]}  # fmt: skip
+                except subprocess.TimeoutExpired as exc:
+                    row[name] = {"rc": "timeout", "s": limit_s, "out": str(exc.stdout or "")[-800:]}
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        log(f"quantized {json.dumps(row)[:1500]}")
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def device(out_dir: Path, parts: list[str], limit_s: float) -> None:
+    import mlx.core as mx
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_users.json"
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    data.update(
+        {"device": device_name(), "mlx": mx.__version__, "weights": "random, Llama-3.1-8B shape, bf16"}
+    )
+    root = Path(tempfile.mkdtemp(prefix="gpu-users-"))
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "quantized":
+            data[part] = quantized(root, limit_s)
+        else:
+            model_dir = root / "llama-3.1-8b"
+            if not model_dir.exists():
+                random_model_dir("llama-3.1-8b", model_dir)
+            data[part] = capacity(model_dir, root) if part == "capacity" else decode(model_dir, root)
+        data.setdefault("seconds", {})[part] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(data, indent=1))
+        log(f"{part} done in {time.perf_counter() - t0:.0f} s")
+
+
+def plot(path: Path) -> None:
+    data = json.loads(path.read_text())
+    print(f"device: {data['device']} (mlx {data['mlx']}); weights: {data['weights']}")
+    cap = data.get("capacity")
+    if cap:
+        ours = cap["ours"]
+        cum = 0
+        print(f"{'N':>4}{'agents':>8} {'turn':>5}{'active GB':>11}{'flushed GB':>12}{'peak GB':>9}"
+              f"{'layers GB':>11}{'wall s':>8}  decode steps (batch: steps, s)")  # fmt: skip
+        for row in ours:
+            cum += row["n"]
+            for turn in ("turn1", "turn2"):
+                t = row[turn]
+                print(f"{row['n']:>4}{cum:>8} {turn[-1]:>5}{t['active_bytes'] / 1e9:>11.2f}"
+                      f"{t['flushed_bytes'] / 1e9:>12.2f}{t['peak_bytes'] / 1e9:>9.2f}"
+                      f"{t['layers_bytes'] / 1e9:>11.2f}{t['wall_s']:>8.2f}  {t['decode_steps']}")  # fmt: skip
+        for row in cap["mlx_lm"]:
+            print(f"mlx-lm n={row['n']}: {row}")
+    for row in data.get("decode", []):
+        print(f"decode {row['context']:>6} {row['system']:<11} {row.get('decode_tok_s', row.get('error'))}")
+    for row in data.get("quantized", []):
+        print(f"quantized {row['family']} {row['mode']}{row['bits']}: "
+              f"mlx-lm {row.get('mlx_lm', {}).get('rc')} engine {row.get('engine', {}).get('rc')}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("device")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--parts", default="capacity,decode,quantized")
+    d.add_argument("--limit-s", type=float, default=60.0)
+    p = sub.add_parser("plot")
+    p.add_argument("path", type=Path, nargs="?", default=RESULTS / "gpu_users.json")
+    args = parser.parse_args()
+    if args.cmd == "device":
+        device(args.out, args.parts.split(","), args.limit_s)
+    else:
+        plot(args.path)
+
+
+if __name__ == "__main__":
+    main()
