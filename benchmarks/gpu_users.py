@@ -113,7 +113,8 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
         prompts = {a: texts[i] for i, a in enumerate(ids)}
         row: dict[str, Any] = {"n": n}
         for turn in (1, 2):
-            before = engine.stats()["decode_steps"]
+            stats0 = engine.stats()
+            before, turns0 = stats0["decode_steps"], dict(stats0["turns"])
             mx.reset_peak_memory()
             replies: dict[str, str] = {}
             barrier = threading.Barrier(n)
@@ -131,8 +132,11 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
             held = _held_bytes(engine)
             engine.flush()
             flushed = _active() - base
-            after = engine.stats()["decode_steps"]
+            stats1 = engine.stats()
+            after = stats1["decode_steps"]
+            turns = {k: v - turns0.get(k, 0) for k, v in stats1["turns"].items() if v - turns0.get(k, 0)}
             row[f"turn{turn}"] = {
+                "turns": turns, "hot_agents": stats1["hot_agents"],
                 "wall_s": round(wall, 3), "peak_bytes": peak, "active_bytes": as_is,
                 "flushed_bytes": flushed, **held, "decode_steps": _steps_delta(before, after),
             }  # fmt: skip
@@ -184,6 +188,44 @@ def _mlx_capacity(model_dir: Path, texts: list[str]) -> list[dict[str, Any]]:
         rows.append(row)
         gc.collect()
         mx.clear_cache()
+    return rows
+
+
+def attention_ab(ctx: int = 32768) -> list[dict[str, Any]]:
+    """One layer's decode attention over a 16-bit body of ``ctx`` tokens (Llama-3.1-8B's
+    heads): the stored-form kernels against the unfused path (what 16-bit took before) and
+    mlx's fused attention over one contiguous copy (what mlx-lm runs)."""
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.kv.codecs import FULL
+    from langchain_agent_memory.engine.kv.stored import stored_attention
+
+    k = mx.random.normal((1, 8, ctx, 128)).astype(mx.float16)
+    v = mx.random.normal((1, 8, ctx, 128)).astype(mx.float16)
+    pk = mx.random.normal((1, 8, 5, 128)).astype(mx.bfloat16)
+    pv = mx.random.normal((1, 8, 5, 128)).astype(mx.bfloat16)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+    kc, vc = mx.concatenate([k.astype(mx.bfloat16), pk], 2), mx.concatenate([v.astype(mx.bfloat16), pv], 2)
+    mx.eval(k, v, pk, pv, q, kc, vc)
+    segments = [((k,), (v,), FULL, FULL), ((pk,), (pv,), FULL, FULL)]
+    ways = {
+        "kernels": lambda: stored_attention(q, segments, 0.088, ctx + 4, 0, None, full_body=True),
+        "unfused": lambda: stored_attention(q, segments, 0.088, ctx + 4, 0, None, full_body=False),
+        "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
+    }
+    rows = []
+    want = ways["mlx_fused_sdpa"]().astype(mx.float32)
+    for name, fn in ways.items():
+        err = mx.abs(fn().astype(mx.float32) - want).max().item()
+        for _ in range(5):
+            mx.eval(fn())
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            mx.eval(fn())
+        mx.synchronize()
+        rows.append({"way": name, "ms_per_layer": (time.perf_counter() - t0) * 10, "max_err": err})
+        log(f"attention A/B {rows[-1]}")
     return rows
 
 
@@ -322,7 +364,11 @@ def device(out_dir: Path, parts: list[str], limit_s: float) -> None:
             model_dir = root / "llama-3.1-8b"
             if not model_dir.exists():
                 random_model_dir("llama-3.1-8b", model_dir)
-            data[part] = capacity(model_dir, root) if part == "capacity" else decode(model_dir, root)
+            if part == "capacity":
+                data[part] = capacity(model_dir, root)
+            else:
+                data["attention_ab"] = attention_ab()
+                data[part] = decode(model_dir, root)
         data.setdefault("seconds", {})[part] = round(time.perf_counter() - t0, 1)
         path.write_text(json.dumps(data, indent=1))
         log(f"{part} done in {time.perf_counter() - t0:.0f} s")

@@ -57,7 +57,8 @@ class EngineConfig:
     an agent's recurrent-state snapshots take at most this many times its K/V's bytes on disk
     (beyond the two it always keeps; None: every one the policy picks, ``engine.states``).
     The hot tier: at most ``hot_agents`` agents keep live caches, taking at most ``hot_bytes``
-    (None: no byte bound); which leaves first is decided by when each runs next, as a graph's
+    (defaults: on the CPU 16 agents, no byte bound; on a GPU half its memory, not a count:
+    ``ops.device``); which leaves first is decided by when each runs next, as a graph's
     checkpointer tells it (``caches.schedule``), least recently used where nothing was said;
     an agent whose reply made tool calls stays for ``tool_ttl_s`` waiting for their results;
     ``eviction="lru"``: least recently used first, whatever was said.
@@ -127,7 +128,7 @@ class EngineConfig:
         kv_bits: int | None = 4,
         kv_format: str | KVQuant | None = None,
         hot_budget_bytes: int | None = None,
-        hot_agents: int = 16,
+        hot_agents: int | None = None,
         work_budget_bytes: int | None = None,
         chunk_tokens: int | None = None,
         scheduling: str = "interleave",
@@ -163,7 +164,9 @@ class EngineConfig:
         if context_length is not None and context_length < 2:
             raise ValueError(f"context_length must be at least 2 tokens, not {context_length}")
         if hot_bytes is not None and hot_bytes < 0:
-            raise ValueError(f"hot_bytes must be a number of bytes (or None: no bound), not {hot_bytes}")
+            raise ValueError(
+                f"hot_bytes must be a number of bytes (or None: the device's default), not {hot_bytes}"
+            )
         if eviction not in ("schedule", "lru"):
             raise ValueError(f"eviction must be 'schedule' or 'lru', not {eviction!r}")
         if not tool_ttl_s >= 0:
@@ -175,7 +178,7 @@ class EngineConfig:
             weight_dtype=weight_dtype or settings.weight_dtype or device.weight_dtype(),
             quant=kv_format_of(kv_format if kv_format is not None else kv_bits),
             hot_budget_bytes=device.hot_budget_bytes() if hot_budget_bytes is None else hot_budget_bytes,
-            hot_agents=hot_agents,
+            hot_agents=device.hot_agents() if hot_agents is None else hot_agents,
             work_budget_bytes=device.work_budget_bytes() if work_budget_bytes is None else work_budget_bytes,
             chunk_tokens=chunk_tokens or device.chunk_tokens(),
             alone_chunk_tokens=chunk_tokens or device.alone_chunk_tokens(),
@@ -197,7 +200,7 @@ class EngineConfig:
             attention=chosen,
             state_budget=state_budget,
             hot_budget_asked=hot_budget_bytes is not None,
-            hot_bytes=hot_bytes,
+            hot_bytes=device.hot_bytes() if hot_bytes is None else hot_bytes,
             tool_ttl_s=tool_ttl_s,
             eviction=eviction,
         )

@@ -35,6 +35,15 @@ GPU_WORK_SHARE = 0.25
 GPU_HOT_SHARE = 0.0625
 #: Share of a GPU's memory mlx's cache of freed buffers may hold between prefill chunks.
 GPU_CACHE_SHARE = 0.125
+#: Live agents (hot tier) by default: on the CPU 16; on a GPU their bytes bound them
+#: (``GPU_LIVE_SHARE``), not a count. Served from the stored form, an 8K agent of an 8B
+#: model is ~0.37 GB: a count of 16 held 6 GB of an 80 GB H100 and sent the 17th agent of a
+#: user's run back to disk (its next turn a restore, the batch broken up while it loaded).
+CPU_HOT_AGENTS = 16
+GPU_HOT_AGENTS = 4096
+#: Share of a GPU's memory the live agents' caches may take (the weights, the steps'
+#: activations and mlx's buffer cache take the rest).
+GPU_LIVE_SHARE = 0.5
 
 
 def on_gpu() -> bool:
@@ -74,6 +83,17 @@ def prefill_cache_bound() -> int | None:
     the engine's own reserve (``kv.reserve``) lives in that cache: no bound there."""
     mem = memory_bytes()
     return None if mem is None else int(mem * GPU_CACHE_SHARE)
+
+
+def hot_agents() -> int:
+    return GPU_HOT_AGENTS if on_gpu() else CPU_HOT_AGENTS
+
+
+def hot_bytes() -> int | None:
+    """The live agents' byte bound: a share of a GPU's memory; none on the CPU (``hot_agents``
+    and the working-copy budget bound them there)."""
+    mem = memory_bytes()
+    return None if mem is None else int(mem * GPU_LIVE_SHARE)
 
 
 def hot_budget_bytes() -> int:
