@@ -137,6 +137,35 @@ def test_with_the_database_frozen_one_stuck_call_does_not_hold_up_other_agents(
         s3.close()
 
 
+def test_a_new_agents_request_does_not_wait_for_another_agents_upload(
+    tmp_path: Path, shared_store: tuple[str, str]
+) -> None:
+    """While the save thread uploads one agent's save (held here: the push lock it holds
+    while its upload sits on a frozen database until the deadline), a new agent's first
+    request, which has nothing to upload, goes ahead. On one push lock taken before looking
+    whether the agent had anything to upload, it waited for that upload (with PostgreSQL
+    SIGSTOPped, a new agent's first token came in 3.0 s, known agents' in 0.1-0.4 s)."""
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    store, blocks = shared_store
+    with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store, blocks=blocks) as engine:
+        params = GenerationParams(max_tokens=2)
+        engine.generate("y", SYSTEM + "User: I am y.\nAssistant:", params).wait_saved()
+        replies: list[str] = []
+        with engine._store.records._pushing:  # an upload in flight on the save thread
+            newcomer = threading.Thread(
+                target=lambda: replies.append(
+                    engine.generate("newcomer", "User: hi\nAssistant:", params).text
+                )
+            )
+            newcomer.start()
+            newcomer.join(timeout=HUNG_S)
+            went_ahead = not newcomer.is_alive()
+        newcomer.join()
+        assert went_ahead, "the new agent's request waited for another agent's upload"
+        assert len(replies) == 1
+
+
 GC_CHILD = Path(__file__).parent / "gc_child.py"
 
 
