@@ -10,7 +10,15 @@ from typing import Any
 from ..kv import LayerCache
 from ..ops.runtime import mx
 from ..prefix import TokenizedText
-from ..storage.blocks import BLOCK_TOKENS, Block, BlockHash, CacheWriteError, TokenSlices, host_views
+from ..storage.blocks import (
+    BLOCK_TOKENS,
+    Block,
+    BlockHash,
+    CacheWriteError,
+    HostTensor,
+    TokenSlices,
+    host_views,
+)
 from ..storage.pool import BlockPool
 
 
@@ -52,12 +60,29 @@ def run_of(
     run: list[int], chain: list[BlockHash], known: TokenizedText, layers: list[LayerCache]
 ) -> dict[BlockHash, Block]:
     """Consecutive blocks ``run``: each one's tensors views of arrays over the run, its
-    host bytes views of their host memory (see ``blocks_of``)."""
+    host bytes views of their host memory (see ``blocks_of``).
+
+    Served from the stored form (a GPU), the arrays are the layers' own body buffers: the
+    save reads its rows from them, where a copy of the run's rows (the whole stored form,
+    for a first turn) stayed in the device's memory until the write, seconds later (16
+    agents of 8K tokens: 6 GB of an H100 beside the agents' own). A later append to a
+    buffer the save still reads copies it (mlx's buffers are copied on write while shared)."""
     a0, z1 = run[0] * BLOCK_TOKENS, min((run[-1] + 1) * BLOCK_TOKENS, len(known))
     spans: dict[str, mx.array] = {}
+    copies: dict[str, mx.array] = {}
+    hosts: dict[str, HostTensor] = {}
     for i, layer in enumerate(layers):
-        spans.update(layer.block_state(i, a0, z1))
-    hosts = host_views(spans)
+        held = layer.body_buffers(i, a0, z1) if isinstance(layer, LayerCache) and layer.serve_stored else None
+        if held is None:
+            copies.update(layer.block_state(i, a0, z1))
+            continue
+        buffers, lo, hi = held
+        whole = host_views(buffers)  # no copy: a contiguous buffer's memory is shared
+        for name, buf in buffers.items():
+            spans[name] = buf[:, :, lo:hi]
+            hosts[name] = whole[name].rows(lo, hi)
+    spans.update(copies)
+    hosts.update(host_views(copies))
     out = {}
     for b in run:
         a, z = b * BLOCK_TOKENS, min((b + 1) * BLOCK_TOKENS, len(known))

@@ -29,7 +29,7 @@ from ..ops.runtime import mx
 from . import fetches
 from .buffers import Pending, in_space
 from .codecs import FULL, KVQuant, rotation
-from .layer_blocks import CommittedKV, Pair, block_tensors, stored_of_blocks
+from .layer_blocks import CommittedKV, Pair, block_tensors, stored_of_blocks, tensor_name
 from .layer_work import WorkingCopy, decode_segments
 from .recurrent import RecurrentCache
 from .spec import LayerSpec, ModelCacheSpec
@@ -365,6 +365,21 @@ class LayerCache:
         """This layer's stored K/V of positions ``[a, b)`` as block tensors, named
         ``L{index}.{k|v}.{part}`` (``block_tensors``): what a block file holds for this layer."""
         return block_tensors(index, self.committed.quant, *self.committed_slice(a, b))
+
+    def body_buffers(self, index: int, a: int, b: int) -> tuple[dict[str, mx.array], int, int] | None:
+        """The committed body's whole buffers, named as layer ``index``'s block tensors, and
+        the rows positions ``[a, b)`` are in them; None unless all of them are body. Blocks
+        cut from these are views (``block_cuts.run_of``): no copy of a turn's new rows is
+        made for its save, where ``block_state`` copies them."""
+        c = self.committed
+        if c.kbuf is None or c.vbuf is None or a < c.body_start or b > self.committed_end:
+            return None
+        buffers = {
+            tensor_name(index, kv, part): x
+            for kv, codec, parts in (("k", c.quant.keys, c.kbuf), ("v", c.quant.values, c.vbuf))
+            for part, x in zip(codec.parts(), parts, strict=True)
+        }
+        return buffers, a - c.body_start, b - c.body_start
 
     def from_blocks(self, index: int, start: int, blocks: list[dict[str, mx.array]], held: int) -> None:
         """Load this layer (layer ``index``) from consecutive blocks' tensors, the first of
