@@ -264,7 +264,9 @@ def serve(
             envvar="AGENT_MEMORY_CACHE_TTL", help="Evict caches unused for this long (e.g. 7d, 12h)"
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
+    log_level: Annotated[
+        str, typer.Option(help="Log level of uvicorn and the server (debug names the fields it ignored)")
+    ] = "info",
     cache_dir: CacheDir = None,
     store: Store = None,
     blocks: Blocks = None,
@@ -332,7 +334,20 @@ def serve(
         served_app = create_app(config)
     except ValueError as exc:  # an alias to a model not served
         raise typer.BadParameter(str(exc), param_hint="--model-alias") from exc
+    _log_to_stderr(log_level)
     uvicorn.run(served_app, host=host, port=port, log_level=log_level)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own log lines (a clamped ``max_tokens``, tools left out, fields ignored)
+    on stderr beside uvicorn's, at its level: this package's loggers only."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+    root = logging.getLogger("langchain_agent_memory")
+    root.addHandler(handler)
+    root.setLevel(level.upper())
 
 
 def startup_summary(config: ServerConfig, host: str, port: int) -> str:

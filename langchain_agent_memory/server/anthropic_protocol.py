@@ -4,15 +4,22 @@ translation into LangChain messages and ``ChatAgentMemory`` call arguments.
 Content blocks: ``text`` everywhere; ``tool_use`` in assistant turns (a call the model made),
 ``tool_result`` in user turns (its answer: a ``ToolMessage``); ``thinking`` blocks of earlier
 assistant turns are dropped, as chat templates drop reasoning from the history. Images and
-documents are refused (the shipped models read text). ``tools`` (``input_schema``) and
-``tool_choice`` (``auto`` / ``any`` / ``tool`` / ``none``) map onto the chat model's tools;
-``thinking`` turns a template's thinking switch on or off (``enable_thinking``: Qwen 3's;
-other templates ignore it) and its ``budget_tokens`` is not enforced apart from
-``max_tokens``.
+documents are refused (the shipped models read text). A ``system`` message inside
+``messages`` (Claude Code's mid-conversation system text) is a system message at its place.
+``tools`` (``input_schema``) and ``tool_choice`` (``auto`` / ``any`` / ``tool`` / ``none``)
+map onto the chat model's tools; Anthropic's server tools (a ``type`` such as
+``web_search_20250305``: run by Anthropic's servers, not by the client) are left out, with a
+warning (``dropped_tools``). ``thinking`` turns a template's thinking switch on or off
+(``enable_thinking``: Qwen 3's; other templates ignore it; ``adaptive`` is on) and its
+``budget_tokens`` is ignored (no model here splits its reply by a reasoning budget; only
+``max_tokens`` bounds the reply). Unknown fields (``context_management``,
+``output_config``, ...) are ignored.
 
 The agent whose cache a request uses: the ``X-Agent-ID`` header or the body's ``agent_id``,
-else ``metadata.user_id`` (Claude Code sends one per session), else ``"default"``: the same
-rule as chat completions, ``metadata.user_id`` standing for ``user``.
+else ``metadata.user_id``, else ``"default"``: the same rule as chat completions,
+``metadata.user_id`` standing for ``user``. Claude Code's ``user_id`` is a JSON object in a
+string (``{"device_id": ..., "session_id": ...}``): its agent is the session,
+``claude-code:<session_id>`` (``session_agent``), so each session keeps a cache of its own.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class MessageIn(_Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
     @property
@@ -93,9 +100,15 @@ class MessageIn(_Lenient):
 
 
 class ToolIn(_Lenient):
+    #: None or ``custom``: a tool the client runs; else one of Anthropic's server tools.
+    type: str | None = None
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    @property
+    def runnable(self) -> bool:
+        return self.type in (None, "custom")
 
 
 class ToolChoice(_Lenient):
@@ -110,7 +123,7 @@ class ToolChoice(_Lenient):
 
 
 class Thinking(_Lenient):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: str  # enabled, disabled, adaptive, and those to come: all but disabled are on
     budget_tokens: int | None = None
 
 
@@ -118,8 +131,34 @@ class Metadata(_Lenient):
     user_id: str | None = None
 
 
+#: The agent of a Claude Code session: this prefix and the session's id.
+SESSION_PREFIX = "claude-code:"
+
+
+def session_agent(user_id: str) -> str:
+    """The agent ``metadata.user_id`` names: Claude Code's JSON (``{"device_id": ...,
+    "session_id": ...}``) names its session, ``claude-code:<session_id>``; any other string
+    is the agent itself.
+
+    >>> session_agent('{"device_id": "e09a", "account_uuid": "", "session_id": "a385c0d2"}')
+    'claude-code:a385c0d2'
+    >>> session_agent("researcher")
+    'researcher'
+    """
+    if not user_id.startswith("{"):
+        return user_id
+    try:
+        fields = json.loads(user_id)
+    except ValueError:
+        return user_id
+    session = fields.get("session_id") if isinstance(fields, dict) else None
+    return SESSION_PREFIX + session if isinstance(session, str) and session else user_id
+
+
 class CountTokensRequest(_Lenient):
     """``POST /v1/messages/count_tokens``: what a request of these messages would read."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: ignored (``errors.parse_body``)
 
     model: str
     messages: list[MessageIn] = Field(min_length=1)
@@ -148,7 +187,12 @@ class CountTokensRequest(_Lenient):
                 },
             }
             for t in self.tools or []
+            if t.runnable
         ]
+
+    def dropped_tools(self) -> list[str]:
+        """The tools left out: Anthropic's server tools, which no client runs."""
+        return [f"{t.name} ({t.type})" for t in self.tools or [] if not t.runnable]
 
 
 class MessagesRequest(CountTokensRequest):
@@ -169,7 +213,7 @@ class MessagesRequest(CountTokensRequest):
     def _tool_named(self) -> MessagesRequest:
         choice = self.tool_choice
         named = choice is not None and choice.type == "tool"
-        if named and choice.name not in {t.name for t in self.tools or []}:  # type: ignore[union-attr]
+        if named and choice.name not in {t.name for t in self.tools or [] if t.runnable}:  # type: ignore[union-attr]
             raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")  # type: ignore[union-attr]
         return self
 
@@ -180,7 +224,8 @@ class MessagesRequest(CountTokensRequest):
 
     @property
     def user(self) -> str | None:
-        return self.metadata.user_id if self.metadata else None
+        user_id = self.metadata.user_id if self.metadata else None
+        return session_agent(user_id) if user_id else None
 
     def call_kwargs(self, agent_id: str, max_tokens: int) -> dict[str, Any]:
         """Keyword arguments for ``ChatAgentMemory`` (``invoke(messages, **kwargs)``)."""
@@ -209,8 +254,13 @@ class MessagesRequest(CountTokensRequest):
 
 def _turn(index: int, message: MessageIn) -> list[BaseMessage]:
     """One Anthropic turn as LangChain messages: a user turn's tool results first (one
-    ``ToolMessage`` each), then its text; an assistant turn's text and calls as one reply."""
+    ``ToolMessage`` each), then its text; an assistant turn's text and calls as one reply; a
+    system message's text."""
     blocks = message.blocks
+    if message.role == "system":
+        if any(not isinstance(b, TextBlock) for b in blocks):
+            raise ValueError(f"messages[{index}]: a system message holds text blocks only")
+        return [SystemMessage("".join(b.text for b in blocks if isinstance(b, TextBlock)))]
     if message.role == "assistant":
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
         calls = [

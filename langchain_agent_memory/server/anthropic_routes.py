@@ -25,7 +25,7 @@ from .agent_routes import Caller, agent_header, agent_of, served
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
 from .anthropic_replies import EventWriter, event
 from .context_scale import scaled, scaled_chunks
-from .errors import as_api_errors, parse_body, within_limit
+from .errors import as_api_errors, parse_body, warn, within_limit
 from .replies import new_id
 from .served_models import ServedModels
 from .streams import first_chunk, relay, sent
@@ -51,8 +51,11 @@ def add_messages_routes(
         agent = agent_of(body, x_agent_id, caller)
         with as_api_errors():
             history = body.to_messages()
-        kwargs = body.call_kwargs(agent, within_limit(body.max_tokens, max_tokens_limit))
         headers = {"X-Agent-ID": agent_header(agent)}
+        kwargs = body.call_kwargs(agent, within_limit(body.max_tokens, max_tokens_limit, headers))
+        dropped = body.dropped_tools()
+        if dropped:
+            warn(headers, f"tools left out, run by Anthropic's servers only: {', '.join(dropped)}")
         writer = EventWriter(new_id("msg_"), body.model)
         if not body.stream:
             with as_api_errors():

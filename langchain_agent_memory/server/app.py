@@ -62,7 +62,7 @@ from .protocol import (
     to_messages,
 )
 from .responses_routes import add_responses_routes
-from .served_models import ServedModels, check_aliases
+from .served_models import ServedModels, check_aliases, codex_catalog
 from .streams import first_chunk, relay, sent
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,10 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(name) for name in models]}
+        """OpenAI's list (``data``) and, beside it, the metadata the Codex CLI reads (``models``:
+        ``served_models.codex_catalog``)."""
+        cards = [_model_card(name) for name in models]
+        return {"object": "list", "data": cards, "models": codex_catalog(models, scale)}
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(authorize)])
     async def get_model(name: str) -> dict[str, Any]:
@@ -270,7 +273,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         body = parse_body(CompletionRequest, await request.body())
         llm = served(models, body.model)
         agent = agent_of(body, x_agent_id, caller)
-        max_tokens = within_limit(body.max_tokens or 16, config.max_tokens_limit)
+        headers = {"X-Agent-ID": agent_header(agent)}
+        max_tokens = within_limit(body.max_tokens or 16, config.max_tokens_limit, headers)
         params = GenerationParams(
             max_tokens=max_tokens,
             temperature=llm.temperature if body.temperature is None else body.temperature,
@@ -283,7 +287,7 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
             **{**llm.penalties(), **penalty_kwargs(body)},
             wait_for_save=body.wait_for_save,
         )
-        engine, headers, cid = llm.engine, {"X-Agent-ID": agent_header(agent)}, replies.new_id("cmpl-")
+        engine, cid = llm.engine, replies.new_id("cmpl-")
         if not body.stream:
             with as_api_errors():
                 result = await engine.agenerate(agent, body.text, params)
@@ -311,7 +315,8 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         llm = served(models, body.model)
         agent = agent_of(body, x_agent_id, caller)
         asked = body.max_completion_tokens or body.max_tokens or config.default_max_tokens
-        max_tokens = within_limit(asked, config.max_tokens_limit)
+        headers = {"X-Agent-ID": agent_header(agent)}
+        max_tokens = within_limit(asked, config.max_tokens_limit, headers)
         if body.tools and isinstance(body.tool_choice, NamedToolChoice):
             wanted = body.tool_choice.function["name"]
             if wanted not in {t.function.name for t in body.tools}:
@@ -320,7 +325,6 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
         with as_api_errors():
             messages = to_messages(body.messages)
         kwargs = call_kwargs(body, agent, max_tokens)
-        headers = {"X-Agent-ID": agent_header(agent)}
         cid = replies.new_id()
         if not body.stream:
             with as_api_errors():

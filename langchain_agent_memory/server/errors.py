@@ -147,20 +147,44 @@ def as_api_errors() -> Iterator[None]:
 
 def parse_body(kind: type[R], raw: bytes) -> R:
     """A request body, parsed here rather than by FastAPI: a JSON body is read whatever its
-    Content-Type (curl -d sends a form type) and errors keep OpenAI's shape."""
+    Content-Type (curl -d sends a form type) and errors keep OpenAI's shape. Top-level fields
+    the request type does not know (``context_management``, ``client_metadata``, ...) are
+    ignored, and named in a debug log line: clients add fields faster than servers learn
+    them (a request type keeps them with ``extra="allow"``)."""
     try:
-        return kind.model_validate_json(raw)
+        body = kind.model_validate_json(raw)
     except ValidationError as exc:
         message, param = validation_message(exc.errors())
         raise APIError(400, message, param=param) from exc
+    if body.model_extra:
+        logger.debug("%s: ignored fields %s", kind.__name__, ", ".join(sorted(body.model_extra)))
+    return body
 
 
-def within_limit(max_tokens: int, limit: int) -> int:
-    if max_tokens > limit:
-        raise APIError(
-            400, f"max_tokens {max_tokens} is over this server's limit of {limit}", param="max_tokens"
-        )
-    return max_tokens
+#: The reply header that says a request's ``max_tokens`` was over the server's limit.
+CLAMPED_HEADER = "X-Max-Tokens-Clamped"
+#: The reply header that tells the client what of its request was left out (tools the model
+#: cannot run, ...), as the server's log does.
+WARNING_HEADER = "X-Agent-Memory-Warning"
+
+
+def warn(headers: dict[str, str], message: str) -> None:
+    """Log ``message`` as a warning and tell the client (``WARNING_HEADER``; several are
+    joined with "; "; a header carries ASCII, so other characters are escaped)."""
+    logger.warning("%s", message)
+    text = message.encode("ascii", "backslashreplace").decode("ascii")
+    headers[WARNING_HEADER] = f"{headers[WARNING_HEADER]}; {text}" if WARNING_HEADER in headers else text
+
+
+def within_limit(max_tokens: int, limit: int, headers: dict[str, str]) -> int:
+    """``max_tokens``, or ``limit`` where it asks more: clamped, never refused (harnesses ask
+    for the most their hosted model writes, Claude Code 32000 or 64000). The reply's
+    ``X-Max-Tokens-Clamped`` header (added to ``headers``) and an info log line say so."""
+    if max_tokens <= limit:
+        return max_tokens
+    logger.info("max_tokens %d is over this server's limit (--max-tokens-limit): %d", max_tokens, limit)
+    headers[CLAMPED_HEADER] = f"{limit}; asked {max_tokens}, over --max-tokens-limit"
+    return limit
 
 
 def _lone_surrogate(body: object) -> bool:

@@ -6,7 +6,9 @@ Every sampling field is honoured (``temperature``, ``top_p``, ``top_k``, ``min_p
 ``repetition_penalty``) or, where this server cannot honour it, refused with a 400 that
 names it (``n > 1``, ``logprobs``, ``logit_bias``); fields that only
 describe the caller (``metadata``, ``store``, ``parallel_tool_calls``) and unknown fields
-are accepted and ignored, as clients add fields faster than servers learn them.
+are accepted and ignored (a debug log line names them), as clients add fields faster than
+servers learn them. A ``max_tokens`` over the server's limit is clamped to it
+(``errors.within_limit``).
 
 The agent whose cache a request uses: OpenAI's ``prompt_cache_key`` (``ChatOpenAI`` and the
 ``openai`` client pass it per call), else the ``X-Agent-ID`` header or the body field
@@ -106,6 +108,7 @@ class SampledRequest(_Lenient):
     """What chat and plain completions share: the model, sampling, the agent, and the
     fields refused unless left at their no-op values (see the module docstring)."""
 
+    model_config = ConfigDict(extra="allow")  # unknown fields: ignored (``errors.parse_body``)
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk
@@ -58,9 +59,12 @@ def finished(base: dict[str, Any], output: list[dict[str, Any]], reply: AIMessag
 
 
 class OutputWriter:
-    """A reply's output items, built as its pieces come (streamed: each piece's events)."""
+    """A reply's output items, built as its pieces come (streamed: each piece's events).
+    ``call_name``: a called tool's ``name`` (and ``namespace``) as the client named it
+    (``responses_protocol.ToolSet.call_name``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_name: Callable[[str], dict[str, str]] | None = None) -> None:
+        self.call_name = call_name or (lambda name: {"name": name})
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # closed ones
         self.open: dict[str, Any] | None = None  # the item being streamed
@@ -96,13 +100,19 @@ class OutputWriter:
         out = self._end()
         for call in tool_calls(reply):
             fn = call["function"]
-            item = {"type": "function_call", "id": new_id("fc_"), "call_id": call["id"], "name": fn["name"],
-                    "arguments": fn["arguments"], "status": "completed"}  # fmt: skip
+            item = {
+                "type": "function_call",
+                "id": new_id("fc_"),
+                "call_id": call["id"],
+                **self.call_name(fn["name"]),
+                "arguments": fn["arguments"],
+                "status": "completed",
+            }
             at, where = len(self.items), {"item_id": item["id"], "output_index": len(self.items)}
             opening = {**item, "arguments": "", "status": "in_progress"}
             out.append(self.event("response.output_item.added", output_index=at, item=opening))
             out.append(self.event("response.function_call_arguments.delta", **where, delta=fn["arguments"]))
-            done = {"name": fn["name"], "arguments": fn["arguments"]}
+            done = {"name": item["name"], "arguments": fn["arguments"]}
             out.append(self.event("response.function_call_arguments.done", **where, **done))
             out.append(self.event("response.output_item.done", output_index=at, item=item))
             self.items.append(item)

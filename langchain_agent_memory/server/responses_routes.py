@@ -19,6 +19,7 @@ nothing could reach it again, and the chain's own agent stays as the stored chai
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -32,13 +33,15 @@ from ..chat.replies import forced_tools
 from . import streams
 from .agent_routes import Caller, agent_header, agent_of, served, valid_agent
 from .context_scale import scaled, scaled_chunks
-from .errors import APIError, as_api_errors, parse_body, within_limit
+from .errors import APIError, as_api_errors, parse_body, warn, within_limit
 from .replies import new_id
 from .responses_protocol import ResponsesRequest, to_messages
 from .responses_replies import OutputWriter, created_now, finished, input_items_page, skeleton
 from .responses_store import ResponseStore, StoredResponse, open_response_store
 from .served_models import ServedModels
 from .streams import first_chunk, relay, sent
+
+logger = logging.getLogger(__name__)
 
 
 def add_responses_routes(
@@ -93,24 +96,32 @@ def add_responses_routes(
             agent = chain_agent or rid
             valid_agent(agent, caller)
         scratch = not body.store and not named  # see the module's docstring
+        headers = {"X-Agent-ID": agent_header(agent)}
         with as_api_errors():
+            tools, dropped_items = body.tool_set(), []
             messages: list[BaseMessage] = [SystemMessage(body.instructions)] if body.instructions else []
-            messages += to_messages(history + items)
-            max_tokens = within_limit(body.max_output_tokens or default_tokens, max_tokens_limit)
-            runs_on = await asyncio.to_thread(_scratch_copy, llm, agent, rid) if scratch else agent
-            kwargs = body.call_kwargs(runs_on, max_tokens)
-        choice = body.tool_choice
+            messages += to_messages(history + items, dropped_items)
+            asked = body.max_output_tokens or default_tokens
+            max_tokens = within_limit(asked, max_tokens_limit, headers)
+            kwargs = body.call_kwargs(agent, max_tokens, tools)  # checks tool_choice before the copy
+            if scratch:
+                kwargs["agent_id"] = await asyncio.to_thread(_scratch_copy, llm, agent, rid)
+        runs_on = kwargs["agent_id"]
+        if tools.dropped:
+            warn(headers, f"tools left out, which this server's model cannot run: {', '.join(tools.dropped)}")
+        if dropped_items:
+            warn(headers, f"input items left out, of tools this model cannot run: {', '.join(dropped_items)}")
+        if body.include:
+            logger.debug("include items omitted (not made by this server): %s", ", ".join(body.include))
         echoed = {
             "model": body.model, "instructions": body.instructions,
             "previous_response_id": body.previous_response_id, "store": body.store,
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "tool_choice": choice if choice is None or isinstance(choice, str) else choice.model_dump(),
+            "tools": body.tools or [], "tool_choice": body.tool_choice,
             "temperature": llm.temperature if body.temperature is None else body.temperature,
             "top_p": llm.top_p if body.top_p is None else body.top_p,
             "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {}, "user": body.user,
         }  # fmt: skip
-        base, writer = skeleton(rid, echoed, created_now()), OutputWriter()
-        headers = {"X-Agent-ID": agent_header(agent)}
+        base, writer = skeleton(rid, echoed, created_now()), OutputWriter(tools.call_name)
 
         async def done(reply: AIMessage) -> dict[str, Any]:
             """The whole response: stored (or the scratch copy dropped)."""
