@@ -6,9 +6,10 @@ Counts of parts add up to the count of the whole: ``trim_messages`` subtracts a 
 message's count from its budget and fits a suffix of the conversation into the rest. Many
 chat templates insert a default system prompt when a list has none (SmolLM2's adds ~25
 tokens), so a human message alone would count more than the same message after a system
-message. A list that does not start with a system message is therefore counted as it
-renders after an empty system message, less that empty system turn: the default text a
-template would add is not counted to messages it did not come from.
+message. A list that does not start with a system message (and has no tools, whose listing
+is a system message) is therefore counted as it renders after an empty system message, less
+that empty system turn: the default text a template would add is not counted to messages it
+did not come from.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def count_message_tokens(
     try:
         if not getattr(tokenizer, "chat_template", None):
             return engine.count_tokens(prompt.render(tokenizer, messages, tools))
-        if isinstance(messages[0], SystemMessage):
+        if isinstance(messages[0], SystemMessage) or tools:
+            # With tools the listing is a system message of its own: no default text is added,
+            # and the listing is counted (an empty system turn less would take it away).
             return engine.count_tokens(prompt.render(tokenizer, messages, tools, generation_prompt=False))
         empty = [SystemMessage("")]
         whole = prompt.render(tokenizer, [*empty, *messages], tools, generation_prompt=False)

@@ -43,8 +43,9 @@ def _options(
 
     **Talk and serve**: `chat --agent A` (a terminal conversation that resumes warm), `run
     --agent A "question"` (one answer, stdin too: `cat notes.md | agent-memory run --agent
-    notes "Summarise"`), `serve` (OpenAI-compatible /v1/chat/completions and /v1/completions,
-    an agent per `prompt_cache_key`, `user` or X-Agent-ID; /v1/agents to list, fork, delete).
+    notes "Summarise"`), `serve` (OpenAI's /v1/chat/completions, /v1/completions and
+    /v1/responses, Anthropic's /v1/messages: Claude Code and the Codex CLI too; an agent per
+    `prompt_cache_key`, `user` or X-Agent-ID; /v1/agents to list, fork, delete).
 
     **Models**: `models` lists the shipped ones (smollm2-135m, gemma3-270m), converted ones,
     those in the Hugging Face cache, and which mlx-lm families run; `models --check MODEL`
@@ -271,7 +272,8 @@ def serve(
     store: Store = None,
     blocks: Blocks = None,
 ) -> None:
-    """Serve the OpenAI Chat Completions API; each agent (X-Agent-ID) keeps its KV cache."""
+    """Serve OpenAI's Chat Completions, Completions and Responses APIs and Anthropic's Messages
+    API (Claude Code, the Codex CLI, the SDKs); each agent keeps its KV cache."""
     if bool(store) != bool(blocks):
         raise typer.BadParameter("give both --store (postgresql://...) and --blocks (s3://...), or neither")
     try:
@@ -361,6 +363,8 @@ def startup_summary(config: ServerConfig, host: str, port: int) -> str:
     store = f"{config.store} + {config.blocks}" if config.store else "the cache directory"
     if config.model_aliases:
         models += "; also as " + ", ".join(f"{p} -> {n}" for p, n in config.model_aliases.items())
+    keyed = config.api_key or config.scoped_keys
+    metrics = "behind the key" if keyed and not config.metrics_public else "no key"
     lines = [
         f"agent-memory serve: {models}",
         f"  KV format:  {kv}",
@@ -369,9 +373,11 @@ def startup_summary(config: ServerConfig, host: str, port: int) -> str:
         f"  API keys:   {keys}",
         f"  endpoints:  {base}/v1/chat/completions, {base}/v1/completions, {base}/v1/messages, "
         f"{base}/v1/responses, {base}/v1/agents, {base}/dashboard",
-        f"  metrics:    {base}/metrics ({'no key' if config.metrics_public else 'behind the key'})",
+        f"  metrics:    {base}/metrics ({metrics})",
         f"  API docs:   {base + '/docs' if config.docs else 'off (--no-docs)'}",
     ]
+    if config.context_scale != 1.0:
+        lines.insert(6, f"  context:    prompt token counts told x{config.context_scale:g} (--context-scale)")
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ Routes: ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``),
 Responses (``/v1/responses``: ``responses_routes``),
 ``GET /v1/models``, ``/v1/agents`` (``agent_routes``), ``GET /metrics`` (``metrics``),
 ``GET /dashboard`` (``dashboard``),
-``GET /health``, ``GET /ready``.
+``GET /health``, ``GET /ready``, and ``GET /``: where to go from there.
 Each request runs on ``ChatAgentMemory`` under the agent named by the ``X-Agent-ID`` header
 or the body's ``agent_id`` (``default`` when neither is given), so one server keeps every
 client agent's KV cache, across restarts.
@@ -209,6 +209,18 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
 
     authorize = authorizer(config.api_key, dict(config.scoped_keys))
 
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def front_door() -> dict[str, Any]:
+        """Where to go from here (no key; HEAD too, as Claude Code probes its base URL)."""
+        return {
+            "name": "agent-memory serve",
+            "models": list(models),
+            "dashboard": "/dashboard",
+            "api_docs": "/docs" if config.docs else None,
+            "endpoints": [*_ENDPOINTS, "/metrics", "/health", "/ready"],
+            "guide": "docs/guides/server.md (in the repository)",
+        }
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "models": list(models)}
@@ -369,6 +381,16 @@ def _stream(
 
     head = [_data(out) for out in head]
     return relay(first, chunks, lambda c: [_data(out) for out in render(c)], failed, head=head, tail=done)
+
+
+_ENDPOINTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/models",
+    "/v1/agents",
+]
 
 
 def _model_card(name: str) -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""What a newcomer met first (issue 66, tried 12-06), each pinned: the server's front door
+(``GET /`` and Claude Code's ``HEAD /`` probe), and token counts that leave out a request's
+tools when it has no system message (7 tokens counted against 179 read)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+from services import app_on_loopback
+
+from langchain_agent_memory import ChatAgentMemory
+from langchain_agent_memory.engine.model.loading import LoadedModel
+from langchain_agent_memory.server import ServerConfig, create_app
+
+MODEL = "smollm2-135m"
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config = ServerConfig(models=[MODEL], cache_dir=str(tmp_path_factory.mktemp("frictions")))
+    with app_on_loopback(create_app(config)) as url:
+        yield url
+
+
+def test_the_front_door_points_to_the_dashboard_and_the_docs(server: str) -> None:
+    r = httpx.get(server + "/", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["dashboard"] == "/dashboard" and r.json()["api_docs"] == "/docs"
+    assert "/v1/messages" in r.json()["endpoints"]
+    assert httpx.head(server + "/", timeout=30).status_code == 200  # Claude Code's probe
+
+
+def _count(server: str, **body: Any) -> int:
+    r = httpx.post(f"{server}/v1/messages/count_tokens", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return int(r.json()["input_tokens"])
+
+
+def test_count_tokens_counts_the_tools_without_a_system_message(server: str) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    bare, tooled = _count(server, messages=ask), _count(server, messages=ask, tools=[WEATHER])
+    assert tooled > bare + 50, (bare, tooled)  # the listing is ~170 tokens
+    # as with a system message, where the listing joins it
+    with_system = _count(server, messages=ask, tools=[WEATHER], system="Be brief.")
+    assert abs(with_system - tooled) < 20, (with_system, tooled)
+
+
+def test_get_num_tokens_from_messages_counts_the_tools(smollm: LoadedModel, tmp_path_factory: Any) -> None:
+    llm = ChatAgentMemory(model=MODEL, cache_dir=str(tmp_path_factory.mktemp("count")))
+    function = {
+        "name": WEATHER["name"],
+        "description": WEATHER["description"],
+        "parameters": WEATHER["input_schema"],
+    }
+    tool = {"type": "function", "function": function}
+    ask = [HumanMessage("What is the weather in Paris?")]
+    bare, tooled = llm.get_num_tokens_from_messages(ask), llm.get_num_tokens_from_messages(ask, tools=[tool])
+    assert tooled > bare + 50, (bare, tooled)
+    system = llm.get_num_tokens_from_messages([SystemMessage(""), *ask], tools=[tool])
+    assert abs(system - tooled) < 10, (system, tooled)
