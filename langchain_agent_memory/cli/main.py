@@ -385,7 +385,15 @@ app.command("models")(models)
 
 
 def main() -> None:
-    app()
+    """The ``agent-memory`` command. A user's mistake (a ``ValueError`` that names the bad
+    value and the fix: an unknown model, an empty model directory; a missing file) is one
+    line on stderr and exit status 2, not a traceback; anything else is a bug and keeps its
+    traceback."""
+    try:
+        app()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # without LangGraph's notes on where it ran
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

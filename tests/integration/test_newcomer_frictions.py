@@ -1,10 +1,14 @@
 """What a newcomer met first (issue 66, tried 12-06), each pinned: the server's front door
-(``GET /`` and Claude Code's ``HEAD /`` probe), and token counts that leave out a request's
-tools when it has no system message (7 tokens counted against 179 read)."""
+(``GET /`` and Claude Code's ``HEAD /`` probe), token counts that left out a request's tools
+when it had no system message (7 tokens counted against 179 read), and the command line's
+~50-line tracebacks for a user's mistake."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -67,3 +71,20 @@ def test_get_num_tokens_from_messages_counts_the_tools(smollm: LoadedModel, tmp_
     assert tooled > bare + 50, (bare, tooled)
     system = llm.get_num_tokens_from_messages([SystemMessage(""), *ask], tools=[tool])
     assert abs(system - tooled) < 10, (system, tooled)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run", "--model", "no-such-model-xyz", "hi"], "unknown model 'no-such-model-xyz'"),
+        (["models", "--check", "{empty}"], "is not an mlx-lm model directory"),
+    ],
+)
+def test_a_users_mistake_is_one_line_not_a_traceback(args: list[str], says: str, tmp_path: Path) -> None:
+    command = Path(sys.executable).parent / "agent-memory"
+    argv = [str(command), *(a.format(empty=tmp_path) for a in args)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says in done.stderr and done.stderr.startswith("error: "), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "[NOTE]" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 2, done.stderr
