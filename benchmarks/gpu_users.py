@@ -146,10 +146,15 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
             after = stats1["decode_steps"]
             turns = {k: v - turns0.get(k, 0) for k, v in stats1["turns"].items() if v - turns0.get(k, 0)}
             row[f"turn{turn}"] = {
-                "turns": turns, "hot_agents": stats1["hot_agents"],
-                "wall_s": round(wall, 3), "peak_bytes": peak, "active_bytes": as_is,
-                "flushed_bytes": flushed, **held, "decode_steps": _steps_delta(before, after),
-            }  # fmt: skip
+                "turns": turns,
+                "hot_agents": stats1["hot_agents"],
+                "wall_s": round(wall, 3),
+                "peak_bytes": peak,
+                "active_bytes": as_is,
+                "flushed_bytes": flushed,
+                **held,
+                "decode_steps": _steps_delta(before, after),
+            }
             log(f"ours n={n} turn {turn}: {json.dumps(row[f'turn{turn}'])}")
             prompts = {a: prompts[a] + replies.get(a, "") + extension(turn) for a in ids}
         out["ours"].append(row)
@@ -190,8 +195,12 @@ def _mlx_capacity(model_dir: Path, texts: list[str]) -> list[dict[str, Any]]:
                     after = _active() - base
             peak = mx.get_peak_memory() - base
             gen.close()
-            row = {"n": n, "active_bytes": after, "peak_bytes": peak,
-                   "step_median_s": statistics.median(full) if full else None}  # fmt: skip
+            row = {
+                "n": n,
+                "active_bytes": after,
+                "peak_bytes": peak,
+                "step_median_s": statistics.median(full) if full else None,
+            }
         except Exception as exc:
             row = {"n": n, "error": f"{type(exc).__name__}: {exc}"[:300]}
         log(f"mlx-lm n={n}: {json.dumps(row)}")
@@ -247,11 +256,14 @@ def attention_ab(ctx: int = 32768, B: int = 16, n: int = 8192) -> list[dict[str,
     kc, vc = mx.concatenate([k.astype(mx.bfloat16), pk], 2), mx.concatenate([v.astype(mx.bfloat16), pv], 2)
     mx.eval(k, v, pk, pv, q, kc, vc)
     seg16 = [((k,), (v,), FULL, FULL), ((pk,), (pv,), FULL, FULL)]
-    timed(f"1 agent, {ctx} tokens, 16-bit", {
-        "kernels": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=True),
-        "unfused": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=False),
-        "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
-    })  # fmt: skip
+    timed(
+        f"1 agent, {ctx} tokens, 16-bit",
+        {
+            "kernels": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=True),
+            "unfused": lambda: stored_attention(q, seg16, 0.088, ctx + 4, 0, None, full_body=False),
+            "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
+        },
+    )
     del k, v, kc, vc
     fmt = KV_PRESETS["k6v4-rot-h4"]
     full_k, full_v = kv(B, n, mx.bfloat16), kv(B, n, mx.bfloat16)
@@ -265,15 +277,18 @@ def attention_ab(ctx: int = 32768, B: int = 16, n: int = 8192) -> list[dict[str,
     mx.eval(full_k, full_v, hk, hv, body, pk, pv, q, kc, vc, valid)
     quantized = [((hk,), (hv,), FULL, FULL), (*body, fmt.keys, fmt.values), ((pk,), (pv,), FULL, FULL)]
     first_turn = [((kc,), (vc,), FULL, FULL)]  # before its commit, all are the request's own tokens
-    timed(f"{B} agents of {n} tokens, one batch", {
-        "kernels_default_format": lambda: stored_attention(
-            q, quantized, 0.088, 0, 0, None, valid=valid, row_starts=starts
-        ),
-        "unfused_own_tokens_first_turn": lambda: stored_attention(
-            q, first_turn, 0.088, 0, 0, None, valid=valid, row_starts=starts
-        ),
-        "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
-    })  # fmt: skip
+    timed(
+        f"{B} agents of {n} tokens, one batch",
+        {
+            "kernels_default_format": lambda: stored_attention(
+                q, quantized, 0.088, 0, 0, None, valid=valid, row_starts=starts
+            ),
+            "unfused_own_tokens_first_turn": lambda: stored_attention(
+                q, first_turn, 0.088, 0, 0, None, valid=valid, row_starts=starts
+            ),
+            "mlx_fused_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, kc, vc, scale=0.088),
+        },
+    )
     return rows
 
 
@@ -351,9 +366,11 @@ def first_request(model_dir: Path, root: Path) -> dict[str, Any]:
     for name, prompt in (("first_warm", text + extension(5)), ("hot", text + extension(6))):
         r = engine.generate("d", prompt, GenerationParams(max_tokens=17))
         out[name] = {
-            "outcome": str(r.outcome), "ttft_s": round(r.timings.ttft_s, 4), "load_s": r.timings.load_s,
+            "outcome": str(r.outcome),
+            "ttft_s": round(r.timings.ttft_s, 4),
+            "load_s": r.timings.load_s,
             "decode_tok_s": round((r.completion_tokens - 1) / r.timings.decode_s, 1),
-        }  # fmt: skip
+        }
         log(f"first request {name}: {out[name]}")
     engine.close()
     return out
@@ -399,16 +416,28 @@ def quantized(root: Path, limit_s: float) -> list[dict[str, Any]]:
         try:
             source = build(family, root / "models", tok)
             dst = root / f"{family}-{mode}{bits}"
-            convert(str(source), str(dst), quantize=True, q_bits=bits, q_mode=mode,
-                    q_group_size=None if mode != "affine" else 64)  # fmt: skip
-            for name, code, args in (("mlx_lm", _MLX_ALONE, [str(dst)]),
-                                     ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")])):  # fmt: skip
+            convert(
+                str(source),
+                str(dst),
+                quantize=True,
+                q_bits=bits,
+                q_mode=mode,
+                q_group_size=None if mode != "affine" else 64,
+            )
+            for name, code, args in (
+                ("mlx_lm", _MLX_ALONE, [str(dst)]),
+                ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")]),
+            ):
                 t0 = time.perf_counter()
                 try:
-                    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                                       timeout=limit_s)  # fmt: skip
-                    row[name] = {"rc": p.returncode, "s": round(time.perf_counter() - t0, 1),
-                                 "out": (p.stdout + p.stderr)[-1500:]}  # fmt: skip
+                    p = subprocess.run(
+                        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=limit_s
+                    )
+                    row[name] = {
+                        "rc": p.returncode,
+                        "s": round(time.perf_counter() - t0, 1),
+                        "out": (p.stdout + p.stderr)[-1500:],
+                    }
                 except subprocess.TimeoutExpired as exc:
                     row[name] = {"rc": "timeout", "s": limit_s, "out": str(exc.stdout or "")[-800:]}
         except Exception as exc:
@@ -470,22 +499,28 @@ def plot(path: Path) -> None:
     if cap:
         ours = cap["ours"]
         cum = 0
-        print(f"{'N':>4}{'agents':>8} {'turn':>5}{'active GB':>11}{'flushed GB':>12}{'peak GB':>9}"
-              f"{'layers GB':>11}{'wall s':>8}  decode steps (batch: steps, s)")  # fmt: skip
+        print(
+            f"{'N':>4}{'agents':>8} {'turn':>5}{'active GB':>11}{'flushed GB':>12}{'peak GB':>9}"
+            f"{'layers GB':>11}{'wall s':>8}  decode steps (batch: steps, s)"
+        )
         for row in ours:
             cum += row["n"]
             for turn in ("turn1", "turn2"):
                 t = row[turn]
-                print(f"{row['n']:>4}{cum:>8} {turn[-1]:>5}{t['active_bytes'] / 1e9:>11.2f}"
-                      f"{t['flushed_bytes'] / 1e9:>12.2f}{t['peak_bytes'] / 1e9:>9.2f}"
-                      f"{t['layers_bytes'] / 1e9:>11.2f}{t['wall_s']:>8.2f}  {t['decode_steps']}")  # fmt: skip
+                print(
+                    f"{row['n']:>4}{cum:>8} {turn[-1]:>5}{t['active_bytes'] / 1e9:>11.2f}"
+                    f"{t['flushed_bytes'] / 1e9:>12.2f}{t['peak_bytes'] / 1e9:>9.2f}"
+                    f"{t['layers_bytes'] / 1e9:>11.2f}{t['wall_s']:>8.2f}  {t['decode_steps']}"
+                )
         for row in cap["mlx_lm"]:
             print(f"mlx-lm n={row['n']}: {row}")
     for row in data.get("decode", []):
         print(f"decode {row['context']:>6} {row['system']:<11} {row.get('decode_tok_s', row.get('error'))}")
     for row in data.get("quantized", []):
-        print(f"quantized {row['family']} {row['mode']}{row['bits']}: "
-              f"mlx-lm {row.get('mlx_lm', {}).get('rc')} engine {row.get('engine', {}).get('rc')}")  # fmt: skip
+        print(
+            f"quantized {row['family']} {row['mode']}{row['bits']}: "
+            f"mlx-lm {row.get('mlx_lm', {}).get('rc')} engine {row.get('engine', {}).get('rc')}"
+        )
 
 
 def main() -> None:
