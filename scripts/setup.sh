@@ -5,14 +5,15 @@
 #                             embedded default model
 #   scripts/setup.sh --dev    also the test tools, the server, the docs site, PostgreSQL and
 #                             Chromium with its driver (Debian's packages, as root) for the
-#                             tests that run a real server and a real browser
+#                             tests that run a real server and a real browser, and the agent
+#                             harnesses (Claude Code, the Codex CLI; npm, into tests/harnesses)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
 for arg in "$@"; do
   case "$arg" in
     --dev) dev=1 ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "setup: unknown argument $arg (try --dev or --help)" >&2; exit 2 ;;
   esac
 done
@@ -66,5 +67,24 @@ if [ "$(uname -s)" = "Linux" ] && ! command -v chromedriver >/dev/null 2>&1; the
       || echo "setup: could not install Chromium; the dashboard's browser test will be skipped" >&2
   else
     echo "setup: chromedriver not found (Debian: apt-get install chromium chromium-driver); the dashboard's browser test will be skipped" >&2
+  fi
+fi
+# The agent harnesses the tests run against `serve` (Claude Code, the Codex CLI), pinned by
+# tests/harnesses/package-lock.json and installed into that folder (never globally), with
+# Debian's Node.js where there is none; reinstalled only when the lockfile changes.
+if ! command -v npm >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null) \
+      || echo "setup: could not install Node.js; the harness tests will be skipped" >&2
+  else
+    echo "setup: npm not found (Debian: apt-get install nodejs npm); the harness tests will be skipped" >&2
+  fi
+fi
+if command -v npm >/dev/null 2>&1; then
+  lock=$(sha256sum tests/harnesses/package-lock.json | cut -c1-16)
+  if [ "$(cat tests/harnesses/node_modules/.setup-lock 2>/dev/null)" != "$lock" ]; then
+    npm ci --prefix tests/harnesses --no-audit --no-fund --loglevel=error \
+      && echo "$lock" > tests/harnesses/node_modules/.setup-lock \
+      || echo "setup: could not install the agent harnesses (npm ci in tests/harnesses); their tests will fail" >&2
   fi
 fi

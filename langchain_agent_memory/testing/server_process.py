@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -19,18 +20,25 @@ def free_port() -> int:
 
 
 def start_server(
-    args: list[str], port: int, *, env: Mapping[str, str] | None = None, timeout_s: float = 300
+    args: list[str],
+    port: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 300,
+    log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``agent-memory serve --port PORT ARGS...`` in a child process, returned once
     ``/health`` answers 200 (the models are loaded by then). Raises ``RuntimeError`` with the
-    end of its stderr when it exits or does not answer within ``timeout_s``."""
+    end of its stderr when it exits or does not answer within ``timeout_s``. ``log``: a file
+    that gets its stdout and stderr (the start-up summary, the access log), appended to."""
     import httpx
 
     cmd = [sys.executable, "-m", "langchain_agent_memory.cli.main", "serve", "--port", str(port), *args]
     # stderr goes to a file, not a pipe (a pipe nobody reads would block a chatty server);
     # the child keeps writing to it after this function closes its own handle
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    with open(log, "a+b") if log is not None else tempfile.TemporaryFile() as out:
+        stdout = out if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=out, env=env)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -41,7 +49,7 @@ def start_server(
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 proc.wait()
-                log.seek(0)
-                err = log.read().decode(errors="replace")
+                out.seek(0)
+                err = out.read().decode(errors="replace")
                 raise RuntimeError(f"the server did not start: {err[-2000:]}")
             time.sleep(0.1)
