@@ -13,7 +13,11 @@ warning (``dropped_tools``). ``thinking`` turns a template's thinking switch on 
 (``enable_thinking``: Qwen 3's; other templates ignore it; ``adaptive`` is on) and its
 ``budget_tokens`` is ignored (no model here splits its reply by a reasoning budget; only
 ``max_tokens`` bounds the reply). Unknown fields (``context_management``,
-``output_config``, ...) are ignored.
+``output_config``, ...) are ignored. Claude Code's billing header (the first system block,
+``x-anthropic-billing-header: cc_version=...``, which varies with the session's first
+message) is left out of the prompt, as it is metadata for Anthropic's API: every session
+then starts with the same system text and tools, which a new session reads from the blocks
+an earlier one stored.
 
 The agent whose cache a request uses: the ``X-Agent-ID`` header or the body's ``agent_id``,
 else ``metadata.user_id``, else ``"default"``: the same rule as chat completions,
@@ -155,6 +159,23 @@ def session_agent(user_id: str) -> str:
     return SESSION_PREFIX + session if isinstance(session, str) and session else user_id
 
 
+#: Claude Code's first system block: billing attribution for Anthropic's API, not text for
+#: the model. Its ``cc_version`` ends in a hash of the session's first user message, so
+#: kept, it would make every session's prompt differ from its first tokens on and no
+#: session could start from the system prompt and tools another one stored (SHARED).
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    """The system text the model reads: the blocks joined, Claude Code's billing header
+    left out."""
+    if not system:
+        return ""
+    if isinstance(system, str):
+        return system
+    return "".join(b.text for b in system if not b.text.startswith(BILLING_HEADER))
+
+
 class CountTokensRequest(_Lenient):
     """``POST /v1/messages/count_tokens``: what a request of these messages would read."""
 
@@ -168,8 +189,8 @@ class CountTokensRequest(_Lenient):
     def to_messages(self) -> list[BaseMessage]:
         """LangChain messages (``ValueError`` on what cannot be read)."""
         out: list[BaseMessage] = []
-        if self.system:
-            system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+        system = _system_text(self.system)
+        if system:
             out.append(SystemMessage(system))
         for i, m in enumerate(self.messages):
             out.extend(_turn(i, m))
