@@ -404,14 +404,14 @@ engine.close()
 """
 
 
-def quantized(root: Path, limit_s: float) -> list[dict[str, Any]]:
+def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[str, Any]]:
     from mlx_lm.convert import convert
 
     from langchain_agent_memory.testing.model_matrix import build
 
     tok = tokenizer_dir()  # the matrix's (SmolLM2's)
     rows = []
-    for family, mode, bits in QUANTIZED:
+    for family, mode, bits in QUANTIZED[:only]:
         row: dict[str, Any] = {"family": family, "mode": mode, "bits": bits}
         try:
             source = build(family, root / "models", tok)
@@ -450,7 +450,7 @@ def quantized(root: Path, limit_s: float) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------ main
 
 
-def device(out_dir: Path, parts: list[str], limit_s: float) -> None:
+def device(out_dir: Path, parts: list[str], limit_s: float, quantized_only: int | None = None) -> None:
     import mlx.core as mx
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -464,7 +464,7 @@ def device(out_dir: Path, parts: list[str], limit_s: float) -> None:
     for part in parts:
         t0 = time.perf_counter()
         if part == "quantized":
-            data[part] = quantized(root, limit_s)
+            data[part] = quantized(root, limit_s, quantized_only)
         else:
             model_dir = root / "llama-3.1-8b"
             if not (model_dir / "config.json").exists():  # written last
@@ -530,7 +530,8 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("device")
     d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--parts", default="decode,first,capacity,quantized")
+    d.add_argument("--parts", default="decode,capacity,first,quantized")
+    d.add_argument("--quantized", type=int, default=None, help="only the first N checkpoints")
     d.add_argument("--limit-s", type=float, default=60.0)
     f = sub.add_parser("first")
     f.add_argument("model_dir", type=Path)
@@ -539,7 +540,7 @@ def main() -> None:
     p.add_argument("path", type=Path, nargs="?", default=RESULTS / "gpu_users.json")
     args = parser.parse_args()
     if args.cmd == "device":
-        device(args.out, args.parts.split(","), args.limit_s)
+        device(args.out, args.parts.split(","), args.limit_s, args.quantized)
     elif args.cmd == "first":
         print(json.dumps(first_request(args.model_dir, args.root)), flush=True)
     else:
