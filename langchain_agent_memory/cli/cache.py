@@ -280,6 +280,14 @@ def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
           {"agents", "blocks", "size", "quarantined"})  # fmt: skip
 
 
+def _with_unit(value: str | None, flag: str, examples: str) -> str | None:
+    """``value`` as given, refused where it is a bare number: ``--max-size 5`` read as bytes
+    evicted every cache, and a bare ``--older-than 7`` says neither days nor seconds."""
+    if value is not None and value.strip().replace(".", "", 1).isdigit():
+        raise typer.BadParameter(f"{value!r} has no unit: write e.g. {examples}", param_hint=flag)
+    return value
+
+
 @cache_app.command("prune")
 def prune(
     older_than: Annotated[
@@ -292,6 +300,9 @@ def prune(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Say what would be evicted; evict nothing")
     ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Evict even when that is every agent's cache, without asking")
+    ] = False,
     cache_dir: CacheDir = None,
     store: Store = None,
     blocks: Blocks = None,
@@ -299,16 +310,29 @@ def prune(
     """Evict agent caches least recently used first: those unused for --older-than, then
     more until every model's caches together fit --max-size (blocks other agents share stay;
     LangGraph checkpoints stay: a thread resumed from an evicted cache prefills). With a
-    shared store, only this directory's copies go."""
+    shared store, only this directory's copies go. Sizes and ages take a unit (5GB, 7d);
+    a prune that would evict every agent asks first (--yes: don't)."""
     budget = StorageBudget.of(
-        checked(parse_size, max_size, "--max-size"), checked(parse_age, older_than, "--older-than")
+        checked(parse_size, _with_unit(max_size, "--max-size", "5GB, 500MB, 2GiB"), "--max-size"),
+        checked(parse_age, _with_unit(older_than, "--older-than", "7d, 12h, 30m"), "--older-than"),
     )
     if budget is None:
         raise typer.BadParameter("give --older-than and/or --max-size")
     with all_stores(cache_dir, store, blocks) as stores, contextlib.ExitStack() as locks:
         for one in stores:  # no save of another process lands between the plan and the deletes
             locks.enter_context(one.locked())
-        report = enforce(stores, budget, dry_run=dry_run)
+        report = enforce(stores, budget, dry_run=True)
+        planned = sum(not is_internal(agent) for _, agent in report.evicted)
+        every = sum(not is_internal(agent) for one in stores for agent, _ in one.usage().agents)
+        if not dry_run and planned and planned == every and not yes:
+            # NOTE: a size read as bytes once deleted all 26 agents' caches; a prune that
+            # empties the store is said first (a pipe or a script answers no: --yes)
+            ask = f"this evicts every agent's cache ({every}); go on?"
+            if not typer.confirm(ask, default=False, err=True):
+                typer.echo("nothing evicted (--yes evicts every agent's cache without asking)", err=True)
+                raise typer.Exit(code=1)
+        if not dry_run:
+            report = enforce(stores, budget)
     verb = "would evict" if dry_run else "evicted"
     agents = [(fp, agent) for fp, agent in report.evicted if not is_internal(agent)]
     for fp, agent in agents:
@@ -322,6 +346,8 @@ def prune(
     )
     if report.over_budget:
         typer.echo(
-            f"still over {max_size}: what is left cannot be evicted (saves not yet uploaded)", err=True
+            f"still over {max_size}: what is left cannot be evicted"
+            + (" (saves not yet uploaded to the shared store)" if store else ""),
+            err=True,
         )
         raise typer.Exit(code=1)

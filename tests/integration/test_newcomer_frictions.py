@@ -1,10 +1,12 @@
 """What a newcomer met first (issue 66, tried 12-06), each pinned: the server's front door
 (``GET /`` and Claude Code's ``HEAD /`` probe), token counts that left out a request's tools
 when it had no system message (7 tokens counted against 179 read), and the command line's
-~50-line tracebacks for a user's mistake."""
+~50-line tracebacks for a user's mistake, and ``cache prune``'s sizes and ages read without a
+unit (``--max-size 5`` evicted all 26 agents' caches as 5 bytes)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,8 +17,11 @@ import httpx
 import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 from services import app_on_loopback
+from typer.testing import CliRunner
 
 from langchain_agent_memory import ChatAgentMemory
+from langchain_agent_memory.cli.main import app
+from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.server import ServerConfig, create_app
 
@@ -88,3 +93,41 @@ def test_a_users_mistake_is_one_line_not_a_traceback(args: list[str], says: str,
     assert says in done.stderr and done.stderr.startswith("error: "), done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "[NOTE]" not in done.stderr
     assert len(done.stderr.strip().splitlines()) <= 2, done.stderr
+
+
+@pytest.fixture
+def three_agents(smollm: LoadedModel, tmp_path: Path) -> str:
+    """A cache directory holding three agents' caches."""
+    engine = Engine(MODEL, cache_dir=tmp_path)
+    for i in range(3):
+        engine.generate(f"agent-{i}", f"Agent {i} writes a line:", GenerationParams(max_tokens=2))
+    engine.flush()  # the saves are written in the background
+    return str(tmp_path)
+
+
+def _agents(cache_dir: str) -> set[str]:
+    listing = CliRunner().invoke(app, ["cache", "ls", "--cache-dir", cache_dir, "--format", "json"])
+    return {r["agent"] for r in json.loads(listing.output)}
+
+
+@pytest.mark.parametrize(("flag", "bare"), [("--max-size", "5"), ("--older-than", "7")])
+def test_prune_refuses_a_size_or_an_age_without_a_unit(three_agents: str, flag: str, bare: str) -> None:
+    # ``--max-size 5`` was read as 5 bytes and evicted every agent
+    done = CliRunner().invoke(app, ["cache", "prune", flag, bare, "--cache-dir", three_agents])
+    assert done.exit_code == 2 and "has no unit" in done.output, done.output
+    assert _agents(three_agents) == {"agent-0", "agent-1", "agent-2"}
+    fits = CliRunner().invoke(app, ["cache", "prune", "--max-size", "5GB", "--older-than", "7d",
+                                    "--cache-dir", three_agents])  # fmt: skip
+    assert fits.exit_code == 0 and "evicted 0 agent cache(s)" in fits.output, fits.output
+
+
+def test_prune_that_evicts_every_agent_asks_first(three_agents: str) -> None:
+    everything = ["cache", "prune", "--max-size", "1B", "--cache-dir", three_agents]
+    declined = CliRunner().invoke(app, everything, input="n\n")
+    assert declined.exit_code == 1 and "every agent's cache (3)" in declined.output, declined.output
+    assert _agents(three_agents) == {"agent-0", "agent-1", "agent-2"}
+    plan = CliRunner().invoke(app, [*everything, "--dry-run"])  # a plan asks nothing
+    assert "would evict 3 agent cache(s)" in plan.output and "go on?" not in plan.output, plan.output
+    done = CliRunner().invoke(app, [*everything, "--yes"])
+    assert "evicted 3 agent cache(s)" in done.output, done.output  # (1 B is never met: exit 1)
+    assert _agents(three_agents) == set()
