@@ -78,8 +78,10 @@ class ChatAgentMemory(BaseChatModel):
     """Chat model on a local MLX model with a persistent KV cache per agent.
 
     Args:
-        model: a shipped model name (``smollm2-135m``, ``gemma3-270m``), an mlx-lm model
-            directory or a ``.gguf`` file; default ``AGENT_MEMORY_MODEL`` or ``smollm2-135m``.
+        model: a shipped model name (``smollm2-135m``, ``gemma3-270m``), a Hugging Face repo
+            id of an mlx-lm model (``mlx-community/gemma-3-1b-it-qat-4bit``, downloaded once),
+            an mlx-lm model directory or a ``.gguf`` file; default ``AGENT_MEMORY_MODEL`` or
+            ``smollm2-135m``.
         agent_id: the cache to use; default: per LangGraph thread and node (see
             ``namespace``), ``"default"`` outside a graph. Per call: ``agent_id=`` kwarg.
         temperature, top_p, top_k, min_p, seed: sampling (``temperature=0``: greedy; ``top_k=0``
