@@ -80,9 +80,9 @@ def prompt_counts(url: str, headers: dict[str, str] | None = None) -> PromptCoun
     return PromptCounts(tokens, replies)
 
 
-def _run(argv: Sequence[str], env: dict[str, str], cwd: Path, timeout_s: float) -> str:
+def _run(argv: Sequence[str], env: dict[str, str], cwd: Path, timeout_s: float, check: bool = True) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout_s)
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         raise RuntimeError(
             f"{Path(argv[0]).name} exited {done.returncode}: {(done.stderr or done.stdout)[-3000:]}"
         )
@@ -115,8 +115,10 @@ class ClaudeCode:
     timeout_s: float = 600
     exe: Path | None = field(default_factory=lambda: harness_bin("claude"))
 
-    def turn(self, prompt: str, *, resume: bool = False) -> dict[str, Any]:
-        """One turn (a new session, or ``resume``: ``--continue``); its JSON result."""
+    def turn(self, prompt: str, *, resume: bool = False, check: bool = True) -> dict[str, Any]:
+        """One turn (a new session, or ``resume``: ``--continue``); its JSON result.
+        ``check``: raise where Claude Code says the turn failed (a reply cut by
+        ``max_tokens`` is one: a base model that never stops)."""
         assert self.exe is not None, "Claude Code is not installed: scripts/setup.sh --dev"
         self.work.mkdir(parents=True, exist_ok=True)
         env = _home_env(
@@ -132,9 +134,9 @@ class ClaudeCode:
         if self.max_output_tokens is not None:
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(self.max_output_tokens)
         argv = [str(self.exe), "-p", prompt, *(["--continue"] if resume else []), *self.args]
-        out = _run([*argv, "--output-format", "json"], env, self.work, self.timeout_s)
+        out = _run([*argv, "--output-format", "json"], env, self.work, self.timeout_s, check)
         result: dict[str, Any] = json.loads(out)
-        if result.get("is_error"):
+        if check and result.get("is_error"):
             raise RuntimeError(f"Claude Code's turn failed: {result.get('result')}")
         return result
 
@@ -168,11 +170,13 @@ class CodexCli:
             f"stream_idle_timeout_ms = {int(self.timeout_s * 1000)}\n"
         )
 
-    def turn(self, prompt: str, *, resume: bool = False) -> str:
-        """One turn (a new session, or ``resume``: ``resume --last``); what it printed."""
+    def turn(self, prompt: str, *, resume: bool = False, check: bool = True) -> str:
+        """One turn (a new session, or ``resume``: ``resume --last``); what it printed.
+        ``check``: raise where it exits with an error (a reply cut by the server's
+        ``--max-tokens-limit`` is one)."""
         assert self.exe is not None, "the Codex CLI is not installed: scripts/setup.sh --dev"
         self.work.mkdir(parents=True, exist_ok=True)
         env = _home_env(self.home, CODEX_HOME=str(self.home), AGENT_MEMORY_KEY="unused")
         argv = [str(self.exe), "exec", "--skip-git-repo-check", *self.args]
         argv += ["resume", "--last", prompt] if resume else [prompt]
-        return _run(argv, env, self.work, self.timeout_s)
+        return _run(argv, env, self.work, self.timeout_s, check)
