@@ -1,16 +1,21 @@
 """What a user's SSD pays per conversation turn: the bytes each turn's save writes (its new
-tokens' rows: new blocks, and a segment continuing the last, partly filled one), and
+tokens' rows: new blocks, a segment continuing the last, partly filled one, and a block the
+turn fills written whole: its earlier rows again, ``compaction``), and
 everything the process wrote (``/proc/self/io``'s ``write_bytes``: block files, the index
 and its journal), against the new tokens' K/V at the default format (the floor: what any
 store of them must write) and against rewriting the agent's whole cache each turn (what
 the reference system did).
 
-    .venv/bin/python benchmarks/turn_writes.py [--turns 50] [--kv-bits 4]
+    .venv/bin/python benchmarks/turn_writes.py [--turns 50] [--kv-bits 4] [--answer-tokens 32]
+        [--restore-at 50 200]
 
 One agent on the default model, a ~1.2K-token system prompt (Python reference manual),
-short questions, 32-token answers; each turn's save waited for before the next. Then what
-the segments cost a restore: a fresh engine's warm load of the agent against the same text
-stored whole. Writes benchmarks/results/turn_writes.json and .png.
+short questions, answers of up to 32 tokens (200 turns of them pass the model's 8K context:
+``--answer-tokens 12``); each turn's save waited for before the next. After the
+turns of ``--restore-at`` (and the last), what the way it was written costs a restore: a
+fresh engine's warm load of the agent against the same text stored whole (written in one
+turn), side by side, median of 3. Writes benchmarks/results/turn_writes.json and .png
+(``--out NAME``: NAME.json and NAME.png).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import json
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
 
 HERE = Path(__file__).resolve().parent
 QUESTIONS = [
@@ -37,9 +44,11 @@ QUESTIONS = [
 
 
 def _restores(eng: Any, tmp: str, kv_bits: int, repeats: int = 3) -> dict[str, Any]:
-    """What the segments cost a restore: a fresh engine's warm load of the agent (its blocks
-    continued turn by turn) against the same text written in one turn (whole blocks, in a
-    directory of its own), side by side, median of ``repeats``."""
+    """What the way the agent was written costs a restore: a fresh engine's warm load of it
+    (its blocks written turn by turn) against the same text written in one turn (whole
+    blocks, in a directory of its own), side by side, median of ``repeats``. Each load is
+    of a fork (``probe``, deleted after): its save leaves the agent as the turns left it."""
+    import shutil
     import statistics
 
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
@@ -47,28 +56,47 @@ def _restores(eng: Any, tmp: str, kv_bits: int, repeats: int = 3) -> dict[str, A
     text = eng.admin.cached_text("agent")
     one = GenerationParams(max_tokens=1)
     whole_dir = tempfile.mkdtemp(prefix="turn-writes-whole-")
-    Engine(cache_dir=whole_dir, kv_bits=kv_bits).generate("agent", text, one).wait_saved()
-    times: dict[str, list[float]] = {"segments": [], "whole": []}
+    writer = Engine(cache_dir=whole_dir, kv_bits=kv_bits)
+    writer.generate("agent", text, one).wait_saved()
+    times: dict[str, list[float]] = {"turns": [], "whole": []}
     for _ in range(repeats):
-        for kind, where in (("segments", tmp), ("whole", whole_dir)):
+        for kind, owner, where in (("turns", eng, tmp), ("whole", writer, whole_dir)):
+            owner.admin.fork("agent", "probe")
             fresh = Engine(cache_dir=where, kv_bits=kv_bits)
-            r = fresh.generate("agent", fresh.admin.cached_text("agent") + " ok", one)
+            r = fresh.generate("probe", fresh.admin.cached_text("probe") + " ok", one)
             assert str(r.outcome).startswith("warm"), r.outcome
             times[kind].append(r.timings.load_s)
             fresh.close()
+            owner.admin.delete("probe")
+    writer.close()
+    shutil.rmtree(whole_dir, ignore_errors=True)
     record = eng.admin.store.get_agent("agent")
+    assert record is not None
+    turns_s, whole_s = statistics.median(times["turns"]), statistics.median(times["whole"])
     return {
-        "restore_segments_s": statistics.median(times["segments"]),
-        "restore_whole_s": statistics.median(times["whole"]),
-        "chain_blocks": len(record.chain) if record else 0,
-        "segment_parts": len(record.priors) if record else 0,
+        "cached_tokens": len(record.token_ids),
+        "restore_turns_s": turns_s,
+        "restore_whole_s": whole_s,
+        "restore_ratio": turns_s / whole_s,
+        "chain_blocks": len(record.chain),
+        "segment_parts": len(record.priors),
     }
+
+
+def _refilled(before: int, after: int) -> int:
+    """Rows a turn from ``before`` to ``after`` tokens writes again: the earlier rows of the
+    block it fills (written whole), none where it fills none (block 0 is always whole)."""
+    b, m = divmod(before, BLOCK_TOKENS)
+    return m if b > 0 and after >= (b + 1) * BLOCK_TOKENS else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--kv-bits", type=int, default=4)
+    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("--out", default="turn_writes", help="results/OUT.json and .png")
+    ap.add_argument("--restore-at", type=int, nargs="*", default=[50], help="and after the last turn")
     a = ap.parse_args()
 
     from rich.console import Console
@@ -79,7 +107,7 @@ def main() -> None:
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
 
     console = Console()
-    rows = []
+    rows, restores = [], []
     with tempfile.TemporaryDirectory() as tmp:
         eng = Engine(cache_dir=tmp, kv_bits=a.kv_bits)
         system = "Answer briefly using this text.\n\n" + corpus.python_docs_topic("for") * 2
@@ -89,7 +117,7 @@ def main() -> None:
             messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
             prompt = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             io_before = _written()
-            r = eng.generate("agent", prompt, GenerationParams(max_tokens=32))
+            r = eng.generate("agent", prompt, GenerationParams(max_tokens=a.answer_tokens))
             r.wait_saved()
             io_bytes = _written() - io_before
             messages.append({"role": "assistant", "content": r.text})
@@ -100,6 +128,7 @@ def main() -> None:
             if not per_token and len(record.token_ids) >= 256:  # one whole block's tensors: the format's rate
                 per_token = _block_tensor_bytes(eng, record.blocks[0]) / 256
             new_tokens = len(record.token_ids) - cached_before
+            refilled = _refilled(cached_before, len(record.token_ids)) if turn else 0
             cached_before = len(record.token_ids)
             rows.append(
                 {
@@ -109,14 +138,19 @@ def main() -> None:
                     "cached_tokens": len(record.token_ids),
                     "new_tokens": new_tokens,
                     "new_tokens_kv_bytes": round(new_tokens * per_token),
+                    "compaction_kv_bytes": round(refilled * per_token),
                     "bytes_written": r.bytes_written,
                     "process_bytes_written": io_bytes,
                     "whole_cache_bytes": whole,
                     "block_files": len(files),
                     "outcome": str(r.outcome),
+                    "segment_parts": len(record.priors),
                 }
             )
-        restore = _restores(eng, tmp, a.kv_bits)
+            if turn + 1 in a.restore_at or turn + 1 == a.turns:
+                restores.append({"turns": turn + 1, **_restores(eng, tmp, a.kv_bits)})
+                console.print(restores[-1])
+        eng.close()
     table = Table(title=f"bytes written per turn (KV {a.kv_bits}-bit)")
     for c in ("turn", "outcome", "new tok", "cached tok", "new tokens' KV", "save wrote", "process wrote",
               "whole cache", "save / new KV", "process / new KV"):  # fmt: skip
@@ -136,6 +170,7 @@ def main() -> None:
     new_kv = sum(r["new_tokens_kv_bytes"] for r in later)
     summary = {
         "turns": len(rows),
+        "answer_tokens": a.answer_tokens,
         # after the first turn (whose system prompt is new tokens too)
         "save_over_new_kv": sum(r["bytes_written"] for r in later) / new_kv,
         "process_over_new_kv": sum(r["process_bytes_written"] for r in later) / new_kv,
@@ -146,12 +181,24 @@ def main() -> None:
         "total_written": sum(r["bytes_written"] for r in rows),
         "total_process_written": sum(r["process_bytes_written"] for r in rows),
         "total_if_rewritten_whole": sum(r["whole_cache_bytes"] for r in rows),
-        **restore,
+        # the earlier rows of blocks the turns filled, written again whole
+        "compaction_over_new_kv": sum(r["compaction_kv_bytes"] for r in later) / new_kv,
+        "max_segment_parts": max(r["segment_parts"] for r in rows),
+        "restores": restores,
     }
     console.print(summary)
+    restored = Table(title="a fresh engine's warm restore (median of 3)")
+    for c in ("turns", "cached tok", "blocks", "segment parts", "written by turns", "written whole", "ratio"):
+        restored.add_column(c, justify="right")
+    for x in restores:
+        restored.add_row(
+            str(x["turns"]), str(x["cached_tokens"]), str(x["chain_blocks"]), str(x["segment_parts"]),
+            f"{x['restore_turns_s']:.3f} s", f"{x['restore_whole_s']:.3f} s", f"{x['restore_ratio']:.2f}x",
+        )  # fmt: skip
+    console.print(restored)
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "turn_writes.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    (out / f"{a.out}.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
 
     import matplotlib
 
@@ -166,8 +213,8 @@ def main() -> None:
     ax.set_ylabel("MB")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "turn_writes.png", dpi=120)
-    console.print(f"wrote {out / 'turn_writes.json'} and turn_writes.png")
+    fig.savefig(out / f"{a.out}.png", dpi=120)
+    console.print(f"wrote {out / a.out}.json and .png")
 
 
 def _written() -> int:

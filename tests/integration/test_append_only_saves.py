@@ -1,11 +1,16 @@
 """A turn's save writes its own tokens' K/V only: the agent's partly filled last block is
-continued by a segment of the new rows (``Block.rows_from``), not written again whole. The
-chain still reloads token for token like the hot run, every record names the blocks its
-segments continue (a fork or a sharer outlives the agent that wrote them), and a damaged
-block under a segment costs a prefill, never a save."""
+continued by a segment of the new rows (``Block.rows_from``), not written again whole; a
+turn that fills the block writes it whole (one file, the block a one-turn save of the same
+text writes and shares), so that a restore reads one file per full block and one segment
+chain at most (the last block's). The chain still reloads token for token like the hot
+run, every record names the blocks its segments continue (a fork outlives the agent that
+wrote them), a damaged block under a segment costs a prefill, never a save, and a crash
+between a filled block's write and its record leaves the agent as its last save left it."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 from pathlib import Path
 
@@ -15,7 +20,8 @@ from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
+from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=10)
 SYSTEM = corpus.apache_license()[:1900]  # ~400 tokens: block 1 is partly filled
@@ -40,20 +46,49 @@ def _conversation(engine: Engine, agent: str, turns: int) -> tuple[str, list[int
     return prompt, written, gained
 
 
+def _refilled(before: int, after: int) -> int:
+    """The rows a turn from ``before`` to ``after`` tokens writes again: those its save
+    wrote before in the block it fills (then written whole), none where it fills none."""
+    b, m = divmod(before, BLOCK_TOKENS)
+    return m if b > 0 and after >= (b + 1) * BLOCK_TOKENS else 0
+
+
+def _assert_full_blocks_whole(store: DiskBlockStore, record: AgentRecord) -> None:
+    """Each full block of ``record``'s chain is one whole file, and the only segments the
+    record names are the last, partly filled block's chain: a restore reads one file per
+    full block."""
+    full = len(record.token_ids) // BLOCK_TOKENS
+    for h in record.chain[:full]:
+        assert store.prior_of(h) is None and h not in record.priors, f"block {h[:12]} is a segment"
+    last, parts = record.chain[-1], set()
+    while last in record.priors:
+        parts.add(last)
+        last = record.priors[last]
+    assert set(record.priors) == parts
+
+
 @pytest.mark.parametrize("kv_bits", [None, 4])
-def test_a_turn_writes_its_new_tokens_and_the_chain_reloads_like_the_hot_run(
+def test_a_turn_writes_its_new_tokens_a_block_it_fills_whole_and_the_chain_reloads_like_the_hot_run(
     smollm: LoadedModel, tmp_path: Path, kv_bits: int | None
 ) -> None:
     hot = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=kv_bits)
     prompt, written, gained = _conversation(hot, "a", 6)
-    record = hot.admin.store.get_agent("a")
-    assert record is not None and len(record.token_ids) > 2 * BLOCK_TOKENS  # block 1 filled by segments
-    assert len(record.priors) >= 4  # ... and block 2 begun
+    store = hot.admin.store
+    record = store.get_agent("a")
+    assert record is not None and len(record.token_ids) > 2 * BLOCK_TOKENS  # block 1 filled by turns
+    assert record.priors  # ... and block 2 continued by a segment
+    _assert_full_blocks_whole(store, record)
+    # The segments block 1 was written in are gone: nothing names them.
+    assert set(store.block_hashes()) == set(record.blocks)
     # Turns 2-6 write what their tokens take, the same bytes per token whatever the length of
-    # the block they continue (a rewrite of that block grew with it: 3.5x on average).
-    per_token = {w / g for w, g in zip(written[1:], gained[1:], strict=True)}
-    assert len(per_token) == 1, (written, gained)
-    assert written[0] >= gained[0] * min(per_token)  # turn 1: whole blocks (block 0's head at 16 bits)
+    # the block they continue (a rewrite of that block grew with it: 3.5x on average); the
+    # turn that fills block 1 writes it whole, its earlier rows again, and no other turn does.
+    ends = list(itertools.accumulate(gained))
+    rows = [g + _refilled(x, y) for x, y, g in zip(ends[:-1], ends[1:], gained[1:], strict=True)]
+    assert sum(r > g for r, g in zip(rows, gained[1:], strict=True)) == 1, (rows, gained)
+    per_row = {w / r for w, r in zip(written[1:], rows, strict=True)}
+    assert len(per_row) == 1, (written, rows)
+    assert written[0] >= gained[0] * min(per_row)  # turn 1: whole blocks (block 0's head at 16 bits)
 
     # Reload (a new engine: nothing in memory) continues token for token like the hot one.
     nxt = prompt + "\nQ9: Summarize it.\nA:"
@@ -66,11 +101,11 @@ def test_a_turn_writes_its_new_tokens_and_the_chain_reloads_like_the_hot_run(
 
 
 def test_forks_and_sharers_keep_the_blocks_segments_continue(smollm: LoadedModel, tmp_path: Path) -> None:
-    """The writer of the segments is deleted: a fork of it and an agent that reused its
-    whole blocks by content (SHARED) still reload, because their records name the blocks
-    under those segments too."""
+    """The writer of the segments is deleted: a fork of it still reloads, because its record
+    names the blocks under its last block's segment too; an agent that reused its full
+    blocks by content (SHARED) reloads as well, and names no segment (they are whole)."""
     eng = Engine("smollm2-135m", cache_dir=tmp_path)
-    prompt, _, _ = _conversation(eng, "writer", 5)
+    prompt, _, _ = _conversation(eng, "writer", 6)
     eng.admin.fork("writer", "fork")
     shared = eng.generate("sharer", prompt + "\nQ7: Is it permissive?\nA:", GREEDY)
     eng.flush()
@@ -79,13 +114,93 @@ def test_forks_and_sharers_keep_the_blocks_segments_continue(smollm: LoadedModel
     store = eng.admin.store
     for agent in ("fork", "sharer"):
         record = store.get_agent(agent)
-        assert record is not None and record.priors
+        assert record is not None and bool(record.priors) == (agent == "fork")
         assert all(store.has_block(h) for h in record.blocks), agent
     fresh = Engine("smollm2-135m", cache_dir=tmp_path)
     for agent in ("fork", "sharer"):
         text = fresh.admin.cached_text(agent)
         again = fresh.generate(agent, text + " And?", GREEDY)
         assert str(again.outcome) == "warm-extend", agent
+
+
+def test_a_filled_block_is_the_block_a_one_turn_save_of_its_text_writes_and_shares(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """The block a conversation filled turn by turn is the one a save of the same text in one
+    turn writes (same hash, one whole file of the same size), and an agent that starts with
+    that text reuses it by content, naming no segment of it."""
+    eng = Engine("smollm2-135m", cache_dir=tmp_path / "turns")
+    _conversation(eng, "a", 6)
+    store = eng.admin.store
+    record = store.get_agent("a")
+    assert record is not None
+    full = len(record.token_ids) // BLOCK_TOKENS
+    text, one = eng.admin.cached_text("a"), GenerationParams(max_tokens=1)
+    whole = Engine("smollm2-135m", cache_dir=tmp_path / "whole")
+    whole.generate("a", text, one)
+    whole.flush()
+    written = whole.admin.store.get_agent("a")
+    assert written is not None and written.chain[:full] == record.chain[:full]
+    for h in record.chain[:full]:
+        assert store.block_path(h).stat().st_size == whole.admin.store.block_path(h).stat().st_size
+
+    shared = eng.generate("sharer", text, one)
+    eng.flush()
+    assert shared.outcome.match is MatchKind.SHARED and shared.reused_tokens == full * BLOCK_TOKENS
+    sharer = store.get_agent("sharer")
+    assert sharer is not None and sharer.chain[:full] == record.chain[:full]
+    _assert_full_blocks_whole(store, sharer)
+    assert all(store.refcount(h) == 2 for h in record.chain[:full])
+
+
+class _Crash(BaseException):
+    """The process dies here: nothing after it runs (no handler of the save's catches it)."""
+
+
+def test_a_crash_between_a_filled_blocks_write_and_its_record_leaves_the_last_save(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save of the turn that fills block 1 writes that block whole, then dies before its
+    record: the agent reloads as the turn before left it (its segments all there) and
+    answers as the hot run did; the next save names the whole block written before the
+    crash and releases the segments."""
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None)
+    store, crashed = eng.admin.store, []
+    put_agent = store.put_agent
+
+    def dies_filling_block_1(record: AgentRecord, *args: object) -> int:
+        if len(record.token_ids) >= 2 * BLOCK_TOKENS:
+            crashed.append(record)
+            raise _Crash
+        return put_agent(record, *args)
+
+    monkeypatch.setattr(store, "put_agent", dies_filling_block_1)
+    prompt = SYSTEM
+    for question in QUESTIONS:
+        prompt += question
+        reply = eng.generate("a", prompt, GREEDY)
+        with contextlib.suppress(_Crash):
+            eng.flush()
+        if crashed:
+            break
+        prompt += reply.text
+    (record,) = crashed
+    filled = record.chain[1]
+    assert store.has_block(filled) and store.prior_of(filled) is None  # written whole, durable
+    last = store.get_agent("a")
+    assert last is not None and len(last.token_ids) < 2 * BLOCK_TOKENS and last.priors
+    monkeypatch.undo()
+    eng.close()
+
+    fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None)
+    again = fresh.generate("a", prompt, GREEDY)
+    assert str(again.outcome) == "warm-extend" and again.reused_tokens == len(last.token_ids)
+    assert again.text == reply.text  # at 16 bits the stored rows are the computed ones
+    fresh.flush()
+    healed = fresh.admin.store.get_agent("a")
+    assert healed is not None and healed.chain[1] == filled
+    _assert_full_blocks_whole(fresh.admin.store, healed)
+    assert set(fresh.admin.store.block_hashes()) == set(healed.blocks)
 
 
 def test_a_damaged_block_under_a_segment_costs_a_prefill_and_the_next_save_mends_it(
@@ -122,7 +237,7 @@ def test_another_worker_reads_a_segmented_chain_through_the_shared_store(
     chain from the store with the blocks its segments continue, and answers like A."""
     store, blocks = shared_store
     with Engine("smollm2-135m", cache_dir=tmp_path / "a", kv_bits=None, store=store, blocks=blocks) as a:
-        prompt, _, _ = _conversation(a, "agent", 4)
+        prompt, _, _ = _conversation(a, "agent", 3)  # block 1 not filled
         record = a.admin.store.get_agent("agent")
         assert record is not None and record.priors
         nxt = prompt + "\nQ8: Anything else?\nA:"
