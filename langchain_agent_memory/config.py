@@ -34,6 +34,7 @@ Environment variables (prefix ``AGENT_MEMORY_``):
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 from typing import Literal
 
@@ -71,3 +72,19 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """Settings read from the environment now (cheap; not cached, so tests can override)."""
     return Settings()
+
+
+def install_hint(extra: str) -> str:
+    """A pip command that installs ``extra``'s requirements, read from the installed
+    package's own metadata. NOTE: ``pip install 'langchain-agent-memory[server]'`` fails
+    (the package is not on PyPI), and a user may hold a clone, a wheel or an editable
+    install: the requirements themselves install from any of those."""
+    markers = (f"extra == '{extra}'", f'extra == "{extra}"')
+    try:
+        listed = requires("langchain-agent-memory") or []
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        listed = []
+    wanted = [r.partition(";")[0].strip() for r in listed if any(m in r.partition(";")[2] for m in markers)]
+    if not wanted:
+        return f"pip install -e '.[{extra}]' in a clone of the repository"
+    return "pip install " + " ".join(f"'{w}'" for w in wanted)

@@ -28,3 +28,13 @@ def test_the_server_extras_hint_installs_its_requirements_not_the_unpublished_pa
 def test_the_model_parameter_names_repo_ids() -> None:
     assert "mlx-community/" in (ChatAgentMemory.__doc__ or "")
     assert "repo id" in (ROOT / "docs" / "guides" / "chat-model.md").read_text()
+
+
+def test_the_backend_hints_install_mlxs_backend_not_the_unpublished_package() -> None:
+    """What ``engine.ops.runtime`` says when mlx loads no backend: ``[cpu]`` / ``[cuda]`` of
+    an unpublished package failed; the extras' own requirements install."""
+    source = (ROOT / "langchain_agent_memory" / "engine" / "ops" / "runtime.py").read_text()
+    assert "langchain-agent-memory[" not in source
+    for extra, wanted in (("cpu", "mlx[cpu]"), ("cuda", "mlx[cuda13]")):
+        hint = install_hint(extra)
+        assert wanted in hint and "langchain-agent-memory[" not in hint, hint

@@ -111,9 +111,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 try:
     import mlx.core as mx  # must follow the BLAS preload
 except (ImportError, OSError) as exc:  # Linux: mlx installed without a backend
+    from ...config import install_hint  # the package is not on PyPI: its extras' requirements
+
     raise ImportError(
         f"mlx cannot load a backend ({exc}). On Linux mlx's backend is an extra: "
-        "pip install 'langchain-agent-memory[cpu]', or '[cuda]' on an NVIDIA GPU (CUDA 13; '[cuda12]')"
+        f"{install_hint('cpu')} (the CPU), or {install_hint('cuda')} (an NVIDIA GPU, CUDA 13; "
+        f"{install_hint('cuda12')} for CUDA 12)"
     ) from exc
 
 if sys.platform.startswith("linux") and not mx.metal.is_available():
