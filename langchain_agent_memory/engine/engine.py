@@ -145,7 +145,7 @@ class Engine:
         if device.on_gpu():
             # The kernels of a first turn compiled before any request waits for them; the
             # worker runs this first, off the constructor's path (``ModelRunner.warm_up``).
-            self._worker.submit(self._warm_up, runner)
+            self._worker.submit(runner.warm_up, self.agents.new_layers, self.tokenizer)
         self._steps = steps = RequestSteps(
             self.agents, runner, self.tokenizer, context_length,
             self.lm.name, lambda save: self.admin.queue_save(save), cfg.share_prefixes,
@@ -169,15 +169,6 @@ class Engine:
             bytes_written=lambda: self.pool.stats.bytes_written, check_open=self._check_open,
         )  # fmt: skip
         self.admin.storage_budget = cfg.storage_budget  # also bounds a shared store's saves waiting to upload
-
-    def _warm_up(self, runner: ModelRunner) -> None:
-        ids = self.tokenizer.encode("An agent's first turn compiles nothing: this one did. " * 30)
-        try:
-            runner.warm_up(self.agents.new_layers, ids[:320])
-        except Exception:  # only a first request's speed depends on it: said, not raised
-            logger.warning(
-                "the kernel warm-up at engine start failed (first requests compile)", exc_info=True
-            )
 
     @property
     def context_length(self) -> int:

@@ -64,7 +64,7 @@ def _find_mkl_rt() -> Path | None:
     return None
 
 
-#: mlx's GPU backends on Linux (``pip install langchain-agent-memory[cuda]``).
+#: mlx's GPU backends on Linux (the package's ``cuda`` extra: ``config.install_hint``).
 GPU_BACKENDS = ("mlx-cuda-13", "mlx-cuda-12")
 
 

@@ -9,6 +9,7 @@ mlx's global RNG is never touched.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from ..model.forward import decode_step, forward_of, prefill_chunk
 from ..ops import device
 from ..ops.runtime import mx
 from ..storage.blocks import BLOCK_TOKENS
+
+logger = logging.getLogger(__name__)
 
 #: A decode batch member: (request key, token to feed, its layer caches).
 Member = tuple[Hashable, int | mx.array, list[LayerCache]]
@@ -243,12 +246,22 @@ class ModelRunner:
         offsets = mx.array([c.offset for c in self._caches[0].caches])
         return [c.step(offsets) for c in self._caches]
 
-    def warm_up(self, new_layers: Callable[[], list[LayerCache]], ids: list[int]) -> None:
+    def warm_up(self, new_layers: Callable[[], list[LayerCache]], tokenizer: Any) -> None:
         """Run, with throwaway caches, the shapes of a first turn: a prefill chunk, its
         commit (the format's encoding), a short new turn over the stored form, and decode
         steps alone and batched; so that mlx compiles their kernels now (its CUDA build
         compiles each kernel on first use: about 0.4 s of a new process's first warm 32K
-        turn on the H100) instead of while a request waits. ``ids``: a few hundred tokens."""
+        turn on the H100) instead of while a request waits. A failure is logged: only a
+        first request's speed depends on it."""
+        try:
+            ids = tokenizer.encode("An agent's first turn compiles nothing: this one did. " * 30)[:320]
+            self._warm_up(new_layers, ids)
+        except Exception:
+            logger.warning(
+                "the kernel warm-up at engine start failed (first requests compile)", exc_info=True
+            )
+
+    def _warm_up(self, new_layers: Callable[[], list[LayerCache]], ids: list[int]) -> None:
         agents = [new_layers(), new_layers()]
         for layers in agents:
             self.prefill(ids, layers, last=True)
