@@ -18,6 +18,7 @@ key (when one is set), 404 for an unknown model, 413 for a body over the limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +42,7 @@ from . import replies, streams
 from .agent_routes import Caller, add_agent_routes, agent_header, agent_of, authorizer, served
 from .anthropic_routes import add_messages_routes
 from .context_scale import scaled, scaled_chunks
-from .dashboard import add_dashboard_routes
+from .dashboard import add_dashboard_routes, keep_disk_history
 from .errors import (
     APIError,
     BodyLimit,
@@ -163,7 +164,11 @@ def create_app(config: ServerConfig | None = None) -> FastAPI:
                 engine.context_length = config.context_length
             logger.info("serving %s (KV cache %s)", name, engine.fingerprint)
             models[name] = llm
+        sampler = asyncio.create_task(keep_disk_history(models, reply_metrics.history))
         yield
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
         # Saves run after the replies left: all of them written before the process ends
         # (SIGTERM re-raised by uvicorn ends it without the interpreter's exit hooks).
         for llm in models.values():

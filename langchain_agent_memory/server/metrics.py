@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import Engine, GenerationResult, is_internal
+from .history import History
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ReplyMetrics:
         #: replies' (time to first token, tokens generated, decode seconds).
         self.agents: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self.recent: dict[str, deque[tuple[float, int, float]]] = {}
+        #: The dashboard's charts: the same replies in time buckets (bounded, ``history``).
+        self.history = History()
         self._lock = threading.Lock()
 
     def observe(
@@ -99,6 +102,7 @@ class ReplyMetrics:
         self.generated.labels(model).inc(generated)
         self.ttft.labels(model).observe(ttft_s)
         self.decode.labels(model).observe(decode_s)
+        self.history.reply(model, cache, ttft_s=ttft_s, reused=reused, prefilled=max(0, prompt - reused))
 
     def result(self, model: str, result: GenerationResult, agent: str) -> None:
         """A plain completion's engine result."""

@@ -1,14 +1,20 @@
 """``/dashboard`` in a real browser: headless Chromium (Debian's ``chromium`` and
-``chromium-driver``, installed by ``scripts/setup.sh --dev``) driven by Selenium. The page
-asks for the key, lists the agents, and a message sent from its chat box comes back and
-makes the agent's row appear and grow. A screenshot is kept as the test's artifact."""
+``chromium-driver``, installed by ``scripts/setup.sh --dev``) driven by Selenium. Before a
+key the page is a login view (not the API's 401 JSON); with it, a message sent from its chat
+box comes back and makes the agent's row appear and grow, the charts over time draw that
+turn (time to first token by outcome, the hot / warm / cold share, tokens reused against
+prefilled, the disk), a reload keeps the transcript (the next turn still extends the
+agent's cache), and the agents are paged and searched. A screenshot is kept as the test's
+artifact."""
 
 from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from services import app_on_loopback, missing
 
@@ -17,10 +23,11 @@ from langchain_agent_memory.server import ServerConfig, create_app
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
+FORKS = 30  # over one page (25) of the list
 
 
 @pytest.fixture
-def browser() -> Iterator[object]:
+def browser() -> Iterator[Any]:
     driver_path = shutil.which("chromedriver")
     chrome = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if driver_path is None or chrome is None:
@@ -30,7 +37,7 @@ def browser() -> Iterator[object]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = chrome  # type: ignore[assignment]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
@@ -39,8 +46,17 @@ def browser() -> Iterator[object]:
         driver.quit()
 
 
-def test_the_dashboard_chats_with_an_agent_and_lists_it(
-    browser: object, smollm: LoadedModel, tmp_path: Path, figures: dict[str, str]
+def _chat(driver: Any, wait: Any, text: str, replies: int) -> str:
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "chat-text").send_keys(text)
+    driver.find_element(By.ID, "chat-send").click()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat-log .reply")) == replies)
+    return driver.find_elements(By.CSS_SELECTOR, "#chat-log .reply")[-1].text
+
+
+def test_the_dashboard_chats_charts_and_pages(
+    browser: Any, smollm: LoadedModel, tmp_path: Path, figures: dict[str, str]
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -49,31 +65,73 @@ def test_the_dashboard_chats_with_an_agent_and_lists_it(
     driver = browser
     config = ServerConfig(models=[MODEL], cache_dir=str(tmp_path / "cache"), api_key=KEY)
     with app_on_loopback(create_app(config)) as url:
-        driver.get(f"{url}/dashboard")  # type: ignore[attr-defined]
+        driver.get(f"{url}/dashboard")
         wait = WebDriverWait(driver, 120)
-        wait.until(ec.text_to_be_present_in_element((By.ID, "models"), "401"))  # no key yet
-        driver.find_element(By.ID, "key").send_keys(KEY)  # type: ignore[attr-defined]
-        driver.find_element(By.ID, "save-key").click()  # type: ignore[attr-defined]
+        # No key yet: the login view, and nothing of the API's 401 body on the page.
+        wait.until(ec.visibility_of_element_located((By.ID, "login-view")))
+        assert "API key" in driver.find_element(By.ID, "login-view").text
+        assert not driver.find_element(By.ID, "main").is_displayed()
+        assert "401" not in driver.find_element(By.TAG_NAME, "body").text
+        driver.find_element(By.ID, "key").send_keys("wrong")
+        driver.find_element(By.ID, "save-key").click()
+        wait.until(ec.text_to_be_present_in_element((By.ID, "login-error"), "refused"))
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        driver.find_element(By.ID, "save-key").click()
         wait.until(ec.text_to_be_present_in_element((By.ID, "models"), MODEL))
-        agent = driver.find_element(By.ID, "chat-agent")  # type: ignore[attr-defined]
+        assert not driver.find_element(By.ID, "login-view").is_displayed()
+
+        agent = driver.find_element(By.ID, "chat-agent")
         agent.clear()
         agent.send_keys("dashboard agent")
-        driver.find_element(By.ID, "chat-text").send_keys("Name a color.")  # type: ignore[attr-defined]
-        driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#chat-log .reply")))
-        reply = driver.find_element(By.CSS_SELECTOR, "#chat-log .reply").text  # type: ignore[attr-defined]
-        assert reply.startswith("dashboard agent → ") and "(cold)" in reply
-        row = '[data-agent="dashboard agent"] .tokens'
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, row)))
-        first = int(driver.find_element(By.CSS_SELECTOR, row).text)  # type: ignore[attr-defined]
+        first_reply = _chat(driver, wait, "Name a color.", 1)
+        assert first_reply.startswith("dashboard agent → ") and "(cold)" in first_reply
+        row = '[data-agent="dashboard agent"]'
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, row + " .tokens")))
+        first = int(driver.find_element(By.CSS_SELECTOR, row + " .tokens").text)
         assert first > 0
-        driver.find_element(By.ID, "chat-text").send_keys("And another?")  # type: ignore[attr-defined]
-        driver.find_element(By.ID, "chat-send").click()  # type: ignore[attr-defined]
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat-log .reply")) == 2)
-        assert "(hot-extend)" in driver.find_elements(By.CSS_SELECTOR, "#chat-log .reply")[1].text  # type: ignore[attr-defined]
-        wait.until(lambda d: int(d.find_element(By.CSS_SELECTOR, row).text) > first)
-        wait.until(ec.text_to_be_present_in_element((By.ID, "models"), "tokens/s"))
+        assert "(hot-extend)" in _chat(driver, wait, "And another?", 2)
+        wait.until(lambda d: int(d.find_element(By.CSS_SELECTOR, row + " .tokens").text) > first)
+        wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, row + " .hot-rate"), "50 % of 2"))
+
+        # The charts draw both turns: a cold and a hot-extend time to first token, hot and
+        # cold shares, reused and prefilled tokens, the disk sampled.
+        for css in (
+            '[data-chart="ttft"] path[data-series="cold"]',
+            '[data-chart="ttft"] path[data-series="hot-extend"]',
+            '[data-chart="share"] rect[data-series="hot"]',
+            '[data-chart="share"] rect[data-series="cold"]',
+            '[data-chart="tokens"] rect[data-series="reused"]',
+            '[data-chart="tokens"] rect[data-series="prefilled"]',
+            '[data-chart="disk"] path[data-series="disk"]',
+        ):
+            wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, css)))
         shot = tmp_path / "dashboard.png"
-        driver.save_screenshot(str(shot))  # type: ignore[attr-defined]
+        driver.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
-        figures["dashboard"] = f"chat and agent row checked in headless Chromium; screenshot {shot}"
+
+        # A reload keeps the transcript, and sends it whole: the third turn extends the cache
+        # (a transcript lost would send the new message alone: a diverge).
+        driver.refresh()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat-log .reply")) == 2)
+        wait.until(ec.text_to_be_present_in_element((By.ID, "models"), MODEL))  # the tab's key kept
+        assert driver.find_element(By.ID, "chat-agent").get_attribute("value") == "dashboard agent"
+        assert "(hot-extend)" in _chat(driver, wait, "One more?", 3)
+
+        # Paged and searched: forks of the agent over a page.
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}) as client:
+            for i in range(FORKS):
+                fork = f"/v1/agents/dashboard agent/fork?model={MODEL}"
+                r = client.post(fork, json={"to": f"fork-{i:02d}"})
+                assert r.status_code == 200, r.text
+        rows = "table.agents tbody tr"
+        wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, ".pager"), f"of {FORKS + 1}"))
+        assert len(driver.find_elements(By.CSS_SELECTOR, rows)) == 25
+        driver.find_element(By.CSS_SELECTOR, '.pager button[data-page="1"]').click()
+        wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, ".pager"), f"26–{FORKS + 1}"))
+        assert len(driver.find_elements(By.CSS_SELECTOR, rows)) == FORKS + 1 - 25
+        driver.find_element(By.ID, "agent-search").send_keys("fork-1")
+        wait.until(ec.text_to_be_present_in_element((By.CSS_SELECTOR, ".pager"), "1–10 of 10 matching"))
+        ids = {r.get_attribute("data-agent") for r in driver.find_elements(By.CSS_SELECTOR, rows)}
+        assert ids == {f"fork-1{i}" for i in range(10)}
+        checked = "login, chat, charts, reload and paging checked in headless Chromium"
+        figures["dashboard"] = f"{checked}; screenshot {shot}"
