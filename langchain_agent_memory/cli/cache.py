@@ -46,6 +46,7 @@ from .common import (
     cache_root,
     checked,
     emit,
+    model_label,
     size_text,
     stored_id,
     stores_of,
@@ -74,7 +75,8 @@ def ls(
     """List agents with a stored cache (never changes the store)."""
     rows = [
         {
-            "model": opened.fingerprint,
+            "model": model_label(opened.fingerprint),
+            "fingerprint": opened.fingerprint,
             "agent": record.agent_id,
             "tokens": len(record.token_ids),
             "blocks": len(record.blocks),
@@ -102,7 +104,7 @@ def show(
         found = True
         console = wide_console()
         named = agent if cache_id == agent else f"{agent} (cache {cache_id})"
-        console.print(f"[bold]{named}[/bold] in {opened.fingerprint}")
+        console.print(f"[bold]{named}[/bold] in {model_label(opened.fingerprint)}")
         console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
         for h in record.blocks:
             path = opened.block_path(h)
@@ -111,7 +113,7 @@ def show(
             console.print(f"  {h[:16]}  {size}")
         text = record.text
         shown = text if len(text) <= 2 * chars else text[:chars] + "\n[...]\n" + text[-chars:]
-        console.print(shown, markup=False, highlight=False)
+        console.print(shown, markup=False)
     if not found:
         raise typer.BadParameter(f"no stored cache for agent {agent!r}", param_hint="AGENT")
 
@@ -147,14 +149,14 @@ def rm(
         named = [(name, stored_id(opened, name)) for name in agents or []]
         for name, cache_id in named:
             if cache_id is None:
-                typer.echo(f"no stored cache for {name} ({opened.fingerprint})", err=True)
+                typer.echo(f"no stored cache for {name} ({model_label(opened.fingerprint)})", err=True)
         chosen = [cache_id for _, cache_id in named if cache_id is not None]
         for selector in selectors:
             chosen += [r.agent_id for r in opened.agents(selector)]
         chosen = list(dict.fromkeys(chosen))
         if dry_run:
             for agent in chosen:
-                typer.echo(f"would delete {agent} ({opened.fingerprint})")
+                typer.echo(f"would delete {agent} ({model_label(opened.fingerprint)})")
             continue
         if selectors and chosen and not yes and not typer.confirm(f"delete {len(chosen)} agent cache(s)?"):
             raise typer.Exit(code=1)
@@ -215,7 +217,7 @@ def verify(
             r = opened.verify(repair=repair)
             dangling += r.dangling
             rows.append({
-                "model": opened.fingerprint, "checked": r.checked, "missing": r.missing,
+                "model": model_label(opened.fingerprint), "checked": r.checked, "missing": r.missing,
                 "uploaded": r.uploaded, "marked missing": r.marked_missing, "dangling": r.dangling,
             })  # fmt: skip
     columns = ["model", "checked", "missing", "uploaded", "marked missing", "dangling"]
@@ -239,13 +241,14 @@ def _verify_local(cache_dir: Path | None, repair: bool) -> None:
                 except BlockMissingError:
                     missing += 1
                 except CacheFormatError as exc:
-                    typer.echo(f"damaged: {h[:16]} ({opened.fingerprint}): {exc}", err=True)
+                    typer.echo(f"damaged: {h[:16]} ({model_label(opened.fingerprint)}): {exc}", err=True)
                     bad.append(h)
             for h in bad if repair else ():
                 opened.quarantine_block(h)
             damaged += len(bad)
-            rows.append({"model": opened.fingerprint, "checked": len(named), "damaged": len(bad),
-                         "quarantined": len(bad) if repair else 0, "missing": missing})  # fmt: skip
+            rows.append({"model": model_label(opened.fingerprint), "checked": len(named),
+                         "damaged": len(bad), "quarantined": len(bad) if repair else 0,
+                         "missing": missing})  # fmt: skip
     columns = ["model", "checked", "damaged", "quarantined", "missing"]
     emit("stored blocks", rows, columns, "table", set(columns[1:]))
     if damaged:
@@ -264,7 +267,7 @@ def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
         bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
         agents = sum(not is_internal(agent) for agent, _ in usage.agents)
         rows.append({
-            "model": store.fingerprint, "agents": agents, "blocks": len(usage.sizes),
+            "model": model_label(store.fingerprint), "agents": agents, "blocks": len(usage.sizes),
             "bytes": usage.total, "size": size_text(usage.total), "quarantined": bad,
         })  # fmt: skip
     root = cache_root(cache_dir)
@@ -336,7 +339,7 @@ def prune(
     verb = "would evict" if dry_run else "evicted"
     agents = [(fp, agent) for fp, agent in report.evicted if not is_internal(agent)]
     for fp, agent in agents:
-        typer.echo(f"{verb} {agent} ({fp})")
+        typer.echo(f"{verb} {agent} ({model_label(fp)})")
     # A checkpointer's snapshots (``@snapshot:`` ids) go with the caches: counted apart.
     snapshots = len(report.evicted) - len(agents)
     also = f" and {snapshots} checkpoint snapshot(s)" if snapshots else ""

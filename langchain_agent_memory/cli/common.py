@@ -3,6 +3,7 @@ listings (table, text or JSON) and sizes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import get_settings
-from ..engine import Catalog, DiskBlockStore, SharedBlockStore, StoreConfig, open_store
+from ..engine import Catalog, DiskBlockStore, SharedBlockStore, StoreConfig, open_store, snapshot_repo
 
 if TYPE_CHECKING:
     pass
@@ -90,6 +91,20 @@ def all_stores(
     finally:
         for one in opened:
             one.close()
+
+
+@functools.lru_cache(maxsize=256)  # a listing names a store on every row
+def model_label(fingerprint: str) -> str:
+    """A store's model as people name it: a Hugging Face repo id's caches carry the
+    snapshot's commit hash where a shipped model's carry its name (the fingerprint starts
+    with the model directory's name), so the repo is looked up in the Hugging Face cache
+    and named first; otherwise (or once that snapshot is deleted) the fingerprint alone.
+
+    >>> model_label("smollm2-135m-b179c9523d0e6a0f-float32-v1-k6g64h")
+    'smollm2-135m-b179c9523d0e6a0f-float32-v1-k6g64h'
+    """
+    repo = snapshot_repo(fingerprint[:40]) if fingerprint[40:41] == "-" else None
+    return fingerprint if repo is None else f"{repo} ({fingerprint})"
 
 
 def checked(parse: Callable[[str], T], value: str | None, flag: str) -> T | None:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     )
     from .model.families import recorded_verdicts
     from .model.gguf_convert import convert_gguf
-    from .model.hub import cached_snapshot, hub_cache_dir, parse_repo_id
+    from .model.hub import cached_snapshot, hub_cache_dir, parse_repo_id, snapshot_repo
     from .model.loading import (
         DEFAULT_MODEL,
         SHIPPED_MODELS,
@@ -106,6 +106,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "cached_snapshot",
         "hub_cache_dir",
         "parse_repo_id",
+        "snapshot_repo",
     ),
     "model.loading": (
         "DEFAULT_MODEL",
@@ -211,6 +212,7 @@ __all__ = [
     "recorded_verdicts",
     "resolve_model_dir",
     "shared_engine",
+    "snapshot_repo",
     "tool_call_grammar",
     "trained_context",
     "unwatch_engines",

@@ -131,3 +131,32 @@ def test_prune_that_evicts_every_agent_asks_first(three_agents: str) -> None:
     done = CliRunner().invoke(app, [*everything, "--yes"])
     assert "evicted 3 agent cache(s)" in done.output, done.output  # (1 B is never met: exit 1)
     assert _agents(three_agents) == set()
+
+
+REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+COMMIT = "12fd25f77366fa6b3b4b768ec3050bf629380bac"  # a snapshot's folder name: its commit
+
+
+def test_a_repo_ids_caches_are_named_by_the_repo(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A repo id's model is read from the Hugging Face cache's snapshots/<commit>: its caches
+    # were listed under that hash alone.
+    hub = tmp_path / "hf"
+    snapshot = hub / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for f in smollm.path.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    engine = Engine(str(snapshot), cache_dir=tmp_path / "cache")
+    assert engine.fingerprint.startswith(COMMIT)
+    engine.generate("repo-agent", "Say hi:", GenerationParams(max_tokens=2))
+    engine.flush()
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    for command in (["ls"], ["du"], ["verify"], ["show", "repo-agent"]):
+        done = CliRunner().invoke(app, ["cache", *command, *cache])
+        assert done.exit_code == 0, done.output
+        assert f"{REPO} ({COMMIT}" in " ".join(done.output.split()), (command, done.output)
+    listing = CliRunner().invoke(app, ["cache", "ls", *cache, "--format", "json"])
+    (row,) = json.loads(listing.output)
+    assert row["model"].startswith(REPO) and row["fingerprint"] == engine.fingerprint

@@ -67,6 +67,22 @@ def hub_cache_dir() -> Path:
     return Path(os.path.expandvars(cache)).expanduser()
 
 
+def snapshot_repo(commit: str) -> str | None:
+    """The repo id whose snapshot in the Hugging Face cache is this commit, or None. A repo
+    id's model is read from ``.../models--org--name/snapshots/<commit>``, so its caches'
+    fingerprint starts with the commit hash: this names the repo for people.
+
+    >>> snapshot_repo("smollm2-135m") is None  # not a commit hash: no lookup
+    True
+    """
+    if len(commit) != 40 or any(c not in "0123456789abcdef" for c in commit):
+        return None
+    for snapshot in hub_cache_dir().glob(f"models--*/snapshots/{commit}"):
+        # huggingface_hub's folder name: "models--" + the id with "/" as "--" (an id holds no "--")
+        return snapshot.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
 def hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``), now or when huggingface_hub was imported."""
     value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
