@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .ops import runtime  # noqa: F401
 
 if TYPE_CHECKING:
-    from .admin import AgentInfo
+    from .admin import AgentInfo, shared_blocks
     from .config import EngineConfig, load_model, resolve_model_dir
     from .engine import Engine
     from .errors import (
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .requests.commits import Subscription
     from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
     from .storage.agent_ids import INTERNAL_PREFIX, is_internal, validate_agent_id
-    from .storage.blocks import AgentRecord
+    from .storage.blocks import AgentRecord, BlockHash
     from .storage.budget import StorageBudget, enforce, parse_age, parse_size
     from .storage.catalog import Catalog
     from .storage.pg_session import PgSession
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 #: the module (under this package) that defines each public name
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "admin": ("AgentInfo",),
+    "admin": ("AgentInfo", "shared_blocks"),
     "requests.commits": ("Subscription",),
     "config": (
         "EngineConfig",
@@ -134,7 +134,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "is_internal",
         "validate_agent_id",
     ),
-    "storage.blocks": ("AgentRecord",),
+    "storage.blocks": ("AgentRecord", "BlockHash"),
     "storage.budget": (
         "StorageBudget",
         "enforce",
@@ -163,6 +163,7 @@ __all__ = [
     "AgentInfo",
     "AgentNotFoundError",
     "AgentRecord",
+    "BlockHash",
     "BlockMissingError",
     "BlockPool",
     "BlocksUnavailableError",
@@ -211,6 +212,7 @@ __all__ = [
     "preset_name",
     "recorded_verdicts",
     "resolve_model_dir",
+    "shared_blocks",
     "shared_engine",
     "snapshot_repo",
     "tool_call_grammar",

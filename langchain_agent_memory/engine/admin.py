@@ -7,7 +7,8 @@ here goes through the engine's save thread or its store, never the model's threa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +21,17 @@ from .requests.commits import CommitFeed
 from .requests.saves import SaveQueue
 from .requests.worker import Worker
 from .results import Saved
-from .storage.blocks import AgentRecord
+from .storage.blocks import AgentRecord, BlockHash
 from .storage.budget import BudgetKeeper, StorageBudget
 from .storage.protocols import BlockStore
 
 logger = logging.getLogger(__name__)
+
+
+def shared_blocks(records: Iterable[AgentRecord]) -> set[BlockHash]:
+    """The blocks more than one of ``records`` names (``AgentInfo.shared_bytes``)."""
+    holders = Counter(h for record in records for h in set(record.blocks))
+    return {h for h, n in holders.items() if n > 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,15 @@ class AgentInfo:
     #: bytes of its blocks in this engine's local directory (blocks shared with other
     #: agents count for each; a shared store's blocks not fetched here count nothing)
     local_bytes: int
+    #: of them, the bytes of blocks other agents name too (a fork's, a common prompt's):
+    #: ``local_bytes - shared_bytes`` is what deleting this agent frees (``agent_info``'s
+    #: ``shared``; 0 when not asked)
+    shared_bytes: int = 0
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the blocks only this agent names: what deleting it frees here."""
+        return self.local_bytes - self.shared_bytes
 
 
 class AgentAdmin:
@@ -141,12 +157,19 @@ class AgentAdmin:
         """Whether the agent has a stored cache (no record is parsed)."""
         return bool(self.store.has_agent(agent_id))
 
-    def agent_info(self, agent: str | AgentRecord) -> AgentInfo | None:
-        """An agent's record and the bytes of its blocks on this engine's disk."""
+    def agent_info(
+        self, agent: str | AgentRecord, shared: Collection[BlockHash] = frozenset()
+    ) -> AgentInfo | None:
+        """An agent's record and the bytes of its blocks on this engine's disk; those of
+        ``shared`` (blocks other agents name too: ``shared_blocks``) apart."""
         record = self.agent_record(agent) if isinstance(agent, str) else agent
         if record is None:
             return None
-        return AgentInfo(record, self._store.local_bytes(record.blocks))
+        blocks = set(record.blocks)
+        common = [h for h in blocks if h in shared]
+        return AgentInfo(
+            record, self._store.local_bytes(blocks), self._store.local_bytes(common) if common else 0
+        )
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from ..engine import AgentRecord, Engine, is_internal
+from ..engine import AgentRecord, BlockHash, Engine, is_internal, shared_blocks
 from .agent_routes import Caller
 from .errors import APIError
 from .history import History
@@ -102,15 +102,16 @@ def _models(
     for name, llm in models.items():
         engine = llm.engine
         hot = set(engine.admin.hot_agents())
-        visible = [
-            r
-            for r in engine.admin.agent_records(wait=False)
-            if not is_internal(r.agent_id) and caller.may(r.agent_id)
-        ]
+        records = [r for r in engine.admin.agent_records(wait=False) if not is_internal(r.agent_id)]
+        # NOTE: a block other agents name too (a fork's, a common prompt's) is not this
+        # agent's disk: deleting it would free nothing (a checkpointer's snapshots aside)
+        shared = shared_blocks(records)
+        visible = [r for r in records if caller.may(r.agent_id)]
         matched = [r for r in visible if q.casefold() in r.agent_id.casefold()]
         matched.sort(key=lambda r: (-r.updated_at, r.agent_id))
         offset = min(offsets.get(name, 0), max(0, len(matched) - 1))
-        agents = [_agent(engine, replies, name, r, hot) for r in matched[offset : offset + limit]]
+        page = matched[offset : offset + limit]
+        agents = [_agent(engine, replies, name, r, hot, shared) for r in page]
         disk, budget = _sample_disk(replies.history, name, engine)
         out.append({
             "name": name, "agents": agents, "agents_total": len(visible), "agents_matched": len(matched),
@@ -121,14 +122,20 @@ def _models(
 
 
 def _agent(
-    engine: Engine, replies: ReplyMetrics, model: str, record: AgentRecord, hot: set[str]
+    engine: Engine,
+    replies: ReplyMetrics,
+    model: str,
+    record: AgentRecord,
+    hot: set[str],
+    shared: set[BlockHash],
 ) -> dict[str, Any]:
-    info = engine.admin.agent_info(record)
+    info = engine.admin.agent_info(record, shared)
     turns, hot_turns = replies.agent_turns(model, record.agent_id)
     return {
         "id": record.agent_id,
         "tokens": len(record.token_ids),
-        "bytes": info.local_bytes if info else 0,
+        "bytes": info.own_bytes if info else 0,
+        "shared_bytes": info.shared_bytes if info else 0,
         "last_used_at": int(record.updated_at),
         "hot": record.agent_id in hot,
         "turns": turns,

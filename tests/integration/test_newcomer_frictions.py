@@ -160,3 +160,32 @@ def test_a_repo_ids_caches_are_named_by_the_repo(
     listing = CliRunner().invoke(app, ["cache", "ls", *cache, "--format", "json"])
     (row,) = json.loads(listing.output)
     assert row["model"].startswith(REPO) and row["fingerprint"] == engine.fingerprint
+
+
+def _dashboard_agents(url: str, q: str) -> dict[str, dict[str, Any]]:
+    (model,) = httpx.get(f"{url}/dashboard/data", params={"q": q}).json()["models"]
+    return {a["id"]: a for a in model["agents"]}
+
+
+def test_a_forks_disk_column_leaves_out_the_blocks_it_shares(server: str) -> None:
+    # The dashboard counted a fork's blocks, all its source's, as its own disk: deleting
+    # either frees nothing while the other stays.
+    ask = {"model": MODEL, "max_tokens": 4, "wait_for_save": True}
+    story = [{"role": "user", "content": "Tell me about the sea. " * 80}]
+    r = httpx.post(
+        f"{server}/v1/chat/completions", json={**ask, "messages": story, "agent_id": "disk-source"}
+    )
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{server}/v1/agents/disk-source/fork", json={"to": "disk-fork"}).status_code == 200
+    agents = _dashboard_agents(server, "disk-")
+    source, fork = agents["disk-source"], agents["disk-fork"]
+    assert fork["bytes"] == 0 and source["bytes"] == 0, agents
+    assert fork["shared_bytes"] == source["shared_bytes"] > 100_000
+    # The fork's own turn writes blocks only it names: those are its disk.
+    more = [*story, r.json()["choices"][0]["message"], {"role": "user", "content": "And the waves? " * 60}]
+    done = httpx.post(
+        f"{server}/v1/chat/completions", json={**ask, "messages": more, "agent_id": "disk-fork"}
+    )
+    assert done.json()["agent_memory"]["cache"] == "hot-extend", done.text
+    fork = _dashboard_agents(server, "disk-fork")["disk-fork"]
+    assert fork["bytes"] > 0 and fork["shared_bytes"] > 0
