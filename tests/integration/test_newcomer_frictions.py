@@ -20,6 +20,7 @@ from services import app_on_loopback
 from typer.testing import CliRunner
 
 from langchain_agent_memory import ChatAgentMemory
+from langchain_agent_memory.cli.common import size_text
 from langchain_agent_memory.cli.main import app
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
@@ -189,3 +190,32 @@ def test_a_forks_disk_column_leaves_out_the_blocks_it_shares(server: str) -> Non
     assert done.json()["agent_memory"]["cache"] == "hot-extend", done.text
     fork = _dashboard_agents(server, "disk-fork")["disk-fork"]
     assert fork["bytes"] > 0 and fork["shared_bytes"] > 0
+
+
+def _block_bytes(cache_dir: Path) -> int:
+    return sum(f.stat().st_size for f in cache_dir.glob("kv/*/blocks/*/*") if f.is_file())
+
+
+def test_prune_dry_run_predicts_what_the_prune_frees(smollm: LoadedModel, tmp_path: Path) -> None:
+    # A dry run said "13.3 MB -> 6.7 MB", the prune then "-> 6.8 MB": the after-figure
+    # counted the index's journal, which the deletes grow. What is freed is said, exactly.
+    engine = Engine(MODEL, cache_dir=tmp_path)
+    for i in range(4):
+        engine.generate(
+            f"agent-{i}", f"Agent {i} on the sea and its waves. " * 60, GenerationParams(max_tokens=2)
+        )
+    engine.flush()
+    engine.admin.fork("agent-0", "agent-0-fork")  # evicting agent-0 alone frees nothing
+    engine.flush()
+    du = CliRunner().invoke(app, ["cache", "du", "--cache-dir", str(tmp_path), "--format", "json"])
+    total = json.loads(du.output)[0]["bytes"]
+    prune = ["cache", "prune", "--max-size", f"{total * 6 // 10}B", "--cache-dir", str(tmp_path)]
+    plan = CliRunner().invoke(app, [*prune, "--dry-run"])
+    assert plan.exit_code == 0, plan.output
+    before = _block_bytes(tmp_path)
+    done = CliRunner().invoke(app, prune)
+    assert done.exit_code == 0, done.output
+    freed = size_text(before - _block_bytes(tmp_path))
+    assert f"would free {freed} of " in plan.output, (freed, plan.output)
+    assert f": freed {freed} of " in done.output, (freed, done.output)
+    assert plan.output.count("would evict agent-") == done.output.count("evicted agent-") >= 2
