@@ -96,7 +96,7 @@ def test_the_readme_python_blocks_run_as_pasted(
             out = run_block(code, tmp_path, readme_env)
         assert out.strip(), f"the block printed nothing:\n{code}"
         outcomes.append(out)
-    hello, graph = outcomes[0], outcomes[1]
+    hello, graph, served = outcomes[0], outcomes[1], outcomes[2]
     # the hello world says what it promises: a cold first turn, then the cache extended
     lines = hello.strip().splitlines()
     assert lines[0].split()[0] == "cold" and lines[1].split()[0] == "hot-extend", hello
@@ -106,6 +106,11 @@ def test_the_readme_python_blocks_run_as_pasted(
     # the writer's second turn extends its first (the critic's diverges: its question to the
     # model is not in the graph's state)
     assert graph.strip().splitlines()[1].startswith("['hot-extend'"), graph
+    # the server's client sends the whole conversation: its second turn extends the first
+    # (it sent the new question alone, a hot-diverge without context)
+    assert re.findall(r"^(cold|(?:hot|warm)-[a-z]+)\b", served, flags=re.M)[:2] == ["cold", "hot-extend"], (
+        served
+    )
     figures["README blocks run as pasted"] = f"{len(blocks)} of {len(blocks)}"
 
 
