@@ -8,7 +8,10 @@ tutor that holds three topics of the Python reference manual. Every turn re-send
 whole conversation, as a chat app does; the engine recognises the agent's earlier text and
 prefills only the new turn. The graph is checkpointed by ``AgentMemorySaver`` (in the cache
 directory, beside the caches): run it again and the same thread resumes after the restart,
-its conversations and its agents' caches together: the next turn starts warm, from disk.
+its conversations and its agents' caches together. Their caches come back from disk ahead of
+their calls: the checkpointer prefetches the agents of the thread's next turn as it resumes,
+so that turn prints ``hot-extend (prefetched)`` (served from memory, read from disk before
+the call; ``warm-extend`` where a call came before its prefetch ended: read during the call).
 
     python examples/quickstart.py [--max-tokens 48] [--model smollm2-135m] [--fresh]
 """
@@ -117,7 +120,10 @@ def main() -> None:
     before = app.get_state(config).values
     done, shown = len(before.get("licensing", [])) // 2, len(before.get("rows", []))
     if done:
-        console.print(f"resuming thread [bold]{THREAD}[/] after {done} turns (its caches are on disk)")
+        console.print(
+            f"resuming thread [bold]{THREAD}[/] after {done} turns (the checkpointer reads its "
+            "agents' caches from disk ahead of their calls: prefetched)"
+        )
     state: dict = {}
     for turn in range(done, done + 3):  # the checkpointer carries each agent's history to the next turn
         state = app.invoke({"turn": turn, "licensing": [], "python_tutor": [], "rows": []}, config)

@@ -6,7 +6,10 @@ unit (``--max-size 5`` evicted all 26 agents' caches as 5 bytes)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,11 +25,13 @@ from typer.testing import CliRunner
 from langchain_agent_memory import ChatAgentMemory
 from langchain_agent_memory.cli.common import size_text
 from langchain_agent_memory.cli.main import app
+from langchain_agent_memory.config import Settings
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.server import ServerConfig, create_app
 
 MODEL = "smollm2-135m"
+ROOT = Path(__file__).resolve().parents[2]
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather in a city",
@@ -219,3 +224,28 @@ def test_prune_dry_run_predicts_what_the_prune_frees(smollm: LoadedModel, tmp_pa
     assert f"would free {freed} of " in plan.output, (freed, plan.output)
     assert f": freed {freed} of " in done.output, (freed, done.output)
     assert plan.output.count("would evict agent-") == done.output.count("evicted agent-") >= 2
+
+
+def test_the_quickstarts_restart_prints_what_its_docstring_says(tmp_path: Path) -> None:
+    # After a restart it printed ``hot-extend (prefetched)`` where its docstring said the
+    # thread starts warm: each outcome its resumed turn prints is the docstring's.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    models = Settings().cache_dir / "models"
+    if models.is_dir():  # the converted models of the session's own cache: none converted again
+        (cache / "models").symlink_to(models, target_is_directory=True)
+    env = {**os.environ, "AGENT_MEMORY_CACHE_DIR": str(cache), "COLUMNS": "160"}
+    env.pop("AGENT_MEMORY_MODEL", None)
+    quickstart = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-tokens", "4"]
+    for _ in range(2):  # the second run is the restart
+        done = subprocess.run(quickstart, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    resumed = re.findall(r"(quickstart:\w+)\s*│\s*4\s*│[^│]*│[^│]*│\s*([^│]+?)\s*│", done.stdout)
+    assert {agent for agent, _ in resumed} == {"quickstart:licensing", "quickstart:python_tutor"}, done.stdout
+    docstring = " ".join(
+        (ast.get_docstring(ast.parse((ROOT / "examples" / "quickstart.py").read_text())) or "").split()
+    )
+    for _, outcome in resumed:
+        assert outcome in ("hot-extend (prefetched)", "warm-extend") and f"``{outcome}``" in docstring, (
+            outcome
+        )
