@@ -1,11 +1,12 @@
-"""A turn's save writes its own tokens' K/V only: the agent's partly filled last block is
-continued by a segment of the new rows (``Block.rows_from``), not written again whole; a
-turn that fills the block writes it whole (one file, the block a one-turn save of the same
-text writes and shares), so that a restore reads one file per full block and one segment
-chain at most (the last block's). The chain still reloads token for token like the hot
-run, every record names the blocks its segments continue (a fork outlives the agent that
-wrote them), a damaged block under a segment costs a prefill, never a save, and a crash
-between a filled block's write and its record leaves the agent as its last save left it."""
+"""A turn's save does not write the agent's partly filled last block again whole: it writes a
+segment (``Block.rows_from``) of the rows since the whole block that one starts from, or the
+block whole where those would outnumber that prefix's; a turn that fills the block writes it
+whole (one file, the block a one-turn save of the same text writes and shares), so that a
+restore reads one file per full block and two at most for the last (its prefix and one
+segment). The chain still reloads token for token like the hot run, every record names
+the blocks its segments continue (a fork outlives the agent that wrote them), a damaged
+block under a segment costs a prefill, never a save, and a crash between a filled block's
+write and its record leaves the agent as its last save left it."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from langchain_agent_memory import corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.prefix import MatchKind
-from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord
+from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord, BlockHash
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=10)
 SYSTEM = corpus.apache_license()[:1900]  # ~400 tokens: block 1 is partly filled
 TOPICS = ["patents", "trademarks", "warranty", "liability", "redistribution", "notices"]
+TOPICS += ["contributions", "derivative works", "sublicensing", "termination", "royalties", "support"]
 QUESTIONS = [f"\nQ{i}: What does section {i} of the license say about {t}?\nA:" for i, t in enumerate(TOPICS)]
 
 
@@ -46,11 +48,30 @@ def _conversation(engine: Engine, agent: str, turns: int) -> tuple[str, list[int
     return prompt, written, gained
 
 
-def _refilled(before: int, after: int) -> int:
-    """The rows a turn from ``before`` to ``after`` tokens writes again: those its save
-    wrote before in the block it fills (then written whole), none where it fills none."""
-    b, m = divmod(before, BLOCK_TOKENS)
-    return m if b > 0 and after >= (b + 1) * BLOCK_TOKENS else 0
+def _rows_written(ends: list[int]) -> list[int]:
+    """The rows each turn after the first writes, from the tokens stored after each turn: a
+    turn that fills its last block writes it whole (and what it adds after it); one that
+    does not writes the rows since the whole prefix that block is stored from, or the block
+    whole (then the prefix) where those rows would outnumber the prefix's."""
+    rows, prefix = [], ends[0] % BLOCK_TOKENS  # turn 1 writes every block whole
+    for before, after in itertools.pairwise(ends):
+        start = before // BLOCK_TOKENS * BLOCK_TOKENS
+        assert start > 0  # block 0 is full from turn 1 on (SYSTEM)
+        n = after - start
+        if n >= BLOCK_TOKENS or n - prefix > prefix:
+            rows.append(n)
+            prefix = after % BLOCK_TOKENS
+        else:
+            rows.append(n - prefix)
+    return rows
+
+
+def _files_of(store: DiskBlockStore, h: BlockHash) -> int:
+    """The files block ``h`` is read from: itself, and those its segments continue."""
+    files = 1
+    while (h := store.prior_of(h)) is not None:  # type: ignore[assignment]
+        files += 1
+    return files
 
 
 def _assert_full_blocks_whole(store: DiskBlockStore, record: AgentRecord) -> None:
@@ -68,11 +89,11 @@ def _assert_full_blocks_whole(store: DiskBlockStore, record: AgentRecord) -> Non
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
-def test_a_turn_writes_its_new_tokens_a_block_it_fills_whole_and_the_chain_reloads_like_the_hot_run(
+def test_a_turn_writes_a_segment_since_its_blocks_prefix_a_block_it_fills_whole_and_reloads_like_hot(
     smollm: LoadedModel, tmp_path: Path, kv_bits: int | None
 ) -> None:
     hot = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=kv_bits)
-    prompt, written, gained = _conversation(hot, "a", 6)
+    prompt, written, gained = _conversation(hot, "a", 7)
     store = hot.admin.store
     record = store.get_agent("a")
     assert record is not None and len(record.token_ids) > 2 * BLOCK_TOKENS  # block 1 filled by turns
@@ -80,12 +101,9 @@ def test_a_turn_writes_its_new_tokens_a_block_it_fills_whole_and_the_chain_reloa
     _assert_full_blocks_whole(store, record)
     # The segments block 1 was written in are gone: nothing names them.
     assert set(store.block_hashes()) == set(record.blocks)
-    # Turns 2-6 write what their tokens take, the same bytes per token whatever the length of
-    # the block they continue (a rewrite of that block grew with it: 3.5x on average); the
-    # turn that fills block 1 writes it whole, its earlier rows again, and no other turn does.
-    ends = list(itertools.accumulate(gained))
-    rows = [g + _refilled(x, y) for x, y, g in zip(ends[:-1], ends[1:], gained[1:], strict=True)]
-    assert sum(r > g for r, g in zip(rows, gained[1:], strict=True)) == 1, (rows, gained)
+    # Turns 2-7 write the rows ``_rows_written`` says, the same bytes per row whether as a
+    # segment or whole (a rewrite of the whole block each turn: 3.5x the new tokens' K/V).
+    rows = _rows_written(list(itertools.accumulate(gained)))
     per_row = {w / r for w, r in zip(written[1:], rows, strict=True)}
     assert len(per_row) == 1, (written, rows)
     assert written[0] >= gained[0] * min(per_row)  # turn 1: whole blocks (block 0's head at 16 bits)
@@ -100,12 +118,45 @@ def test_a_turn_writes_its_new_tokens_a_block_it_fills_whole_and_the_chain_reloa
         assert warm.text == again.text
 
 
+def test_after_many_turns_no_block_is_read_from_more_than_one_segment_and_reload_is_the_hot_run(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """Twelve turns of ~25 tokens (block 1 filled, block 2 continued over seven turns): after
+    every save each block of the record is one whole file, or its whole prefix and one
+    segment (a segment a turn chained up to 7 of them late in a block's cycle, and the
+    restore of each cost about what a whole block's does), the record names no other file
+    and the directory holds no segment it dropped; a new engine then answers like the hot
+    one."""
+    hot = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None)
+    store, prompt = hot.admin.store, SYSTEM
+    segments = 0
+    for question in QUESTIONS:
+        prompt += question
+        prompt += hot.generate("a", prompt, GREEDY).text
+        hot.flush()
+        record = store.get_agent("a")
+        assert record is not None
+        files = [_files_of(store, h) for h in record.chain]
+        assert max(files) <= 2 and all(f == 1 for f in files[:-1]), files
+        assert len(record.priors) == files[-1] - 1
+        assert set(store.block_hashes()) == set(record.blocks)
+        segments += files[-1] - 1
+    assert record.token_ids[2 * BLOCK_TOKENS :] and segments >= 4  # the last block grew by segments
+
+    nxt = prompt + "\nQ99: Summarize it.\nA:"
+    warm = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None).generate("a", nxt, GREEDY)
+    again = hot.generate("a", nxt, GREEDY)
+    assert str(warm.outcome) == "warm-extend" and str(again.outcome) == "hot-extend"
+    assert warm.reused_tokens == again.reused_tokens == len(record.token_ids)
+    assert warm.text == again.text  # at 16 bits the stored rows are the computed ones
+
+
 def test_forks_and_sharers_keep_the_blocks_segments_continue(smollm: LoadedModel, tmp_path: Path) -> None:
     """The writer of the segments is deleted: a fork of it still reloads, because its record
     names the blocks under its last block's segment too; an agent that reused its full
     blocks by content (SHARED) reloads as well, and names no segment (they are whole)."""
     eng = Engine("smollm2-135m", cache_dir=tmp_path)
-    prompt, _, _ = _conversation(eng, "writer", 6)
+    prompt, _, _ = _conversation(eng, "writer", 7)
     eng.admin.fork("writer", "fork")
     shared = eng.generate("sharer", prompt + "\nQ7: Is it permissive?\nA:", GREEDY)
     eng.flush()
@@ -243,7 +294,7 @@ def test_another_worker_reads_a_segmented_chain_through_the_shared_store(
         nxt = prompt + "\nQ8: Anything else?\nA:"
         hot = a.generate("agent", nxt, GREEDY)
     with Engine("smollm2-135m", cache_dir=tmp_path / "b", kv_bits=None, store=store, blocks=blocks) as b:
-        stored = b.admin.store.get_agent("agent")  # A's last save, segments and all
-        assert stored is not None and len(stored.priors) > len(record.priors)
+        stored = b.admin.store.get_agent("agent")  # A's last save, a segment and its prefix
+        assert stored is not None and stored.priors and stored.chain[-1] != record.chain[-1]
         turn = b.generate("agent", nxt + hot.text + "\nQ9: Why?\nA:", GREEDY)
         assert str(turn.outcome) == "warm-extend" and turn.reused_tokens == len(stored.token_ids)

@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from ..errors import CommitConflictError
+from ..errors import CacheFormatError, CommitConflictError
 from ..kv import RecurrentCache
 from ..prefix import TokenizedText
 from ..storage.blocks import (
@@ -100,32 +100,70 @@ class CacheWrites:
     def _append_only(
         self, blocks: dict[BlockHash, Block], chain: list[BlockHash], t: int, old: AgentState | None
     ) -> None:
-        """Write block ``t``, the first one this commit changed, as a segment of its new rows
-        where it continues the agent's stored, partly filled last block: a turn then writes
-        its own tokens' K/V, not the earlier rows of that block again (a save of ~50 new
-        tokens rewrote up to 255: 3.5x the bytes). Block 0 (with its 16-bit head tokens)
-        is always whole, and so is a block this commit fills: see below."""
+        """Write block ``t``, the first one this commit changed, as a segment where it
+        continues the agent's stored, partly filled last block: its rows after the whole
+        block that stored chain starts from (a turn of ~50 new tokens rewrote up to 255 rows
+        when written whole: 3.5x the bytes). Block 0 (with its 16-bit head tokens) is
+        always whole, and so is a block this commit fills or one whose segment would hold
+        more rows than its prefix: see below."""
         if old is None or not 0 < t < len(old.blocks) or chain[t] not in blocks:
             return
-        prior, m = old.blocks[t], len(old.tokens) - t * BLOCK_TOKENS
         block = blocks[chain[t]]
         n = len(block.token_ids)
         # NOTE: a block that fills is written whole (compacted): the chain then names one file
         # for it and its segments are released by the save, so a restore reads one file per
-        # full block and one segment chain at most, the last block's (a 50-turn agent read
-        # 52 parts besides its 14 blocks: 2.5x the restore of the same text stored whole).
-        # The file is the one a one-turn save of these tokens writes (same hash, same bytes
-        # per row), shared with it. Its cost: the block's earlier rows written once more, on
-        # the save thread (the commit holds every row of the block already).
+        # full block (a 50-turn agent read 52 parts besides its 14 blocks: 2.5x the restore
+        # of the same text stored whole). The file is the one a one-turn save of these
+        # tokens writes (same hash, same bytes per row), shared with it. Its cost: the
+        # block's earlier rows written once more, on the save thread (the commit holds every
+        # row of the block already).
         if n == BLOCK_TOKENS:
             return
-        if not 0 < m < n or not self.has_local(prior):
+        m = len(old.tokens) - t * BLOCK_TOKENS
+        if not 0 < m < n or any(len(x.shape) != 4 or x.shape[2] != n for x in block.tensors.values()):
+            return  # not a continuation, or a tensor not laid out by token (none is today): whole
+        prefix = self._whole_prefix(old.blocks[t], chain[t - 1], block.token_ids[:m])
+        if prefix is None:
+            return  # where the stored block starts from is not known here: written whole
+        base, p = prefix
+        # NOTE: the segment holds every row since the whole prefix (the previous segment's
+        # rows again), never continues a segment: the last block is read from two files at
+        # most, as the issue asks (a chain of a segment per turn was 4-7 parts late in a
+        # block's cycle, 1.3-1.8x the whole form's restore at 50 turns). The block is
+        # written whole instead once the segment would hold more rows than its prefix: the
+        # prefix at least doubles each time, which kept the rows written within 3% of the
+        # cheapest schedule of whole writes for 40-60 new tokens a turn (simulated).
+        if n - p > p or not self.has_local(base):
             return
-        if any(len(x.shape) != 4 or x.shape[2] != n for x in block.tensors.values()):
-            return  # a tensor not laid out by token (none is today): written whole
-        if block_hash(chain[t - 1], block.token_ids[:m], self.store.fingerprint) != prior:
-            return  # the block's first m tokens are not the stored ones (a DIVERGE inside it)
-        block.rows_from = m
+        if block_hash(chain[t - 1], block.token_ids[:p], self.store.fingerprint) != base:
+            return  # the block's first p tokens are not the stored ones (a DIVERGE inside it)
+        block.rows_from = p
+
+    def _whole_prefix(
+        self, h: BlockHash, parent: BlockHash, token_ids: list[int]
+    ) -> tuple[BlockHash, int] | None:
+        """The whole block that stored block ``h`` (``token_ids``, after block ``parent``) is
+        read from first, and its tokens: ``h`` itself where it is whole, else the block its
+        segments continue. None where ``h``'s file is gone or unreadable."""
+        fp = self.store.fingerprint
+        m = len(token_ids)
+        for _ in range(BLOCK_TOKENS):  # agents saved before this change: a segment a turn
+            in_hand = self.queued_block(h) or self.pool.hot_block(h)
+            try:
+                prior = in_hand.prior(fp) if in_hand is not None else self.store.prior_of(h)
+            except CacheFormatError:  # BlockMissingError too
+                return None
+            if prior is None:
+                return h, m
+            if in_hand is not None:
+                m = in_hand.rows_from
+            else:  # a header names its prior by hash only: the prefix of these tokens it is
+                hashes = ((p, block_hash(parent, token_ids[:p], fp)) for p in range(m - 1, 0, -1))
+                m = next((p for p, x in hashes if x == prior), 0)
+                if not m:
+                    return None
+            h = prior
+        return None
 
     def write(self, save: PendingSave) -> AgentRecord | None:
         """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then
