@@ -188,3 +188,23 @@ def test_the_package_builds_and_passes_twine_check(tmp_path: Path) -> None:
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
     assert "Requires-Dist: langchain>=1.0" in requires  # no ``extra ==`` marker: the main install
     assert "License-Expression: Apache-2.0" in metadata and "Classifier: Typing :: Typed" in metadata
+
+
+@pytest.mark.slow
+def test_the_api_reference_examples_run_as_pasted(readme_env: dict[str, str], tmp_path: Path) -> None:
+    """The API reference had 38 code blocks, all signatures: each entry now starts with an
+    example (the error a model is refused with excepted: it names a command), and each runs
+    as pasted, in a new process, and says what its comments promise."""
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    entries = re.split(r"^::: .*$", page, flags=re.M)[:-1]  # the text before each entry
+    names = re.findall(r"^::: (.*)$", page, flags=re.M)
+    bare = [n for n, text in zip(names, entries, strict=True) if "```python" not in text]
+    assert bare == ["langchain_agent_memory.engine.model.structure.UnsupportedModelError"], bare
+    outputs = [
+        run_block(code, tmp_path, readme_env) for code in re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    ]
+    chat, graph, overflow, engine = outputs[:4]
+    assert chat.split() == ["cold", "hot-extend"], chat
+    assert graph.split() == ["cold", "hot-extend"], graph
+    assert overflow.startswith("too long: the prompt is"), overflow
+    assert engine.split()[:2] == ["cold", "hot-extend"], engine
