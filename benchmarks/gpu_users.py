@@ -292,7 +292,7 @@ def attention_ab(ctx: int = 32768, B: int = 16, n: int = 8192) -> list[dict[str,
     return rows
 
 
-def decode(model_dir: Path, root: Path) -> list[dict[str, Any]]:
+def decode(model_dir: Path, root: Path, contexts: tuple[int, ...] = (4096, 32768)) -> list[dict[str, Any]]:
     """One agent's decode tokens/s: ours 16-bit, ours 4-bit, mlx-lm; 4K and 32K."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -303,7 +303,7 @@ def decode(model_dir: Path, root: Path) -> list[dict[str, Any]]:
 
     loaded = load_model(model_dir)
     rows = []
-    for ctx in (4096, 32768):
+    for ctx in contexts:
         text = prompt_text(loaded.tokenizer, ctx)
         for system in ("ours-16bit", "ours-4bit", "mlx-lm"):
             row: dict[str, Any] = {"context": ctx, "system": system}
@@ -450,7 +450,13 @@ def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[
 # ------------------------------------------------------------------------------ main
 
 
-def device(out_dir: Path, parts: list[str], limit_s: float, quantized_only: int | None = None) -> None:
+def device(
+    out_dir: Path,
+    parts: list[str],
+    limit_s: float,
+    quantized_only: int | None = None,
+    contexts: tuple[int, ...] = (4096, 32768),
+) -> None:
     import mlx.core as mx
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -463,7 +469,9 @@ def device(out_dir: Path, parts: list[str], limit_s: float, quantized_only: int 
     root.mkdir(exist_ok=True)
     for part in parts:
         t0 = time.perf_counter()
-        if part == "quantized":
+        if part == "ab":  # no model needed
+            data["attention_ab"] = attention_ab()
+        elif part == "quantized":
             data[part] = quantized(root, limit_s, quantized_only)
         else:
             model_dir = root / "llama-3.1-8b"
@@ -485,8 +493,7 @@ def device(out_dir: Path, parts: list[str], limit_s: float, quantized_only: int 
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
                 data[part] = json.loads(lines[-1]) if lines else {"error": p.stderr[-800:]}
             else:
-                data["attention_ab"] = attention_ab()
-                data[part] = decode(model_dir, root)
+                data[part] = decode(model_dir, root, contexts)
         data.setdefault("seconds", {})[part] = round(time.perf_counter() - t0, 1)
         path.write_text(json.dumps(data, indent=1))
         log(f"{part} done in {time.perf_counter() - t0:.0f} s")
@@ -530,7 +537,8 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("device")
     d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--parts", default="decode,capacity,first,quantized")
+    d.add_argument("--parts", default="ab,decode,capacity,first,quantized")
+    d.add_argument("--contexts", default="4096,32768", help="the decode part's context lengths")
     d.add_argument("--quantized", type=int, default=None, help="only the first N checkpoints")
     d.add_argument("--limit-s", type=float, default=60.0)
     f = sub.add_parser("first")
@@ -540,7 +548,8 @@ def main() -> None:
     p.add_argument("path", type=Path, nargs="?", default=RESULTS / "gpu_users.json")
     args = parser.parse_args()
     if args.cmd == "device":
-        device(args.out, args.parts.split(","), args.limit_s, args.quantized)
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+        device(args.out, args.parts.split(","), args.limit_s, args.quantized, contexts)
     elif args.cmd == "first":
         print(json.dumps(first_request(args.model_dir, args.root)), flush=True)
     else:
