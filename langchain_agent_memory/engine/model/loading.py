@@ -242,6 +242,11 @@ def load_model(
         if cpu_kernels:
             adapt_or_say(mdl, name)
         result = check.after_adapting() if check is not None else None
+        # Again after the self-check's forwards on this thread: a module that keeps an
+        # array it computes on its first call (a cached table) keeps it lazy, made on this
+        # thread, and the engine's worker could not evaluate it ("There is no Stream(cpu, 0)
+        # in current thread": the model matrix's intermittent Gemma 3n failure is of this kind).
+        mx.eval(mdl.parameters(), _private_arrays(mdl))
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
