@@ -1,6 +1,6 @@
 """What a user's SSD pays per conversation turn: the bytes each turn's save writes (its new
-tokens' rows: new blocks, a segment continuing the last, partly filled one, and a block the
-turn fills written whole: its earlier rows again, ``compaction``), and
+tokens' rows: new blocks, a segment of the last, partly filled block's rows since the whole
+prefix it continues, or that block whole: earlier rows again, ``rewritten``), and
 everything the process wrote (``/proc/self/io``'s ``write_bytes``: block files, the index
 and its journal), against the new tokens' K/V at the default format (the floor: what any
 store of them must write) and against rewriting the agent's whole cache each turn (what
@@ -25,8 +25,6 @@ import json
 import tempfile
 from pathlib import Path
 from typing import Any
-
-from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS
 
 HERE = Path(__file__).resolve().parent
 QUESTIONS = [
@@ -83,13 +81,6 @@ def _restores(eng: Any, tmp: str, kv_bits: int, repeats: int = 3) -> dict[str, A
     }
 
 
-def _refilled(before: int, after: int) -> int:
-    """Rows a turn from ``before`` to ``after`` tokens writes again: the earlier rows of the
-    block it fills (written whole), none where it fills none (block 0 is always whole)."""
-    b, m = divmod(before, BLOCK_TOKENS)
-    return m if b > 0 and after >= (b + 1) * BLOCK_TOKENS else 0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=50)
@@ -128,7 +119,7 @@ def main() -> None:
             if not per_token and len(record.token_ids) >= 256:  # one whole block's tensors: the format's rate
                 per_token = _block_tensor_bytes(eng, record.blocks[0]) / 256
             new_tokens = len(record.token_ids) - cached_before
-            refilled = _refilled(cached_before, len(record.token_ids)) if turn else 0
+            floor = round(new_tokens * per_token)
             cached_before = len(record.token_ids)
             rows.append(
                 {
@@ -137,14 +128,16 @@ def main() -> None:
                     "reused_tokens": r.reused_tokens,
                     "cached_tokens": len(record.token_ids),
                     "new_tokens": new_tokens,
-                    "new_tokens_kv_bytes": round(new_tokens * per_token),
-                    "compaction_kv_bytes": round(refilled * per_token),
+                    "new_tokens_kv_bytes": floor,
+                    # earlier rows written again: a segment's since its prefix, a block whole
+                    "rewritten_kv_bytes": max(0, r.bytes_written - floor) if turn else 0,
                     "bytes_written": r.bytes_written,
                     "process_bytes_written": io_bytes,
                     "whole_cache_bytes": whole,
                     "block_files": len(files),
                     "outcome": str(r.outcome),
                     "segment_parts": len(record.priors),
+                    "last_block_files": _files(eng, record.chain[-1]),
                 }
             )
             if turn + 1 in a.restore_at or turn + 1 == a.turns:
@@ -181,9 +174,9 @@ def main() -> None:
         "total_written": sum(r["bytes_written"] for r in rows),
         "total_process_written": sum(r["process_bytes_written"] for r in rows),
         "total_if_rewritten_whole": sum(r["whole_cache_bytes"] for r in rows),
-        # the earlier rows of blocks the turns filled, written again whole
-        "compaction_over_new_kv": sum(r["compaction_kv_bytes"] for r in later) / new_kv,
+        "rewritten_over_new_kv": sum(r["rewritten_kv_bytes"] for r in later) / new_kv,
         "max_segment_parts": max(r["segment_parts"] for r in rows),
+        "max_last_block_files": max(r["last_block_files"] for r in rows),
         "restores": restores,
     }
     console.print(summary)
@@ -215,6 +208,14 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out / f"{a.out}.png", dpi=120)
     console.print(f"wrote {out / a.out}.json and .png")
+
+
+def _files(eng: Any, h: str) -> int:
+    """The files block ``h`` is read from: itself and those its segments continue."""
+    files = 1
+    while (h := eng.admin.store.prior_of(h)) is not None:
+        files += 1
+    return files
 
 
 def _written() -> int:
