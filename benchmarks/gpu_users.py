@@ -530,6 +530,26 @@ def plot(path: Path) -> None:
         )
 
 
+def figure(data: dict[str, Any], png: Path) -> None:
+    """Decode tokens/s by system and context, and one layer's attention by way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = [r for r in data.get("decode", []) if "decode_tok_s" in r]
+    left.bar([f"{r['system']}\n{r['context'] // 1024}K" for r in rows], [r["decode_tok_s"] for r in rows])
+    left.set_ylabel("decode tokens/s, one agent")
+    ab = data.get("attention_ab", [])
+    right.barh([f"{r['case']}: {r['way']}" for r in ab], [r["ms_per_layer"] for r in ab])
+    right.set_xlabel("ms per layer and call")
+    fig.suptitle(f"{data['device']}, {data['weights']} (RANDOM WEIGHTS)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -554,6 +574,7 @@ def main() -> None:
         print(json.dumps(first_request(args.model_dir, args.root)), flush=True)
     else:
         plot(args.path)
+        figure(json.loads(args.path.read_text()), args.path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
