@@ -133,7 +133,7 @@ def test_cache_prune_evicts_lru_first_and_dry_run_changes_nothing(
     total = engine.admin.disk_bytes()
     engine.close()
     runner = CliRunner()
-    args = ["cache", "prune", "--cache-dir", str(tmp_path), "--max-size", str(total * 3 // 4)]
+    args = ["cache", "prune", "--cache-dir", str(tmp_path), "--max-size", f"{total * 3 // 4}B"]
     before = _dir_bytes(tmp_path / "kv")
     dry = runner.invoke(app, [*args, "--dry-run"])
     assert dry.exit_code == 0, dry.output
@@ -146,7 +146,10 @@ def test_cache_prune_evicts_lru_first_and_dry_run_changes_nothing(
     left = runner.invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path), "--format", "json"])
     assert "p0" in left.output and "p1" not in left.output
     time.sleep(1.1)
-    old = runner.invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path), "--older-than", "1s"])
+    # every agent left would go: asked first (no answer here is a no), then with --yes
+    asked = runner.invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path), "--older-than", "1s"])
+    assert "p0" in runner.invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path)]).output, asked.output
+    old = runner.invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path), "--older-than", "1s", "--yes"])
     assert old.exit_code == 0 and "evicted 0 agent" not in old.output
     listed = runner.invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path), "--format", "json"])
     assert json.loads(listed.output) == []
