@@ -405,25 +405,14 @@ engine.close()
 
 
 def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[str, Any]]:
-    from mlx_lm.convert import convert
-
-    from langchain_agent_memory.testing.model_matrix import build
+    from langchain_agent_memory.testing.model_matrix import build_quantized
 
     tok = tokenizer_dir()  # the matrix's (SmolLM2's)
     rows = []
     for family, mode, bits in QUANTIZED[:only]:
         row: dict[str, Any] = {"family": family, "mode": mode, "bits": bits}
         try:
-            source = build(family, root / "models", tok)
-            dst = root / f"{family}-{mode}{bits}"
-            convert(
-                str(source),
-                str(dst),
-                quantize=True,
-                q_bits=bits,
-                q_mode=mode,
-                q_group_size=None if mode != "affine" else 64,
-            )
+            dst = build_quantized(family, mode, bits, root / "models", tok, root / f"{family}-{mode}{bits}")
             for name, code, args in (
                 ("mlx_lm", _MLX_ALONE, [str(dst)]),
                 ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")]),

@@ -250,6 +250,18 @@ def build(family: str, root: Path, tokenizer_dir: Path) -> Path:
     return write_random_model(family_config(family), root / family, tokenizer_dir, seed=7, dtype=dtype)
 
 
+def build_quantized(family: str, mode: str, bits: int, root: Path, tokenizer_dir: Path, out: Path) -> Path:
+    """The family's small random model (``build``) quantized by mlx-lm's own ``convert``
+    (``mode``: affine, mxfp4, ...; affine in groups of 64) into ``out``: a checkpoint as
+    mlx-community publishes them."""
+    from mlx_lm.convert import convert
+
+    source = build(family, root, tokenizer_dir)
+    group = 64 if mode == "affine" else None
+    convert(str(source), str(out), quantize=True, q_bits=bits, q_mode=mode, q_group_size=group)
+    return out
+
+
 def families() -> list[str]:
     """The families the matrix runs: every one of mlx-lm's that a config can build."""
     skip = unbuildable()

@@ -25,6 +25,7 @@ from langchain_agent_memory.testing.model_matrix import (
     CHECKS,
     FamilyReport,
     build,
+    build_quantized,
     check_family,
     families,
     record,
@@ -120,21 +121,13 @@ def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
 ) -> None:
     """mlx-lm's quantized weights (its ``convert``: the quantization config and ``sanitize``
     honoured) load, pass the self-check, and give mlx-lm's own greedy tokens."""
-    from mlx_lm.convert import convert
 
     from langchain_agent_memory.engine.engine import Engine
     from langchain_agent_memory.testing.model_matrix import _texts, against_mlx_lm
 
     root, tokenizer = workspace
-    source = build(family, root / "models", tokenizer)
-    quantized = tmp_path / f"{family}-{mode}{bits}"
-    convert(
-        str(source),
-        str(quantized),
-        quantize=True,
-        q_bits=bits,
-        q_mode=mode,
-        q_group_size=None if mode != "affine" else 64,
+    quantized = build_quantized(
+        family, mode, bits, root / "models", tokenizer, tmp_path / f"{family}-{mode}{bits}"
     )
     engine = Engine(quantized, cache_dir=tmp_path / "kv", kv_bits=None)
     try:

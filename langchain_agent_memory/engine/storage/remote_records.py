@@ -238,8 +238,7 @@ class SharedRecords:
 
     def push_pending(self, agent_id: str) -> None:
         """Upload this agent's pending save before reading the store (it is the newest)."""
-        state = self.local.sync_state(agent_id)
-        if not (state and state[1]):
+        if not self.local.upload_pending(agent_id):
             # Nothing of this agent's waits to upload (every agent new to this worker): no
             # lock is taken. Behind the push lock it waited for another agent's upload,
             # stuck on a frozen database until its deadline (a new agent's first token in
