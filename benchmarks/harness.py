@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +37,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from langchain_agent_memory.testing.harnesses import ClaudeCode, CodexCli  # noqa: E402
-from langchain_agent_memory.testing.server_process import free_port, start_server  # noqa: E402
+from langchain_agent_memory.testing.server_process import (  # noqa: E402
+    app_on_loopback,
+    free_port,
+    start_server,
+)
 
 #: Event types whose arrival is a reply's first token (Anthropic's, the Responses API's).
 FIRST_TOKEN = (
@@ -92,7 +95,6 @@ def recording_proxy(upstream: Callable[[], str], replies: list[Reply]) -> Iterat
     """A proxy on loopback forwarding everything to ``upstream()`` (asked per request: the
     server moves to a new process); each model request is appended to ``replies``."""
     import httpx
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import StreamingResponse
@@ -129,16 +131,8 @@ def recording_proxy(upstream: Callable[[], str], replies: list[Reply]) -> Iterat
 
     methods = ["GET", "POST", "HEAD", "DELETE", "PUT", "OPTIONS"]
     app = Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with app_on_loopback(app) as url:
+        yield url
 
 
 @dataclass(slots=True)

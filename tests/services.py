@@ -20,11 +20,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from langchain_agent_memory.testing.server_process import app_on_loopback  # noqa: F401  (the tests import it from here)
 
 
 def missing(message: str) -> None:
@@ -248,25 +248,3 @@ class SeaweedServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def app_on_loopback(app: Any) -> Iterator[str]:
-    """An ASGI app served by a real uvicorn on a thread of this process (port 0: any free
-    one; headers go through h11 as in production); yields its base URL."""
-    import threading
-
-    import uvicorn
-
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)

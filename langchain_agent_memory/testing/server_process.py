@@ -3,13 +3,16 @@ benchmarks and tests that need a real server process, e.g. to restart it)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -53,3 +56,23 @@ def start_server(
                 err = out.read().decode(errors="replace")
                 raise RuntimeError(f"the server did not start: {err[-2000:]}")
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def app_on_loopback(app: Any) -> Iterator[str]:
+    """An ASGI app served by a real uvicorn on a thread of this process (port 0: any free
+    one; headers go through h11 as in production); yields its base URL."""
+    import uvicorn  # the server extra
+
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
