@@ -228,12 +228,10 @@ def _kernels(
         if not full_body or len(segments) != 2:
             return None
         i = 0
-    elif (
-        quantized.count(True) != 1 or quantized.index(True) > 1 or quantized.index(True) + 2 != len(segments)
-    ):
-        return None
     else:
         i = quantized.index(True)
+        if quantized.count(True) != 1 or i > 1 or i + 2 != len(segments):
+            return None
     (hk, *_), (hv, *_) = segments[0][:2] if i else ((None,), (None,))
     kparts, vparts, kcodec, vcodec = segments[i]
     (pk, *_), (pv, *_) = segments[i + 1][:2]
