@@ -346,6 +346,126 @@ def decode(model_dir: Path, root: Path, contexts: tuple[int, ...] = (4096, 32768
     return rows
 
 
+def _sample_stacks(thread_id: int, stop: threading.Event, counts: dict[str, int]) -> None:
+    """Every millisecond, the innermost three frames of ``thread_id``: where its time goes."""
+    while not stop.is_set():
+        frame = sys._current_frames().get(thread_id)
+        names = []
+        while frame is not None and len(names) < 3:
+            names.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}:{frame.f_lineno}")
+            frame = frame.f_back
+        key = " < ".join(names)
+        counts[key] = counts.get(key, 0) + 1
+        time.sleep(0.001)
+
+
+def _bare_steps(model: Any, cache: list[Any], token: int, steps: int, ours: bool) -> dict[str, float]:
+    """ms per decode step of ``model`` over ``cache``: synced each step, and one step ahead
+    (mlx-lm's pattern); and the ms to build one step's graph without running it."""
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.model.forward import decode_step
+
+    def step(tok: mx.array) -> mx.array:
+        if ours:
+            return decode_step(model, tok, cache)
+        return model(tok.reshape(1, 1), cache=cache)[0, -1].astype(mx.float32)
+
+    tok = mx.array([token])
+    mx.eval(step(tok))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(step(tok))
+    synced = (time.perf_counter() - t0) / steps * 1e3
+    y = mx.argmax(step(tok))
+    mx.async_eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = mx.argmax(step(y.reshape(1)))
+        mx.async_eval(nxt)
+        y.item()
+        y = nxt
+    y.item()
+    ahead = (time.perf_counter() - t0) / steps * 1e3
+    t0 = time.perf_counter()
+    built = step(tok)
+    build = (time.perf_counter() - t0) * 1e3
+    mx.eval(built)
+    return {"synced_ms": round(synced, 3), "ahead_ms": round(ahead, 3), "build_ms": round(build, 3)}
+
+
+def _bare(model: Any, layers: list[Any], ids: list[int], with_mlx_lm: bool) -> dict[str, Any]:
+    """On the engine's worker thread: ``_bare_steps`` over our layers, then over mlx-lm's
+    KVCache prefilled with the same ids."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    res: dict[str, Any] = {"ours": _bare_steps(model, layers, ids[-1], 48, True)}
+    if with_mlx_lm:
+        cache = make_prompt_cache(model)
+        for i in range(0, len(ids), 2048):
+            model(mx.array(ids[i : i + 2048])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        res["mlx_lm"] = _bare_steps(model, cache, ids[-1], 48, False)
+    return res
+
+
+def decode_profile(model_dir: Path, root: Path, ctx: int = 32768) -> list[dict[str, Any]]:
+    """Where one agent's decode step goes at ``ctx``. Per engine (16-bit and 4-bit KV,
+    stored-form and copy attention): its turn's decode tokens/s with the worker thread's
+    stack sampled; then, on that worker thread, the bare forward over the hot agent's own
+    layer caches against mlx-lm's KVCache of the same ids (same thread, same eval pattern)."""
+    import mlx.core as mx
+
+    from langchain_agent_memory.engine.engine import Engine, GenerationParams
+
+    rows = []
+    mlx_done = False
+    for attention, kv in (("stored", None), ("copy", None), ("stored", 4)):
+        row: dict[str, Any] = {"context": ctx, "attention": attention, "kv_bits": kv or 16}
+        try:
+            engine = Engine(
+                model_dir,
+                cache_dir=root / f"prof-{attention}-{kv}",
+                kv_bits=kv,
+                context_length=2 * ctx,
+                attention=attention,
+            )
+            text = prompt_text(engine.tokenizer, ctx)
+            engine.generate("p", text, GenerationParams(max_tokens=1))
+            r = engine.generate("p", text + extension(1), GenerationParams(max_tokens=33))
+            row["engine_warmup_tok_s"] = round((r.completion_tokens - 1) / r.timings.decode_s, 1)
+            counts: dict[str, int] = {}
+            stop = threading.Event()
+            sampler = threading.Thread(
+                target=_sample_stacks, args=(engine._worker._thread_id, stop, counts), daemon=True
+            )
+            sampler.start()
+            r = engine.generate("p", text + extension(2), GenerationParams(max_tokens=129))
+            stop.set()
+            sampler.join()
+            row["engine_tok_s"] = round((r.completion_tokens - 1) / r.timings.decode_s, 1)
+            total = sum(counts.values())
+            row["stacks"] = [
+                (round(n / total, 3), k) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:14]
+            ]
+            state, _ = engine.agents.lookup("p")
+            model = engine.lm.model
+            ids = engine.tokenizer.encode(text)
+
+            row["bare"] = engine._worker.submit(_bare, model, state.layers, ids, not mlx_done).result()
+            mlx_done = True
+            engine.close()
+            del engine, state, model
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        gc.collect()
+        mx.clear_cache()
+        log(f"profile {json.dumps(row)}")
+        rows.append(row)
+    return rows
+
+
 def first_request(model_dir: Path, root: Path) -> dict[str, Any]:
     """A new process's first request: a 32K agent the decode part saved (4-bit), read back
     warm as the process's very first request (nothing compiled before it), then a second
@@ -472,6 +592,8 @@ def device(
                 )
             if part == "capacity":
                 data[part] = capacity(model_dir, root)
+            elif part == "profile":
+                data[part] = decode_profile(model_dir, root, contexts[-1])
             elif part == "first":  # a process of its own: nothing compiled before it
                 p = subprocess.run(
                     [sys.executable, __file__, "first", str(model_dir), str(root)],
