@@ -14,6 +14,13 @@ Per family, one set of engines over one model directory, each check an oracle:
 - ``batched``: three agents decoding together == each alone;
 - ``fork``: three agents released together over a shared prefix (forks) == each alone, cold;
 - ``4-bit``: the default KV format reloads like the hot run.
+
+Token for token where the arithmetic allows it: float32 weights (the CPU's, or a GPU's with
+``MATRIX_WEIGHTS=float32`` and TF32 off, ``MLX_ENABLE_TF32=0``). At bfloat16 weights, as a
+GPU runs by default, two correct computations of one step (mlx-lm's and the engine's, a
+prefill and a decode, a batch and a single row) round differently, and random weights make
+near-ties: there two runs may part where the two tokens' logits lie within that rounding of
+each other, and nowhere else (``near_tie``). A wrong layer moves logits far beyond it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -42,6 +50,76 @@ from .random_model import write_random_model
 
 CHECKS = ("loads", "mlx-lm", "reload", "diverge", "batched", "fork", "4-bit")
 GREEDY = GenerationParams(max_tokens=8)
+#: Two tokens are a near-tie where their logits differ by at most this many times the
+#: step's bfloat16 logit error (the largest over the vocabulary, against float32 weights):
+#: each logit may have moved by that much, so their order may have flipped.
+TIE_MARGIN = 2.0
+
+
+#: An engine, an agent and its last turn's result: what ``turn_tokens`` reads.
+Turn = tuple[Engine, str, GenerationResult]
+
+
+def weight_dtype() -> str:
+    """The dtype the matrix builds its models in: ``MATRIX_WEIGHTS``, else the device's."""
+    return os.environ.get("MATRIX_WEIGHTS") or device.weight_dtype()
+
+
+def exact() -> bool:
+    """Whether every check must hold token for token: float32 weights computed as float32
+    (TF32 off on a GPU: ``MLX_ENABLE_TF32=0``, read by mlx when it starts)."""
+    return weight_dtype() == "float32" and (not device.on_gpu() or os.environ.get("MLX_ENABLE_TF32") == "0")
+
+
+def _mlx_lm_logits(model_dir: Path, ids: list[int], dtype: mx.Dtype | None) -> mx.array:
+    """mlx-lm's own model's float32 logits after ``ids`` (its weights cast to ``dtype``)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    model, _ = load(str(model_dir))
+    if dtype is not None:
+        model.set_dtype(dtype)
+    logits = model(mx.array(ids)[None], cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+    mx.eval(logits)
+    del model
+    return logits
+
+
+def near_tie(model_dir: Path, ids: list[int], a: int, b: int) -> tuple[bool, str]:
+    """Whether tokens ``a`` and ``b`` after ``ids`` are a near-tie for mlx-lm's model: the
+    gap between their logits within ``TIE_MARGIN`` times the step's logit error at the
+    model's weights (the largest difference over the vocabulary from the same model at
+    float32); and the two numbers, for the report."""
+    logits = _mlx_lm_logits(model_dir, ids, None)
+    error = mx.max(mx.abs(logits - _mlx_lm_logits(model_dir, ids, mx.float32))).item()
+    gap = abs(logits[a].item() - logits[b].item())
+    return gap <= TIE_MARGIN * error, f"logit gap {gap:.4f}, bf16 error {error:.4f}"
+
+
+def same_tokens(model_dir: Path, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[bool, str]:
+    """Whether two greedy continuations of ``prompt`` agree: equal where ``exact()``;
+    otherwise equal up to their first difference, which must be a near-tie (``near_tie``:
+    after it the two runs continue from different texts). The reason, where they differ."""
+    if ours == theirs:
+        return True, ""
+    shorter = min(len(ours), len(theirs))
+    at = next((i for i in range(shorter) if ours[i] != theirs[i]), shorter)
+    where = f"tokens differ at step {at}: {ours} / {theirs}"
+    if exact() or at == shorter:  # one ended (EOS) where the other went on
+        return False, where
+    tie, numbers = near_tie(model_dir, prompt + ours[:at], ours[at], theirs[at])
+    return tie, f"{where} ({numbers}: {'a near-tie' if tie else 'not a near-tie'})"
+
+
+def turn_tokens(engine: Engine, agent: str, result: GenerationResult) -> tuple[list[int], list[int]]:
+    """The prompt's and the reply's token ids of ``agent``'s last turn, as stored."""
+    engine.flush()
+    record = engine.admin.store.get_agent(agent)
+    assert record is not None
+    ids = list(record.token_ids)
+    return ids[: result.prompt_tokens], ids[
+        result.prompt_tokens : result.prompt_tokens + result.completion_tokens
+    ]
 
 
 def _texts() -> tuple[str, dict[str, str], dict[str, str]]:
@@ -136,17 +214,15 @@ def _mlx_lm_greedy(model_dir: Path, ids: list[int], n: int) -> tuple[list[int], 
 
 
 def against_mlx_lm(engine: Engine, model_dir: Path, prompt: str) -> tuple[GenerationResult, str]:
-    """Agent ``x``'s greedy turn on ``prompt``, and "" where its tokens (those stored) and
-    text are mlx-lm's own ``generate_step``'s on the same ids, else what differed."""
+    """Agent ``x``'s greedy turn on ``prompt``, and "" where its tokens (those stored) are
+    mlx-lm's own ``generate_step``'s on the same ids (``same_tokens``), else what differed."""
     result = engine.generate("x", prompt, GREEDY)
-    engine.flush()
-    record = engine.admin.store.get_agent("x")
-    assert record is not None
-    ids, reply = record.token_ids[: result.prompt_tokens], record.token_ids[result.prompt_tokens :]
+    ids, reply = turn_tokens(engine, "x", result)
     theirs, text = _mlx_lm_greedy(model_dir, ids, result.completion_tokens)
-    if theirs[: len(reply)] == reply and text.strip() == result.text.strip():
+    agree, why = same_tokens(model_dir, ids, reply, theirs[: len(reply)])
+    if agree and (text.strip() == result.text.strip() or not exact()):
         return result, ""
-    return result, f"mlx-lm {theirs} {text!r} / engine {reply} {result.text!r}"
+    return result, f"mlx-lm {theirs} {text!r} / engine {reply} {result.text!r}: {why}"
 
 
 def check_family(family: str, model_dir: Path, root: Path) -> FamilyReport:
@@ -183,6 +259,14 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
         if not ok:
             report.failures[check] = detail()
 
+    def agree(text_equal: bool, ours: Turn, theirs: Turn) -> tuple[bool, str]:
+        """Two runs that must agree: equal text, or (not ``exact()``) tokens that part at a
+        near-tie (``same_tokens``); read at once, before either agent's next turn."""
+        if text_equal or exact():
+            return text_equal, ""
+        prompt, reply = turn_tokens(*ours)
+        return same_tokens(model_dir, prompt, reply, turn_tokens(*theirs)[1])
+
     # mlx-lm's own greedy tokens on the ids the engine ran.
     r1, differs = against_mlx_lm(hot, model_dir, long)
     verdict("mlx-lm", not differs, lambda: differs)
@@ -191,43 +275,65 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
     p2 = long + r1.text + "\n\nQ: and the second part?\nA:"
     r2 = hot.generate("x", p2, GREEDY)
     engines("b").generate("x", long, GREEDY)
-    warm = engines("b").generate("x", p2, GREEDY)
+    reloaded = engines("b")  # a second engine over the first one's directory: a new process
+    warm = reloaded.generate("x", p2, GREEDY)
+    same, why = agree(warm.text == r2.text, (reloaded, "x", warm), (hot, "x", r2))
     verdict(
         "reload",
         # A hybrid's stored turn may resume at the snapshot one token before its end.
         str(warm.outcome).startswith("warm")
-        and warm.text == r2.text
+        and same
         and r2.reused_tokens - hot.spec.hybrid <= warm.reused_tokens <= r2.reused_tokens,
-        lambda: f"{warm.outcome} {warm.text!r} ({warm.reused_tokens}) / hot {r2.text!r} ({r2.reused_tokens})",
+        lambda: (
+            f"{warm.outcome} {warm.text!r} ({warm.reused_tokens}) / "
+            f"hot {r2.text!r} ({r2.reused_tokens}) {why}"
+        ),
     )
     # Past the first block: a hybrid resumes from its snapshot there.
     p3 = long[:2000] + " -- a different question entirely: what is a patent?"
     diverge = hot.generate("x", p3, GREEDY)
-    cold = engines("c").generate("y", p3, GREEDY)
+    fresh = engines("c")
+    cold = fresh.generate("y", p3, GREEDY)
+    same, why = agree(diverge.text == cold.text, (hot, "x", diverge), (fresh, "y", cold))
     verdict(
         "diverge",
-        diverge.outcome.match is MatchKind.DIVERGE and diverge.text == cold.text,
-        lambda: f"{diverge.outcome} {diverge.text!r} / cold {cold.text!r}",
+        diverge.outcome.match is MatchKind.DIVERGE and same,
+        lambda: f"{diverge.outcome} {diverge.text!r} / cold {cold.text!r} {why}",
     )
 
     # Batched == alone.
-    alone = {agent: hot.generate(agent, p, GREEDY).text for agent, p in prompts.items()}
+    alone = {agent: hot.generate(agent, p, GREEDY) for agent, p in prompts.items()}
     batched = engines("batched")
-    got = {a: r.text for a, r in run_together(batched, prompts, GREEDY).items()}
+    together = run_together(batched, prompts, GREEDY)
+    pairs = {
+        a: agree(r.text == alone[a].text, (batched, a, r), (hot, a, alone[a])) for a, r in together.items()
+    }
     verdict(
         "batched",
-        got == alone and batched.stats()["max_decode_batch"] >= 2,
-        lambda: f"batched {got} / alone {alone} (max batch {batched.stats()['max_decode_batch']})",
+        all(same for same, _ in pairs.values()) and batched.stats()["max_decode_batch"] >= 2,
+        lambda: (
+            f"batched {[r.text for r in together.values()]} / alone {[r.text for r in alone.values()]}"
+            f" (max batch {batched.stats()['max_decode_batch']}) {[why for _, why in pairs.values()]}"
+        ),
     )
 
     # Fan-out: forks over a shared prefix == each alone, cold.
-    expected = {agent: engines(f"alone-{agent}").generate(agent, p, GREEDY).text for agent, p in fan.items()}
-    forked = run_together(engines("fan-out"), fan, GREEDY)
+    by_itself = {agent: engines(f"alone-{agent}") for agent in fan}
+    expected = {agent: by_itself[agent].generate(agent, p, GREEDY) for agent, p in fan.items()}
+    fan_out = engines("fan-out")
+    forked = run_together(fan_out, fan, GREEDY)
     shared = sorted(str(r.outcome) for r in forked.values())
+    pairs = {
+        a: agree(r.text == expected[a].text, (fan_out, a, r), (by_itself[a], a, expected[a]))
+        for a, r in forked.items()
+    }
     verdict(
         "fork",
-        {a: r.text for a, r in forked.items()} == expected and shared.count("hot-shared") == 2,
-        lambda: f"{shared}: {[r.text for r in forked.values()]} / alone {list(expected.values())}",
+        all(same for same, _ in pairs.values()) and shared.count("hot-shared") == 2,
+        lambda: (
+            f"{shared}: {[r.text for r in forked.values()]} / alone {[r.text for r in expected.values()]}"
+            f" {[why for _, why in pairs.values()]}"
+        ),
     )
 
     # The default 4-bit-class format: a reload equals the hot run.
@@ -235,18 +341,20 @@ def _run_checks(report: FamilyReport, model_dir: Path, engines: _Engines) -> Non
     q1 = four.generate("x", long, GREEDY)
     q2 = four.generate("x", long + q1.text + " Next:", GREEDY)
     engines("4bit-b", kv_bits=4).generate("x", long, GREEDY)
-    q_warm = engines("4bit-b", kv_bits=4).generate("x", long + q1.text + " Next:", GREEDY)
+    reloaded = engines("4bit-b", kv_bits=4)
+    q_warm = reloaded.generate("x", long + q1.text + " Next:", GREEDY)
+    same, why = agree(q_warm.text == q2.text, (reloaded, "x", q_warm), (four, "x", q2))
     verdict(
         "4-bit",
-        str(q_warm.outcome).startswith("warm") and q_warm.text == q2.text,
-        lambda: f"{q_warm.outcome} {q_warm.text!r} / hot {q2.text!r}",
+        str(q_warm.outcome).startswith("warm") and same,
+        lambda: f"{q_warm.outcome} {q_warm.text!r} / hot {q2.text!r} {why}",
     )
 
 
 def build(family: str, root: Path, tokenizer_dir: Path) -> Path:
-    """The family's small random-weight model directory, in the device's weight dtype
-    (float32 on the CPU: its fast path; bfloat16 on a GPU, as users run models there)."""
-    dtype = device.weight_dtype()
+    """The family's small random-weight model directory, in ``weight_dtype()`` (the device's:
+    float32 on the CPU, its fast path; bfloat16 on a GPU, as users run models there)."""
+    dtype = weight_dtype()
     return write_random_model(family_config(family), root / family, tokenizer_dir, seed=7, dtype=dtype)
 
 

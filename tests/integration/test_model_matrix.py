@@ -184,3 +184,31 @@ def test_a_model_loaded_on_one_thread_runs_on_the_engines_worker(
     finally:
         engine.close()
         unload_models(model)
+
+
+def test_the_bf16_oracle_tells_a_near_tie_from_a_wrong_token(
+    workspace: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At bfloat16 weights (a GPU's) two correct runs may part where two tokens' logits lie
+    within the step's rounding error; the matrix then accepts the parting and nothing else:
+    the top token against itself is a tie, against the least likely one it is not; and at
+    float32 weights (``exact``) any difference fails."""
+    from langchain_agent_memory.testing.family_configs import family_config
+    from langchain_agent_memory.testing.model_matrix import _mlx_lm_logits, exact, near_tie, same_tokens
+    from langchain_agent_memory.testing.random_model import write_random_model
+
+    model = write_random_model(
+        family_config("llama"), tmp_path / "bf16", workspace[1], seed=7, dtype="bfloat16"
+    )
+    ids = list(range(5, 60))
+    logits = _mlx_lm_logits(model, ids, None)
+    top, bottom = int(logits.argmax().item()), int(logits.argmin().item())
+    tie, numbers = near_tie(model, ids, top, top)
+    assert tie, numbers
+    wrong, numbers = near_tie(model, ids, top, bottom)
+    assert not wrong and "bf16 error" in numbers
+    monkeypatch.setenv("MATRIX_WEIGHTS", "float32")
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert exact()
+    agree, why = same_tokens(model, ids, [top, 1, 2], [top, 1, 3])
+    assert not agree and "step 2" in why
