@@ -524,6 +524,44 @@ engine.close()
 """
 
 
+_QMM = """
+import sys, time, mlx.core as mx
+d_in, d_out, bits, rows = (int(a) for a in (sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5]))
+mode = sys.argv[4]
+group = 64 if mode == "affine" else 32
+w = mx.random.normal((d_out, d_in)).astype(mx.bfloat16)
+x = mx.random.normal((1, rows, d_in)).astype(mx.bfloat16)
+parts = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+scales, biases = parts[1], (parts[2] if len(parts) > 2 else None)
+t0 = time.perf_counter()
+y = mx.quantized_matmul(x, parts[0], scales, biases, transpose=True, group_size=group, bits=bits, mode=mode)
+mx.eval(y)
+ref = x @ mx.dequantize(parts[0], scales, biases, group_size=group, bits=bits, mode=mode).T
+print("ok", round(time.perf_counter() - t0, 3), "max error", mx.max(mx.abs(y - ref)).item(), flush=True)
+"""
+
+
+def qmm(limit_s: float) -> list[dict[str, Any]]:
+    """mlx's own quantized matmul alone, one process per shape (a crash ends only its
+    own): which shapes of a quantized checkpoint's layers CUDA runs, for an upstream report."""
+    rows = []
+    for d_in, d_out in ((64, 64), (64, 256), (128, 128), (256, 1024), (4096, 4096), (4096, 14336)):
+        for bits, mode in ((4, "affine"), (8, "affine"), (4, "mxfp4")):
+            for n in (1, 8, 300):
+                row: dict[str, Any] = {"in": d_in, "out": d_out, "bits": bits, "mode": mode, "rows": n}
+                args = [str(d_in), str(d_out), str(bits), mode, str(n)]
+                try:
+                    p = subprocess.run(
+                        [sys.executable, "-c", _QMM, *args], capture_output=True, text=True, timeout=limit_s
+                    )
+                    row["rc"], row["out"] = p.returncode, (p.stdout + p.stderr)[-300:]
+                except subprocess.TimeoutExpired:
+                    row["rc"] = "timeout"
+                rows.append(row)
+        log(f"qmm {d_in}x{d_out}: {[(r['bits'], r['mode'], r['rows'], r['rc']) for r in rows[-9:]]}")
+    return rows
+
+
 def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[str, Any]]:
     from langchain_agent_memory.testing.model_matrix import build_quantized
 
@@ -582,6 +620,8 @@ def device(
             data["attention_ab"] = attention_ab()
         elif part == "quantized":
             data[part] = quantized(root, limit_s, quantized_only)
+        elif part == "qmm":
+            data[part] = qmm(min(limit_s, 30.0))
         else:
             model_dir = root / "llama-3.1-8b"
             if not (model_dir / "config.json").exists():  # written last
