@@ -132,11 +132,19 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
             threads = [
                 threading.Thread(target=_one, args=(engine, barrier, replies, a, prompts[a])) for a in ids
             ]
+            counts: dict[str, int] = {}
+            stop = threading.Event()
+            sampler = threading.Thread(
+                target=_sample_stacks, args=(engine._worker._thread_id, stop, counts), daemon=True
+            )
+            sampler.start()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
+            stop.set()
+            sampler.join()
             peak = mx.get_peak_memory() - base
             as_is = _active() - base
             held = _held_bytes(engine)
@@ -154,6 +162,7 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
                 "flushed_bytes": flushed,
                 **held,
                 "decode_steps": _steps_delta(before, after),
+                "stacks": _top(counts, 8),
             }
             log(f"ours n={n} turn {turn}: {json.dumps(row[f'turn{turn}'])}")
             prompts = {a: prompts[a] + replies.get(a, "") + extension(turn) for a in ids}
@@ -359,6 +368,12 @@ def _sample_stacks(thread_id: int, stop: threading.Event, counts: dict[str, int]
         time.sleep(0.001)
 
 
+def _top(counts: dict[str, int], n: int) -> list[tuple[float, str]]:
+    """The ``n`` most sampled stacks, each with its share of the samples."""
+    total = sum(counts.values()) or 1
+    return [(round(c / total, 3), k) for k, c in sorted(counts.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def _bare_steps(model: Any, cache: list[Any], token: int, steps: int, ours: bool) -> dict[str, float]:
     """ms per decode step of ``model`` over ``cache``: synced each step, and one step ahead
     (mlx-lm's pattern); and the ms to build one step's graph without running it."""
@@ -445,10 +460,7 @@ def decode_profile(model_dir: Path, root: Path, ctx: int = 32768) -> list[dict[s
             stop.set()
             sampler.join()
             row["engine_tok_s"] = round((r.completion_tokens - 1) / r.timings.decode_s, 1)
-            total = sum(counts.values())
-            row["stacks"] = [
-                (round(n / total, 3), k) for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:14]
-            ]
+            row["stacks"] = _top(counts, 14)
             state, _ = engine.agents.lookup("p")
             model = engine.lm.model
             ids = engine.tokenizer.encode(text)
