@@ -167,6 +167,29 @@ def test_two_agents_store_a_shared_system_prompt_once(smollm: LoadedModel, tmp_p
     assert rb.reused_tokens >= shared * BLOCK_TOKENS  # and reused the shared prefix's KV
 
 
+def test_a_new_session_reads_the_shared_instructions_up_to_its_own_text(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """Sessions of a harness begin with the same instructions, which end inside a block,
+    where each session's own text begins: a second session reads the first one's keys and
+    values up to there (the leading rows of the first one's next block), not only the whole
+    blocks before it, and answers as a cold run of its prompt does (16-bit KV, greedy)."""
+    eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None)
+    system = "Use this text.\n\n" + corpus.python_docs()[:2500]
+    pa = _chat(eng, system, [("What is a for loop?", None)])
+    pb = _chat(eng, system, [("What does assert do?", None)])
+    eng.generate("a", pa, GREEDY)
+    eng.flush()
+    rb = eng.generate("b", pb, GREEDY)
+    ids_a, ids_b = eng.tokenizer.encode(pa), eng.tokenizer.encode(pb)
+    common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    assert common % BLOCK_TOKENS >= 32  # the instructions end inside a block
+    assert rb.outcome.match is MatchKind.SHARED
+    assert common - 8 <= rb.reused_tokens <= common, (rb.reused_tokens, common)
+    cold = Engine("smollm2-135m", cache_dir=tmp_path / "cold", kv_bits=None).generate("b", pb, GREEDY)
+    assert rb.text == cold.text
+
+
 def test_restart_in_a_second_process(smollm: LoadedModel, tmp_path: Path) -> None:
     script = textwrap.dedent(
         """

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -309,7 +309,12 @@ class AgentCaches:
         """No usable cache of the agent's own: reuse whole blocks any agent stored for the
         same leading tokens (a shared system prompt: ``reuse.plan_shared``), else start empty."""
         plan = plan_shared(
-            prompt, self.tokenizer, self.fingerprint, hybrid=self.spec.hybrid, has=self._stored
+            prompt,
+            self.tokenizer,
+            self.fingerprint,
+            hybrid=self.spec.hybrid,
+            has=self._stored,
+            continuations=self._continuations,
         )
         full = plan.prompt
         assert full is not None
@@ -331,6 +336,17 @@ class AgentCaches:
             state=state, source=CacheSource.COLD, match=NOTHING, layers=self.new_layers(),
             known=TokenizedText(""), tail=full, load_s=0.0, prefix_blocks=[],
         )  # fmt: skip
+
+    def _continuations(self, parent: BlockHash, k: int) -> list[tuple[BlockHash, Sequence[int]]]:
+        """The ``k``-th blocks of the chains the hot tier knows whose block ``k - 1`` is
+        ``parent``, with their tokens (``reuse.plan_shared``): a session that began with the
+        same instructions a moment ago holds the block where its own text starts."""
+        out = []
+        for agent in self.hot.ids():
+            state = self.hot.get(agent)
+            if state is not None and len(state.blocks) > k and state.blocks[k - 1] == parent:
+                out.append((state.blocks[k], state.tokens.ids[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS]))
+        return out
 
     def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in memory or in the store (``plan_shared``'s ``has``: every one

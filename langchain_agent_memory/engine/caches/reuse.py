@@ -8,12 +8,16 @@ holds is asked through the ``has`` it is given.
   model resumes from the newest state snapshot at or before the match (``states``).
 - Nothing of its own: the prompt's leading whole blocks that some agent stored (a shared
   system prompt, ``SHARED``), cut back to a token that ends on a whole character and, on a
-  hybrid model, to a block whose state snapshot is stored too.
+  hybrid model, to a block whose state snapshot is stored too; then, past them, the leading
+  tokens of another agent's next block where its tokens are the prompt's (a harness's
+  instructions end inside a block, where each session's own text begins). A block's first
+  tokens' keys and values depend on nothing after them, so its first rows are as good as a
+  whole block of those tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +27,14 @@ from .states import resume_point
 
 #: A request that reuses nothing.
 NOTHING = PrefixMatch(MatchKind.MISS, 0, 0)
+#: The fewest of another agent's block's leading tokens worth reading past the whole blocks
+#: shared: fewer cost less to prefill than the block's read.
+MIN_CONTINUATION = 16
+
+#: Blocks that follow a block in some agent's chain, each with its token ids (``plan_shared``
+#: is given ``continuations(parent, k)``: the ``k``-th blocks of chains whose block ``k - 1``
+#: is ``parent``).
+Continuations = Callable[[BlockHash, int], Iterable[tuple[BlockHash, Sequence[int]]]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,10 +95,13 @@ def plan_shared(
     *,
     hybrid: bool,
     has: Callable[[Sequence[BlockHash]], Collection[BlockHash]],
+    continuations: Continuations | None = None,
 ) -> ReusePlan:
     """What a request for ``prompt`` without a usable cache of its own reuses: the leading
     whole blocks of the prompt that ``has`` says are stored (``has(hashes)``: those of
-    ``hashes`` the store holds; asked once for the blocks, once for their snapshots)."""
+    ``hashes`` the store holds; asked once for the blocks, once for their snapshots), and
+    past them the longest run of a stored next block's leading tokens that are the prompt's
+    (``continuations``; not on a hybrid model: no state snapshot stands inside a block)."""
     full = prompt if isinstance(prompt, TokenizedText) else tokenize_prompt(tokenizer, prompt)
     hashes = list(prompt_hashes(full.ids, fingerprint))
     present = has(hashes) if hashes else ()
@@ -105,6 +120,11 @@ def plan_shared(
     if not chain:
         return ReusePlan(match=NOTHING, tokens=0, prompt=full)
     n = len(chain) * BLOCK_TOKENS
+    if continuations is not None and not hybrid:
+        block, extra = _continuation(full, chain, continuations, has)
+        if extra:
+            chain.append(block)
+            n += extra
     shared = PrefixMatch(MatchKind.SHARED, n, full.ends[n - 1])
     return ReusePlan(
         match=shared,
@@ -113,6 +133,32 @@ def plan_shared(
         snapshot=snapshots[len(chain) - 1] if hybrid else None,
         prompt=full,
     )
+
+
+def _continuation(
+    full: TokenizedText,
+    chain: list[BlockHash],
+    continuations: Continuations,
+    has: Callable[[Sequence[BlockHash]], Collection[BlockHash]],
+) -> tuple[BlockHash, int]:
+    """The stored block after ``chain`` whose leading tokens are most of the prompt's next
+    ones, and how many of them to reuse: cut back to a token that ends on a whole character,
+    short of the prompt's last token (a request prefills at least one), at least
+    ``MIN_CONTINUATION``; else (``chain[-1]``, 0)."""
+    at = len(chain) * BLOCK_TOKENS
+    wanted = full.ids[at : min(at + BLOCK_TOKENS, len(full) - 1)]
+    best: tuple[int, BlockHash] = (0, chain[-1])
+    for block, ids in continuations(chain[-1], len(chain)):
+        same = 0
+        for mine, theirs in zip(wanted, ids, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        while same and full.ends[at + same - 1] == NOT_A_BOUNDARY:
+            same -= 1
+        if same > best[0] and block in has([block]):
+            best = (same, block)
+    return (best[1], best[0]) if best[0] >= MIN_CONTINUATION else (chain[-1], 0)
 
 
 def plan_reuse(
