@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mlx.utils import tree_flatten
 
 from langchain_agent_memory.engine.model.families import recorded_verdicts
 from langchain_agent_memory.engine.model.loading import LoadedModel, unload_models
@@ -215,7 +216,8 @@ def test_a_pass_that_fails_on_one_thread_leaves_the_model_to_run_on_another(
 ) -> None:
     """A forward pass that raises part-way (Gemma 3n over a batch's caches) leaves nothing
     of the model lazy on its thread: the next pass over the same instance, on another thread
-    (another engine's worker), runs."""
+    (another engine's worker), runs. mlx-lm's own modules here (``cpu_kernels=False``): their
+    pass writes to the model."""
     import threading
 
     from langchain_agent_memory.engine import load_model
@@ -224,7 +226,7 @@ def test_a_pass_that_fails_on_one_thread_leaves_the_model_to_run_on_another(
     from langchain_agent_memory.engine.ops.runtime import mx
 
     model = build("gemma3n", tmp_path / "models", workspace[1])
-    loaded = load_model(model, cache_dir=tmp_path, self_check=False)
+    loaded = load_model(model, cache_dir=tmp_path, self_check=False, cpu_kernels=False)
     spec, forward = loaded.structure.spec, forward_of(loaded.model)
     ids = list(range(5, 29))
 
@@ -252,5 +254,44 @@ def test_a_pass_that_fails_on_one_thread_leaves_the_model_to_run_on_another(
             thread.start()
             thread.join()
         assert "failed" in outcome and "logits" in outcome
+    finally:
+        unload_models(model)
+
+
+def test_passes_over_one_model_on_two_threads_at_once_run_and_leave_it_as_loaded(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two engines of one model share its loaded instance, each running passes on its own
+    worker. mlx-lm's Gemma 3n writes its AltUp coefficient weights in every pass: two passes
+    at once read each other's lazy arrays ("There is no Stream(cpu, N) in current thread")
+    or crashed the process. The engine's instance writes nothing in a pass."""
+    import threading
+
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+    from langchain_agent_memory.engine.model.forward import LAST, forward_of
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    model = build("gemma3n", tmp_path / "models", workspace[1])
+    loaded = load_model(model, cache_dir=tmp_path, self_check=False)
+    spec, forward = loaded.structure.spec, forward_of(loaded.model)
+    held = dict(tree_flatten(loaded.model.parameters()))
+    ids = list(range(5, 70))
+    got: dict[int, list[list[float]]] = {}
+
+    def run(n: int) -> None:
+        for _ in range(20):
+            logits = forward(mx.array(ids)[None], make_layer_caches(spec, KVQuant.uniform(None)), LAST)
+            got[n] = logits.astype(mx.float32).tolist()
+
+    try:
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(got) == 2 and got[0] == got[1]
+        after = dict(tree_flatten(loaded.model.parameters()))
+        assert after.keys() == held.keys() and all(after[k] is held[k] for k in held)
     finally:
         unload_models(model)
