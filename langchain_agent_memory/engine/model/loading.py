@@ -244,9 +244,9 @@ def load_model(
             adapt_or_say(mdl, name)
         result = check.after_adapting() if check is not None else None
         # Again after the self-check's passes on this thread: a module that writes an array
-        # during a pass (Gemma 3n's AltUp reassigns its coefficient weights on every call)
-        # leaves it lazy where that pass's output was not evaluated (a pass that failed
-        # settles itself: ``forward.ModelForward``).
+        # during a pass (mlx-lm's own Gemma 3n AltUp, run before adapting; Kimi K3's and
+        # PLaMo 3's tables made on a first call) leaves it lazy where that pass's output was
+        # not evaluated (a pass that failed settles itself: ``forward.ModelForward``).
         settle(mdl)
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
         _LOADED[(path, cpu_kernels)] = loaded
