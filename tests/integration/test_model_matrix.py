@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mlx.utils import tree_flatten
 
 from langchain_agent_memory.engine.model.families import recorded_verdicts
 from langchain_agent_memory.engine.model.loading import LoadedModel, unload_models
@@ -212,3 +213,113 @@ def test_the_bf16_oracle_tells_a_near_tie_from_a_wrong_token(
     assert exact()
     agree, why = same_tokens(model, ids, [top, 1, 2], [top, 1, 3])
     assert not agree and "step 2" in why
+
+
+def test_a_model_self_checked_on_one_thread_runs_on_the_engines_worker(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Gemma 3n's AltUp modules reassign their coefficient weights on every call, and its
+    self-check's batched step stops part-way (its KV-shared layers take no batch), on the
+    loading thread. Left lazy arrays of that thread, those weights failed the first request
+    on the engine's worker ("There is no Stream(cpu, 0) in current thread": the matrix's
+    Gemma 3n failure, in every process where no pass of its check was remembered)."""
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.engine.engine import Engine
+    from langchain_agent_memory.testing.model_matrix import GREEDY
+
+    model = build("gemma3n", tmp_path / "models", workspace[1])
+    loaded = load_model(model, cache_dir=tmp_path)  # a memo of its own: the check runs here
+    assert loaded.check is not None and not loaded.check.remembered and loaded.check.unbatched
+    engine = Engine(model, cache_dir=tmp_path / "kv")
+    try:
+        assert engine.lm is loaded
+        assert engine.generate("x", "Hello there, how are you?", GREEDY).completion_tokens > 0
+    finally:
+        engine.close()
+        unload_models(model)
+
+
+def test_a_pass_that_fails_on_one_thread_leaves_the_model_to_run_on_another(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A forward pass that raises part-way (Gemma 3n over a batch's caches) leaves nothing
+    of the model lazy on its thread: the next pass over the same instance, on another thread
+    (another engine's worker), runs. mlx-lm's own modules here (``cpu_kernels=False``): their
+    pass writes to the model."""
+    import threading
+
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.engine.kv import KVQuant, batch_layer_caches, make_layer_caches
+    from langchain_agent_memory.engine.model.forward import LAST, forward_of
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    model = build("gemma3n", tmp_path / "models", workspace[1])
+    loaded = load_model(model, cache_dir=tmp_path, self_check=False, cpu_kernels=False)
+    spec, forward = loaded.structure.spec, forward_of(loaded.model)
+    ids = list(range(5, 29))
+
+    def filled(n: int) -> list[object]:
+        caches = make_layer_caches(spec, KVQuant.uniform(None))
+        mx.eval(forward(mx.array(ids[:n])[None], caches, LAST))
+        return caches
+
+    outcome: dict[str, object] = {}
+
+    def fail_part_way() -> None:
+        batch = batch_layer_caches([filled(16), filled(24)])
+        try:
+            forward(mx.array([[ids[0]], [ids[0]]]), batch, None)
+        except AttributeError as exc:  # its KV-shared layers ask the batch for keys it has not
+            outcome["failed"] = exc
+
+    def run() -> None:
+        logits = forward(mx.array(ids)[None], make_layer_caches(spec, KVQuant.uniform(None)), LAST)
+        outcome["logits"] = logits.tolist()  # raised here before: the AltUp weights were lazy
+
+    try:
+        for step in (fail_part_way, run):
+            thread = threading.Thread(target=step)
+            thread.start()
+            thread.join()
+        assert "failed" in outcome and "logits" in outcome
+    finally:
+        unload_models(model)
+
+
+def test_passes_over_one_model_on_two_threads_at_once_run_and_leave_it_as_loaded(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Two engines of one model share its loaded instance, each running passes on its own
+    worker. mlx-lm's Gemma 3n writes its AltUp coefficient weights in every pass: two passes
+    at once read each other's lazy arrays ("There is no Stream(cpu, N) in current thread")
+    or crashed the process. The engine's instance writes nothing in a pass."""
+    import threading
+
+    from langchain_agent_memory.engine import load_model
+    from langchain_agent_memory.engine.kv import KVQuant, make_layer_caches
+    from langchain_agent_memory.engine.model.forward import LAST, forward_of
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    model = build("gemma3n", tmp_path / "models", workspace[1])
+    loaded = load_model(model, cache_dir=tmp_path, self_check=False)
+    spec, forward = loaded.structure.spec, forward_of(loaded.model)
+    held = dict(tree_flatten(loaded.model.parameters()))
+    ids = list(range(5, 70))
+    got: dict[int, list[list[float]]] = {}
+
+    def run(n: int) -> None:
+        for _ in range(20):
+            logits = forward(mx.array(ids)[None], make_layer_caches(spec, KVQuant.uniform(None)), LAST)
+            got[n] = logits.astype(mx.float32).tolist()
+
+    try:
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(got) == 2 and got[0] == got[1]
+        after = dict(tree_flatten(loaded.model.parameters()))
+        assert after.keys() == held.keys() and all(after[k] is held[k] for k in held)
+    finally:
+        unload_models(model)

@@ -28,6 +28,12 @@ a model is adapted (a module that differs keeps its own code).
 
 Only on the CPU: on Metal / CUDA mlx's fused kernels are the fast path, and the engine's
 caches satisfy mlx-lm's cache protocol (real arrays, masks) so the stock code runs there.
+
+On every device, a module whose pass writes to the model (Gemma 3n's AltUp reassigns its
+coefficient weights on each call: ``_PASS_METHODS``) gets methods that compute the same
+values for the call alone: a pass then changes nothing the next one reads, whichever thread
+runs it (a lazy array of one thread cannot be evaluated on another, and two engines sharing
+the instance ran passes over it at once: a crash).
 """
 
 from __future__ import annotations
@@ -110,6 +116,46 @@ _OWNED_CALLS: dict[tuple[str, str], Callable[..., Any]] = {
     ("mlx_lm.models.gemma3_text", "RMSNorm"): _rms_norm_1p_call,
 }
 _NORM_CALLS = (_rms_norm_call, _rms_norm_1p_call)
+
+
+def _altup_coefs(self: Any, coefs: Any, modalities: mx.array) -> mx.array:
+    """``coefs(modalities)`` (a linear layer without bias) with the weight mlx-lm's AltUp
+    makes on every call (float32, clipped to ``altup_coef_clip``), made for this call only:
+    mlx-lm assigns it to the layer, a write to the model in every pass."""
+    weight = coefs.weight.astype(mx.float32)
+    clip = self.config.altup_coef_clip
+    if clip is not None:
+        weight = mx.clip(weight, -clip, clip)
+    return modalities @ weight.T
+
+
+def _altup_predict(self: Any, x: mx.array) -> mx.array:
+    # mlx-lm's ``Gemma3nAltUp.predict``, the coefficient weight made for the call.
+    modalities = self.compute_router_modalities(x[self.config.altup_active_idx])
+    n = self.config.altup_num_inputs
+    all_coefs = _altup_coefs(self, self.prediction_coefs, modalities)
+    all_coefs = all_coefs.reshape(*modalities.shape[:-1], n, n).transpose(0, 1, 3, 2)
+    x_up = x.astype(mx.float32)
+    predictions = mx.matmul(x_up.transpose(1, 2, 3, 0), all_coefs).transpose(3, 0, 1, 2)
+    predictions += x_up
+    return predictions.astype(x.dtype)
+
+
+def _altup_correct(self: Any, predictions: mx.array, activated: mx.array) -> mx.array:
+    # mlx-lm's ``Gemma3nAltUp.correct``, the coefficient weight made for the call.
+    modalities = self.compute_router_modalities(activated)
+    all_coefs = (_altup_coefs(self, self.correction_coefs, modalities) + 1.0).moveaxis(2, 0)
+    innovation = activated - predictions[self.config.altup_active_idx]
+    corrected = innovation[None] * all_coefs[..., None]
+    corrected += predictions
+    return corrected.astype(activated.dtype)
+
+
+#: Methods of mlx-lm classes whose pass writes to the model, by class (module, qualified
+#: name): ours compute the same values without the write (the module docstring says why).
+_PASS_METHODS: dict[tuple[str, str], dict[str, Callable[..., Any]]] = {
+    ("mlx_lm.models.gemma3n", "Gemma3nAltUp"): {"predict": _altup_predict, "correct": _altup_correct},
+}
 
 #: Positions per call up to which RoPE goes through ``fast_ops.rope_rotate`` (a decode step,
 #: a turn's new tokens); a prefill chunk's fallback ops are large enough that their count
@@ -323,10 +369,14 @@ def _rebound(call: types.FunctionType, kernels: bool) -> types.FunctionType | No
 @functools.cache
 def _adapted_class(cls: type, kernels: bool) -> type | None:
     """A subclass of ``cls`` whose ``__call__`` attends through the engine's caches and, with
-    ``kernels``, uses the CPU kernels (made once per class), or None when there is nothing
-    to change."""
+    ``kernels``, uses the CPU kernels, or whose pass no longer writes to the model
+    (``_PASS_METHODS``) (made once per class), or None when there is nothing to change."""
     if getattr(cls, ADAPTED, False):
         return None
+    mark = KERNELS if kernels else ATTENTION_ONLY
+    methods = _PASS_METHODS.get((cls.__module__, cls.__qualname__))
+    if methods is not None:
+        return type(cls.__name__, (cls,), {**methods, "__module__": __name__, ADAPTED: mark})
     owned = None
     if kernels:
         owned = _rope_call if _is_rope(cls) else _OWNED_CALLS.get((cls.__module__, cls.__qualname__))
@@ -338,7 +388,6 @@ def _adapted_class(cls: type, kernels: bool) -> type | None:
         call = _rebound(original, kernels)
         if call is None:
             return None
-    mark = KERNELS if kernels else ATTENTION_ONLY
     return type(cls.__name__, (cls,), {"__call__": call, "__module__": __name__, ADAPTED: mark})
 
 

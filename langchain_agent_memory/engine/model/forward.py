@@ -46,16 +46,38 @@ class ModelForward:
         """Logits (the model's dtype) of ``tokens`` (batch, length) at ``rows``, appended to
         ``caches`` (the engine's flat list; recurrent layers are told how many tokens ran)."""
         cache = self.layout.assemble(caches)
-        if not self._cuts_stack:
-            out = cut_rows(self.model(tokens, cache=cache), rows)
-        else:
-            reset = STACK_ROWS.set(rows)
-            try:
-                out = self.model(tokens, cache=cache)
-            finally:
-                STACK_ROWS.reset(reset)
+        try:
+            if not self._cuts_stack:
+                out = cut_rows(self.model(tokens, cache=cache), rows)
+            else:
+                reset = STACK_ROWS.set(rows)
+                try:
+                    out = self.model(tokens, cache=cache)
+                finally:
+                    STACK_ROWS.reset(reset)
+        except BaseException:
+            # A pass stopped part-way: what the model's modules wrote during it (Gemma 3n's
+            # AltUp reassigns its coefficient weights on every call) is left lazy arrays of
+            # this thread, and the next pass over this instance may run on another (an
+            # engine's worker after the self-check's batched step failed on the loading
+            # thread; another engine sharing the instance): evaluated here, where they were made.
+            settle(self.model)
+            raise
         fed(caches, tokens.shape[1])
         return out
+
+
+def settle(model: Any) -> None:
+    """Evaluate, on this thread, every array a model instance holds: its parameters and the
+    arrays its modules keep outside them (Gemma 3n's ``_std_multiplier``, computed in its
+    constructor). A lazy array can only be evaluated on the thread whose stream it was made
+    on ("There is no Stream(cpu, N) in current thread" elsewhere), and an instance is loaded
+    and checked on one thread and run on the engine's worker."""
+    kept = []
+    for module in model.modules():
+        values = [*vars(module).values(), *(v for k, v in module.items() if k.startswith("_"))]
+        kept += [v for v in values if isinstance(v, mx.array)]
+    mx.eval(model.parameters(), kept)
 
 
 def forward_of(model: Any) -> ModelForward:

@@ -27,6 +27,7 @@ from . import self_check as checks
 from .adapters import adapt_model
 from .families import check_refused, model_type
 from .fingerprint import sha256_file
+from .forward import settle
 from .gguf_convert import CONVERTER_VERSION, convert_gguf, upgrade_tokenizer_files
 from .hub import parse_repo_id, snapshot_dir
 from .structure import ModelStructure, UnsupportedModelError, describe, layout_of
@@ -233,7 +234,7 @@ def load_model(
         _check_mlx_lm_has(path)
         mdl, tok = mlx_load(str(path), lazy=True)
         layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
-        mx.eval(mdl.parameters(), _private_arrays(mdl))
+        settle(mdl)  # made here, run on the engine's worker
         structure = describe(mdl)
         memo = Path(cache_dir) / "models"
         check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
@@ -242,26 +243,14 @@ def load_model(
         if cpu_kernels:
             adapt_or_say(mdl, name)
         result = check.after_adapting() if check is not None else None
-        # Again after the self-check's forwards on this thread: a module that keeps an
-        # array it computes on its first call (a cached table) keeps it lazy, made on this
-        # thread, and the engine's worker could not evaluate it ("There is no Stream(cpu, 0)
-        # in current thread": the model matrix's intermittent Gemma 3n failure is of this kind).
-        mx.eval(mdl.parameters(), _private_arrays(mdl))
+        # Again after the self-check's passes on this thread: a module that writes an array
+        # during a pass (mlx-lm's own Gemma 3n AltUp, run before adapting; Kimi K3's and
+        # PLaMo 3's tables made on a first call) leaves it lazy where that pass's output was
+        # not evaluated (a pass that failed settles itself: ``forward.ModelForward``).
+        settle(mdl)
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
         _LOADED[(path, cpu_kernels)] = loaded
         return loaded
-
-
-def _private_arrays(model: Any) -> list[mx.array]:
-    """The arrays a model's modules keep outside their parameters (Gemma 3n's
-    ``_std_multiplier``, computed in its constructor). Evaluated here, on the loading thread:
-    a lazy array made on one thread cannot be evaluated on another ("There is no
-    Stream(cpu, 0) in current thread"), and the model runs on the engine's worker."""
-    out = []
-    for module in model.modules():
-        values = [*vars(module).values(), *(v for k, v in module.items() if k.startswith("_"))]
-        out += [v for v in values if isinstance(v, mx.array)]
-    return out
 
 
 def _check_mlx_lm_has(path: Path) -> None:
