@@ -123,7 +123,7 @@ class Engine:
         wait_for_saves(store_dir)  # saves this process queued there (another engine's) land first
         self._store = open_store(self.cache_dir / "kv", self.fingerprint, cfg.store)
         parts.callback(self._store.close)
-        self.pool = BlockPool(self._store, cfg.hot_budget_bytes)
+        self.pool = BlockPool(self._store, cfg.hot_budget_bytes, self._worker.owner)
         context_length = cfg.context_length or trained_context(self.lm.path) or 1 << 20
         rows = None
         if cfg.reserve_work and not device.on_gpu() and self.attention == "copy":
@@ -134,7 +134,7 @@ class Engine:
             tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
             schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule"),
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
-            state_budget=cfg.state_budget, reserved_rows=rows,
+            state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
         self._feed = CommitFeed()
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from ..kv.layer_work import DecodedPrefix
+from ..ops.owner import CHECK_OWNER, Owner, check_owner
 from ..ops.runtime import mx
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
@@ -78,6 +79,7 @@ class AgentCaches:
         serve_stored: bool = False,
         state_budget: float | None = BUDGET,
         reserved_rows: tuple[int, ...] | None = None,
+        owner: Owner | None = None,
     ) -> None:
         self.spec, self.quant, self.store, self.pool = spec, quant, store, pool
         #: What the model thread's paths read (admit, load, restore): never a round trip.
@@ -90,7 +92,7 @@ class AgentCaches:
         self.state_budget = state_budget
         #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
         self.reserved_rows = reserved_rows
-        self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule)
+        self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule, owner)
         self.lock = self.hot.lock
         self.writes = CacheWrites(
             store=store, pool=pool, hot=self.hot, state_budget=state_budget, serve_stored=serve_stored
@@ -293,6 +295,8 @@ class AgentCaches:
         if self.serve_stored:
             return layers, from_disk
         blocks = tuple(chain[: -(-n_tokens // BLOCK_TOKENS)])
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "AgentCaches.from_blocks (the decoded prefixes)")
         with self.lock:
             for i in range(len(layers)) if only is None else sorted(only):
                 layer = layers[i]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import CacheFormatError, CommitConflictError
 from ..kv import RecurrentCache
+from ..ops.owner import CHECK_OWNER, check_owner
 from ..prefix import TokenizedText
 from ..storage.blocks import (
     BLOCK_TOKENS,
@@ -59,6 +60,8 @@ class CacheWrites:
         worker thread: its tokens moved into the stored form, the tensors of the blocks the
         store lacks made ready for a write on another thread (``freeze_blocks``), the agent
         kept hot. ``write`` (on the save thread) then stores them."""
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "CacheWrites.commit")
         layers, old = start.layers, start.state
         n = len(known)
         kept = start.kept_blocks()
@@ -201,6 +204,8 @@ class CacheWrites:
         finally:
             if save.lease is not None:
                 save.lease.release()  # no-op after the commit; a failed save gives it back
+            if CHECK_OWNER:
+                check_owner(self.hot.owner, "CacheWrites.write (the saves not written yet)")
             with self._lock:
                 # Counter subtraction drops what reaches zero: a block no save holds leaves.
                 self._queued_saves -= Counter(save.blocks.keys())
@@ -208,6 +213,8 @@ class CacheWrites:
                 for h in save.blocks:
                     if h not in self._queued_saves:
                         self._queued.pop(h, None)
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "CacheWrites.write (the live state's version)")
         with self.hot.lock:
             save.state.version = self.store.seen_version(record.agent_id)
         return record

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 from .agent_state import AgentState, HotPolicy, live_bytes
+from ..ops.owner import CHECK_OWNER, Owner, check_owner
 from .schedule import Schedule
 
 
@@ -19,7 +20,11 @@ class HotAgents:
     ``schedule``'s order."""
 
     def __init__(
-        self, policy: HotPolicy, pinned: Callable[[], Collection[str]], schedule: Schedule | None = None
+        self,
+        policy: HotPolicy,
+        pinned: Callable[[], Collection[str]],
+        schedule: Schedule | None = None,
+        owner: Owner | None = None,
     ) -> None:
         self.policy = policy
         self.schedule = schedule or Schedule()
@@ -29,6 +34,8 @@ class HotAgents:
         self._pinned = pinned
         self._states: OrderedDict[str, AgentState] = OrderedDict()
         self.lock = threading.RLock()
+        #: the loop that alone mutates this table (``caches.owner``)
+        self.owner = owner
 
     def __len__(self) -> int:
         return len(self._states)
@@ -50,6 +57,8 @@ class HotAgents:
 
     def touch(self, agent_id: str) -> AgentState | None:
         """The agent's live state, now the most recently used (None: not hot)."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.touch")
         with self.lock:
             state = self._states.get(agent_id)
             if state is not None:
@@ -68,6 +77,8 @@ class HotAgents:
         goes last: its caller may yet say when it is needed (a reply that made tool calls).
         ``unless_needed_sooner`` (a prefetch): kept only if no agent it would push out is
         needed sooner than it; returns whether it was kept."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.keep")
         with self.lock:
             others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
             if unless_needed_sooner:
@@ -86,6 +97,8 @@ class HotAgents:
 
     def drop(self, agent_id: str | None = None, *, only: AgentState | None = None) -> None:
         """Forget one agent's live cache (``only``: if it is still that one), or all."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.drop")
         with self.lock:
             if agent_id is None:
                 self._states.clear()

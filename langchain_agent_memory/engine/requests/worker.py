@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from ..ops.owner import Owner
 from ..ops.threads import THREADS, run_job
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class Worker:
         self._stopped = False
         self._ended = threading.Event()
         self._thread_id: int | None = None
+        #: The cache state this loop owns (``caches.owner``): bound while the loop runs.
+        self.owner = Owner()
         THREADS.lend(self._run_loop, name)
 
     @property
@@ -95,10 +98,12 @@ class Worker:
             self._loop()
         finally:
             self._thread_id = None
+            self.owner.release()
             self._ended.set()
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
+        self.owner.bind()
         while True:
             stepper = self.stepper
             if stepper is not None and stepper.has_work():

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..ops.owner import CHECK_OWNER, Owner, check_owner
 from ..errors import RemoteUnavailableError
 from .blocks import (
     AgentNotFoundError,
@@ -47,7 +48,7 @@ class BlockPool:
     """Blocks in memory over ``store``: read (``get``) on the engine's model thread, through
     the store's ``local_tier`` (never a network round trip); written by saves on theirs."""
 
-    def __init__(self, store: BlockStore, hot_budget_bytes: int) -> None:
+    def __init__(self, store: BlockStore, hot_budget_bytes: int, owner: Owner | None = None) -> None:
         self.store, self.reads = store, store.local_tier()
         self.hot_budget_bytes = hot_budget_bytes
         self._hot: OrderedDict[BlockHash, Block] = OrderedDict()
@@ -55,11 +56,15 @@ class BlockPool:
         self.stats = PoolStats()
         # The memory tier is read on the worker thread and filled by saves on their own.
         self._lock = threading.RLock()
+        #: the loop that alone mutates the memory tier (``caches.owner``)
+        self.owner = owner
 
     # ------------------------------------------------------------------ reads
 
     def get(self, h: BlockHash) -> tuple[Block, bool]:
         """The block and whether it came from memory (True) or from the store (False)."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "BlockPool.get")
         with self._lock:
             block = self._hot.get(h)
             if block is not None:
@@ -68,7 +73,7 @@ class BlockPool:
                 return block, True
         block = self.reads.get_block(h)
         self.stats.misses += 1
-        self._admit(block)
+        self.admit(block)
         return block, False
 
     def is_hot(self, h: BlockHash) -> bool:
@@ -84,12 +89,14 @@ class BlockPool:
     def put(self, block: Block, admit: bool = True) -> int:
         """Persist ``block`` (no-op if stored) and, with ``admit``, keep it hot; return bytes
         written."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "BlockPool.put")
         written = self.store.put_block(block)
         if written:
             self.stats.bytes_written += written
             self.stats.blocks_written += 1
         if admit:
-            self._admit(block)
+            self.admit(block)
         return written
 
     def save_agent(
@@ -200,6 +207,8 @@ class BlockPool:
 
     def forget(self, h: BlockHash) -> None:
         """Drop the memory copy only (the file stays)."""
+        if CHECK_OWNER:
+            check_owner(self.owner, "BlockPool.forget")
         with self._lock:
             block = self._hot.pop(h, None)
             if block is not None:
@@ -212,7 +221,9 @@ class BlockPool:
 
     # ------------------------------------------------------------------ hot tier
 
-    def _admit(self, block: Block) -> None:
+    def admit(self, block: Block) -> None:
+        if CHECK_OWNER:
+            check_owner(self.owner, "BlockPool.admit")
         with self._lock:
             self._admit_locked(block)
 
