@@ -147,6 +147,22 @@ class Worker:
         self._jobs.put((future, fn, args))
         return future
 
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` run by the loop, waited for: a message the loop answers (a query or
+        a command on the cache state it owns). On the loop itself, or once it has stopped
+        (its engine closed or freed: nothing races it any more), run here."""
+        if self.on_worker or self._stopped:
+            return fn(*args)
+        return self.submit(fn, *args).result()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` run by the loop, not waited for (a result the I/O side hands back:
+        ``Committer``); once the loop has stopped, run here."""
+        if self._stopped:
+            fn(*args)
+        else:
+            self.submit(fn, *args)
+
     @property
     def on_worker(self) -> bool:
         return threading.get_ident() == self._thread_id
