@@ -167,7 +167,9 @@ class Engine:
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done
             # before it gets there (``admissions``); its parts read the store's local tier.
-            self._admissions = StoreAdmissions(self.agents, self._store, self._to_scheduler)
+            self._admissions = StoreAdmissions(
+                self.agents, self._store, self._to_scheduler, self._worker.post
+            )
             parts.callback(self._admissions.close)
         #: agents' stored caches: records, forks, deletes, prefetch, the disk budget
         self.admin = AgentAdmin(
@@ -335,7 +337,9 @@ class Engine:
         Call it when no request is in progress (again: nothing happens)."""
         if self._closed:
             return
-        if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
+        if self._worker.has_waiting or (
+            self._admissions is not None and self._worker.call(self._admissions.busy)
+        ):
             raise RuntimeError("close() while requests are in progress: let them finish first")
         self._parts.close()  # admissions, saves, memory, subscribers, store, reserve, thread
 

@@ -16,7 +16,6 @@ one before it); those of different agents do not wait for each other.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,11 +40,16 @@ class StoreAdmissions:
     queues it for the model's thread (``queue``)."""
 
     def __init__(
-        self, caches: AgentCaches, store: SharedBlockStore, queue: Callable[[Request], object]
+        self,
+        caches: AgentCaches,
+        store: SharedBlockStore,
+        queue: Callable[[Request], object],
+        post: Callable[..., None],
     ) -> None:
-        self.caches, self.store, self._queue = caches, store, queue
+        self.caches, self.store, self._queue, self._post = caches, store, queue, post
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent-memory-admit")
-        self._lock = threading.Lock()
+        # The bookkeeping below is the loop's (``submit`` runs there, a preparation's end is
+        # posted there: ``post``): no lock.
         #: agent -> its latest request's preparation (the next one waits for it)
         self._last: dict[str, Future[None]] = {}
         self._preparing: Counter[str] = Counter()
@@ -53,23 +57,21 @@ class StoreAdmissions:
     def submit(self, request: Request, view: AgentView) -> None:
         """Prepare ``request`` (handed over by the loop with what it knows of the agent)."""
         agent_id = request.agent_id
-        with self._lock:
-            before = self._last.get(agent_id)
-            future = self._pool.submit(self._prepare, request, view, before)
-            self._last[agent_id] = future
-            self._preparing[agent_id] += 1
-        future.add_done_callback(lambda done: self._settled(agent_id, done))
+        before = self._last.get(agent_id)
+        future = self._pool.submit(self._prepare, request, view, before)
+        self._last[agent_id] = future
+        self._preparing[agent_id] += 1
+        future.add_done_callback(lambda done: self._post(self._settled, agent_id, done))
 
     def _settled(self, agent_id: str, future: Future[None]) -> None:
-        with self._lock:
-            self._preparing -= Counter([agent_id])
-            if self._last.get(agent_id) is future:
-                del self._last[agent_id]
+        """On the loop: a preparation ended (its request is queued there before this)."""
+        self._preparing -= Counter([agent_id])
+        if self._last.get(agent_id) is future:
+            del self._last[agent_id]
 
     def busy(self) -> set[str]:
-        """Agents with a request being prepared (not in the scheduler yet)."""
-        with self._lock:
-            return set(self._preparing)
+        """Agents with a request being prepared (not in the scheduler yet; on the loop)."""
+        return set(self._preparing)
 
     def prefetch(self, agent_ids: Sequence[str], held: frozenset[BlockHash]) -> Future[None]:
         """Bring these agents' newest records and blocks to this worker (for
