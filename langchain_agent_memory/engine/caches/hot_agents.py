@@ -31,7 +31,7 @@ class HotAgents:
         #: agents never dropped to make room (a save of theirs is not written yet)
         self._pinned = pinned
         self._states: OrderedDict[str, AgentState] = OrderedDict()
-        #: the loop that alone mutates this table (``caches.owner``)
+        #: the loop that alone reads and writes this table (``ops.owner``)
         self.owner = owner
 
     def __len__(self) -> int:
@@ -58,11 +58,6 @@ class HotAgents:
         if state is not None:
             self._states.move_to_end(agent_id)
         return state
-
-    def version_of(self, agent_id: str) -> int | None:
-        """The shared store's version the live copy is (None: none live, or not known)."""
-        state = self._states.get(agent_id)
-        return state.version if state is not None else None
 
     def keep(self, agent_id: str, state: AgentState, *, unless_needed_sooner: bool = False) -> bool:
         """``state`` is the agent's live cache, the most recent; past the policy's bounds the

@@ -78,7 +78,7 @@ class Worker:
         self._stopped = False
         self._ended = threading.Event()
         self._thread_id: int | None = None
-        #: The cache state this loop owns (``caches.owner``): bound while the loop runs.
+        #: The cache state this loop owns (``ops.owner``): bound while the loop runs.
         self.owner = Owner()
         THREADS.lend(self._run_loop, name)
 
