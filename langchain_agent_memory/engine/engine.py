@@ -150,13 +150,22 @@ class Engine:
         # A finished turn's save goes down from the loop to the save thread, and how it ended
         # comes back to the loop as a message (``committer``).
         self._committer = Committer(
-            caches=self.agents, store=self._store, saves=self._save_queue, loop=self._worker,
-            feed=self._feed, in_use=self._in_use,
-        )  # fmt: skip
+            caches=self.agents,
+            store=self._store,
+            saves=self._save_queue,
+            loop=self._worker,
+            feed=self._feed,
+            in_use=self._in_use,
+        )
         self._steps = steps = RequestSteps(
-            self.agents, runner, self.tokenizer, context_length, self.lm.name, self._committer,
+            self.agents,
+            runner,
+            self.tokenizer,
+            context_length,
+            self.lm.name,
+            self._committer,
             cfg.share_prefixes,
-        )  # fmt: skip
+        )
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=cfg.scheduling, chunk_tokens=cfg.chunk_tokens,
             alone_chunk_tokens=cfg.alone_chunk_tokens, prefill_whole=steps.prefill_whole,
