@@ -124,7 +124,7 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
     rows: dict[str, float] = {}
     for i in range(3):  # the last of 3 (files in the page cache, code warmed up)
         engine.admin.set_agent(f"w{i}", record)  # a fork of the context: its blocks, shared
-        engine.agents.clear_memory()
+        engine.admin.clear_memory()
         t0 = time.perf_counter()
         headers = [read_header(engine.admin.store.block_path(h)) for h in chain]
         t1 = time.perf_counter()
@@ -134,13 +134,13 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
         mx.eval([g.blob for g in groups])
         read_s = time.perf_counter() - t1
         del groups
-        engine.agents.clear_memory()
+        engine.admin.clear_memory()
         t2 = time.perf_counter()
         layers, _ = engine.agents.from_blocks(chain, len(record.token_ids))  # reads them again
         mx.eval([layer.state for layer in layers])
         t3 = time.perf_counter()
         del layers
-        engine.agents.clear_memory()
+        engine.admin.clear_memory()
         r = engine.generate(f"w{i}", text + extension(0), GenerationParams(max_tokens=1))
         rows = {
             "headers_s": t1 - t0, "read_check_upload_s": read_s,

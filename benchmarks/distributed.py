@@ -111,7 +111,7 @@ def latency(contexts: list[int], repeats: int, store: tuple[str, str]) -> dict[s
 
 def _warm(engine: Engine, agent: str, prompt: str, saves: list[float], drop_pool: bool = False) -> float:
     if drop_pool:
-        engine.agents.clear_memory()  # from disk, not the in-memory tier
+        engine.admin.clear_memory()  # from disk, not the in-memory tier
     result = engine.generate(agent, prompt, PARAMS)
     assert str(result.outcome).startswith("warm"), result.outcome
     saves.append(result.timings.save_s)

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> None:
         for kind, prompt in prompts.items():
             agent = f"{kind}{n}"
             engine.admin.set_agent(agent, record)
-            engine.agents.clear_memory()  # nothing in memory: read from disk
+            engine.admin.clear_memory()  # nothing in memory: read from disk
             r = engine.generate(agent, prompt, one)
             ours[kind] = r.timings.ttft_s
             ours[f"{kind}_outcome"] = f"{r.outcome} ({r.reused_tokens} reused)"

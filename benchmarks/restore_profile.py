@@ -255,7 +255,7 @@ def _profiled(eng: Any, prompt: str, one: Any) -> None:
         if kind == "warm":
             eng.flush()
             eng.admin.drop_hot()
-            eng.agents.clear_memory()
+            eng.admin.clear_memory()
             mx.clear_cache()
         r, where = _sampled(lambda i=i: eng.generate("bench", prompt + extension(i), one))
         emit(probe=f"sampled-{kind}", ttft_s=r.timings.ttft_s, load_s=r.timings.load_s,
@@ -312,7 +312,7 @@ def main() -> None:
     for rep in range(args.reps):
         eng.flush()
         eng.admin.drop_hot()
-        eng.agents.clear_memory()
+        eng.admin.clear_memory()
         mx.clear_cache()
         SUMS.clear()
         COUNTS.clear()

@@ -10,6 +10,9 @@ from collections.abc import Callable, Iterator
 # same step alone by ~3e-4 before any engine code runs (measured on the H100), and a random
 # model's near-tied expert router then flips. The oracles compare at true float32.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# Before the engine is imported: every mutation of an engine's cache state must run on its
+# loop thread; one from another thread raises ``OwnerError`` where it happens (``ops.owner``).
+os.environ.setdefault("AGENT_MEMORY_OWNER_CHECK", "raise")
 
 import pytest
 from services import PostgresServer, SeaweedServer

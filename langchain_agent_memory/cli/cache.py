@@ -139,7 +139,7 @@ def rm(
     blocks: Blocks = None,
 ) -> None:
     """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
-    from ..engine import BlockPool
+    from ..engine import BlockWrites
 
     if not agents and prefix is None and thread is None:
         raise typer.BadParameter("name agents, or select them with --prefix or --thread")
@@ -160,8 +160,8 @@ def rm(
             continue
         if selectors and chosen and not yes and not typer.confirm(f"delete {len(chosen)} agent cache(s)?"):
             raise typer.Exit(code=1)
-        pool = BlockPool(opened, hot_budget_bytes=0)
-        deleted += sum(pool.delete_agent(agent) for agent in chosen)
+        writes = BlockWrites(opened)
+        deleted += sum(writes.delete_agent(agent) for agent in chosen)
     if dry_run:
         return
     typer.echo(f"deleted {deleted} agent cache(s)")

@@ -57,11 +57,11 @@ if TYPE_CHECKING:
     from .requests.commits import Subscription
     from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
     from .storage.agent_ids import INTERNAL_PREFIX, is_internal, validate_agent_id
+    from .storage.block_writes import BlockWrites
     from .storage.blocks import AgentRecord, BlockHash
     from .storage.budget import StorageBudget, enforce, parse_age, parse_size
     from .storage.catalog import Catalog
     from .storage.pg_session import PgSession
-    from .storage.pool import BlockPool
     from .storage.remote import SharedBlockStore, open_store
     from .storage.status import StoreStatus
     from .storage.store import DiskBlockStore
@@ -143,7 +143,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "storage.catalog": ("Catalog",),
     "storage.pg_session": ("PgSession",),
-    "storage.pool": ("BlockPool",),
+    "storage.block_writes": ("BlockWrites",),
     "storage.remote": (
         "SharedBlockStore",
         "open_store",
@@ -165,7 +165,7 @@ __all__ = [
     "AgentRecord",
     "BlockHash",
     "BlockMissingError",
-    "BlockPool",
+    "BlockWrites",
     "BlocksUnavailableError",
     "CacheFormatError",
     "CacheOutcome",

@@ -1,8 +1,10 @@
 """The administration of agents' stored caches (``Engine.admin``): records, forks, deletes,
-prefetch, what they hold, the disk budget, and the write of each request's save. Everything
-here goes through the engine's save thread or its store, never the model's thread, except
-``prefetch`` (which yields to requests; a shared store's part of it runs before, on
-``admissions``' threads)."""
+prefetch, what they hold, the disk budget. Two kinds of verbs: what the store holds runs on
+the engine's save thread (after the saves queued before it) or reads the store; what memory
+holds (the hot tier, the pool's tier, live copies) is a message the engine's loop answers
+(``Worker.call``), which owns that state. A fork, a restore or a delete is both: the store's
+part on the save thread, then the loop forgets the live copy. Saves are not written here
+(``requests.committer``)."""
 
 from __future__ import annotations
 
@@ -11,19 +13,23 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from .caches.agent_state import PendingSave
+from .caches.agent_state import record_tokens
 from .caches.agents import AgentCaches
 from .caches.schedule import Schedule
+from .prefix import TokenizedText
 from .requests.admissions import StoreAdmissions
 from .requests.commits import CommitFeed
 from .requests.saves import SaveQueue
 from .requests.worker import Worker
-from .results import Saved
+from .storage.agent_ids import validate_agent_id
+from .storage.block_writes import BlockWrites, WriteOutcome
 from .storage.blocks import AgentRecord, BlockHash
 from .storage.budget import BudgetKeeper, StorageBudget
-from .storage.protocols import BlockStore
+from .storage.protocols import BlockStore, take_lease
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +61,8 @@ class AgentInfo:
 
 class AgentAdmin:
     """Agents' stored caches, one engine's: built by ``Engine`` over its parts; what a
-    caller reads or changes here waits for the saves queued before it (the save thread
-    runs changes in order), never for the model's thread (except ``prefetch``)."""
+    caller reads or changes in the store waits for the saves queued before it (the save
+    thread runs changes in order); what it reads or changes in memory is the loop's answer."""
 
     def __init__(
         self,
@@ -67,13 +73,15 @@ class AgentAdmin:
         feed: CommitFeed,
         worker: Worker,
         admissions: StoreAdmissions | None,
-        in_use: Callable[[], set[str]],
-        bytes_written: Callable[[], int],
+        writes: BlockWrites,
+        budget: BudgetKeeper,
         check_open: Callable[[], None],
     ) -> None:
         self.agents, self._store, self._save_queue, self._feed = caches, store, saves, feed
         self._worker, self._admissions, self._check_open = worker, admissions, check_open
-        self._budget = BudgetKeeper(store, caches.evict, in_use, bytes_written)
+        #: the save thread's writer (shared with the saves: one thread writes)
+        self._writes = writes
+        self._budget = budget
 
     @property
     def storage_budget(self) -> StorageBudget | None:
@@ -101,12 +109,18 @@ class AgentAdmin:
     def hot_agents(self, prefix: str = "") -> list[str]:
         """The agents live in memory whose ids start with ``prefix`` (least recently used
         first): what a request for them reads without any I/O."""
-        return self.agents.hot.ids(prefix)
+        return self._worker.call(self.agents.hot.ids, prefix)
 
     def settle_commits(self) -> None:
         """Wait until every reply so far is saved and subscribers have heard it."""
-        self._save_queue.wait()
+        self.settle_saves()
         self._feed.settle()
+
+    def settle_saves(self) -> None:
+        """Wait until every save queued so far is written and the loop has taken in how
+        each ended (its blocks kept hot, its turn's ``save_done`` settled)."""
+        self._save_queue.wait()
+        self._worker.call(lambda: None)  # the saves' messages were posted before this one
 
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
@@ -124,19 +138,18 @@ class AgentAdmin:
         wanted = list(agent_ids)
         if self._admissions is None:
             self._worker.submit(self._prefetch_some, wanted, 0, done)
-        else:  # a shared store's records and blocks first, off the model's thread
-            fetched = self._admissions.prefetch(wanted)
+        else:  # a shared store's records and blocks first, off the loop
+            fetched = self._admissions.prefetch(wanted, self._worker.call(self.agents.held_blocks))
             fetched.add_done_callback(lambda _: self._worker.submit(self._prefetch_some, wanted, 0, done))
         return done
 
     def _prefetch_some(self, wanted: list[str], loaded: int, done: Future[int]) -> None:
         try:
-            with self.agents.lock:
-                for i, agent_id in enumerate(wanted):
-                    if i and self._worker.has_waiting:  # a request waits: let it run first
-                        self._worker.submit(self._prefetch_some, wanted[i:], loaded, done)
-                        return
-                    loaded += self.agents.load_hot(agent_id)
+            for i, agent_id in enumerate(wanted):
+                if i and self._worker.has_waiting:  # a request waits: let it run first
+                    self._worker.submit(self._prefetch_some, wanted[i:], loaded, done)
+                    return
+                loaded += self.agents.load_hot(agent_id)
             done.set_result(loaded)
         except Exception as exc:  # a prefetch is an optimisation: report, never hang a waiter
             logger.warning("prefetch failed: %s", exc)
@@ -174,7 +187,7 @@ class AgentAdmin:
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
         """Make ``agent_id``'s cache stand for what ``source`` does: a fork, a snapshot or a
         restore (blocks shared, no tensor copied), after the saves queued before it."""
-        self._save_queue.call(lambda: self.agents.set_agent(agent_id, source))
+        self._point(agent_id, lambda into: self._writes.set_agent(source.named(agent_id), into))
 
     def fork(self, agent_id: str, to: str) -> AgentRecord:
         """Make agent ``to``'s cache stand for what ``agent_id``'s stored one does when the
@@ -182,39 +195,63 @@ class AgentAdmin:
         save or delete racing it cannot leave ``to`` naming freed blocks. Returns the
         source's record; ``AgentNotFoundError`` if ``agent_id`` has none (then, or deleted
         first by a racing request)."""
-        return self._save_queue.call(lambda: self.agents.fork(agent_id, to))
+        validate_agent_id(agent_id)
+        return self._point(to, lambda into: self._writes.fork(agent_id, lambda src: src.named(to), into))
 
     def delete(self, agent_id: str) -> bool:
         """Forget an agent's cache (memory and disk); shared blocks stay for other agents.
         Runs after the saves queued before it (on the save thread)."""
-        return self._save_queue.call(lambda: self.agents.delete(agent_id))
+        return self._rewrite(agent_id, lambda into: self._writes.delete_agent(agent_id, into))
+
+    def _point(self, agent_id: str, write: Callable[[WriteOutcome], T]) -> T:
+        """``write`` a new record for ``agent_id`` under its lease (on the save thread)."""
+        validate_agent_id(agent_id)
+
+        def leased(into: WriteOutcome) -> T:
+            with take_lease(self._store, agent_id, self._store.seen_version(agent_id)) as lease:
+                if not lease.current:
+                    self.agents.read_record(agent_id, self._store)  # a shared store's newer one: replaced
+                done = write(into)
+                lease.committed()
+                return done
+
+        return self._rewrite(agent_id, leased)
+
+    def _rewrite(self, agent_id: str, write: Callable[[WriteOutcome], T]) -> T:
+        """``write`` (on the save thread, after the saves queued before it), then the loop
+        forgets the agent's live copy, which stands for the old text (even if it failed)."""
+        outcome = WriteOutcome()
+        try:
+            return self._save_queue.call(lambda: write(outcome))
+        finally:
+            self._worker.call(self.agents.forget_agent, agent_id, outcome)
 
     def cached_tokens(self, agent_id: str) -> int:
-        return self.agents.cached_tokens(agent_id)
+        return len(self.cached(agent_id))
 
     def cached_text(self, agent_id: str) -> str:
         """The text the agent's cache stands for (prompt and kept reply), or ""."""
-        return self.agents.cached_text(agent_id)
+        return self.cached(agent_id).text
+
+    def cached(self, agent_id: str) -> TokenizedText:
+        """The text and tokens the agent's cache stands for (empty: none): its live copy's
+        (the loop's answer), else its stored record's (read here: a round trip)."""
+        live = self._worker.call(self.agents.live_tokens, agent_id)
+        if live is not None:
+            return live
+        record = self.agents.read_record(agent_id, self._store)
+        return record_tokens(record) if record is not None else TokenizedText("")
 
     def drop_hot(self, agent_id: str | None = None) -> None:
         """Forget live caches (one agent, or all): the next request reloads from blocks."""
-        self._save_queue.wait()
-        self.agents.drop_hot(agent_id)
+        self.settle_saves()
+        self._worker.call(self.agents.drop_hot, agent_id)
 
-    def queue_save(self, save: PendingSave) -> Future[Saved]:
-        """A request ended (on the worker): its write goes to the save thread. The future
-        says whether the record was stored: True, ``"local"`` (on this worker, its upload to
-        the shared store pending) or False (another worker's save won)."""
-
-        def write() -> Saved:
-            record = self.agents.write(save)
-            if record is None:
-                return False
-            self._feed.committed(record)
-            self._budget.saved()
-            return "local" if self._store.upload_pending(record.agent_id) else True
-
-        return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
+    def clear_memory(self) -> None:
+        """Forget every live cache and the pool's memory tier (what is stored stays): the
+        next requests read their blocks from disk, as after a restart."""
+        self.settle_saves()
+        self._worker.call(self.agents.clear_memory)
 
     def disk_stats(self) -> dict[str, object] | None:
         """The disk budget's figures (None: no budget kept)."""

@@ -42,6 +42,7 @@ from .ops.runtime import release_memory
 from .prefix import tokenize_prompt
 from .requests.admissions import StoreAdmissions
 from .requests.commits import BeforeRequest, CommitFeed, OnCommit, Subscription
+from .requests.committer import Committer
 from .requests.runner import ModelRunner
 from .requests.saves import SaveQueue
 from .requests.saves import wait_for as wait_for_saves
@@ -123,7 +124,7 @@ class Engine:
         wait_for_saves(store_dir)  # saves this process queued there (another engine's) land first
         self._store = open_store(self.cache_dir / "kv", self.fingerprint, cfg.store)
         parts.callback(self._store.close)
-        self.pool = BlockPool(self._store, cfg.hot_budget_bytes)
+        self.pool = BlockPool(self._store, cfg.hot_budget_bytes, self._worker.owner)
         context_length = cfg.context_length or trained_context(self.lm.path) or 1 << 20
         rows = None
         if cfg.reserve_work and not device.on_gpu() and self.attention == "copy":
@@ -134,7 +135,7 @@ class Engine:
             tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
             schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule"),
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
-            state_budget=cfg.state_budget, reserved_rows=rows,
+            state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
         self._feed = CommitFeed()
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes
@@ -146,10 +147,25 @@ class Engine:
             # The kernels of a first turn compiled before any request waits for them; the
             # worker runs this first, off the constructor's path (``ModelRunner.warm_up``).
             self._worker.submit(runner.warm_up, self.agents.new_layers, self.tokenizer)
+        # A finished turn's save goes down from the loop to the save thread, and how it ended
+        # comes back to the loop as a message (``committer``).
+        self._committer = Committer(
+            caches=self.agents,
+            store=self._store,
+            saves=self._save_queue,
+            loop=self._worker,
+            feed=self._feed,
+            in_use=self._in_use,
+        )
         self._steps = steps = RequestSteps(
-            self.agents, runner, self.tokenizer, context_length,
-            self.lm.name, lambda save: self.admin.queue_save(save), cfg.share_prefixes,
-        )  # fmt: skip
+            self.agents,
+            runner,
+            self.tokenizer,
+            context_length,
+            self.lm.name,
+            self._committer,
+            cfg.share_prefixes,
+        )
         self._scheduler = Scheduler(
             steps.admit, steps.prefill, steps.decode, policy=cfg.scheduling, chunk_tokens=cfg.chunk_tokens,
             alone_chunk_tokens=cfg.alone_chunk_tokens, prefill_whole=steps.prefill_whole,
@@ -160,13 +176,15 @@ class Engine:
         if isinstance(self._store, SharedBlockStore):
             # The model's thread never waits on the network: a request's store work is done
             # before it gets there (``admissions``); its parts read the store's local tier.
-            self._admissions = StoreAdmissions(self.agents, self._store, self._to_scheduler)
+            self._admissions = StoreAdmissions(
+                self.agents, self._store, self._to_scheduler, self._worker.post
+            )
             parts.callback(self._admissions.close)
         #: agents' stored caches: records, forks, deletes, prefetch, the disk budget
         self.admin = AgentAdmin(
             caches=self.agents, store=self._store, saves=self._save_queue, feed=self._feed,
-            worker=self._worker, admissions=self._admissions, in_use=self._in_use,
-            bytes_written=lambda: self.pool.stats.bytes_written, check_open=self._check_open,
+            worker=self._worker, admissions=self._admissions, writes=self._committer.writes,
+            budget=self._committer.budget, check_open=self._check_open,
         )  # fmt: skip
         self.admin.storage_budget = cfg.storage_budget  # also bounds a shared store's saves waiting to upload
 
@@ -251,8 +269,8 @@ class Engine:
             request = Request(agent_id, prompt, checked, cancel, sink, self._arrivals)
             if self._admissions is None:
                 self._scheduler.submit(request)
-            else:
-                self._admissions.submit(request)  # then ``_to_scheduler``
+            else:  # then ``_to_scheduler``, with what the loop knows of the agent now
+                self._admissions.submit(request, self.agents.view(agent_id))
 
         return start
 
@@ -274,6 +292,7 @@ class Engine:
         first save that failed since the last ``flush`` (``CacheWriteError``: the agent's
         previous cache is intact). ``close`` flushes too."""
         self._save_queue.flush()
+        self.admin.settle_saves()  # and the loop has taken in how each ended
 
     def status(self) -> StoreStatus:
         """The store's state now (reachable, saves waiting to upload, saves queued), without
@@ -293,6 +312,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         shared = getattr(self._store, "stats", None)  # a shared store's traffic
         disk = self.admin.disk_stats()
+        return {
+            **self._worker.call(self._loop_stats),  # what memory holds: the loop's answer
+            **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
+            **({"disk": disk} if disk is not None else {}),
+        }
+
+    def _loop_stats(self) -> dict[str, Any]:
+        """The figures of the loop's state (on the loop)."""
         turns = dict(self._steps.turns)
         return {
             "fingerprint": self.fingerprint,
@@ -304,10 +331,8 @@ class Engine:
             "turns": turns,
             "hot_rate": turns.get("hot", 0) / max(1, sum(turns.values())),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
-            **({"shared_store": dataclasses.asdict(shared)} if shared else {}),
             # agents whose requests wait on the shared store's part of their admission
             **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
-            **({"disk": disk} if disk is not None else {}),
             **self._scheduler.stats(),
         }
 
@@ -321,19 +346,24 @@ class Engine:
         Call it when no request is in progress (again: nothing happens)."""
         if self._closed:
             return
-        if self._worker.has_waiting or (self._admissions is not None and self._admissions.busy()):
+        if self._worker.has_waiting or (
+            self._admissions is not None and self._worker.call(self._admissions.busy)
+        ):
             raise RuntimeError("close() while requests are in progress: let them finish first")
         self._parts.close()  # admissions, saves, memory, subscribers, store, reserve, thread
 
     def _forget_memory(self) -> None:
         """Live caches and the in-memory block tier freed, their buffers given back to the
         system (on the model's thread, which then no longer reaches this engine)."""
-        with self.agents.lock:
-            self.agents.clear_memory()
-            self._worker.stepper = None
-            self._closed = True
+        self._closed = True
+        self._worker.call(self._clear_memory)
         self._worker.submit(release_memory).result()
         gather.release()  # the block reader's digest buffers (kept between restores)
+
+    def _clear_memory(self) -> None:
+        """On the loop: what memory holds goes, and the loop steps this engine no more."""
+        self.agents.clear_memory()
+        self._worker.stepper = None
 
     def __enter__(self) -> Engine:
         return self

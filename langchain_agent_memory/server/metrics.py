@@ -222,7 +222,7 @@ _GAUGES = {
 
 def _engine_values(engine: Engine, stats: dict[str, Any]) -> dict[str, float | int | None]:
     status = engine.status()
-    tier = engine.agents.hot_tier()
+    tier = stats["hot_tier"]  # the loop's answer (``Engine.stats``): its state is read nowhere else
     budget = engine.admin.disk_stats() or {}
     return {
         "agents_hot": tier["agents"],

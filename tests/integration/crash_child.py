@@ -1,7 +1,7 @@
 """A process that saves, forks and deletes agent caches in a loop until it is killed.
 
 ``test_crash_safety.py`` starts it, waits for ``ready`` and SIGKILLs it at a random moment.
-It goes through the same persistence code as the engine (``BlockPool.save_agent`` /
+It goes through the same persistence code as the engine (``BlockWrites.save_agent`` /
 ``set_agent`` / ``delete_agent`` over ``DiskBlockStore``) with blocks of real layout (8
 layers of 4-bit K/V, ~0.4 MB each; a block's tensors follow from its hash, as content
 addressing requires), so nearly all of its time is spent saving. Half of its saves are a
@@ -26,8 +26,8 @@ from pathlib import Path
 from langchain_agent_memory.engine.caches.states import snapshot_hash, state_block
 from langchain_agent_memory.engine.kv import LayerSpec
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.block_writes import BlockWrites
 from langchain_agent_memory.engine.storage.blocks import BLOCK_TOKENS, AgentRecord, Block, block_hash
-from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 FINGERPRINT = "crash-test"
@@ -76,7 +76,7 @@ def chain_of(token_ids: list[int]) -> list[str]:
 
 def main(root: str, journal_path: str, seed: int) -> None:
     store = DiskBlockStore(root, FINGERPRINT)
-    pool = BlockPool(store, hot_budget_bytes=32 << 20)
+    pool = BlockWrites(store)
     rng = random.Random(seed)
     journal = Path(journal_path).open("a")  # noqa: SIM115 (open until the kill)
 

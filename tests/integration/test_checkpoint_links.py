@@ -172,7 +172,7 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
     app.invoke({"messages": [HumanMessage("Who wrote it?")]}, cfg)  # stops before the critic
     engine = llm.engine
     engine.flush()
-    engine.agents.clear_memory()  # as after a restart: nothing live, no block in memory
+    engine.admin.clear_memory()  # as after a restart: nothing live, no block in memory
     assert engine.stats()["hot_agents"] == 0
     saver.get_tuple(cfg)  # what a resume reads first
     assert saver.last_prefetch is not None and saver.last_prefetch.result() == 1
@@ -186,7 +186,7 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
     first = llm.invoke(history, agent_id="solo").response_metadata
     assert first["cache"] == "cold" and first["loaded_from"] is None
     engine.flush()
-    engine.agents.clear_memory()
+    engine.admin.clear_memory()
     again = llm.invoke([*history, HumanMessage("Who wrote it?")], agent_id="solo").response_metadata
     assert again["cache"].startswith("warm-") and again["loaded_from"] == "disk"
     last = llm.invoke([*history, HumanMessage("Who wrote it?"), HumanMessage("When?")], agent_id="solo")

@@ -368,7 +368,7 @@ def test_the_working_copy_reserve_changes_no_output(
         question = "What is this license called?"
         answer = eng.generate("a", _chat(eng, SYSTEM, [(question, None)]), GREEDY).text
         eng.flush()  # its blocks written (a save's blocks are served from memory until then)
-        eng.agents.clear_memory()  # the next turn restores from the blocks
+        eng.admin.clear_memory()  # the next turn restores from the blocks
         prompt = _chat(eng, SYSTEM, [(question, answer), ("Who may use the work?", None)])
         second = eng.generate("a", prompt, GREEDY)
         assert str(second.outcome).startswith("warm") and second.completion_tokens > 3

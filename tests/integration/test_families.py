@@ -223,9 +223,9 @@ LONG = corpus.apache_license()[:3000]
 
 def _cut_at_token(engine: Engine, agent: str, n: int) -> str:
     """The stored text of ``agent`` up to the end of its ``n``-th token."""
-    state, _ = engine.agents.lookup(agent)
-    assert state is not None
-    return state.tokens.text[: state.tokens.ends[n - 1]]
+    tokens = engine.admin.cached(agent)
+    assert tokens.text
+    return tokens.text[: tokens.ends[n - 1]]
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
@@ -333,7 +333,7 @@ def test_a_disk_budget_evicts_hybrid_agents_with_their_snapshots(
     assert evicted and "a7" not in evicted
     on_disk = set(engine.admin.store.block_hashes())
     assert not {h for a in evicted for h in snapshots[a]} & on_disk
-    engine.agents.clear_memory()  # read from disk
+    engine.admin.clear_memory()  # read from disk
     kept = engine.generate("a7", prompt(7) + " And then?", GREEDY)
     assert str(kept.outcome).startswith("warm") and kept.reused_tokens > 256
     engine.close()

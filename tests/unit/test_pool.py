@@ -1,11 +1,13 @@
-"""BlockPool: exact LRU eviction order under the byte budget, evicted blocks still on disk,
-and blocks deleted once no agent record (of any process) names them."""
+"""BlockPool: exact LRU eviction order under the byte budget, evicted blocks still on disk;
+BlockWrites: blocks deleted once no agent record (of any process) names them, and the pool's
+memory tier following what the writes did (``BlockPool.apply``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.block_writes import BlockWrites, WriteOutcome
 from langchain_agent_memory.engine.storage.blocks import AgentRecord, Block, block_hash
 from langchain_agent_memory.engine.storage.pool import BlockPool
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
@@ -22,12 +24,16 @@ def test_lru_eviction_order_and_disk_fallback(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     pool = BlockPool(store, hot_budget_bytes=3 * 128)
     b = [_block(i) for i in range(5)]
+    writes = BlockWrites(store)
     for blk in b[:3]:
-        pool.put(blk)
+        writes.put(blk)
+        pool.admit(blk)
     pool.get(b[0].hash)  # touch: b0 becomes most recent
-    pool.put(b[3])  # evicts the least recently used: b1
+    for blk in b[3:]:
+        writes.put(blk)
+    pool.admit(b[3])  # evicts the least recently used: b1
     assert pool.hot_hashes() == [b[2].hash, b[0].hash, b[3].hash]
-    pool.put(b[4])  # then b2
+    pool.admit(b[4])  # then b2
     assert pool.hot_hashes() == [b[0].hash, b[3].hash, b[4].hash]
     assert pool.snapshot_stats().evictions == 2
     block, from_memory = pool.get(b[1].hash)  # evicted from memory, not from disk
@@ -39,14 +45,20 @@ def test_release_deletes_only_blocks_no_record_names(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     shared, mine, theirs = _block(1), _block(2), _block(3)
     pool = BlockPool(store, hot_budget_bytes=1 << 20)
+    writes, outcome = BlockWrites(store), WriteOutcome()
     for blk in (shared, mine, theirs):
-        pool.put(blk)
+        writes.put(blk, outcome)
+    pool.apply(outcome)
+    assert pool.snapshot_stats().blocks_written == 3
     store.put_agent(AgentRecord("a", [shared.hash, mine.hash], [1, 2], [1, 2], "xy"))
     store.put_agent(AgentRecord("b", [shared.hash, theirs.hash], [1, 3], [1, 2], "xz"))
     assert store.refcount(shared.hash) == 2
     store.delete_agent("a")
-    pool.release([shared.hash, mine.hash])  # agent a deleted
-    assert not store.has_block(mine.hash) and not pool.is_hot(mine.hash)
+    deleted = WriteOutcome()
+    writes.release([shared.hash, mine.hash], into=deleted)  # agent a deleted
+    pool.apply(deleted)
+    assert deleted.deleted == [mine.hash]
+    assert not store.has_block(mine.hash) and not pool.is_hot(mine.hash) and pool.is_hot(shared.hash)
     assert store.has_block(shared.hash) and store.has_block(theirs.hash)
 
 
@@ -58,5 +70,5 @@ def test_references_are_seen_by_another_process(tmp_path: Path) -> None:
     other = DiskBlockStore(tmp_path, FP)  # as a second process opens it
     other.put_agent(AgentRecord("b", [blk.hash], [1], [1], "x"))
     store.delete_agent("a")
-    BlockPool(store, 1 << 20).release([blk.hash])  # b, written by the other, still names it
+    BlockWrites(store).release([blk.hash])  # b, written by the other, still names it
     assert store.has_block(blk.hash) and store.refcount(blk.hash) == 1

@@ -14,16 +14,17 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
 from ..kv.layer_work import DecodedPrefix
+from ..ops.owner import CHECK_OWNER, Owner, check_owner
 from ..ops.runtime import mx
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
-from ..storage.agent_ids import validate_agent_id
+from ..storage.block_writes import WriteOutcome
 from ..storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -32,7 +33,7 @@ from ..storage.blocks import (
     CacheFormatError,
     NewerFormatError,
 )
-from ..storage.budget import EvictionReport, StorageBudget, enforce
+from ..storage.budget import EvictionReport
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
 from ..storage.protocols import BlockStore, Lease, StoreReads, take_lease
@@ -43,8 +44,6 @@ from .restore import available_prefix, layers_from_blocks
 from .reuse import NOTHING, ReusePlan, plan_own, plan_shared
 from .schedule import Schedule
 from .states import BUDGET
-
-T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +58,23 @@ class Loaded:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class AgentView:
+    """What the loop knows of an agent, handed to a thread that prepares its request (a
+    shared store's admissions): read there instead of the loop's state, which goes on."""
+
+    #: the live copy's tokens, chain and snapshots (None: not hot)
+    live: AgentState | None
+    #: the shared store's version the live copy is (None: none live, or not known)
+    version: int | None
+    #: the blocks in memory (``AgentCaches.held_blocks``)
+    held: frozenset[BlockHash]
+
+
 class AgentCaches:
     """Every agent's cache of one engine: hot ones in memory (``hot``), all of them in the
-    pool and store; a request's start here, its end in ``writes``. ``lock`` guards the hot
-    table, the pool and live layer caches."""
+    pool and store; a request's start here, its end in ``writes``. All of it is the engine
+    loop's (``ops.owner``): no lock guards it, other threads send the loop messages."""
 
     def __init__(
         self,
@@ -78,6 +90,7 @@ class AgentCaches:
         serve_stored: bool = False,
         state_budget: float | None = BUDGET,
         reserved_rows: tuple[int, ...] | None = None,
+        owner: Owner | None = None,
     ) -> None:
         self.spec, self.quant, self.store, self.pool = spec, quant, store, pool
         #: What the model thread's paths read (admit, load, restore): never a round trip.
@@ -90,13 +103,12 @@ class AgentCaches:
         self.state_budget = state_budget
         #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
         self.reserved_rows = reserved_rows
-        self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule)
-        self.lock = self.hot.lock
+        self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule, owner)
         self.writes = CacheWrites(
             store=store, pool=pool, hot=self.hot, state_budget=state_budget, serve_stored=serve_stored
         )
         # The write path's, for the restore (``restore.BlockSources``) and the steps.
-        self.commit, self.write, self.held = self.writes.commit, self.writes.write, self.writes.held
+        self.commit, self.held = self.writes.commit, self.writes.held
         self.queued_block, self.has_local = self.writes.queued_block, self.writes.has_local
         self.saving_agents = self.writes.saving_agents
         #: (blocks, tokens, layer) -> that layer's stored prefix decoded once for all the
@@ -124,41 +136,39 @@ class AgentCaches:
         """The caches a request for ``prompt`` starts from, loaded, and what to prefill.
         ``lease``: the agent's, taken already (off this thread: ``admissions``)."""
         self.hot.schedule.started(agent_id)  # what was said of this turn is spent
-        with self.lock:
-            hot = self.hot.get(agent_id)
-            # A shared store: take the agent's lease; another worker saved it since: reread.
-            if lease is None:
-                lease = take_lease(self.reads, agent_id, hot.version if hot else None)
-            if not lease.current and hot is not None:
-                self.hot.drop(agent_id)
-            with lease:  # given back if the admission fails
-                start = self._admit(agent_id, prompt)
-            start.lease = lease
-            return start
+        hot = self.hot.get(agent_id)
+        # A shared store: take the agent's lease; another worker saved it since: reread.
+        if lease is None:
+            lease = take_lease(self.reads, agent_id, hot.version if hot else None)
+        if not lease.current and hot is not None:
+            self.hot.drop(agent_id)
+        with lease:  # given back if the admission fails
+            start = self._admit(agent_id, prompt)
+        start.lease = lease
+        return start
 
     def _admit(self, agent_id: str, prompt: str) -> Admission:
-        with self.lock:
-            state, source = self.lookup(agent_id)
-            plan = self.plan(state, prompt) if state is not None else None
-            if state is not None and plan is not None:
-                t0 = time.perf_counter()
-                loaded = self.materialize(agent_id, state, plan)
-                if loaded is not None:
-                    m, reused = plan.match, loaded.tokens
-                    known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
-                    known.truncate(reused)
-                    if reused != m.reuse_tokens:  # back to a snapshot, or the store delivered part
-                        m = PrefixMatch(MatchKind.DIVERGE, reused, len(known.text))
-                    if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
-                        raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
-                    tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
-                    source = CacheSource.WARM if loaded.from_disk else source
-                    load_s = time.perf_counter() - t0
-                    return Admission(
-                        state=state, source=source, match=m, layers=loaded.layers, known=known,
-                        tail=tail, load_s=load_s, prefix_blocks=state.blocks, prefetched=state.prefetched,
-                    )  # fmt: skip
-            return self.cold_start(state, prompt)
+        state, source = self.lookup(agent_id)
+        plan = self.plan(state, prompt) if state is not None else None
+        if state is not None and plan is not None:
+            t0 = time.perf_counter()
+            loaded = self.materialize(agent_id, state, plan)
+            if loaded is not None:
+                m, reused = plan.match, loaded.tokens
+                known = TokenizedText(state.tokens.text, state.tokens.ids[:], state.tokens.ends[:])
+                known.truncate(reused)
+                if reused != m.reuse_tokens:  # back to a snapshot, or the store delivered part
+                    m = PrefixMatch(MatchKind.DIVERGE, reused, len(known.text))
+                if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
+                    raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
+                tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
+                source = CacheSource.WARM if loaded.from_disk else source
+                load_s = time.perf_counter() - t0
+                return Admission(
+                    state=state, source=source, match=m, layers=loaded.layers, known=known,
+                    tail=tail, load_s=load_s, prefix_blocks=state.blocks, prefetched=state.prefetched,
+                )  # fmt: skip
+        return self.cold_start(state, prompt)
 
     def plan(self, state: AgentState, prompt: str | None) -> ReusePlan | None:
         """What a request for ``prompt`` (None: all of it) reuses of ``state`` (``reuse``)."""
@@ -293,16 +303,17 @@ class AgentCaches:
         if self.serve_stored:
             return layers, from_disk
         blocks = tuple(chain[: -(-n_tokens // BLOCK_TOKENS)])
-        with self.lock:
-            for i in range(len(layers)) if only is None else sorted(only):
-                layer = layers[i]
-                if isinstance(layer, RecurrentCache):
-                    continue
-                key = (blocks, n_tokens, i)
-                decoded = self._decoded.get(key)
-                if decoded is None:
-                    decoded = self._decoded[key] = DecodedPrefix()
-                layer.work.share(decoded)
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "AgentCaches.from_blocks (the decoded prefixes)")
+        for i in range(len(layers)) if only is None else sorted(only):
+            layer = layers[i]
+            if isinstance(layer, RecurrentCache):
+                continue
+            key = (blocks, n_tokens, i)
+            decoded = self._decoded.get(key)
+            if decoded is None:
+                decoded = self._decoded[key] = DecodedPrefix()
+            layer.work.share(decoded)
         return layers, from_disk
 
     def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
@@ -376,71 +387,49 @@ class AgentCaches:
                 layer.unpack(dtype)
         return True
 
-    # ------------------------------------------------------------------ administration
+    # ------------------------------------------------------------------ administration (on the loop)
 
-    def set_agent(self, agent_id: str, source: AgentRecord) -> None:
-        """Make ``agent_id``'s cache stand for what ``source`` does (blocks shared)."""
-        self._point(agent_id, lambda: self.pool.set_agent(source.named(agent_id)))
-
-    def fork(self, source_id: str, agent_id: str) -> AgentRecord:
-        """``agent_id`` stands for what ``source_id``'s stored cache does now (its record read
-        with the write: ``BlockPool.fork``); returns that record."""
-        validate_agent_id(source_id)
-        return self._point(agent_id, lambda: self.pool.fork(source_id, lambda src: src.named(agent_id)))
-
-    def _point(self, agent_id: str, write: Callable[[], T]) -> T:
-        """``write()`` a new record for ``agent_id`` under its lease; its live copy dropped."""
-        validate_agent_id(agent_id)
-        try:  # not under ``lock`` (the model steps'): the store's lock and lease are waited for
-            with take_lease(self.store, agent_id, self.store.seen_version(agent_id)) as lease:
-                if not lease.current:
-                    self.read_record(agent_id, self.store)  # a shared store's newer one: replaced by this
-                done = write()
-                lease.committed()
-                return done
-        finally:
-            self.hot.drop(agent_id)  # a live copy would stand for the old text
-
-    def evict(self, budget: StorageBudget, in_use: set[str], low_water: float) -> EvictionReport:
-        """Bring the store within ``budget`` (``budget.enforce``), never evicting ``in_use``;
-        evicted agents are forgotten in memory too (their next request prefills)."""
-        with self.store.locked():  # not the model steps' lock: deletes take disk time
-            report = enforce([self.store], budget, in_use=lambda _, a: a in in_use, low_water=low_water)
-        with self.lock:
-            for _, agent in report.evicted:
-                self.hot.drop(agent)
-            for h in report.deleted_blocks.get(self.fingerprint, ()):
-                self.pool.forget(h)
-        return report
-
-    def delete(self, agent_id: str) -> bool:
+    def forget_agent(self, agent_id: str, outcome: WriteOutcome) -> None:
+        """A fork, a restore or a delete rewrote ``agent_id``'s record (on the I/O side): its
+        live copy, which stands for the old text, goes; the pool's tier follows the writes."""
         self.hot.drop(agent_id)
-        return self.pool.delete_agent(agent_id)
+        self.pool.apply(outcome, admit=False)
 
-    def cached_tokens(self, agent_id: str) -> int:
-        return len(self.cached(agent_id))
+    def forget_evicted(self, report: EvictionReport) -> None:
+        """The disk budget evicted agents (on the I/O side): forgotten in memory too (their
+        next request prefills), their deleted blocks' memory copies with them."""
+        for _, agent in report.evicted:
+            self.hot.drop(agent)
+        for h in report.deleted_blocks.get(self.fingerprint, ()):
+            self.pool.forget(h)
 
-    def cached_text(self, agent_id: str) -> str:
-        return self.cached(agent_id).text
-
-    def cached(self, agent_id: str) -> TokenizedText:
-        """The text and tokens the agent's cache stands for (empty: none)."""
-        with self.lock:
-            state = self.hot.get(agent_id)
-            if state is not None:
-                return state.tokens
-        record = self.read_record(agent_id, self.store)  # not under the model steps' lock: a round trip
-        return record_tokens(record) if record is not None else TokenizedText("")
+    def live_tokens(self, agent_id: str) -> TokenizedText | None:
+        """The text and tokens the agent's live copy stands for (None: not hot)."""
+        state = self.hot.get(agent_id)
+        return state.tokens if state is not None else None
 
     def drop_hot(self, agent_id: str | None = None) -> None:
         self.hot.drop(agent_id)
 
     def clear_memory(self) -> None:
         """Free every live cache and the pool's memory tier (what is stored stays)."""
-        with self.lock:
-            self.hot.drop()
-            for h in self.pool.hot_hashes():
-                self.pool.forget(h)
+        self.hot.drop()
+        for h in self.pool.hot_hashes():
+            self.pool.forget(h)
+
+    def view(self, agent_id: str | None) -> AgentView:
+        """What a request's preparation off the loop may know of ``agent_id`` (None: of no
+        agent: the blocks held only). Its live copy's tokens and chain are never changed in
+        place (a commit makes a new ``AgentState``), so the copy handed over is just that."""
+        state = self.hot.get(agent_id) if agent_id is not None else None
+        if state is not None:
+            state = AgentState(state.tokens, state.blocks, None, state.version, dict(state.states))
+        return AgentView(state, state.version if state is not None else None, self.held_blocks())
+
+    def held_blocks(self) -> frozenset[BlockHash]:
+        """The blocks in memory now (the pool's tier, the saves not written yet): what the
+        admissions' threads take as held (``held``), read from this copy, not the loop's."""
+        return frozenset(self.pool.hot_hashes()) | frozenset(self.writes.queued_hashes())
 
     def working_copy_bytes(self) -> int:
         return self.hot.working_copy_bytes()

@@ -1,19 +1,22 @@
-"""A request's end: ``commit`` (on the model's thread) moves what it added into the stored
-form and leaves the blocks the store lacks ready to write; ``write`` (on the save thread)
-stores them, then the record. Until a save is written its blocks are served from memory
-(``queued_block``), and its agent is never dropped from the hot tier nor evicted from disk
-(``saving_agents``): its next request must not read an older record."""
+"""A request's end: ``commit`` (on the engine's loop) moves what it added into the stored
+form and leaves the blocks the store lacks ready to write; ``write_job`` says what the I/O
+side writes, ``write_record`` (on the save thread) stores the blocks, then the record, and
+``written`` (on the loop again) takes in how that ended. Until a save is written its blocks
+are served from memory (``queued_block``), and its agent is never dropped from the hot tier
+nor evicted from disk (``saving_agents``): its next request must not read an older record."""
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import CacheFormatError, CommitConflictError
 from ..kv import RecurrentCache
+from ..ops.owner import CHECK_OWNER, check_owner
 from ..prefix import TokenizedText
+from ..storage.block_writes import BlockWrites, WriteOutcome
 from ..storage.blocks import (
     BLOCK_TOKENS,
     AgentRecord,
@@ -25,7 +28,7 @@ from ..storage.blocks import (
     freeze_blocks,
 )
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore
+from ..storage.protocols import BlockStore, Lease
 from .agent_state import Admission, AgentState, PendingSave, kept_from
 from .block_cuts import blocks_of
 from .hot_agents import HotAgents
@@ -52,13 +55,14 @@ class CacheWrites:
         self._queued: dict[BlockHash, Block] = {}
         self._queued_saves: Counter[BlockHash] = Counter()
         self._saving: Counter[str] = Counter()
-        self._lock = threading.Lock()
 
     def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> PendingSave:
         """The end of a request that began at ``start`` and now stands for ``known``, on the
         worker thread: its tokens moved into the stored form, the tensors of the blocks the
         store lacks made ready for a write on another thread (``freeze_blocks``), the agent
-        kept hot. ``write`` (on the save thread) then stores them."""
+        kept hot. ``write_job`` then says what the I/O side writes."""
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "CacheWrites.commit")
         layers, old = start.layers, start.state
         n = len(known)
         kept = start.kept_blocks()
@@ -81,10 +85,9 @@ class CacheWrites:
         self._append_only(blocks, chain, len(kept), old)
         blocks.update(new_states)
         freeze_blocks(list(blocks.values()))  # those not cut from a run already
-        with self._lock:
-            self._queued.update(blocks)
-            self._queued_saves.update(blocks.keys())
-            self._saving[agent_id] += 1
+        self._queued.update(blocks)
+        self._queued_saves.update(blocks.keys())
+        self._saving[agent_id] += 1
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(kept_from(layer, n))
@@ -165,57 +168,45 @@ class CacheWrites:
             h = prior
         return None
 
-    def write(self, save: PendingSave) -> AgentRecord | None:
-        """Store what ``commit`` left (on the save thread, no MLX op): the new blocks, then
-        the record (the blocks it replaced that nothing else names are deleted). Returns the
-        record, or None where a shared store refused it (another worker saved the agent
-        first: its save stands). A save that fails leaves the previous record; the agent's
-        live state is forgotten too, so that its next request starts from what is stored."""
-        record = save.record
+    def write_job(self, save: PendingSave) -> WriteJob:
+        """What the I/O side writes for ``save`` (on the loop): its record, the blocks the
+        record names that memory holds (the save's own, the pool's, other saves' not written
+        yet: the job reads nothing of the loop's), what it replaces, its lease."""
+        in_hand = dict(save.blocks)
+        for h in save.record.blocks:
+            block = in_hand.get(h) or self.pool.hot_block(h) or self.queued_block(h)
+            if block is not None:
+                in_hand[h] = block
+        # Served from the stored form, the agent's live caches hold what the blocks hold:
+        # a copy in the pool's memory tier would double what a hot agent costs.
+        return WriteJob(save.record, in_hand, tuple(save.old), save.lease, admit=not self.serve_stored)
 
-        def block_of(i: int) -> Block:
-            h = record.blocks[i]
-            block = save.blocks.get(h) or self.pool.hot_block(h) or self.queued_block(h)
-            if block is None:
-                raise CacheWriteError(
-                    f"block {i} of agent {record.agent_id!r}'s cache was deleted by another process "
-                    "before it could be saved; the cache was not saved (the next request prefills)"
-                )
-            return block
-
-        try:
-            # Served from the stored form, the agent's live caches hold what the blocks hold:
-            # a copy in the pool's memory tier would double what a hot agent costs.
-            self.pool.save_agent(record, block_of, save.old, admit=not self.serve_stored)
-            if save.lease is not None:
-                save.lease.committed()  # the record's commit gave it back
-        except CommitConflictError as exc:
-            # Another worker saved this agent while the request ran: its save stands (no torn
-            # record), this reply's cache is not kept; the next request reads the winner's.
-            logger.warning("agent %r: not saved, another worker saved it first (%s)", record.agent_id, exc)
-            self.hot.drop(record.agent_id, only=save.state)
-            return None
-        except BaseException:
-            self.hot.drop(record.agent_id, only=save.state)
-            raise
-        finally:
-            if save.lease is not None:
-                save.lease.release()  # no-op after the commit; a failed save gives it back
-            with self._lock:
-                # Counter subtraction drops what reaches zero: a block no save holds leaves.
-                self._queued_saves -= Counter(save.blocks.keys())
-                self._saving -= Counter([record.agent_id])
-                for h in save.blocks:
-                    if h not in self._queued_saves:
-                        self._queued.pop(h, None)
-        with self.hot.lock:
-            save.state.version = self.store.seen_version(record.agent_id)
-        return record
+    def written(self, save: PendingSave, done: Written) -> None:
+        """The I/O side ended ``save``'s write (``write_record``; on the loop): the blocks it
+        wrote kept hot, those it deleted forgotten, its blocks no longer served from the
+        queue; the agent's live state gets the stored version, or, where the record was not
+        stored, is forgotten (its next request starts from what is stored)."""
+        if CHECK_OWNER:
+            check_owner(self.hot.owner, "CacheWrites.written")
+        self.pool.apply(done.outcome, admit=not self.serve_stored)
+        # Counter subtraction drops what reaches zero: a block no save holds leaves.
+        self._queued_saves -= Counter(save.blocks.keys())
+        self._saving -= Counter([save.record.agent_id])
+        for h in save.blocks:
+            if h not in self._queued_saves:
+                self._queued.pop(h, None)
+        if done.stored:
+            save.state.version = done.version
+        else:
+            self.hot.drop(save.record.agent_id, only=save.state)
 
     def queued_block(self, h: BlockHash) -> Block | None:
         """A block a save has not written yet (held in memory until it is)."""
-        with self._lock:
-            return self._queued.get(h)
+        return self._queued.get(h)
+
+    def queued_hashes(self) -> list[BlockHash]:
+        """The blocks of saves not written yet."""
+        return list(self._queued)
 
     def held(self, h: BlockHash) -> bool:
         """Whether block ``h`` is in memory (the pool's tier or a save's queue)."""
@@ -227,5 +218,69 @@ class CacheWrites:
 
     def saving_agents(self) -> set[str]:
         """Agents with a save not written yet (``write``)."""
-        with self._lock:
-            return set(self._saving)
+        return set(self._saving)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJob:
+    """One save, for the I/O side (``write_record``): nothing in it is the loop's to change.
+    The record is handed over (the write names its segments' priors in it)."""
+
+    record: AgentRecord
+    #: the blocks of ``record`` in memory when the turn ended: the new ones, and any whose
+    #: file the store may lack or whose header need not be read
+    in_hand: Mapping[BlockHash, Block]
+    #: the chain it replaces
+    old: tuple[BlockHash, ...]
+    #: the request's lease: the record's commit gives it back
+    lease: Lease | None
+    #: whether the blocks written are kept in the pool's memory tier
+    admit: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """How a save's write ended (``write_record``), for the loop (``CacheWrites.written``)."""
+
+    #: whether the record was stored (False: it failed, or another worker's save won)
+    stored: bool
+    #: what the store writes did (the blocks written, the blocks deleted)
+    outcome: WriteOutcome
+    #: the shared store's version of the agent after the write (None: not known)
+    version: int | None = None
+    #: what made it fail (a conflict is no failure: None)
+    error: BaseException | None = None
+
+
+def write_record(job: WriteJob, writes: BlockWrites) -> Written:
+    """Store ``job`` (on the I/O thread, no MLX op): the new blocks, then the record (the
+    blocks it replaced that nothing else names are deleted). A save that fails leaves the
+    previous record (``Written.error``); where a shared store refused it (another worker
+    saved the agent first) its save stands and this one is not kept."""
+    record = job.record
+    outcome = WriteOutcome()
+
+    def block_of(i: int) -> Block:
+        block = job.in_hand.get(record.blocks[i])
+        if block is None:
+            raise CacheWriteError(
+                f"block {i} of agent {record.agent_id!r}'s cache was deleted by another process "
+                "before it could be saved; the cache was not saved (the next request prefills)"
+            )
+        return block
+
+    try:
+        writes.save_agent(record, block_of, job.old, into=outcome, in_hand=job.in_hand)
+        if job.lease is not None:
+            job.lease.committed()  # the record's commit gave it back
+    except CommitConflictError as exc:
+        # Another worker saved this agent while the request ran: its save stands (no torn
+        # record), this reply's cache is not kept; the next request reads the winner's.
+        logger.warning("agent %r: not saved, another worker saved it first (%s)", record.agent_id, exc)
+        return Written(False, outcome)
+    except Exception as exc:
+        return Written(False, outcome, error=exc)
+    finally:
+        if job.lease is not None:
+            job.lease.release()  # no-op after the commit; a failed save gives it back
+    return Written(True, outcome, writes.store.seen_version(record.agent_id))

@@ -1,15 +1,14 @@
-"""The hot tier: agents whose caches are live in memory, most recently used last, under the
-lock the model's steps hold (``lock``: it guards this table, the pool's memory tier and the
-live layer caches). Threads other than the model's (a shared store's admissions, stats)
-read it through the methods here, which take the lock. Which agent leaves first when the
+"""The hot tier: agents whose caches are live in memory, most recently used last. It is the
+engine loop's (``ops.owner``), read and written there only: no lock; other threads ask the
+loop (``Worker.call``) or read what it handed them. Which agent leaves first when the
 tier is full is the ``schedule``'s call (by when each runs next; LRU where it knows nothing)."""
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
+from ..ops.owner import CHECK_OWNER, Owner, check_owner
 from .agent_state import AgentState, HotPolicy, live_bytes
 from .schedule import Schedule
 
@@ -19,7 +18,11 @@ class HotAgents:
     ``schedule``'s order."""
 
     def __init__(
-        self, policy: HotPolicy, pinned: Callable[[], Collection[str]], schedule: Schedule | None = None
+        self,
+        policy: HotPolicy,
+        pinned: Callable[[], Collection[str]],
+        schedule: Schedule | None = None,
+        owner: Owner | None = None,
     ) -> None:
         self.policy = policy
         self.schedule = schedule or Schedule()
@@ -28,7 +31,8 @@ class HotAgents:
         #: agents never dropped to make room (a save of theirs is not written yet)
         self._pinned = pinned
         self._states: OrderedDict[str, AgentState] = OrderedDict()
-        self.lock = threading.RLock()
+        #: the loop that alone reads and writes this table (``ops.owner``)
+        self.owner = owner
 
     def __len__(self) -> int:
         return len(self._states)
@@ -41,26 +45,19 @@ class HotAgents:
 
     def ids(self, prefix: str = "") -> list[str]:
         """The live agents whose ids start with ``prefix``, least recently used first."""
-        with self.lock:
-            return [a for a in self._states if a.startswith(prefix)]
+        return [a for a in self._states if a.startswith(prefix)]
 
     def get(self, agent_id: str) -> AgentState | None:
-        with self.lock:
-            return self._states.get(agent_id)
+        return self._states.get(agent_id)
 
     def touch(self, agent_id: str) -> AgentState | None:
         """The agent's live state, now the most recently used (None: not hot)."""
-        with self.lock:
-            state = self._states.get(agent_id)
-            if state is not None:
-                self._states.move_to_end(agent_id)
-            return state
-
-    def version_of(self, agent_id: str) -> int | None:
-        """The shared store's version the live copy is (None: none live, or not known)."""
-        with self.lock:
-            state = self._states.get(agent_id)
-            return state.version if state is not None else None
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.touch")
+        state = self._states.get(agent_id)
+        if state is not None:
+            self._states.move_to_end(agent_id)
+        return state
 
     def keep(self, agent_id: str, state: AgentState, *, unless_needed_sooner: bool = False) -> bool:
         """``state`` is the agent's live cache, the most recent; past the policy's bounds the
@@ -68,36 +65,36 @@ class HotAgents:
         goes last: its caller may yet say when it is needed (a reply that made tool calls).
         ``unless_needed_sooner`` (a prefetch): kept only if no agent it would push out is
         needed sooner than it; returns whether it was kept."""
-        with self.lock:
-            others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
-            if unless_needed_sooner:
-                need = self.schedule.need(agent_id)
-                trial = {**self._states, agent_id: state}
-                pushed = self.policy.over(trial, self._pinned(), others)
-                if any(self.schedule.need(a) > need for a in pushed) or len(trial) - len(pushed) > (
-                    self.policy.max_agents
-                ):
-                    return False
-            self._states[agent_id] = state
-            self._states.move_to_end(agent_id)
-            dropped = self.policy.enforce(self._states, self._pinned(), [*others, agent_id])
-            self.evictions += len(dropped)
-            return True
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.keep")
+        others = self.schedule.eviction_order([a for a in self._states if a != agent_id])
+        if unless_needed_sooner:
+            need = self.schedule.need(agent_id)
+            trial = {**self._states, agent_id: state}
+            pushed = self.policy.over(trial, self._pinned(), others)
+            if any(self.schedule.need(a) > need for a in pushed) or len(trial) - len(pushed) > (
+                self.policy.max_agents
+            ):
+                return False
+        self._states[agent_id] = state
+        self._states.move_to_end(agent_id)
+        dropped = self.policy.enforce(self._states, self._pinned(), [*others, agent_id])
+        self.evictions += len(dropped)
+        return True
 
     def drop(self, agent_id: str | None = None, *, only: AgentState | None = None) -> None:
         """Forget one agent's live cache (``only``: if it is still that one), or all."""
-        with self.lock:
-            if agent_id is None:
-                self._states.clear()
-            elif only is None or self._states.get(agent_id) is only:
-                self._states.pop(agent_id, None)
+        if CHECK_OWNER:
+            check_owner(self.owner, "HotAgents.drop")
+        if agent_id is None:
+            self._states.clear()
+        elif only is None or self._states.get(agent_id) is only:
+            self._states.pop(agent_id, None)
 
     def live_bytes(self) -> int:
         """Bytes the live agents' caches hold (stored form and working copies)."""
-        with self.lock:
-            return sum(live_bytes(state) for state in self._states.values())
+        return sum(live_bytes(state) for state in self._states.values())
 
     def working_copy_bytes(self) -> int:
         """Bytes of full-precision working copies the live agents keep."""
-        with self.lock:
-            return sum(c.work_nbytes for state in self._states.values() for c in state.layers or ())
+        return sum(c.work_nbytes for state in self._states.values() for c in state.layers or ())

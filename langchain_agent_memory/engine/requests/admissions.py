@@ -16,13 +16,12 @@ one before it); those of different agents do not wait for each other.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..caches.agent_state import AgentState, record_tokens
-from ..caches.agents import AgentCaches
+from ..caches.agents import AgentCaches, AgentView
 from ..caches.reuse import plan_own, plan_reuse
 from ..storage.blocks import BlockHash
 from ..storage.protocols import Lease, take_lease
@@ -41,66 +40,72 @@ class StoreAdmissions:
     queues it for the model's thread (``queue``)."""
 
     def __init__(
-        self, caches: AgentCaches, store: SharedBlockStore, queue: Callable[[Request], object]
+        self,
+        caches: AgentCaches,
+        store: SharedBlockStore,
+        queue: Callable[[Request], object],
+        post: Callable[..., None],
     ) -> None:
-        self.caches, self.store, self._queue = caches, store, queue
+        self.caches, self.store, self._queue, self._post = caches, store, queue, post
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent-memory-admit")
-        self._lock = threading.Lock()
+        # The bookkeeping below is the loop's (``submit`` runs there, a preparation's end is
+        # posted there: ``post``): no lock.
         #: agent -> its latest request's preparation (the next one waits for it)
         self._last: dict[str, Future[None]] = {}
         self._preparing: Counter[str] = Counter()
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request, view: AgentView) -> None:
+        """Prepare ``request`` (handed over by the loop with what it knows of the agent)."""
         agent_id = request.agent_id
-        with self._lock:
-            before = self._last.get(agent_id)
-            future = self._pool.submit(self._prepare, request, before)
-            self._last[agent_id] = future
-            self._preparing[agent_id] += 1
-        future.add_done_callback(lambda done: self._settled(agent_id, done))
+        before = self._last.get(agent_id)
+        future = self._pool.submit(self._prepare, request, view, before)
+        self._last[agent_id] = future
+        self._preparing[agent_id] += 1
+        future.add_done_callback(lambda done: self._post(self._settled, agent_id, done))
 
     def _settled(self, agent_id: str, future: Future[None]) -> None:
-        with self._lock:
-            self._preparing -= Counter([agent_id])
-            if self._last.get(agent_id) is future:
-                del self._last[agent_id]
+        """On the loop: a preparation ended (its request is queued there before this)."""
+        self._preparing -= Counter([agent_id])
+        if self._last.get(agent_id) is future:
+            del self._last[agent_id]
 
     def busy(self) -> set[str]:
-        """Agents with a request being prepared (not in the scheduler yet)."""
-        with self._lock:
-            return set(self._preparing)
+        """Agents with a request being prepared (not in the scheduler yet; on the loop)."""
+        return set(self._preparing)
 
-    def prefetch(self, agent_ids: Sequence[str]) -> Future[None]:
+    def prefetch(self, agent_ids: Sequence[str], held: frozenset[BlockHash]) -> Future[None]:
         """Bring these agents' newest records and blocks to this worker (for
-        ``Engine.prefetch``, which then loads them on the model's thread)."""
+        ``Engine.prefetch``, which then loads them on the loop); ``held``: the blocks in
+        memory when it was asked (the loop's ``held_blocks``)."""
 
         def fetch_all() -> None:
             for agent_id in agent_ids:
-                self._fetch(agent_id, None, None)
+                self._fetch(agent_id, None, None, held)
 
         return self._pool.submit(fetch_all)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _prepare(self, request: Request, before: Future[None] | None) -> None:
+    def _prepare(self, request: Request, view: AgentView, before: Future[None] | None) -> None:
         try:
-            request.lease = self.lease(request.agent_id, request.prompt)
+            request.lease = self.lease(request.agent_id, request.prompt, view)
         except Exception as exc:  # admitted all the same, from what this worker has
             logger.warning("agent %r: the shared store could not be asked (%s)", request.agent_id, exc)
         if before is not None:
             before.exception()  # the agent's request before this one is queued first
         self._queue(request)
 
-    def lease(self, agent_id: str, prompt: str) -> Lease:
-        """The agent's lease, with its record and the blocks ``prompt`` reuses brought here."""
+    def lease(self, agent_id: str, prompt: str, view: AgentView) -> Lease:
+        """The agent's lease, with its record and the blocks ``prompt`` reuses brought here
+        (``view``: what the loop knew of the agent when it handed the request over)."""
         store = self.store
         # Fresh unless another worker committed since the live copy's version (none live:
         # since what this worker knows; a request of its own may make one live meanwhile).
-        hot = self.caches.hot.get(agent_id)  # under the hot tier's lock
-        lease = take_lease(store, agent_id, hot.version if hot is not None else store.seen_version(agent_id))
+        hot = view.live
+        lease = take_lease(store, agent_id, view.version if hot is not None else store.seen_version(agent_id))
         try:
-            self._fetch(agent_id, prompt, hot if lease.current else None)
+            self._fetch(agent_id, prompt, hot if lease.current else None, view.held)
         except Exception as exc:  # an optimisation: the model's thread prefills what is not here
             logger.warning(
                 "agent %r: its cache could not be brought here (%s); it prefills what this worker lacks",
@@ -109,7 +114,9 @@ class StoreAdmissions:
             )
         return lease
 
-    def _fetch(self, agent_id: str, prompt: str | None, live: AgentState | None) -> None:
+    def _fetch(
+        self, agent_id: str, prompt: str | None, live: AgentState | None, held: frozenset[BlockHash]
+    ) -> None:
         """The blocks a request for ``prompt`` (None: the whole cache) reads, fetched to this
         worker's disk within the store's deadline: what ``reuse`` plans from ``live`` (the
         agent's live copy, if it is still the newest), else from the record, read again."""
@@ -126,12 +133,18 @@ class StoreAdmissions:
             )
         else:
             plan = plan_reuse(
-                prompt, caches.tokenizer, caches.fingerprint, own=own, hybrid=hybrid, has=self._stored
+                prompt,
+                caches.tokenizer,
+                caches.fingerprint,
+                own=own,
+                hybrid=hybrid,
+                has=lambda hashes: self._stored(hashes, held),
             )
-        wanted = [h for h in plan.blocks() if not caches.held(h)] if plan is not None else []
+        wanted = [h for h in plan.blocks() if h not in held] if plan is not None else []
         if wanted and not self.store.prefetch(wanted):
             logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
 
-    def _stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
-        """Those of ``hashes`` in this worker's memory or in the shared store (one round trip)."""
-        return set(self.store.stored(list(hashes))) | {h for h in hashes if self.caches.held(h)}
+    def _stored(self, hashes: Sequence[BlockHash], held: frozenset[BlockHash]) -> set[BlockHash]:
+        """Those of ``hashes`` in this worker's memory (``held``) or in the shared store (one
+        round trip)."""
+        return set(self.store.stored(list(hashes))) | {h for h in hashes if h in held}

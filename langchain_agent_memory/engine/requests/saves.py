@@ -50,14 +50,20 @@ class SaveQueue:
         self._thread = SerialThread("agent-memory-saves")
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
+        #: the latest save's settling on the engine's loop (``Committer``): a wait ends
+        #: after it too, so that nothing of a save runs once the process's exit has waited
+        self._settled: Future[Any] | None = None
         self._failed: BaseException | None = None
         self._queued = 0  # submitted, not ended: what ``Engine.status`` reports
         with _QUEUES_LOCK:
             _QUEUES.add(self)
 
-    def submit(self, save: Callable[[], T], what: str) -> Future[T]:
+    def submit(self, save: Callable[[], T], what: str, settled: Future[Any] | None = None) -> Future[T]:
         """Run ``save`` after every save submitted before it; a failure is logged (naming
-        ``what``) and kept for ``flush``."""
+        ``what``) and kept for ``flush``. ``settled``: done once the save's outcome has been
+        taken in where it goes (the loop's message), which ``wait`` waits for too."""
+        if settled is not None:
+            self._settled = settled
 
         def run() -> T:
             try:
@@ -95,12 +101,10 @@ class SaveQueue:
         """Until every save submitted so far has ended (failed or not); False if some had
         not within ``timeout`` seconds."""
         with self._lock:
-            last = self._last
-        if last is not None:
-            # A later one ends after every earlier one (one thread, in order).
-            done, _ = futures_wait([last], timeout)
-            return bool(done)
-        return True
+            # A later one ends after every earlier one (one thread, in order; settled in order).
+            pending = [f for f in (self._last, self._settled) if f is not None]
+        _, not_done = futures_wait(pending, timeout)
+        return not not_done
 
     def flush(self) -> None:
         """``wait``, then raise the first save that failed since the last ``flush``."""

@@ -7,13 +7,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..caches.agent_state import Admission, PendingSave
+from ..caches.agent_state import Admission
 from ..caches.agents import AgentCaches
 from ..caches.states import thin_held
 from ..kv import RecurrentCache
@@ -25,12 +24,12 @@ from ..results import (
     ContextLengthError,
     GenerationParams,
     GenerationResult,
-    Saved,
     StreamChunk,
     Timings,
 )
 from ..storage.blocks import BLOCK_TOKENS
 from ..storage.protocols import Lease
+from .committer import Committer
 from .forks import can_fork, clean_cut, common_prefix, fork_layers, worth_forking
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
@@ -101,12 +100,13 @@ class RequestSteps:
         tokenizer: Any,
         context_length: int,
         model_name: str,
-        on_commit: Callable[[PendingSave], Future[Saved]],
+        committer: Committer,
         share_prefixes: bool = True,
     ) -> None:
         self.agents, self.runner, self.tokenizer = agents, runner, tokenizer
         self.context_length, self.model_name = context_length, model_name
-        self.on_commit = on_commit
+        #: the loop's way down to the store for a finished turn's save
+        self.committer = committer
         self.eos = set(tokenizer.eos_token_ids)
         #: Fork prefixes in-flight requests share (``forks``); off: each prefills its own.
         self.share_prefixes = share_prefixes
@@ -213,20 +213,19 @@ class RequestSteps:
     def prefill(self, req: Request, n: int) -> None:
         """Run up to ``n`` of the request's new tokens; after the last, sample its first."""
         try:
-            with self.agents.lock:
-                t0 = time.perf_counter()
-                if req.share is not None:
-                    self._fork(req)
-                start = req.start
-                assert start is not None and req.sampler is not None
-                ids = start.tail.ids[req.prefilled : req.prefilled + n]
-                req.prefilled += len(ids)
-                logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
-                thin_held(start, self._fork_points(req), self.agents.state_budget)
-                if logits is None:
-                    req.timings.prefill_s += time.perf_counter() - t0
-                    return
-                self._first_token(req, logits, t0)
+            t0 = time.perf_counter()
+            if req.share is not None:
+                self._fork(req)
+            start = req.start
+            assert start is not None and req.sampler is not None
+            ids = start.tail.ids[req.prefilled : req.prefilled + n]
+            req.prefilled += len(ids)
+            logits = self.runner.prefill(ids, start.layers, last=req.remaining_prefill == 0)
+            thin_held(start, self._fork_points(req), self.agents.state_budget)
+            if logits is None:
+                req.timings.prefill_s += time.perf_counter() - t0
+                return
+            self._first_token(req, logits, t0)
         except BaseException as exc:
             self.fail(req, exc)
 
@@ -240,34 +239,31 @@ class RequestSteps:
         first token. One at a time, 56 agents' 15-token turns on the H200 ran 56 forward
         passes of an 8B model before their batch could decode."""
         try:
-            with self.agents.lock:
-                t0 = time.perf_counter()
-                planned = {id(r): r.remaining_prefill for r in reqs}  # what the scheduler chose by
-                for req in reqs:
-                    if req.share is not None:
-                        self._fork(req)
-                # A fork that could not be made leaves its request the shared tokens to run
-                # too: it goes on in chunks later (one pass of them all could be 32K tokens).
-                ready = [
-                    r
-                    for r in reqs
-                    if r.phase is Phase.PREFILL
-                    and r.start is not None
-                    and r.remaining_prefill <= planned[id(r)]
-                ]
-                if not ready:
-                    return
-                tails = [r.start.tail.ids[r.prefilled :] for r in ready]  # type: ignore[union-attr]
-                logits = self.runner.prefill_whole(
-                    [(ids, r.start.layers) for ids, r in zip(tails, ready, strict=True)]
-                )  # type: ignore[union-attr]
-                for i, (req, ids) in enumerate(zip(ready, tails, strict=True)):
-                    req.prefilled += len(ids)
-                    thin_held(req.start, self._fork_points(req), self.agents.state_budget)  # type: ignore[arg-type]
-                    try:
-                        self._first_token(req, logits[i], t0)
-                    except BaseException as exc:
-                        self.fail(req, exc)
+            t0 = time.perf_counter()
+            planned = {id(r): r.remaining_prefill for r in reqs}  # what the scheduler chose by
+            for req in reqs:
+                if req.share is not None:
+                    self._fork(req)
+            # A fork that could not be made leaves its request the shared tokens to run
+            # too: it goes on in chunks later (one pass of them all could be 32K tokens).
+            ready = [
+                r
+                for r in reqs
+                if r.phase is Phase.PREFILL and r.start is not None and r.remaining_prefill <= planned[id(r)]
+            ]
+            if not ready:
+                return
+            tails = [r.start.tail.ids[r.prefilled :] for r in ready]  # type: ignore[union-attr]
+            logits = self.runner.prefill_whole(
+                [(ids, r.start.layers) for ids, r in zip(tails, ready, strict=True)]
+            )  # type: ignore[union-attr]
+            for i, (req, ids) in enumerate(zip(ready, tails, strict=True)):
+                req.prefilled += len(ids)
+                thin_held(req.start, self._fork_points(req), self.agents.state_budget)  # type: ignore[arg-type]
+                try:
+                    self._first_token(req, logits[i], t0)
+                except BaseException as exc:
+                    self.fail(req, exc)
         except BaseException as exc:
             self._fail_unfinished(reqs, exc)
 
@@ -294,7 +290,7 @@ class RequestSteps:
         if not reqs:
             return None
         try:
-            with self.agents.lock, self._finishing_together():
+            with self._finishing_together():
                 rows = self.runner.decode([(id(r), r.token, r.start.layers) for r in reqs])  # type: ignore[union-attr]
                 # Greedy rows without a grammar: one argmax and one sync for all of them.
                 plain = [i for i, r in enumerate(reqs) if r.sampler is not None and r.sampler.greedy]
@@ -323,7 +319,7 @@ class RequestSteps:
         max_tokens is not fed (it leaves before the step). A draw that ends a turn was fed
         already: ``_complete`` takes it out of the caches (``LayerCache.unfeed``)."""
         try:
-            with self.agents.lock, self._finishing_together():
+            with self._finishing_together():
                 stopped = [r for r in reqs if r.ahead is None and r.cancel.is_set()]
                 for r in stopped:  # cancelled with nothing in flight: no step more
                     self._finish(r, "cancelled")
@@ -369,8 +365,7 @@ class RequestSteps:
         drawn, req.ahead = req.ahead, None
         assert drawn is not None
         try:
-            with self.agents.lock:
-                self._accept(req, int(drawn.item()))
+            self._accept(req, int(drawn.item()))
         except BaseException as exc:
             self.fail(req, exc)
 
@@ -437,22 +432,21 @@ class RequestSteps:
         # model (all but the last sampled one, unless that one was end-of-turn).
         t0 = time.perf_counter()
         self.runner.leave(id(req))  # the others go on without this one
-        with self.agents.lock:
-            if req.ahead is not None:  # the last draw went through the model: not kept
-                req.ahead = None
-                for layer in start.layers:
-                    layer.unfeed(1)
-            known = start.known
-            known.extend(start.tail)
-            fed = req.generated if req.ended_by_eos else req.generated[:-1]
-            if start.layers[0].offset != len(known) + len(fed):
-                raise RuntimeError("cache length and token count disagree (this is a bug)")
-            gen = token_ends(self.tokenizer, known.ids[-1] if known.ids else None, fed)
-            if stream.stopped:  # a stop sequence: keep nothing past it
-                gen.truncate(last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(stream.text))))
-            known.extend(gen)
-            save = self.agents.commit(req.agent_id, start, known)
-        written = self.on_commit(save)  # on the save thread (``saves``) while the reply leaves
+        if req.ahead is not None:  # the last draw went through the model: not kept
+            req.ahead = None
+            for layer in start.layers:
+                layer.unfeed(1)
+        known = start.known
+        known.extend(start.tail)
+        fed = req.generated if req.ended_by_eos else req.generated[:-1]
+        if start.layers[0].offset != len(known) + len(fed):
+            raise RuntimeError("cache length and token count disagree (this is a bug)")
+        gen = token_ends(self.tokenizer, known.ids[-1] if known.ids else None, fed)
+        if stream.stopped:  # a stop sequence: keep nothing past it
+            gen.truncate(last_clean(gen, sum(1 for e in gen.ends if 0 <= e <= len(stream.text))))
+        known.extend(gen)
+        save = self.agents.commit(req.agent_id, start, known)
+        written = self.committer.commit(save)  # written on the save thread while the reply leaves
         req.timings.save_s = time.perf_counter() - t0
         result = GenerationResult(
             text=stream.text,

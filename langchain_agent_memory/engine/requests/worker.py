@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from ..ops.owner import Owner
 from ..ops.threads import THREADS, run_job
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class Worker:
         self._stopped = False
         self._ended = threading.Event()
         self._thread_id: int | None = None
+        #: The cache state this loop owns (``ops.owner``): bound while the loop runs.
+        self.owner = Owner()
         THREADS.lend(self._run_loop, name)
 
     @property
@@ -95,10 +98,12 @@ class Worker:
             self._loop()
         finally:
             self._thread_id = None
+            self.owner.release()
             self._ended.set()
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
+        self.owner.bind()
         while True:
             stepper = self.stepper
             if stepper is not None and stepper.has_work():
@@ -141,6 +146,22 @@ class Worker:
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         return future
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` run by the loop, waited for: a message the loop answers (a query or
+        a command on the cache state it owns). On the loop itself, or once it has stopped
+        (its engine closed or freed: nothing races it any more), run here."""
+        if self.on_worker or self._stopped:
+            return fn(*args)
+        return self.submit(fn, *args).result()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` run by the loop, not waited for (a result the I/O side hands back:
+        ``Committer``); once the loop has stopped, run here."""
+        if self._stopped:
+            fn(*args)
+        else:
+            self.submit(fn, *args)
 
     @property
     def on_worker(self) -> bool:
