@@ -19,11 +19,12 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ..caches.agent_state import AgentState, record_tokens
 from ..caches.agents import AgentCaches
 from ..caches.reuse import plan_own, plan_reuse
+from ..ops.process import RUNTIME
 from ..storage.blocks import BlockHash
 from ..storage.protocols import Lease, take_lease
 from ..storage.remote import SharedBlockStore
@@ -44,7 +45,7 @@ class StoreAdmissions:
         self, caches: AgentCaches, store: SharedBlockStore, queue: Callable[[Request], object]
     ) -> None:
         self.caches, self.store, self._queue = caches, store, queue
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent-memory-admit")
+        self._pool = RUNTIME.pool("agent-memory-admit", THREADS)
         self._lock = threading.Lock()
         #: agent -> its latest request's preparation (the next one waits for it)
         self._last: dict[str, Future[None]] = {}

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from ..ops.threads import THREADS, run_job
+from ..ops.process import RUNTIME, run_job
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ _STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
 
 
 class Worker:
-    """One engine's MLX work, run in order on a thread lent by ``THREADS``. Why not a
+    """One engine's MLX work, run in order on a thread lent by the process runtime. Why not a
     ``ThreadPoolExecutor``, and why no stop at exit: a thread that has run MLX work and
     *ends* during interpreter shutdown makes MLX abort ("terminate called without an active
     exception", exit code 134); a daemon thread that is still waiting when the process ends
@@ -77,7 +77,7 @@ class Worker:
         self._stopped = False
         self._ended = threading.Event()
         self._thread_id: int | None = None
-        THREADS.lend(self._run_loop, name)
+        RUNTIME.lend(self._run_loop, name)
 
     @property
     def stepper(self) -> Stepper | None:
