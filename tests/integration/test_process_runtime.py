@@ -71,6 +71,6 @@ def test_every_thread_an_engine_on_a_shared_store_starts_is_lent_by_the_runtime(
         engine.flush()
         alive = threading.enumerate()
         lent = set(RUNTIME.threads())
-    names = sorted(t.name for t in alive)
+        names = sorted(t.name for t in alive)  # as named while the engine is open
     assert {"agent-memory-mlx", "agent-memory-saves", "agent-memory-remote"} <= set(names), names
     assert not [t.name for t in alive if t not in before and t not in lent], names
