@@ -29,8 +29,10 @@ runs on (only ``shutdown`` does):
   them while the interpreter is whole, which is safe.
 
 The one lock (``lock``, re-entrant: a stock's maker may lend threads) guards the runtime's
-own tables and the short picks of the buffer stocks; nothing holds it across I/O or a
-model's work.
+own tables and the short critical sections of what lives as long as the process besides:
+the picks of the buffer stocks (``cuda_memory``, ``gather``), the compiled kernels' shape
+tables (``fast_ops``), the open save queues (``saves``), a session's one probe thread
+(``pg_session``). Nothing holds it across I/O or a model's work; no cache state is under it.
 """
 
 from __future__ import annotations
@@ -115,11 +117,13 @@ class ProcessRuntime:
     def _serve(self, inbox: Inbox) -> None:
         me = threading.current_thread()
         while (loan := inbox.get()) is not None:
-            me.name, loop, loan.loop = loan.name, loan.loop, None
+            me.name = loan.name
+            loop = loan.loop
+            loan.loop = None  # held by this frame only: gone once it returns
             try:
                 assert loop is not None
                 loop()
-            except Exception:  # the loop's own failure; the thread serves the next loan
+            except BaseException:  # the loop's own failure; the thread serves the next loan
                 logger.exception("thread %s failed", loan.name)
             finally:
                 del loop  # not held while idle (it may reach an engine)

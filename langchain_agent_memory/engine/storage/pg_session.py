@@ -246,7 +246,6 @@ class PgSession:
         self._open = threading.Event()  # the circuit: set while the store is unhealthy
         self._closed = threading.Event()
         self._probe: Loan | None = None
-        self._probe_lock = threading.Lock()
 
     @property
     def safe_url(self) -> str:
@@ -345,7 +344,7 @@ class PgSession:
         probe that closes it again."""
         self._open.set()
         self._pool.trim(everything=True)
-        with self._probe_lock:
+        with RUNTIME.lock:  # one probe at a time: checked and lent at once
             if self._closed.is_set() or (self._probe is not None and self._probe.is_alive()):
                 return
             self._probe = RUNTIME.lend(self._probe_until_healthy, "agent-memory-store-probe")
@@ -370,7 +369,7 @@ class PgSession:
         self._closed.set()
         self._pool.close()
         self._deadlines.close()
-        with self._probe_lock:
+        with RUNTIME.lock:
             probe = self._probe
         if probe is not None:
             probe.join()  # its connect and its call are bounded by their timeouts
