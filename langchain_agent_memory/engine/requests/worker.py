@@ -75,9 +75,8 @@ class Worker:
         self._jobs = queue.SimpleQueue()
         self._stepper: weakref.ref[Stepper] | None = None
         self._stopped = False
-        self._ended = threading.Event()
         self._thread_id: int | None = None
-        RUNTIME.lend(self._run_loop, name)
+        self._loan = RUNTIME.lend(self._run_loop, name)
 
     @property
     def stepper(self) -> Stepper | None:
@@ -95,7 +94,6 @@ class Worker:
             self._loop()
         finally:
             self._thread_id = None
-            self._ended.set()
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
@@ -133,7 +131,7 @@ class Worker:
         self._stopped = True
         self._jobs.put(_STOP)  # type: ignore[arg-type]
         if wait and not self.on_worker:
-            self._ended.wait()
+            self._loan.join()  # the thread is back with the runtime, for the next engine
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._stopped:  # a job no thread would run: its caller would wait forever
