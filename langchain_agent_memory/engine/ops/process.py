@@ -1,5 +1,6 @@
 """The process runtime: what lives as long as the process, owned in one place and ended by
-one call (``shutdown``) or by the interpreter's exit.
+one call (``RUNTIME.shutdown``; users call ``langchain_agent_memory.engine.shutdown``) or
+by the interpreter's exit.
 
 It owns:
 
