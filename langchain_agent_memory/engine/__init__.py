@@ -53,7 +53,7 @@ if TYPE_CHECKING:
         trained_context,
     )
     from .ops import device
-    from .registry import engine_key, shared_engine, unwatch_engines, watch_engines
+    from .registry import engine_key, shared_engine, shutdown, unwatch_engines, watch_engines
     from .requests.commits import Subscription
     from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
     from .storage.agent_ids import INTERNAL_PREFIX, is_internal, validate_agent_id
@@ -118,6 +118,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "registry": (
         "engine_key",
         "shared_engine",
+        "shutdown",
         "unwatch_engines",
         "watch_engines",
     ),
@@ -214,6 +215,7 @@ __all__ = [
     "resolve_model_dir",
     "shared_blocks",
     "shared_engine",
+    "shutdown",
     "snapshot_repo",
     "tool_call_grammar",
     "trained_context",

@@ -38,6 +38,7 @@ from .model.adapters import is_adapted
 from .model.fingerprint import model_fingerprint
 from .model.loading import LoadedModel, load_model, trained_context
 from .ops import device
+from .ops.process import RUNTIME
 from .ops.runtime import release_memory
 from .prefix import tokenize_prompt
 from .requests.admissions import StoreAdmissions
@@ -115,6 +116,7 @@ class Engine:
         except BaseException:
             parts.close()
             raise
+        RUNTIME.track(self)  # closed by the runtime's shutdown if still open then
 
     def _build(self, cfg: EngineConfig, parts: contextlib.ExitStack) -> None:
         self._worker = Worker()  # every request's MLX work runs on this one thread

@@ -27,13 +27,13 @@ def test_without_cuda_uploads_fall_back_to_host_memory() -> None:
 
 def test_staging_lends_the_smallest_buffer_that_fits_and_takes_it_back(monkeypatch) -> None:
     small, large = np.zeros(12 << 20, np.uint8), np.zeros(34 << 20, np.uint8)
-    monkeypatch.setattr(cuda_memory, "_staging_free", [large, small])
+    monkeypatch.setattr(cuda_memory.staging_buffers(), "free", [large, small])
     with cuda_memory.staging(11_534_336) as a:  # files of different sizes in one load
         assert a.nbytes == 11_534_336 and np.shares_memory(a, small)
         with cuda_memory.staging(33_554_432) as b:
             assert np.shares_memory(b, large)
-            assert cuda_memory._staging_free == []
-    assert sorted(x.nbytes for x in cuda_memory._staging_free) == [12 << 20, 34 << 20]
+            assert cuda_memory.staging_buffers().free == []
+    assert sorted(x.nbytes for x in cuda_memory.staging_buffers().free) == [12 << 20, 34 << 20]
 
 
 class _FakeUpload:

@@ -296,9 +296,9 @@ def test_the_fast_checksum_is_pinned() -> None:
         with pytest.raises(TypeError):
             part_checksums(gathered)
     # The memory file is kept for the next block, until an engine closes (``release``).
-    assert gather._free
+    assert gather._kept()
     gather.release()
-    assert not gather._free
+    assert not gather._kept()
     with gather.gathered(data, entries) as stream:
         assert stream is not None and bytes(stream) == b"L0.k\x00abcL0.v\x00\x01\x02\x03"
 

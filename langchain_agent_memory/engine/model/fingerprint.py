@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 from ..kv import KVQuant
@@ -22,7 +21,6 @@ from ..ops.files import atomic_write_bytes
 
 _DIGESTS_FILE = "weight-digests.json"
 _memo: dict[tuple[str, int, int], str] = {}
-_memo_lock = threading.Lock()
 
 
 def sha256_file(path: Path) -> str:
@@ -38,9 +36,9 @@ def weights_digest(path: Path, memo_dir: Path | None = None) -> str:
     """SHA-256 of one weights file, hashed once per (path, size, mtime)."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _memo_lock:
-        if key in _memo:
-            return _memo[key]
+    known = _memo.get(key)  # one dict operation each: atomic, no lock (two threads may hash it twice)
+    if known is not None:
+        return known
     memo_file = memo_dir / _DIGESTS_FILE if memo_dir is not None else None
     stored = _read_memo(memo_file)
     entry = stored.get(key[0])
@@ -52,8 +50,7 @@ def weights_digest(path: Path, memo_dir: Path | None = None) -> str:
             stored = {p: e for p, e in stored.items() if Path(p).exists()}  # forget deleted models
             stored[key[0]] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
             _write_memo(memo_file, stored)
-    with _memo_lock:
-        _memo[key] = digest
+    _memo[key] = digest
     return digest
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ops import device
+from ..ops.process import RUNTIME
 from ..ops.runtime import mx, release_memory
 from . import self_check as checks
 from .adapters import adapt_model
@@ -196,8 +197,28 @@ def trained_context(model_dir: Path) -> int | None:
     return int(value) if value else None
 
 
-_LOADED: dict[tuple[Path, bool], LoadedModel] = {}
-_LOAD_LOCK = threading.Lock()
+class LoadedModels:
+    """The models this process loaded, by (directory, ``cpu_kernels``): each is loaded
+    once and shared by every engine of it. The process runtime's (``loaded_models``): its
+    shutdown forgets them all."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[Path, bool], LoadedModel] = {}
+        #: One load at a time: two engines of one model wait for the first load, not load twice.
+        self.lock = threading.Lock()
+
+    def forget(self, under: Path | None = None) -> int:
+        """Forget the models whose directories are under ``under`` (None: all of them);
+        how many were forgotten."""
+        with self.lock:
+            gone = [k for k in self.by_key if under is None or k[0].is_relative_to(under)]
+            for key in gone:
+                del self.by_key[key]
+        return len(gone)
+
+
+def loaded_models() -> LoadedModels:
+    return RUNTIME.stock("loaded models", LoadedModels, LoadedModels.forget)
 
 
 def load_model(
@@ -223,10 +244,11 @@ def load_model(
     of ``fast_ops`` (``adapters.adapt_model``; only this instance changes). False gives
     mlx-lm's own model (benchmarks compare the two).
     """
-    with _LOAD_LOCK:
+    models = loaded_models()
+    with models.lock:
         path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
-        if (path, cpu_kernels) in _LOADED and not recheck:
-            return _LOADED[(path, cpu_kernels)]
+        if (path, cpu_kernels) in models.by_key and not recheck:
+            return models.by_key[(path, cpu_kernels)]
         check_refused(path)
         from mlx_lm.utils import load as mlx_load
 
@@ -249,7 +271,7 @@ def load_model(
         # not evaluated (a pass that failed settles itself: ``forward.ModelForward``).
         settle(mdl)
         loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
-        _LOADED[(path, cpu_kernels)] = loaded
+        models.by_key[(path, cpu_kernels)] = loaded
         return loaded
 
 
@@ -327,13 +349,10 @@ def unload_models(under: Path) -> int:
     """Forget the loaded models whose directories are under ``under`` (a process that is
     done with them: test modules of random-weight models); their memory goes once nothing
     else holds them. Returns how many were forgotten."""
-    with _LOAD_LOCK:
-        gone = [k for k in _LOADED if k[0].is_relative_to(under)]
-        for key in gone:
-            del _LOADED[key]
+    gone = loaded_models().forget(under)
     gc.collect()  # a model's modules hold cycles: free them now, then give the memory back
     release_memory()
-    return len(gone)
+    return gone
 
 
 def _mlx_lm_version() -> str:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from .process import RUNTIME
 from .runtime import gpu_backend, mx
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,9 @@ class _Runtime:
         self.host_alloc = lib.cudaMallocHost
         self.host_alloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t)
         self.host_alloc.restype = ctypes.c_int
-
-
-_lock = threading.Lock()
-_runtime: _Runtime | bool | None = False  # False: not looked for yet
+        self.host_free = lib.cudaFreeHost
+        self.host_free.argtypes = (ctypes.c_void_p,)
+        self.host_free.restype = ctypes.c_int
 
 
 def _load() -> _Runtime | None:
@@ -74,11 +73,12 @@ def _load() -> _Runtime | None:
 
 
 def runtime() -> _Runtime | None:
-    global _runtime
-    with _lock:
-        if _runtime is False:
-            _runtime = _load()
-        return _runtime if isinstance(_runtime, _Runtime) else None
+    """The CUDA runtime mlx loaded (looked for once: the process runtime keeps the answer)."""
+    return RUNTIME.stock("cuda runtime", _load, _keep)
+
+
+def _keep(_: object) -> None:
+    """The library stays loaded (mlx holds it too)."""
 
 
 def _address(a: mx.array) -> int:
@@ -120,32 +120,69 @@ class Upload:
 
 #: Pinned staging buffers, at most this many bytes in all (one per reader thread is used).
 STAGING_LIMIT = 1 << 30
-_staging_lock = threading.Lock()
-_staging_free: list[np.ndarray] = []
-_staging_bytes = 0
+
+
+class StagingBuffers:
+    """Host buffers that block files are read into before ``Upload.write``: pinned ones,
+    allocated once and reused by later loads (``STAGING_LIMIT`` in all), the process
+    runtime's until its shutdown (``release``)."""
+
+    def __init__(self) -> None:
+        self.free: list[np.ndarray] = []
+        self.pinned_bytes = 0
+        self._pinned: list[np.ndarray] = []
+        self._rt: _Runtime | None = None  # the runtime that pinned them
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """The smallest free buffer of at least ``nbytes``, or a new pinned one while the
+        limit allows; None: none (the caller reads into pageable memory)."""
+        with RUNTIME.lock:
+            fits = [i for i, b in enumerate(self.free) if b.nbytes >= nbytes]
+            if fits:  # the smallest that fits (by index: ``==`` on arrays compares elements)
+                return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))
+            rt = runtime()
+            if rt is None or self.pinned_bytes + nbytes > STAGING_LIMIT:
+                return None
+            size = -(-nbytes // (1 << 20)) << 20  # whole MiB: a later, slightly larger file fits
+            ptr = ctypes.c_void_p()
+            if rt.host_alloc(ctypes.byref(ptr), size) != 0 or not ptr.value:
+                return None
+            buf = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr.value))
+            self.pinned_bytes += size
+            self._rt = rt
+            self._pinned.append(buf)
+            return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with RUNTIME.lock:
+            self.free.append(buf)
+
+    def release(self) -> None:
+        """Free the pinned buffers (every load has ended: the runtime shuts down)."""
+        with RUNTIME.lock:
+            pinned = self._pinned
+            self._pinned = []
+            self.free = []
+            self.pinned_bytes = 0
+        for buf in pinned:
+            if self._rt is not None:
+                self._rt.host_free(buf.ctypes.data)
+
+
+def staging_buffers() -> StagingBuffers:
+    return RUNTIME.stock("staging buffers", StagingBuffers, StagingBuffers.release)
 
 
 @contextlib.contextmanager
 def staging(nbytes: int) -> Iterator[np.ndarray]:
     """A host buffer of ``nbytes`` to read a file into before ``Upload.write``: pinned
     (allocated once, reused by later loads) while ``STAGING_LIMIT`` allows, else pageable."""
-    global _staging_bytes
-    buf = None
-    with _staging_lock:
-        fits = [i for i, b in enumerate(_staging_free) if b.nbytes >= nbytes]
-        if fits:  # the smallest that fits (by index: ``==`` on arrays compares elements)
-            buf = _staging_free.pop(min(fits, key=lambda i: _staging_free[i].nbytes))
-        elif _staging_bytes + nbytes <= STAGING_LIMIT and (rt := runtime()) is not None:
-            size = -(-nbytes // (1 << 20)) << 20  # whole MiB: a later, slightly larger file fits
-            ptr = ctypes.c_void_p()
-            if rt.host_alloc(ctypes.byref(ptr), size) == 0 and ptr.value:
-                buf = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr.value))
-                _staging_bytes += size
+    buffers = staging_buffers()
+    buf = buffers.take(nbytes)
     if buf is None:
         yield np.empty(nbytes, np.uint8)
         return
     try:
         yield buf[:nbytes]
     finally:
-        with _staging_lock:
-            _staging_free.append(buf)
+        buffers.give(buf)

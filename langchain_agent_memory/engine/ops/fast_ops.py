@@ -56,7 +56,6 @@ from __future__ import annotations
 import math
 import shutil
 import sys
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -64,6 +63,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 
+from .process import RUNTIME
 from .runtime import mx
 
 __all__ = [
@@ -112,7 +112,6 @@ class Kernel:
         self._shapeless = mx.compile(fn, shapeless=True)
         self._fixed = mx.compile(fn)
         self._shapes: set[tuple[Any, ...]] = set()
-        self._lock = threading.Lock()
 
     def __call__(self, *args: mx.array, fixed: bool | None = None) -> Any:
         if fixed is None:
@@ -120,7 +119,7 @@ class Kernel:
         if not fixed:
             return self._shapeless(*args)
         key = tuple((a.shape, a.dtype) for a in args)
-        with self._lock:
+        with RUNTIME.lock:  # the engines' worker threads share the kernels
             if key not in self._shapes:
                 if len(self._shapes) >= _MAX_SHAPES:
                     # mlx keeps one traced graph per shape forever and scans them linearly:

@@ -27,8 +27,10 @@ changes belongs to one engine or one loaded model instance):
 - On ``Engine.close()`` and ``loading.unload_models``, with glibc: ``malloc_trim(0)``, so
   the C heap's free pages go back to the system (a closed engine's freed arrays stayed in
   the process: 2.3 GB of 5.0 GB after the random-weight model tests). Nothing else changes.
-- Threads: each engine runs one model thread, one save thread and a notifier; block
-  checksums use a shared pool of ``READ_THREADS`` (storage/reader.py).
+- Threads: every thread the engine starts is a daemon lent by the process runtime
+  (``process.RUNTIME``: an engine's model thread, saves and commit notices, a shared
+  store's I/O, the hash and read pools); ``engine.shutdown()`` ends them, and the loaded
+  models, shared engines and buffers it keeps.
 
 Not process-wide: ``load_model(cpu_kernels=True)`` switches the module instances of the
 one model it loads to subclasses (``model.adapters``); ``cpu_kernels=False`` opts out.

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ..caches.agent_state import AgentState, record_tokens
 from ..caches.agents import AgentCaches, AgentView
 from ..caches.reuse import plan_own, plan_reuse
+from ..ops.process import RUNTIME
 from ..storage.blocks import BlockHash
 from ..storage.protocols import Lease, take_lease
 from ..storage.remote import SharedBlockStore
@@ -47,7 +48,7 @@ class StoreAdmissions:
         post: Callable[..., None],
     ) -> None:
         self.caches, self.store, self._queue, self._post = caches, store, queue, post
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent-memory-admit")
+        self._pool = RUNTIME.pool("agent-memory-admit", THREADS)
         # The bookkeeping below is the loop's (``submit`` runs there, a preparation's end is
         # posted there: ``post``): no lock.
         #: agent -> its latest request's preparation (the next one waits for it)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
+from ..ops.process import RUNTIME
 from ..results import GenerationParams
 from ..storage.blocks import AgentRecord
 
@@ -44,7 +44,7 @@ class CommitFeed:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._subs: list[Subscription] = []
-        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-memory-commits")
+        self._notify = RUNTIME.pool("agent-memory-commits", 1)
 
     def subscribe(
         self, on_commit: OnCommit | None = None, before_request: BeforeRequest | None = None

@@ -18,7 +18,6 @@ queued so far and raises the first that failed since the last ``flush``.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from weakref import WeakSet
 
-from ..ops.threads import SerialThread
+from ..ops.process import RUNTIME
 from ..storage.remote import upload_before_exit
 
 T = TypeVar("T")
@@ -39,7 +38,6 @@ logger = logging.getLogger(__name__)
 #: Every open queue of this process, to let a store opened later (another engine on the
 #: same directory) see what the replies of earlier ones said was saved (``wait_for``).
 _QUEUES: WeakSet[SaveQueue] = WeakSet()
-_QUEUES_LOCK = threading.Lock()
 
 
 class SaveQueue:
@@ -47,7 +45,7 @@ class SaveQueue:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._thread = SerialThread("agent-memory-saves")
+        self._thread = RUNTIME.pool("agent-memory-saves", 1)
         self._lock = threading.Lock()
         self._last: Future[Any] | None = None
         #: the latest save's settling on the engine's loop (``Committer``): a wait ends
@@ -55,7 +53,7 @@ class SaveQueue:
         self._settled: Future[Any] | None = None
         self._failed: BaseException | None = None
         self._queued = 0  # submitted, not ended: what ``Engine.status`` reports
-        with _QUEUES_LOCK:
+        with RUNTIME.lock:
             _QUEUES.add(self)
 
     def submit(self, save: Callable[[], T], what: str, settled: Future[Any] | None = None) -> Future[T]:
@@ -121,15 +119,15 @@ class SaveQueue:
 
     def close(self) -> None:
         self.wait()
-        self._thread.stop()
-        with _QUEUES_LOCK:
+        self._thread.shutdown(wait=False)
+        with RUNTIME.lock:
             _QUEUES.discard(self)
 
 
 def wait_for(directory: Path) -> None:
     """Wait for the saves this process has queued into ``directory`` (a store opened there
     then reads what every earlier reply said it saved)."""
-    with _QUEUES_LOCK:
+    with RUNTIME.lock:
         queues = [q for q in _QUEUES if q.directory == directory]
     for q in queues:
         q.wait()
@@ -140,13 +138,12 @@ def wait_for(directory: Path) -> None:
 EXIT_WAIT_S = 60.0
 
 
-@atexit.register
 def _save_at_exit() -> None:
     """A script that ends without ``close()`` loses nothing: its replies' saves (queued on
     daemon threads, which run on during exit) finish first, then what stayed local is
     uploaded to a shared store (``upload_before_exit``), each for at most ``EXIT_WAIT_S``."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    with _QUEUES_LOCK:
+    with RUNTIME.lock:
         queues = list(_QUEUES)
     for q in queues:
         if not q.wait(max(0.0, deadline - time.monotonic())):
@@ -156,3 +153,6 @@ def _save_at_exit() -> None:
                 q.directory, EXIT_WAIT_S,
             )  # fmt: skip
     upload_before_exit(time.monotonic() + EXIT_WAIT_S)
+
+
+RUNTIME.at_exit(_save_at_exit)

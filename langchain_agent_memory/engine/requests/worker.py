@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from ..ops.owner import Owner
-from ..ops.threads import THREADS, run_job
+from ..ops.process import RUNTIME, run_job
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ _STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
 
 
 class Worker:
-    """One engine's MLX work, run in order on a thread lent by ``THREADS``. Why not a
+    """One engine's MLX work, run in order on a thread lent by the process runtime. Why not a
     ``ThreadPoolExecutor``, and why no stop at exit: a thread that has run MLX work and
     *ends* during interpreter shutdown makes MLX abort ("terminate called without an active
     exception", exit code 134); a daemon thread that is still waiting when the process ends
@@ -76,11 +76,10 @@ class Worker:
         self._jobs = queue.SimpleQueue()
         self._stepper: weakref.ref[Stepper] | None = None
         self._stopped = False
-        self._ended = threading.Event()
         self._thread_id: int | None = None
         #: The cache state this loop owns (``ops.owner``): bound while the loop runs.
         self.owner = Owner()
-        THREADS.lend(self._run_loop, name)
+        self._loan = RUNTIME.lend(self._run_loop, name)
 
     @property
     def stepper(self) -> Stepper | None:
@@ -99,7 +98,6 @@ class Worker:
         finally:
             self._thread_id = None
             self.owner.release()
-            self._ended.set()
 
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
@@ -138,7 +136,7 @@ class Worker:
         self._stopped = True
         self._jobs.put(_STOP)  # type: ignore[arg-type]
         if wait and not self.on_worker:
-            self._ended.wait()
+            self._loan.join()  # the thread is back with the runtime, for the next engine
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._stopped:  # a job no thread would run: its caller would wait forever

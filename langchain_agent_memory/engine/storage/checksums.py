@@ -13,12 +13,13 @@ import functools
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 import xxhash
+
+from ..ops.process import RUNTIME
 
 #: Threads hashing a block being written (hashlib and xxhash let go of the GIL).
 HASH_THREADS = min(16, os.cpu_count() or 1)
@@ -60,8 +61,9 @@ def covered(meta: dict[str, str], *, whole: bool) -> bytes:
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-_hash_pool: ThreadPoolExecutor | None = None
-_hash_pool_lock = threading.Lock()
+def hash_pool() -> Executor:
+    """The process's ``HASH_THREADS`` hashing threads (the runtime's: made on first use)."""
+    return RUNTIME.shared_pool("agent-memory-hash", HASH_THREADS)
 
 
 def block_checksums(named: Sequence[tuple[str, Any]], meta: dict[str, str]) -> dict[str, str]:
@@ -70,12 +72,8 @@ def block_checksums(named: Sequence[tuple[str, Any]], meta: dict[str, str]) -> d
     other field: ``covered``). Hashed side by side on threads (hashlib and xxhash let go of
     the GIL over a large buffer): a save of a Gemma 3 4B-shaped agent of 32K tokens on the
     H200 spent 3.1 of its 7.1 s in SHA-256, on one thread."""
-    global _hash_pool
     by_layer = _by_layer(named)
-    with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="agent-memory-hash")
-    pool: Any = _hash_pool
+    pool = hash_pool()
 
     def run(digest: Digest) -> tuple[str, str]:
         """(the whole digest, the layers' as JSON)."""
@@ -83,7 +81,7 @@ def block_checksums(named: Sequence[tuple[str, Any]], meta: dict[str, str]) -> d
             whole = pool.submit(digest, named)
             parts = dict(zip(by_layer, pool.map(digest, by_layer.values()), strict=True))
             return whole.result(), json.dumps(parts, separators=(",", ":"))
-        except RuntimeError:  # the interpreter is exiting (a save still being written): one thread
+        except RuntimeError:  # the runtime is shutting down (a save still being written): one thread
             parts = {layer: digest(group) for layer, group in by_layer.items()}
             return digest(named), json.dumps(parts, separators=(",", ":"))
 

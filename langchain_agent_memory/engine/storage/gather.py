@@ -23,17 +23,16 @@ import contextlib
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from ..ops.process import RUNTIME
 
 logger = logging.getLogger(__name__)
 
 #: Memory files kept between blocks (one per reader thread is used at a time).
 KEEP = 16
 _IOV_MAX = 1024  # Linux's limit of buffers per ``pwritev``
-_lock = threading.Lock()
-_free: list[_MemoryFile] = []
 #: A layout's plan, by the id of its entries (a run's headers share one tuple): the entries,
 #: then each tensor's (name NUL, begin, end) in name order, the sizes of the pieces, in all.
 _plans: dict[int, tuple[Sequence[Any], list[tuple[bytes, int, int]], list[int], int]] = {}
@@ -67,7 +66,7 @@ def _plan(entries: Sequence[Any]) -> tuple[list[tuple[bytes, int, int]], list[in
         return known[1], known[2], known[3]
     order = [(e.name.encode() + b"\x00", e.begin, e.end) for e in sorted(entries, key=lambda e: e.name)]
     sizes = [n for prefix, begin, end in order for n in (len(prefix), end - begin)]
-    with _lock:
+    with RUNTIME.lock:
         if len(_plans) > 256:
             _plans.clear()
         _plans[id(entries)] = (entries, order, sizes, sum(sizes))
@@ -79,11 +78,12 @@ def _take(size: int) -> _MemoryFile:
     largest, grown (a thread's file grows to the largest block it reads, once; with a new
     file for each block larger than those kept, closed after, a 16-bit 32K restore on the
     H100 took 0.63 s to load where it had taken 0.39)."""
-    with _lock:
-        fits = [f for f in _free if f.size >= size]
-        f = min(fits, key=lambda f: f.size) if fits else max(_free, key=lambda f: f.size, default=None)
+    kept = _kept()
+    with RUNTIME.lock:
+        fits = [f for f in kept if f.size >= size]
+        f = min(fits, key=lambda f: f.size) if fits else max(kept, key=lambda f: f.size, default=None)
         if f is not None:
-            _free.remove(f)
+            kept.remove(f)
     size = -(-size // (1 << 20)) << 20  # whole MiB: a slightly larger block fits
     if f is None:
         return _MemoryFile(size)
@@ -97,22 +97,32 @@ def _take(size: int) -> _MemoryFile:
 
 
 def _give(f: _MemoryFile) -> None:
-    with _lock:
-        if len(_free) < KEEP:
-            _free.append(f)
+    kept = _kept()
+    with RUNTIME.lock:
+        if len(kept) < KEEP:
+            kept.append(f)
             return
     f.close()
+
+
+def _kept() -> list[_MemoryFile]:
+    """The memory files kept between blocks: the process runtime's (closed at its shutdown)."""
+    return RUNTIME.stock("digest buffers", list, _close)
+
+
+def _close(files: list[_MemoryFile]) -> None:
+    with RUNTIME.lock:
+        closing = list(files)
+        files.clear()
+    for f in closing:
+        f.close()
 
 
 def release() -> None:
     """Close the memory files kept between blocks (up to ``KEEP`` blocks' worth of memory:
     ~0.5 GB for 16 threads at 16-bit blocks of an 8B model), as when an engine closes; the
     next read makes new ones."""
-    with _lock:
-        kept = list(_free)
-        _free.clear()
-    for f in kept:
-        f.close()
+    _close(_kept())
 
 
 @contextlib.contextmanager

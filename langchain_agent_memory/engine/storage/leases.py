@@ -31,6 +31,7 @@ import time
 from collections import Counter
 
 from ..errors import CommitConflictError
+from ..ops.process import RUNTIME, Loan
 from .catalog import Catalog
 from .objects import RemoteUnavailableError
 
@@ -50,7 +51,7 @@ class Leases:
         self.lease_s, self.handoff_wait_s = lease_s, handoff_wait_s
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._heart: threading.Thread | None = None
+        self._heart: Loan | None = None
         self._closed = threading.Event()
         #: Hand-offs that waited for another worker's lease, and how long in all.
         self.waits = 0
@@ -66,8 +67,7 @@ class Leases:
             # then keeps the row for this request (``others``).
             self._held[agent_id] += 1
             if not self._closed.is_set() and (self._heart is None or not self._heart.is_alive()):
-                self._heart = threading.Thread(target=self._beat, name="agent-memory-leases", daemon=True)
-                self._heart.start()
+                self._heart = RUNTIME.lend(self._beat, "agent-memory-leases")
         started = time.monotonic()
         while True:
             taken, version = self.catalog.begin(self.fingerprint, agent_id, self.holder, self.lease_s)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import CommitConflictError
+from ..ops.process import RUNTIME, Loan
 from .objects import RemoteConfigError, RemoteUnavailableError
 from .urls import redacted
 
@@ -71,7 +72,7 @@ class Deadlines:
         self._tick, self._tick_s = tick, tick_s
         self._calls: list[_Call] = []  # in the order they started
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._thread: Loan | None = None
         self._closed = False
 
     @contextmanager
@@ -84,8 +85,7 @@ class Deadlines:
                 raise RemoteUnavailableError(f"{self.name}: closed")
             self._calls.append(call)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name=self.name, daemon=True)
-                self._thread.start()
+                self._thread = RUNTIME.lend(self._watch, self.name)
             self._cond.notify()
         try:
             yield call
@@ -245,8 +245,7 @@ class PgSession:
         self._local = threading.local()  # .conn: the connection this thread holds (nested calls)
         self._open = threading.Event()  # the circuit: set while the store is unhealthy
         self._closed = threading.Event()
-        self._probe: threading.Thread | None = None
-        self._probe_lock = threading.Lock()
+        self._probe: Loan | None = None
 
     @property
     def safe_url(self) -> str:
@@ -345,11 +344,10 @@ class PgSession:
         probe that closes it again."""
         self._open.set()
         self._pool.trim(everything=True)
-        with self._probe_lock:
+        with RUNTIME.lock:  # one probe at a time: checked and lent at once
             if self._closed.is_set() or (self._probe is not None and self._probe.is_alive()):
                 return
-            self._probe = threading.Thread(target=self._probe_until_healthy, daemon=True, name="store-probe")
-            self._probe.start()
+            self._probe = RUNTIME.lend(self._probe_until_healthy, "agent-memory-store-probe")
 
     def _probe_until_healthy(self) -> None:
         while not self._closed.wait(self.retry_s):
@@ -371,7 +369,7 @@ class PgSession:
         self._closed.set()
         self._pool.close()
         self._deadlines.close()
-        with self._probe_lock:
+        with RUNTIME.lock:
             probe = self._probe
         if probe is not None:
             probe.join()  # its connect and its call are bounded by their timeouts

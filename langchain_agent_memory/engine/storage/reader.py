@@ -44,7 +44,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ..ops import cuda_memory
+from ..ops.process import RUNTIME
 from ..ops.runtime import mx
 from . import gather
 from .checksums import (
@@ -85,6 +86,8 @@ _WIDTHS = {name: np.dtype(raw).itemsize for name, (_, raw) in _DTYPES.items()}
 _MAX_HEADER = 16 << 20
 #: Threads reading block files (I/O and hashing release the GIL).
 READ_THREADS = min(16, os.cpu_count() or 1)
+
+
 #: From this many reader threads on, a whole block's digest input is gathered first and
 #: hashed in one call (``gather``: GIL hand-offs); below, tensor by tensor saves a copy.
 GATHER_THREADS = 4
@@ -94,6 +97,11 @@ GATHER_THREADS = 4
 #: against 0.31-0.36 s tensor by tensor (A/B in one process); the 16-bit format's ~512 KB
 #: ones took 0.53-0.62 s gathered, no faster than before the gather (not measured A/B).
 GATHER_MAX_MEAN_BYTES = 256 << 10
+
+
+def read_pool() -> Executor:
+    """The process's ``READ_THREADS`` reading threads (the runtime's: made on first use)."""
+    return RUNTIME.shared_pool("agent-memory-read", READ_THREADS)
 
 
 class BlockFileError(ValueError):
@@ -342,11 +350,10 @@ def _read(
                 up.write(row, dest)
 
     if len(jobs) > 1 and READ_THREADS > 1:
-        with ThreadPoolExecutor(min(READ_THREADS, len(jobs)), thread_name_prefix="agent-memory-read") as ex:
-            done = ex.map(load, jobs)  # every job submitted: the threads read while the arrays are made
-            if gpu:
-                make()
-            list(done)  # re-raises the first error, in order
+        done = read_pool().map(load, jobs)  # every job submitted: the threads read while the arrays are made
+        if gpu:
+            make()
+        list(done)  # re-raises the first error, in order
     else:
         if gpu:
             make()
@@ -386,8 +393,7 @@ def read_joined(blocks: list[list[BlockHeader]], verify: Verify) -> list[BlockGr
     """Blocks stored as segments, each read by ``join`` (on threads), then those of one
     layout in a row uploaded as one group, as ``read_groups`` does with whole blocks."""
     if len(blocks) > 1 and READ_THREADS > 1:
-        with ThreadPoolExecutor(min(READ_THREADS, len(blocks)), thread_name_prefix="agent-memory-read") as ex:
-            rows = list(ex.map(lambda parts: join(parts, verify), blocks))
+        rows = list(read_pool().map(lambda parts: join(parts, verify), blocks))
     else:
         rows = [join(parts, verify) for parts in blocks]
     headers = [header for header, _ in rows]

@@ -32,10 +32,10 @@ import socket
 import uuid
 import weakref
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..ops.files import DirectoryLock
+from ..ops.process import RUNTIME
 from .blocks import AgentRecord, Block, BlockHash, StoreUsage
 from .catalog import Catalog
 from .index import RecoveryReport
@@ -79,7 +79,7 @@ class SharedBlockStore:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = SharedStats()
         self.reach = Reach(self.stats)
-        self._io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-memory-remote")
+        self._io = RUNTIME.pool("agent-memory-remote", 8)
         self.leases = Leases(catalog, self.fingerprint, self.worker_id, lease_s, handoff_wait_s)
         self.blocks = SharedBlocks(
             local, catalog, objects, self._io, self.reach, read_timeout_s=read_timeout_s

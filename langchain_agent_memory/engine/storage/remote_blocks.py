@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -67,7 +67,7 @@ class SharedBlocks:
         local: DiskBlockStore,
         catalog: Catalog,
         objects: ObjectBlocks,
-        io: ThreadPoolExecutor,
+        io: Executor,
         reach: Reach,
         *,
         read_timeout_s: float,
@@ -192,10 +192,9 @@ class SharedBlocks:
             )
 
 
-def submit(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``pool.submit``, or the call made here when the pool takes no more work: at interpreter
-    exit concurrent.futures refuses new work, and a save's uploads must still be made (one
-    at a time, on the saving thread)."""
+def submit(pool: Executor, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``pool.submit``, or the call made here when the pool takes no more work (its store is
+    closing): a save's uploads must still be made (one at a time, on the saving thread)."""
     try:
         return pool.submit(fn, *args)
     except RuntimeError:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ..errors import BlockMissingError, CommitConflictError
+from ..ops.process import RUNTIME, Loan
 from .agent_ids import validate_agent_id
 from .blocks import AgentRecord, BlockHash, CacheFormatError, CacheWriteError, parse_record
 from .catalog import Catalog
@@ -296,7 +297,7 @@ class PendingSaves:
         self.local, self.stats, self._push, self.retry_s = local, stats, push, retry_s
         #: Bytes of saves waiting to upload this worker keeps at most (None: no bound).
         self.max_bytes: int | None = None
-        self._uploader: threading.Thread | None = None
+        self._uploader: Loan | None = None
         self._closed = threading.Event()
 
     def nbytes(self) -> int:
@@ -358,8 +359,7 @@ class PendingSaves:
     def start(self) -> None:
         if self._uploader is not None and self._uploader.is_alive():
             return
-        self._uploader = threading.Thread(target=self._loop, name="agent-memory-uploader", daemon=True)
-        self._uploader.start()
+        self._uploader = RUNTIME.lend(self._loop, "agent-memory-uploader")
 
     def _loop(self) -> None:
         while not self._closed.wait(self.retry_s):
