@@ -258,14 +258,17 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
 
     def stored_prompt(name: str) -> Engine:
         engine = Engine("smollm2-135m", cache_dir=tmp_path / name, kv_bits=None)
-        engine.generate("first", f"{prefix}\n\nQ: Which license is this?\nA:", params)
+        # Its prompt parts from theirs well before theirs part from each other: what they
+        # read of it (its whole blocks and its next block's leading rows, ``plan_shared``)
+        # ends there, and the run of the prefix past it is theirs to share.
+        engine.generate("first", f"{prefix[:1400]}\n\nSummarize this.", params)
         return engine
 
     alone = stored_prompt("alone")
     expected = {agent: alone.generate(agent, prompt, params) for agent, prompt in prompts.items()}
     assert {str(r.outcome) for r in expected.values()} == {"hot-shared"}
-    stored = min(r.reused_tokens for r in expected.values())  # the whole blocks of the prompt
-    assert stored % BLOCK_TOKENS == 0
+    stored = min(r.reused_tokens for r in expected.values())  # what they read of "first"
+    assert stored >= BLOCK_TOKENS
 
     decodes: list[int] = []
     decode = layer_work.decode_segments
