@@ -157,7 +157,9 @@ def run_harness(name: str, model: str, max_tokens: int, root: Path) -> list[Row]
     with recording_proxy(lambda: f"http://127.0.0.1:{port}", replies) as url:
         work, home = root / "work", root / "home"
         if name == "claude":
-            claude = ClaudeCode(url, home, work, timeout_s=3600)
+            # The model pinned, as docs/guides/server.md says: by default a new session's
+            # system prompt names it "(1M context)" and a continued one does not.
+            claude = ClaudeCode(url, home, work, args=("--model", "claude-opus-4-8"), timeout_s=3600)
 
             def turn(prompt: str, resume: bool) -> object:
                 return claude.turn(prompt, resume=resume, check=False)  # a base model hits max_tokens
