@@ -157,9 +157,7 @@ class AgentAdmin:
         """Whether the agent has a stored cache (no record is parsed)."""
         return bool(self.store.has_agent(agent_id))
 
-    def agent_info(
-        self, agent: str | AgentRecord, shared: Collection[BlockHash] = frozenset()
-    ) -> AgentInfo | None:
+    def agent_info(self, agent: str | AgentRecord, shared: Collection[str] = frozenset()) -> AgentInfo | None:
         """An agent's record and the bytes of its blocks on this engine's disk; those of
         ``shared`` (blocks other agents name too: ``shared_blocks``) apart."""
         record = self.agent_record(agent) if isinstance(agent, str) else agent

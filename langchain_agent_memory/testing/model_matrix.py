@@ -140,7 +140,7 @@ def against_mlx_lm(engine: Engine, model_dir: Path, prompt: str) -> tuple[Genera
     text are mlx-lm's own ``generate_step``'s on the same ids, else what differed."""
     result = engine.generate("x", prompt, GREEDY)
     engine.flush()
-    record = engine.admin.store.get_agent("x")
+    record = engine.admin.agent_record("x")
     assert record is not None
     ids, reply = record.token_ids[: result.prompt_tokens], record.token_ids[result.prompt_tokens :]
     theirs, text = _mlx_lm_greedy(model_dir, ids, result.completion_tokens)
