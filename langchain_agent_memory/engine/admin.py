@@ -83,7 +83,8 @@ class AgentAdmin:
     @storage_budget.setter
     def storage_budget(self, budget: StorageBudget | None) -> None:
         self._budget.budget = budget
-        self._store.bound_pending(budget.max_bytes if budget is not None else None)  # a shared store's
+        if self._store.replication is not None:  # a shared store's saves waiting to upload
+            self._store.replication.bound_pending(budget.max_bytes if budget is not None else None)
 
     @property
     def store(self) -> Any:

@@ -135,7 +135,7 @@ class ModelStore:
         opened = self._store.recovery
         objects = 0
         if isinstance(self._store, SharedBlockStore):
-            done = self._store.collect_garbage(grace_s=grace_s)
+            done = self._store.upkeep.collect_garbage(grace_s=grace_s)
             objects = done.blocks_collected + done.stray_objects_removed
         return Collected(
             temp_files=opened.temp_files_removed + report.temp_files_removed,
@@ -149,7 +149,7 @@ class ModelStore:
         local store."""
         if not isinstance(self._store, SharedBlockStore):
             return None
-        return self._store.verify(repair=repair)
+        return self._store.upkeep.verify(repair=repair)
 
     def check_blocks(self, repair: bool, on_damaged: Callable[[str, Exception], None]) -> BlockCheck:
         """Every block agents name read back and checked; ``on_damaged(hash, error)`` for each

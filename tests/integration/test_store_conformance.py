@@ -27,7 +27,7 @@ from langchain_agent_memory.engine.storage.blocks import (
     block_hash,
 )
 from langchain_agent_memory.engine.storage.objects import BlocksUnavailableError
-from langchain_agent_memory.engine.storage.protocols import BlockStore, take_lease
+from langchain_agent_memory.engine.storage.protocols import BlockStore, seen_version, take_lease
 from langchain_agent_memory.engine.storage.remote import SharedBlockStore, open_store
 from langchain_agent_memory.engine.storage.store_config import StoreConfig
 
@@ -145,7 +145,8 @@ def test_agents_are_listed_by_prefix(opener: Opener) -> None:
 def test_a_record_replaced_names_its_new_blocks_and_a_deleted_one_is_gone(opener: Opener) -> None:
     store = opener("w1")
     first, _ = _agent(store, "agent", seed=20)
-    assert store.begin("agent", store.seen_version("agent"))  # a live copy at the version seen is current
+    # a live copy at the version seen is current
+    assert take_lease(store.replication, "agent", seen_version(store.replication, "agent")).current
     longer, _ = _agent(store, "agent", seed=21, n_blocks=3)
     back = opener("w2").get_agent("agent")
     assert back is not None and back.blocks == longer.blocks != first.blocks
@@ -159,12 +160,25 @@ def test_a_record_replaced_names_its_new_blocks_and_a_deleted_one_is_gone(opener
 def test_a_request_that_ends_without_a_commit_gives_the_agent_back(opener: Opener) -> None:
     store = opener("w1")
     _agent(store, "leased", seed=30)
-    assert store.begin("leased", store.seen_version("leased"))
-    store.end("leased")
+    lease = take_lease(store.replication, "leased", seen_version(store.replication, "leased"))
+    assert lease.current
+    lease.release()
     other = opener("w2")
     assert other.get_agent("leased") is not None
-    assert other.begin("leased", other.seen_version("leased"))  # not held by the first worker
-    other.end("leased")
+    theirs = take_lease(other.replication, "leased", seen_version(other.replication, "leased"))
+    assert theirs.current  # not held by the first worker
+    theirs.release()
+
+
+def test_only_a_shared_store_has_replication(opener: Opener) -> None:
+    """A local store has no lease, version or upload: its ``replication`` is absent (None),
+    not a set of no-ops; a shared store's takes leases and knows versions."""
+    store = opener("w1")
+    _agent(store, "versioned", seed=31)
+    if not isinstance(store, SharedBlockStore):
+        assert store.replication is None and seen_version(store.replication, "versioned") is None
+        return
+    assert store.replication is not None and store.replication.seen_version("versioned") == 1
 
 
 def test_agent_ids_that_could_name_paths_are_refused(opener: Opener) -> None:
@@ -186,7 +200,7 @@ def test_eviction_frees_this_workers_disk_least_recently_used_first(opener: Open
         freed, deleted = store.evict_agents(["old"])
     assert freed == held > 0 and sorted(deleted) == sorted(old.blocks)
     assert not any(store.has_local_block(h) for h in deleted)
-    assert "old" not in [a for a, _ in store.usage().agents] and store.pinned() == set()
+    assert "old" not in [a for a, _ in store.usage().agents] and _pinned(store) == set()
 
 
 def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opener: Opener) -> None:
@@ -195,13 +209,18 @@ def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opene
     assert two.get_agent("contested") is not None  # the second worker knows its version
     with (
         pytest.raises(RuntimeError, match="request failed"),
-        take_lease(one, "contested", one.seen_version("contested")) as lease,
+        take_lease(one.replication, "contested", seen_version(one.replication, "contested")) as lease,
     ):
         assert lease.current
         raise RuntimeError("the request failed")
     record, _ = _agent(two, "contested", seed=51)  # not refused: the lease was given back
     back = opener("w3").get_agent("contested")
     assert back is not None and back.blocks == record.blocks
+
+
+def _pinned(store: BlockStore) -> set[str]:
+    """The agents eviction keeps whatever their age: a shared store's saves not uploaded."""
+    return store.replication.pinned() if store.replication is not None else set()
 
 
 def _damage(path: Path) -> bytes:
@@ -252,21 +271,23 @@ def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(
     record, _ = _agent(away, "offline", seed=70)
     waits = away.upload_pending("offline")
     assert waits == isinstance(away, SharedBlockStore)  # a local store has no store to wait for
-    assert away.pinned() == ({"offline"} if waits else set())  # the only copy: never evicted
+    assert _pinned(away) == ({"offline"} if waits else set())  # the only copy: never evicted
     mine = away.get_agent("offline")  # this worker goes on from its own save
     assert mine is not None and mine.blocks == record.blocks
-    status = away.status()  # what a readiness probe reads: no call to the store
-    assert status.shared == waits and status.reachable == (not waits)
-    assert (status.pending_saves, status.pending_bytes > 0) == ((1, True) if waits else (0, False))
-    away.bound_pending(1)  # past it the oldest waiting saves go, never the newest
-    assert away.upload_pending("offline") == waits and away.get_agent("offline") is not None
-    away.bound_pending(None)
+    if away.replication is not None:
+        status = away.replication.status()  # what a readiness probe reads: no call to the store
+        assert status.shared and not status.reachable
+        assert (status.pending_saves, status.pending_bytes > 0) == (1, True)
+        away.replication.bound_pending(1)  # past it the oldest waiting saves go, never the newest
+        assert away.upload_pending("offline") and away.get_agent("offline") is not None
+        away.replication.bound_pending(None)
     away.close()
     back = opener("w1")  # the same worker, the store answering again
     assert back.upload_pending("offline") == waits
     assert back.get_agent("offline") is not None  # a pending save is uploaded before the read
-    assert not back.upload_pending("offline") and back.pinned() == set()
-    assert back.status().reachable and back.status().pending_saves == 0
+    assert not back.upload_pending("offline") and _pinned(back) == set()
+    if back.replication is not None:
+        assert back.replication.status().reachable and back.replication.status().pending_saves == 0
     assert not back.upload_pending("never saved")
     theirs = opener("w2").get_agent("offline")
     assert theirs is not None and theirs.blocks == record.blocks
@@ -423,6 +444,6 @@ def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) 
     assert _what(theirs.get_agent("viewed ✓")) == _what(record)
     (group, *_) = theirs.read_blocks([b.hash for b in blocks])
     assert mx.array_equal(group.tensor("L1.k")[:, :, :4], blocks[0].tensors["L1.k"]).item()
-    with take_lease(theirs, "viewed ✓", theirs.seen_version("viewed ✓")) as lease:
+    with take_lease(theirs.replication, "viewed ✓", seen_version(theirs.replication, "viewed ✓")) as lease:
         assert lease.current  # this worker's copy is what it serves
     lease.release()

@@ -35,7 +35,7 @@ from ..storage.blocks import (
 from ..storage.budget import EvictionReport, StorageBudget, enforce
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore, Lease, StoreReads, take_lease
+from ..storage.protocols import BlockStore, Lease, StoreReads, seen_version, take_lease
 from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
 from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
@@ -128,7 +128,7 @@ class AgentCaches:
             hot = self.hot.get(agent_id)
             # A shared store: take the agent's lease; another worker saved it since: reread.
             if lease is None:
-                lease = take_lease(self.reads, agent_id, hot.version if hot else None)
+                lease = take_lease(self.reads.replication, agent_id, hot.version if hot else None)
             if not lease.current and hot is not None:
                 self.hot.drop(agent_id)
             with lease:  # given back if the admission fails
@@ -178,7 +178,7 @@ class AgentCaches:
         tokens = record_tokens(record)
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
-        version = self.store.seen_version(agent_id)
+        version = seen_version(self.store.replication, agent_id)
         return AgentState(tokens, record.chain, None, version, record.state_blocks()), CacheSource.HOT
 
     def read_record(self, agent_id: str, via: StoreReads) -> AgentRecord | None:
@@ -376,7 +376,8 @@ class AgentCaches:
         """``write()`` a new record for ``agent_id`` under its lease; its live copy dropped."""
         validate_agent_id(agent_id)
         try:  # not under ``lock`` (the model steps'): the store's lock and lease are waited for
-            with take_lease(self.store, agent_id, self.store.seen_version(agent_id)) as lease:
+            replication = self.store.replication
+            with take_lease(replication, agent_id, seen_version(replication, agent_id)) as lease:
                 if not lease.current:
                     self.read_record(agent_id, self.store)  # a shared store's newer one: replaced by this
                 done = write()

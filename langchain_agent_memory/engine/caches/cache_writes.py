@@ -25,7 +25,7 @@ from ..storage.blocks import (
     freeze_blocks,
 )
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore
+from ..storage.protocols import BlockStore, seen_version
 from .agent_state import Admission, AgentState, PendingSave, kept_from
 from .block_cuts import blocks_of
 from .hot_agents import HotAgents
@@ -90,7 +90,7 @@ class CacheWrites:
                 layer.drop_before(kept_from(layer, n))
         # A hybrid's state past ``n`` (a stop sequence) is not kept: it resumes from snapshots.
         state = AgentState(
-            known, chain, layers if at_end else None, self.store.seen_version(agent_id), states
+            known, chain, layers if at_end else None, seen_version(self.store.replication, agent_id), states
         )
         self.hot.keep(agent_id, state)
         nbytes = sum(block.written_nbytes for block in blocks.values())
@@ -209,7 +209,7 @@ class CacheWrites:
                     if h not in self._queued_saves:
                         self._queued.pop(h, None)
         with self.hot.lock:
-            save.state.version = self.store.seen_version(record.agent_id)
+            save.state.version = seen_version(self.store.replication, record.agent_id)
         return record
 
     def queued_block(self, h: BlockHash) -> Block | None:

@@ -94,11 +94,12 @@ class StoreAdmissions:
 
     def lease(self, agent_id: str, prompt: str) -> Lease:
         """The agent's lease, with its record and the blocks ``prompt`` reuses brought here."""
-        store = self.store
+        replication = self.store.replication
         # Fresh unless another worker committed since the live copy's version (none live:
         # since what this worker knows; a request of its own may make one live meanwhile).
         hot = self.caches.hot.get(agent_id)  # under the hot tier's lock
-        lease = take_lease(store, agent_id, hot.version if hot is not None else store.seen_version(agent_id))
+        version = hot.version if hot is not None else replication.seen_version(agent_id)
+        lease = take_lease(replication, agent_id, version)
         try:
             self._fetch(agent_id, prompt, hot if lease.current else None)
         except Exception as exc:  # an optimisation: the model's thread prefills what is not here
@@ -129,9 +130,9 @@ class StoreAdmissions:
                 prompt, caches.tokenizer, caches.fingerprint, own=own, hybrid=hybrid, has=self._stored
             )
         wanted = [h for h in plan.blocks() if not caches.held(h)] if plan is not None else []
-        if wanted and not self.store.prefetch(wanted):
+        if wanted and not self.store.blocks.prefetch(wanted):
             logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
 
     def _stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in this worker's memory or in the shared store (one round trip)."""
-        return set(self.store.stored(list(hashes))) | {h for h in hashes if self.caches.held(h)}
+        return set(self.store.blocks.stored(list(hashes))) | {h for h in hashes if self.caches.held(h)}

@@ -143,7 +143,7 @@ def enforce(
         chosen.setdefault(fp, []).append(agent)
         report.evicted.append((fp, agent))
 
-    pinned = {s.fingerprint: s.pinned() for s in stores}
+    pinned = {s.fingerprint: s.replication.pinned() if s.replication else set() for s in stores}
     left = []
     for used, fp, agent in candidates:
         if in_use(fp, agent) or agent in pinned[fp]:

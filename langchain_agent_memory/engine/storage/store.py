@@ -35,7 +35,6 @@ from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatEr
 from .index import AgentIndex, RecoveryReport
 from .maintenance import DiskMaintenance
 from .reader import BlockGroup
-from .status import StoreStatus
 
 
 class DiskBlockStore:
@@ -45,6 +44,10 @@ class DiskBlockStore:
     temporary files, and blocks written for a record it never committed (or left behind by
     a delete it did not finish).
     """
+
+    #: none: one directory has one writer at a time, so no lease, version or upload
+    #: (a shared store's ``SharedReplication``)
+    replication: None = None
 
     def __init__(
         self, root: str | os.PathLike[str], fingerprint: str, *, tier: bool = False, read_only: bool = False
@@ -96,19 +99,6 @@ class DiskBlockStore:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
         return self._lock
 
-    def begin(self, agent_id: str, version: int | None) -> bool:
-        """A request for the agent starts: whether a live copy of it at ``version`` may be
-        used (here always: one directory has one writer at a time; a shared store takes a
-        lease and compares versions)."""
-        return True
-
-    def seen_version(self, agent_id: str) -> int | None:
-        """The shared store's version of the agent this process last read or wrote (None here)."""
-        return None
-
-    def end(self, agent_id: str) -> None:
-        """A request for the agent ended without a commit (a shared store's lease)."""
-
     def leading_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many of ``hashes``, from the first, are here."""
         return next((i for i, h in enumerate(hashes) if not self.has_block(h)), len(hashes))
@@ -117,13 +107,6 @@ class DiskBlockStore:
         """What the engine's model thread reads (``local_tier``): all of this store, which
         never waits on a network."""
         return self
-
-    def bound_pending(self, max_bytes: int | None) -> None:
-        """Saves waiting to upload: none here (a shared store bounds its own)."""
-
-    def status(self) -> StoreStatus:
-        """A directory of this host's: always reachable, nothing waits to upload."""
-        return StoreStatus(shared=False)
 
     def close(self) -> None:
         self.index.close()
@@ -221,11 +204,6 @@ class DiskBlockStore:
 
     def usage(self) -> StoreUsage:
         return self.upkeep.usage()
-
-    def pinned(self) -> set[str]:
-        """Agents eviction must keep whatever their age (a shared store's local tier keeps
-        saves not uploaded yet); none here."""
-        return set()
 
     def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
         return self.upkeep.evict_agents(agent_ids)
