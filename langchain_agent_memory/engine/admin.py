@@ -111,7 +111,7 @@ class AgentAdmin:
 
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
-        return self.store.disk_bytes()
+        return self.store.maintenance.disk_bytes()
 
     # ------------------------------------------------------------------ agents' caches
 

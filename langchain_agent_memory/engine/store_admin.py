@@ -131,7 +131,7 @@ class ModelStore:
     def collect_garbage(self, grace_s: float) -> Collected:
         """Temporary files and blocks no agent names (what a killed process left: those of
         the open too); a shared store's block objects no record names for ``grace_s``."""
-        report = self._store.recover()
+        report = self._store.maintenance.recover()
         opened = self._store.recovery
         objects = 0
         if isinstance(self._store, SharedBlockStore):
@@ -170,7 +170,7 @@ class ModelStore:
         return BlockCheck(len(named), damaged, len(damaged) if repair else 0, missing)
 
     def disk_use(self) -> DiskUse:
-        usage = self._store.usage()
+        usage = self._store.maintenance.usage()
         quarantine = self._store.dir / "quarantine"
         return DiskUse(
             agents=sum(not is_internal(agent) for agent, _ in usage.agents),
@@ -259,7 +259,7 @@ class StoreAdmin:
         with contextlib.ExitStack() as locks:
             for store in stores:
                 locks.enter_context(store.locked())
-            usages = {store.fingerprint: store.usage() for store in stores}
+            usages = {store.fingerprint: store.maintenance.usage() for store in stores}
             plan = enforce(stores, budget, dry_run=True)
             # NOTE: what a prune frees is the block files no agent left names and the
             # quarantine: the plan's figure, and the real one's from the same sizes. The disk

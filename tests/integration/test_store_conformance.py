@@ -193,14 +193,18 @@ def test_agent_ids_that_could_name_paths_are_refused(opener: Opener) -> None:
 def test_eviction_frees_this_workers_disk_least_recently_used_first(opener: Opener) -> None:
     store = opener("w1")
     old, _, _ = (_agent(store, agent, seed=40 + i)[0] for i, agent in enumerate(["old", "mid", "new"]))
-    usage = store.usage()
-    assert [a for a, _ in usage.agents][:3] == ["old", "mid", "new"] and usage.total == store.disk_bytes()
+    usage = store.maintenance.usage()
+    assert [a for a, _ in usage.agents][:3] == [
+        "old",
+        "mid",
+        "new",
+    ] and usage.total == store.maintenance.disk_bytes()
     held = store.local_bytes(old.blocks)
     with store.locked():
-        freed, deleted = store.evict_agents(["old"])
+        freed, deleted = store.maintenance.evict_agents(["old"])
     assert freed == held > 0 and sorted(deleted) == sorted(old.blocks)
     assert not any(store.has_local_block(h) for h in deleted)
-    assert "old" not in [a for a, _ in store.usage().agents] and _pinned(store) == set()
+    assert "old" not in [a for a, _ in store.maintenance.usage().agents] and _pinned(store) == set()
 
 
 def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opener: Opener) -> None:
@@ -344,21 +348,21 @@ def test_a_read_that_answered_before_another_workers_commit_never_mirrors_over_t
 
 def test_oldest_use_is_the_least_recently_used_agents_last_use(opener: Opener) -> None:
     store = opener("w1")
-    assert store.oldest_use() is None  # no agent
+    assert store.maintenance.oldest_use() is None  # no agent
     start = time.time()
     _agent(store, "first", seed=80, n_blocks=1)
     between = time.time()
     _agent(store, "second", seed=81, n_blocks=1)
-    oldest = store.oldest_use()
+    oldest = store.maintenance.oldest_use()
     assert oldest is not None and start <= oldest <= between
-    assert oldest == store.usage().agents[0][1]  # what eviction plans with
+    assert oldest == store.maintenance.usage().agents[0][1]  # what eviction plans with
     with store.locked():
         store.delete_agent("first")
-    second = store.oldest_use()
+    second = store.maintenance.oldest_use()
     assert second is not None and second >= between
     with store.locked():
         store.delete_agent("second")
-    assert store.oldest_use() is None
+    assert store.maintenance.oldest_use() is None
 
 
 def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None:
@@ -386,13 +390,13 @@ def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None
 def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener) -> None:
     store = opener("w1")
     record, _ = _agent(store, "unreadable", seed=100)
-    moved = store.quarantine_agent("unreadable")
+    moved = store.maintenance.quarantine_agent("unreadable")
     assert moved is not None and moved.parent.name == "quarantine"
     assert json.loads(moved.read_text())["agent_id"] == "unreadable"  # kept for inspection
     assert all(store.has_local_block(h) for h in record.blocks)  # the next save reuses them
-    assert store.quarantine_agent("nobody") is None
+    assert store.maintenance.quarantine_agent("nobody") is None
     with pytest.raises(ValueError, match="agent_id"):
-        store.quarantine_agent("../x")
+        store.maintenance.quarantine_agent("../x")
     back = store.get_agent("unreadable")
     if isinstance(store, SharedBlockStore):  # this worker's copy only: the store's is read again
         assert back is not None and back.blocks == record.blocks
@@ -402,18 +406,18 @@ def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener)
 
 def test_clearing_the_quarantine_frees_its_bytes(opener: Opener) -> None:
     store = opener("w1")
-    assert store.clear_quarantine() == 0  # nothing quarantined
+    assert store.maintenance.clear_quarantine() == 0  # nothing quarantined
     _agent(store, "cleared", seed=110)
     loose = _block(None, [1, 1, 0], 111)
     store.put_block(loose)
-    moved = [store.quarantine_block(loose.hash), store.quarantine_agent("cleared")]
+    moved = [store.quarantine_block(loose.hash), store.maintenance.quarantine_agent("cleared")]
     held = sum(p.stat().st_size for p in moved if p is not None)
-    assert held > 0 and store.usage().quarantine_bytes == held
-    before = store.disk_bytes()
-    assert store.clear_quarantine() == held  # the bytes freed
+    assert held > 0 and store.maintenance.usage().quarantine_bytes == held
+    before = store.maintenance.disk_bytes()
+    assert store.maintenance.clear_quarantine() == held  # the bytes freed
     assert not any(p.exists() for p in moved if p is not None)
-    assert store.usage().quarantine_bytes == 0 and store.disk_bytes() == before - held
-    assert store.clear_quarantine() == 0
+    assert store.maintenance.usage().quarantine_bytes == 0 and store.maintenance.disk_bytes() == before - held
+    assert store.maintenance.clear_quarantine() == 0
 
 
 def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) -> None:

@@ -191,7 +191,7 @@ class AgentCaches:
         except CacheFormatError as exc:
             # Moved aside (so this is said once), references kept: the next save reuses
             # the record's sound blocks and rewrites it.
-            via.quarantine_agent(agent_id)
+            via.maintenance.quarantine_agent(agent_id)
             logger.warning(
                 "agent %r: stored cache record unusable (%s); moved to quarantine/, falling back "
                 "to prefill (sound blocks shared by content are still reused), the next save "

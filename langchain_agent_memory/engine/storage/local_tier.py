@@ -56,6 +56,7 @@ class LocalTier:
         self._store, self._local = store, store.local
         self.fingerprint = store.fingerprint
         self.replication = TierLeases(replication)
+        self.maintenance = store.local.maintenance  # this worker's disk: all of it is here
 
     def has_block(self, h: BlockHash) -> bool:
         return self._local.has_block(h)
@@ -92,9 +93,6 @@ class LocalTier:
 
     def quarantine_block(self, h: BlockHash) -> Path | None:
         return self._store.quarantine_block(h)  # the store's copy is checked on its threads
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self._local.quarantine_agent(agent_id)
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         return self._store.locked()

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..ops.files import DirectoryLock
-from .blocks import AgentRecord, Block, BlockHash, StoreUsage
+from .blocks import AgentRecord, Block, BlockHash
 from .catalog import Catalog
 from .index import RecoveryReport
 from .leases import Leases
@@ -90,6 +90,9 @@ class SharedBlockStore:
             worker_id=self.worker_id, lease_s=lease_s, retry_s=retry_s,
         )  # fmt: skip
         self.upkeep = SharedUpkeep(local, catalog, objects, self.blocks, grace_s=grace_s)
+        #: this worker's disk (``DiskMaintenance``): its eviction forgets the copies here
+        self.maintenance = local.maintenance
+        self.maintenance.on_evict = self.records.forget
         self.replication = SharedReplication(
             local, catalog, self.leases, self.records, self.reach, self.stats, self._io
         )
@@ -174,9 +177,6 @@ class SharedBlockStore:
     def referenced_blocks(self) -> set[BlockHash]:
         return self.local.referenced_blocks()
 
-    def recover(self) -> RecoveryReport:
-        return self.local.recover()
-
     # ------------------------------------------------------------------ records (``records``)
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
@@ -198,32 +198,8 @@ class SharedBlockStore:
         """The chain of this worker's copy (the blocks a save may release locally)."""
         return self.local.agent_chain(agent_id)
 
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.local.quarantine_agent(agent_id)
-
     def upload_pending(self, agent_id: str) -> bool:
         return self.local.upload_pending(agent_id)
-
-    # ------------------------------------------------------------------ this worker's disk
-
-    def disk_bytes(self) -> int:
-        return self.local.disk_bytes()
-
-    def usage(self) -> StoreUsage:
-        return self.local.usage()
-
-    def oldest_use(self) -> float | None:
-        return self.local.oldest_use()
-
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
-        """Drop this worker's copies only: the store keeps the agents (their next request
-        reads them through, as on any other worker)."""
-        for agent in agent_ids:
-            self.records.forget(agent)
-        return self.local.evict_agents(agent_ids)
-
-    def clear_quarantine(self) -> int:
-        return self.local.clear_quarantine()
 
 
 #: Shared stores open in this process (``upload_before_exit`` at interpreter exit).

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..ops.files import DirectoryLock, atomic_write_bytes
 from .block_files import BlockFiles
-from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatError, StoreUsage, version_error
+from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatError, version_error
 from .index import AgentIndex, RecoveryReport
 from .maintenance import DiskMaintenance
 from .reader import BlockGroup
@@ -40,7 +40,7 @@ from .reader import BlockGroup
 class DiskBlockStore:
     """Blocks as safetensors files (``files``), agent records in a SQLite index (``index``),
     under one directory; its upkeep (disk use, eviction, quarantine, recovery) is
-    ``upkeep``'s. On open, ``recover`` undoes what a killed process may have left:
+    ``maintenance``'s. On open, its ``recover`` undoes what a killed process may have left:
     temporary files, and blocks written for a record it never committed (or left behind by
     a delete it did not finish).
     """
@@ -78,8 +78,8 @@ class DiskBlockStore:
                 meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
                 atomic_write_bytes(fmt, json.dumps(meta).encode())
             self.index = AgentIndex.open(self.dir / "index.sqlite", self.files)
-            self.upkeep = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=tier)
-            self.recovery = self.recover()
+            self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=tier)
+            self.recovery = self.maintenance.recover()
 
     def _open_read_only(self) -> None:
         """Open an existing directory without changing anything in it: its index read-only
@@ -92,7 +92,7 @@ class DiskBlockStore:
         if version != FORMAT_VERSION:
             raise version_error(f"cache directory {self.dir}", version)
         self.index = AgentIndex.open_read_only(self.dir / "index.sqlite", self.files)
-        self.upkeep = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=self.tier)
+        self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=self.tier)
         self.recovery = RecoveryReport()
 
     def locked(self) -> DirectoryLock:
@@ -193,26 +193,3 @@ class DiskBlockStore:
 
     def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
         self.index.note_blocks(blocks)
-
-    # ------------------------------------------------------------------ upkeep (``upkeep``)
-
-    def disk_bytes(self) -> int:
-        return self.upkeep.disk_bytes()
-
-    def oldest_use(self) -> float | None:
-        return self.upkeep.oldest_use()
-
-    def usage(self) -> StoreUsage:
-        return self.upkeep.usage()
-
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
-        return self.upkeep.evict_agents(agent_ids)
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.upkeep.quarantine_agent(agent_id)
-
-    def clear_quarantine(self) -> int:
-        return self.upkeep.clear_quarantine()
-
-    def recover(self) -> RecoveryReport:
-        return self.upkeep.recover()
