@@ -167,7 +167,9 @@ class AgentAdmin:
         blocks = set(record.blocks)
         common = [h for h in blocks if h in shared]
         return AgentInfo(
-            record, self._store.local_bytes(blocks), self._store.local_bytes(common) if common else 0
+            record,
+            self._store.local.local_bytes(blocks),
+            self._store.local.local_bytes(common) if common else 0,
         )
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
@@ -211,7 +213,7 @@ class AgentAdmin:
                 return False
             self._feed.committed(record)
             self._budget.saved()
-            return "local" if self._store.upload_pending(record.agent_id) else True
+            return "local" if self._store.local.upload_pending(record.agent_id) else True
 
         return self._save_queue.submit(write, f"agent {save.record.agent_id!r}'s cache")
 

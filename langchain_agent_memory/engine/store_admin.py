@@ -120,7 +120,7 @@ class ModelStore:
 
     def block_bytes(self, h: str) -> int | None:
         """Bytes of the block's file in this directory (None: not here)."""
-        path = self._store.block_path(BlockHash(h))
+        path = self._store.local.block_path(BlockHash(h))
         return path.stat().st_size if path.exists() else None
 
     def delete_agents(self, agent_ids: list[str]) -> int:
@@ -132,7 +132,7 @@ class ModelStore:
         """Temporary files and blocks no agent names (what a killed process left: those of
         the open too); a shared store's block objects no record names for ``grace_s``."""
         report = self._store.maintenance.recover()
-        opened = self._store.recovery
+        opened = self._store.local.recovery
         objects = 0
         if isinstance(self._store, SharedBlockStore):
             done = self._store.upkeep.collect_garbage(grace_s=grace_s)
@@ -154,7 +154,7 @@ class ModelStore:
     def check_blocks(self, repair: bool, on_damaged: Callable[[str, Exception], None]) -> BlockCheck:
         """Every block agents name read back and checked; ``on_damaged(hash, error)`` for each
         that fails, which ``repair`` quarantines (its agents prefill what it held)."""
-        named = sorted(self._store.referenced_blocks())
+        named = sorted(self._store.local.referenced_blocks())
         damaged: list[str] = []
         missing = 0
         for h in named:

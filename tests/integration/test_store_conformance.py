@@ -107,11 +107,11 @@ def _same(a: Block, b: Block) -> None:
 def test_blocks_round_trip_and_are_written_once(opener: Opener) -> None:
     store = opener("w1")
     blk = _block(None, [1, 2, 3], 0)
-    assert not store.has_block(blk.hash) and not store.has_local_block(blk.hash)
+    assert not store.has_block(blk.hash) and not store.local.has_block(blk.hash)
     written = store.put_block(blk)
     assert written > blk.nbytes and store.put_block(blk) == 0  # content-addressed: once
-    assert store.has_block(blk.hash) and store.has_local_block(blk.hash)
-    assert store.local_bytes([blk.hash]) == written
+    assert store.has_block(blk.hash) and store.local.has_block(blk.hash)
+    assert store.local.local_bytes([blk.hash]) == written
     _same(blk, store.get_block(blk.hash))
     (group,) = store.read_blocks([blk.hash])
     for name, x in blk.tensors.items():
@@ -131,7 +131,7 @@ def test_a_committed_agent_is_what_another_worker_reads(opener: Opener) -> None:
     whole = {name: mx.concatenate([b.tensors[name] for b in blocks], axis=2) for name in blocks[0].tensors}
     for name, x in whole.items():
         assert mx.array_equal(group.tensor(name), x).item(), name
-    assert other.agent_chain("thread 1:planner ✓") == record.blocks
+    assert other.local.agent_chain("thread 1:planner ✓") == record.blocks
 
 
 def test_agents_are_listed_by_prefix(opener: Opener) -> None:
@@ -150,11 +150,11 @@ def test_a_record_replaced_names_its_new_blocks_and_a_deleted_one_is_gone(opener
     longer, _ = _agent(store, "agent", seed=21, n_blocks=3)
     back = opener("w2").get_agent("agent")
     assert back is not None and back.blocks == longer.blocks != first.blocks
-    assert store.is_referenced(longer.blocks[0])
+    assert store.local.is_referenced(longer.blocks[0])
     with store.locked():
         assert store.delete_agent("agent")
     assert opener("w3").get_agent("agent") is None and not store.has_agent("agent")
-    assert not store.is_referenced(longer.blocks[0])
+    assert not store.local.is_referenced(longer.blocks[0])
 
 
 def test_a_request_that_ends_without_a_commit_gives_the_agent_back(opener: Opener) -> None:
@@ -199,11 +199,11 @@ def test_eviction_frees_this_workers_disk_least_recently_used_first(opener: Open
         "mid",
         "new",
     ] and usage.total == store.maintenance.disk_bytes()
-    held = store.local_bytes(old.blocks)
+    held = store.local.local_bytes(old.blocks)
     with store.locked():
         freed, deleted = store.maintenance.evict_agents(["old"])
     assert freed == held > 0 and sorted(deleted) == sorted(old.blocks)
-    assert not any(store.has_local_block(h) for h in deleted)
+    assert not any(store.local.has_block(h) for h in deleted)
     assert "old" not in [a for a, _ in store.maintenance.usage().agents] and _pinned(store) == set()
 
 
@@ -237,24 +237,24 @@ def _damage(path: Path) -> bytes:
 
 def test_a_deleted_block_is_gone_from_this_worker(opener: Opener) -> None:
     store = opener("w1")
-    assert list(store.block_hashes()) == []
+    assert list(store.local.block_hashes()) == []
     record, blocks = _agent(store, "owner", seed=60)
     loose = _block(None, [6, 0, 1], 61)  # written, named by no record (a save cut short)
     store.put_block(loose)
-    assert sorted(store.block_hashes()) == sorted([*record.blocks, loose.hash])
+    assert sorted(store.local.block_hashes()) == sorted([*record.blocks, loose.hash])
     named = record.blocks[-1]
     for h in (loose.hash, named):
         store.delete_block(h)
-        assert not store.has_local_block(h) and h not in set(store.block_hashes())
+        assert not store.local.has_block(h) and h not in set(store.local.block_hashes())
     store.delete_block(loose.hash)  # already gone: nothing to do
-    assert sorted(store.block_hashes()) == sorted(record.blocks[:-1])
+    assert sorted(store.local.block_hashes()) == sorted(record.blocks[:-1])
     assert not store.has_block(loose.hash)
     with pytest.raises(BlockMissingError, match="is missing"):
         store.get_block(loose.hash)
     if isinstance(store, SharedBlockStore):  # this worker's copy only: read through again
         assert store.has_block(named)
         _same(blocks[-1], store.get_block(named))
-        assert store.has_local_block(named)
+        assert store.local.has_block(named)
     else:
         assert not store.has_block(named)
         with pytest.raises(BlockMissingError, match="is missing"):
@@ -266,14 +266,14 @@ def test_block_hashes_are_the_blocks_on_this_workers_disk(opener: Opener) -> Non
     record, _ = _agent(one, "listed", seed=62)
     other = opener("w2")
     other.read_blocks(record.blocks)  # read through, where the blocks were elsewhere
-    assert set(record.blocks) <= set(other.block_hashes())
-    assert all(other.has_local_block(h) for h in other.block_hashes())
+    assert set(record.blocks) <= set(other.local.block_hashes())
+    assert all(other.local.has_block(h) for h in other.local.block_hashes())
 
 
 def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(opener: Opener) -> None:
     away = opener("w1", reachable=False)
     record, _ = _agent(away, "offline", seed=70)
-    waits = away.upload_pending("offline")
+    waits = away.local.upload_pending("offline")
     assert waits == isinstance(away, SharedBlockStore)  # a local store has no store to wait for
     assert _pinned(away) == ({"offline"} if waits else set())  # the only copy: never evicted
     mine = away.get_agent("offline")  # this worker goes on from its own save
@@ -283,16 +283,16 @@ def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(
         assert status.shared and not status.reachable
         assert (status.pending_saves, status.pending_bytes > 0) == (1, True)
         away.replication.bound_pending(1)  # past it the oldest waiting saves go, never the newest
-        assert away.upload_pending("offline") and away.get_agent("offline") is not None
+        assert away.local.upload_pending("offline") and away.get_agent("offline") is not None
         away.replication.bound_pending(None)
     away.close()
     back = opener("w1")  # the same worker, the store answering again
-    assert back.upload_pending("offline") == waits
+    assert back.local.upload_pending("offline") == waits
     assert back.get_agent("offline") is not None  # a pending save is uploaded before the read
-    assert not back.upload_pending("offline") and _pinned(back) == set()
+    assert not back.local.upload_pending("offline") and _pinned(back) == set()
     if back.replication is not None:
         assert back.replication.status().reachable and back.replication.status().pending_saves == 0
-    assert not back.upload_pending("never saved")
+    assert not back.local.upload_pending("never saved")
     theirs = opener("w2").get_agent("offline")
     assert theirs is not None and theirs.blocks == record.blocks
 
@@ -300,14 +300,14 @@ def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(
 def test_a_save_waiting_to_upload_is_listed_with_the_stores_agents(opener: Opener) -> None:
     away = opener("w1", reachable=False)
     _agent(away, "offline", seed=71)
-    waits = away.upload_pending("offline")
+    waits = away.local.upload_pending("offline")
     away.close()
     _agent(opener("w2"), "theirs", seed=72)
     back = opener("w1")  # the store answers again; the save has not been uploaded yet
     listed = [r.agent_id for r in back.agents()]
     assert listed == ["offline", "theirs"]  # sorted, as the store lists them
     assert back.has_agent("offline")  # a fork's or a delete's check finds it too
-    assert back.upload_pending("offline") == waits  # listing it uploads nothing
+    assert back.local.upload_pending("offline") == waits  # listing it uploads nothing
 
 
 @pytest.mark.parametrize("opener", ["shared"], indirect=True)  # one directory has no copy to fall behind
@@ -371,12 +371,12 @@ def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None
     loose = _block(None, [9, 0, 1], 91)
     store.put_block(loose)
     for blk in (loose, blocks[0]):
-        bad = _damage(store.block_path(blk.hash))
+        bad = _damage(store.local.block_path(blk.hash))
         with pytest.raises(CacheFormatError, match="checksum"):
             store.get_block(blk.hash)
         moved = store.quarantine_block(blk.hash)
         assert moved is not None and moved.parent.name == "quarantine" and moved.read_bytes() == bad
-    assert not store.has_local_block(loose.hash)
+    assert not store.local.has_block(loose.hash)
     with pytest.raises(BlockMissingError, match="is missing"):
         store.get_block(loose.hash)
     if isinstance(store, SharedBlockStore):  # a sound copy was fetched from the store
@@ -393,7 +393,7 @@ def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener)
     moved = store.maintenance.quarantine_agent("unreadable")
     assert moved is not None and moved.parent.name == "quarantine"
     assert json.loads(moved.read_text())["agent_id"] == "unreadable"  # kept for inspection
-    assert all(store.has_local_block(h) for h in record.blocks)  # the next save reuses them
+    assert all(store.local.has_block(h) for h in record.blocks)  # the next save reuses them
     assert store.maintenance.quarantine_agent("nobody") is None
     with pytest.raises(ValueError, match="agent_id"):
         store.maintenance.quarantine_agent("../x")

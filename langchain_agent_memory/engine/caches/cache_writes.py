@@ -223,7 +223,7 @@ class CacheWrites:
 
     def has_local(self, h: BlockHash) -> bool:
         """Whether block ``h`` is here: in memory or on this worker's disk (no round trip)."""
-        return self.held(h) or self.store.has_local_block(h)
+        return self.held(h) or self.store.local.has_block(h)
 
     def saving_agents(self) -> set[str]:
         """Agents with a save not written yet (``write``)."""

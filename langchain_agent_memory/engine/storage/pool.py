@@ -109,7 +109,7 @@ class BlockPool:
         blocks written in the memory tier (not where live caches hold the same data)."""
         written, new_blocks = 0, []
         with self.store.locked():
-            replaced = set(old) | set(self.store.agent_chain(record.agent_id))
+            replaced = set(old) | set(self.store.local.agent_chain(record.agent_id))
             try:
                 # The record names what reading its chain takes: its segments' earlier blocks
                 # (each checked below like the rest: another process may have deleted one).
@@ -184,7 +184,7 @@ class BlockPool:
     def delete_agent(self, agent_id: str) -> bool:
         """Delete an agent's record (even an unreadable one) and the blocks only it named."""
         with self.store.locked():
-            chain = self.store.agent_chain(agent_id)
+            chain = self.store.local.agent_chain(agent_id)
             gone = self.store.delete_agent(agent_id)
             self.release(chain)
         return gone
@@ -195,7 +195,7 @@ class BlockPool:
         keep = set(new)
         with self.store.locked():
             for h in dict.fromkeys(old):
-                if h not in keep and not self.store.is_referenced(h):
+                if h not in keep and not self.store.local.is_referenced(h):
                     self._drop(h)
 
     def forget(self, h: BlockHash) -> None:

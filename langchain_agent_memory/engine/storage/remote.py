@@ -31,14 +31,13 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..ops.files import DirectoryLock
 from .blocks import AgentRecord, Block, BlockHash
 from .catalog import Catalog
-from .index import RecoveryReport
 from .leases import Leases
 from .local_tier import LocalTier
 from .objects import ObjectBlocks, RemoteConfigError, RemoteUnavailableError
@@ -105,10 +104,6 @@ class SharedBlockStore:
         that a hung store stalls no model step (``local_tier``)."""
         return LocalTier(self, self.replication)
 
-    @property
-    def recovery(self) -> RecoveryReport:
-        return self.local.recovery
-
     def locked(self) -> DirectoryLock:
         return self.local.locked()
 
@@ -121,15 +116,6 @@ class SharedBlockStore:
         self.local.close()
 
     # ------------------------------------------------------------------ blocks (``blocks``)
-
-    def block_path(self, h: BlockHash) -> Path:
-        return self.local.block_path(h)
-
-    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
-        return self.local.local_bytes(hashes)
-
-    def has_local_block(self, h: BlockHash) -> bool:
-        return self.local.has_block(h)
 
     def has_block(self, h: BlockHash) -> bool:
         return h in self.blocks.stored([h])
@@ -164,19 +150,6 @@ class SharedBlockStore:
         submit(self._io, self.blocks.replace_bad, h)  # nothing waits on the store's copy
         return moved
 
-    def block_hashes(self) -> Iterator[BlockHash]:
-        return self.local.block_hashes()
-
-    def is_referenced(self, h: BlockHash) -> bool:
-        """Whether a record on this worker names ``h`` (its local copy is kept while one does)."""
-        return self.local.is_referenced(h)
-
-    def refcount(self, h: BlockHash) -> int:
-        return self.local.refcount(h)
-
-    def referenced_blocks(self) -> set[BlockHash]:
-        return self.local.referenced_blocks()
-
     # ------------------------------------------------------------------ records (``records``)
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
@@ -193,13 +166,6 @@ class SharedBlockStore:
 
     def delete_agent(self, agent_id: str) -> bool:
         return self.records.delete_agent(agent_id)
-
-    def agent_chain(self, agent_id: str) -> list[BlockHash]:
-        """The chain of this worker's copy (the blocks a save may release locally)."""
-        return self.local.agent_chain(agent_id)
-
-    def upload_pending(self, agent_id: str) -> bool:
-        return self.local.upload_pending(agent_id)
 
 
 #: Shared stores open in this process (``upload_before_exit`` at interpreter exit).

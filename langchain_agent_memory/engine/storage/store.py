@@ -103,6 +103,11 @@ class DiskBlockStore:
         """How many of ``hashes``, from the first, are here."""
         return next((i for i, h in enumerate(hashes) if not self.has_block(h)), len(hashes))
 
+    @property
+    def local(self) -> DiskBlockStore:
+        """This worker's directory (a shared store's local tier): a local store is its own."""
+        return self
+
     def local_tier(self) -> DiskBlockStore:
         """What the engine's model thread reads (``local_tier``): all of this store, which
         never waits on a network."""
@@ -117,10 +122,6 @@ class DiskBlockStore:
         return self.files.path(h)
 
     def has_block(self, h: BlockHash) -> bool:
-        return self.files.exists(h)
-
-    def has_local_block(self, h: BlockHash) -> bool:
-        """Whether the block's file is in this directory (no round trip to anything)."""
         return self.files.exists(h)
 
     def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
