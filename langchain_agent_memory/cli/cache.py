@@ -16,26 +16,13 @@ so this is safe while an application is using the same directory.
 
 from __future__ import annotations
 
-import contextlib
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from ..engine import (
-    BlockMissingError,
-    CacheFormatError,
-    SharedBlockStore,
-    StorageBudget,
-    enforce,
-    is_internal,
-    parse_age,
-    parse_size,
-)
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
+from ..engine import StorageBudget, is_internal, parse_age, parse_size
 from .common import (
     HELP,
     Blocks,
@@ -46,7 +33,6 @@ from .common import (
     cache_root,
     checked,
     emit,
-    model_label,
     size_text,
     stored_id,
     stores_of,
@@ -75,7 +61,7 @@ def ls(
     """List agents with a stored cache (never changes the store)."""
     rows = [
         {
-            "model": model_label(opened.fingerprint),
+            "model": opened.label,
             "fingerprint": opened.fingerprint,
             "agent": record.agent_id,
             "tokens": len(record.token_ids),
@@ -98,18 +84,19 @@ def show(
     found = False
     for opened in stores_of(cache_dir, store, blocks, read_only=True):
         cache_id = stored_id(opened, agent)
-        record = opened.get_agent(cache_id) if cache_id is not None else None
+        record = opened.record(cache_id) if cache_id is not None else None
         if record is None:
             continue
         found = True
         console = wide_console()
         named = agent if cache_id == agent else f"{agent} (cache {cache_id})"
-        console.print(f"[bold]{named}[/bold] in {model_label(opened.fingerprint)}")
+        console.print(f"[bold]{named}[/bold] in {opened.label}")
         console.print(f"tokens: {len(record.token_ids)}, blocks: {len(record.blocks)}")
         for h in record.blocks:
-            path = opened.block_path(h)
-            here = size_text(path.stat().st_size) if path.exists() else None
-            size = here or ("in the shared store" if isinstance(opened, SharedBlockStore) else "MISSING")
+            here = opened.block_bytes(h)
+            size = (
+                size_text(here) if here is not None else "in the shared store" if opened.shared else "MISSING"
+            )
             console.print(f"  {h[:16]}  {size}")
         text = record.text
         shown = text if len(text) <= 2 * chars else text[:chars] + "\n[...]\n" + text[-chars:]
@@ -139,8 +126,6 @@ def rm(
     blocks: Blocks = None,
 ) -> None:
     """Delete agents' caches, by id, --prefix or --thread; blocks other agents share stay."""
-    from ..engine import BlockWrites
-
     if not agents and prefix is None and thread is None:
         raise typer.BadParameter("name agents, or select them with --prefix or --thread")
     selectors = thread_prefixes(thread) if thread is not None else [prefix] if prefix is not None else []
@@ -149,19 +134,18 @@ def rm(
         named = [(name, stored_id(opened, name)) for name in agents or []]
         for name, cache_id in named:
             if cache_id is None:
-                typer.echo(f"no stored cache for {name} ({model_label(opened.fingerprint)})", err=True)
+                typer.echo(f"no stored cache for {name} ({opened.label})", err=True)
         chosen = [cache_id for _, cache_id in named if cache_id is not None]
         for selector in selectors:
             chosen += [r.agent_id for r in opened.agents(selector)]
         chosen = list(dict.fromkeys(chosen))
         if dry_run:
             for agent in chosen:
-                typer.echo(f"would delete {agent} ({model_label(opened.fingerprint)})")
+                typer.echo(f"would delete {agent} ({opened.label})")
             continue
         if selectors and chosen and not yes and not typer.confirm(f"delete {len(chosen)} agent cache(s)?"):
             raise typer.Exit(code=1)
-        writes = BlockWrites(opened)
-        deleted += sum(writes.delete_agent(agent) for agent in chosen)
+        deleted += opened.delete_agents(chosen)
     if dry_run:
         return
     typer.echo(f"deleted {deleted} agent cache(s)")
@@ -182,12 +166,10 @@ def gc(
     shared store, also its block objects no record names (after the grace period)."""
     temps = orphans = collected = 0
     for opened in stores_of(cache_dir, store, blocks):  # opening recovers; run it again for what came since
-        report = opened.recover()
-        temps += opened.recovery.temp_files_removed + report.temp_files_removed
-        orphans += opened.recovery.orphan_blocks_removed + report.orphan_blocks_removed
-        if isinstance(opened, SharedBlockStore):
-            done = opened.collect_garbage(grace_s=grace_hours * 3600)
-            collected += done.blocks_collected + done.stray_objects_removed
+        done = opened.collect_garbage(grace_s=grace_hours * 3600)
+        temps += done.temp_files
+        orphans += done.orphan_blocks
+        collected += done.shared_objects
     shared = f" and {collected} block object(s) from the shared store" if store else ""
     wide_console().print(f"removed {temps} temporary file(s) and {orphans} unreferenced block(s){shared}")
 
@@ -213,11 +195,11 @@ def verify(
         return
     rows, dangling = [], 0
     for opened in stores_of(cache_dir, store, blocks):
-        if isinstance(opened, SharedBlockStore):
-            r = opened.verify(repair=repair)
+        r = opened.verify_shared(repair)
+        if r is not None:
             dangling += r.dangling
             rows.append({
-                "model": model_label(opened.fingerprint), "checked": r.checked, "missing": r.missing,
+                "model": opened.label, "checked": r.checked, "missing": r.missing,
                 "uploaded": r.uploaded, "marked missing": r.marked_missing, "dangling": r.dangling,
             })  # fmt: skip
     columns = ["model", "checked", "missing", "uploaded", "marked missing", "dangling"]
@@ -231,24 +213,16 @@ def _verify_local(cache_dir: Path | None, repair: bool) -> None:
     if one was damaged (missing ones, quarantined before, are reported: their agents
     prefill what they held)."""
     rows, damaged = [], 0
-    with all_stores(cache_dir) as stores:
-        for opened in stores:
-            named = sorted(opened.referenced_blocks())
-            bad, missing = [], 0
-            for h in named:
-                try:
-                    opened.read_blocks([h])
-                except BlockMissingError:
-                    missing += 1
-                except CacheFormatError as exc:
-                    typer.echo(f"damaged: {h[:16]} ({model_label(opened.fingerprint)}): {exc}", err=True)
-                    bad.append(h)
-            for h in bad if repair else ():
-                opened.quarantine_block(h)
-            damaged += len(bad)
-            rows.append({"model": model_label(opened.fingerprint), "checked": len(named),
-                         "damaged": len(bad), "quarantined": len(bad) if repair else 0,
-                         "missing": missing})  # fmt: skip
+    with all_stores(cache_dir) as admin:
+        for opened in admin.models:
+
+            def say(h: str, exc: Exception, label: str = opened.label) -> None:
+                typer.echo(f"damaged: {h[:16]} ({label}): {exc}", err=True)
+
+            check = opened.check_blocks(repair, say)
+            damaged += len(check.damaged)
+            rows.append({"model": opened.label, "checked": check.checked, "damaged": len(check.damaged),
+                         "quarantined": check.quarantined, "missing": check.missing})  # fmt: skip
     columns = ["model", "checked", "damaged", "quarantined", "missing"]
     emit("stored blocks", rows, columns, "table", set(columns[1:]))
     if damaged:
@@ -261,14 +235,11 @@ def du(cache_dir: CacheDir = None, format: Format = "table") -> None:
     blocks agents name, the index, quarantined files), then the converted models and GGUF
     downloads kept beside them, and the total (never changes anything)."""
     rows = []
-    for store in stores_of(cache_dir, read_only=True):
-        usage = store.usage()
-        quarantine = store.dir / "quarantine"
-        bad = len(list(quarantine.iterdir())) if quarantine.is_dir() else 0
-        agents = sum(not is_internal(agent) for agent, _ in usage.agents)
+    for opened in stores_of(cache_dir, read_only=True):
+        use = opened.disk_use()
         rows.append({
-            "model": model_label(store.fingerprint), "agents": agents, "blocks": len(usage.sizes),
-            "bytes": usage.total, "size": size_text(usage.total), "quarantined": bad,
+            "model": opened.label, "agents": use.agents, "blocks": use.blocks,
+            "bytes": use.bytes, "size": size_text(use.bytes), "quarantined": use.quarantined,
         })  # fmt: skip
     root = cache_root(cache_dir)
     for name, what in (("models", "converted models"), ("gguf", "GGUF downloads")):
@@ -321,39 +292,28 @@ def prune(
     )
     if budget is None:
         raise typer.BadParameter("give --older-than and/or --max-size")
-    with all_stores(cache_dir, store, blocks) as stores, contextlib.ExitStack() as locks:
-        for one in stores:  # no save of another process lands between the plan and the deletes
-            locks.enter_context(one.locked())
-        usages = {one.fingerprint: one.usage() for one in stores}
-        report = enforce(stores, budget, dry_run=True)
-        # NOTE: what a prune frees is the block files no agent left names and the quarantine:
-        # the plan's figure, and the real one's from the same sizes. The disk after differs
-        # by the index's journal, which the deletes grow (a dry run said 6.7 MB, the prune 6.8).
-        freed = report.bytes_before - report.bytes_after
-        planned = sum(not is_internal(agent) for _, agent in report.evicted)
-        every = sum(not is_internal(agent) for usage in usages.values() for agent, _ in usage.agents)
-        if not dry_run and planned and planned == every and not yes:
-            # NOTE: a size read as bytes once deleted all 26 agents' caches; a prune that
-            # empties the store is said first (a pipe or a script answers no: --yes)
-            ask = f"this evicts every agent's cache ({every}); go on?"
-            if not typer.confirm(ask, default=False, err=True):
-                typer.echo("nothing evicted (--yes evicts every agent's cache without asking)", err=True)
-                raise typer.Exit(code=1)
-        if not dry_run:
-            report = enforce(stores, budget)
-            freed = report.quarantine_bytes + sum(
-                usages[fp].sizes.get(h, 0) for fp, deleted in report.deleted_blocks.items() for h in deleted
-            )
+
+    def evict_every(every: int) -> bool:
+        # NOTE: a size read as bytes once deleted all 26 agents' caches; a prune that
+        # empties the store is said first (a pipe or a script answers no: --yes)
+        return typer.confirm(f"this evicts every agent's cache ({every}); go on?", default=False, err=True)
+
+    with all_stores(cache_dir, store, blocks) as admin:
+        report = admin.prune(budget, dry_run=dry_run, confirm_all=None if yes else evict_every)
+        labels = {opened.fingerprint: opened.label for opened in admin.models}
+    if report.refused:
+        typer.echo("nothing evicted (--yes evicts every agent's cache without asking)", err=True)
+        raise typer.Exit(code=1)
     verb = "would evict" if dry_run else "evicted"
     agents = [(fp, agent) for fp, agent in report.evicted if not is_internal(agent)]
     for fp, agent in agents:
-        typer.echo(f"{verb} {agent} ({model_label(fp)})")
+        typer.echo(f"{verb} {agent} ({labels[fp]})")
     # A checkpointer's snapshots (``@snapshot:`` ids) go with the caches: counted apart.
     snapshots = len(report.evicted) - len(agents)
     also = f" and {snapshots} checkpoint snapshot(s)" if snapshots else ""
     typer.echo(
         f"{verb} {len(agents)} agent cache(s){also} ({report.expired} unused for longer than "
-        f"{older_than or 'any limit'}): {'would free' if dry_run else 'freed'} {size_text(freed)} "
+        f"{older_than or 'any limit'}): {'would free' if dry_run else 'freed'} {size_text(report.freed)} "
         f"of {size_text(report.bytes_before)}"
     )
     if report.over_budget:

@@ -3,24 +3,18 @@ listings (table, text or JSON) and sizes."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ..config import get_settings
-from ..engine import Catalog, DiskBlockStore, SharedBlockStore, StoreConfig, open_store, snapshot_repo
-
-if TYPE_CHECKING:
-    pass
-
+from ..engine import ModelStore, StoreAdmin
 
 T = TypeVar("T")
 
@@ -51,10 +45,10 @@ Blocks = Annotated[
 
 def stores_of(
     cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
-) -> Iterator[DiskBlockStore | SharedBlockStore]:
+) -> Iterator[ModelStore]:
     """One store per model fingerprint, opened in turn (``all_stores``)."""
-    with all_stores(cache_dir, store, blocks, read_only=read_only) as stores:
-        yield from stores
+    with all_stores(cache_dir, store, blocks, read_only=read_only) as admin:
+        yield from admin.models
 
 
 def cache_root(cache_dir: Path | None) -> Path:
@@ -62,49 +56,18 @@ def cache_root(cache_dir: Path | None) -> Path:
     return Path(cache_dir or get_settings().cache_dir).expanduser()
 
 
-@contextmanager
 def all_stores(
     cache_dir: Path | None, store: str | None = None, blocks: str | None = None, *, read_only: bool = False
-) -> Iterator[list[DiskBlockStore | SharedBlockStore]]:
-    """One store per model fingerprint: the directories under ``{cache_dir}/kv``, or with a
+) -> StoreAdmin:
+    """The cache directory's stores, one per model fingerprint (``StoreAdmin``): with a
     shared store (``--store`` / ``--blocks``), every model it holds (this directory its
-    local tier). ``read_only``: for commands that only look: a local directory is opened
-    without recovery, lock or migration (a shared store is read through a local tier of
-    this directory, which it may fill)."""
+    local tier). ``read_only``: for commands that only look. Half a shared store is a usage
+    error."""
     if bool(store) != bool(blocks):
         raise typer.BadParameter(
             "a shared store needs both --store (postgresql://...) and --blocks (s3://...)"
         )
-    root = cache_root(cache_dir) / "kv"
-    fingerprints = {p.name for p in root.glob("*") if (p / "format.json").exists()}
-    if store and blocks:
-        catalog = Catalog(store)
-        fingerprints |= catalog.fingerprints()
-        catalog.close()
-    opened: list[DiskBlockStore | SharedBlockStore] = []
-    try:
-        for fp in sorted(fingerprints):
-            opened.append(
-                open_store(root, fp, StoreConfig.of(store, blocks), read_only=read_only and not store)
-            )
-        yield opened
-    finally:
-        for one in opened:
-            one.close()
-
-
-@functools.lru_cache(maxsize=256)  # a listing names a store on every row
-def model_label(fingerprint: str) -> str:
-    """A store's model as people name it: a Hugging Face repo id's caches carry the
-    snapshot's commit hash where a shipped model's carry its name (the fingerprint starts
-    with the model directory's name), so the repo is looked up in the Hugging Face cache
-    and named first; otherwise (or once that snapshot is deleted) the fingerprint alone.
-
-    >>> model_label("smollm2-135m-b179c9523d0e6a0f-float32-v1-k6g64h")
-    'smollm2-135m-b179c9523d0e6a0f-float32-v1-k6g64h'
-    """
-    repo = snapshot_repo(fingerprint[:40]) if fingerprint[40:41] == "-" else None
-    return fingerprint if repo is None else f"{repo} ({fingerprint})"
+    return StoreAdmin(cache_root(cache_dir), store, blocks, read_only=read_only)
 
 
 def checked(parse: Callable[[str], T], value: str | None, flag: str) -> T | None:
@@ -185,7 +148,7 @@ def chat_cache_id(name: str) -> str:
     return f"{chat_thread(name)}:assistant"
 
 
-def stored_id(opened: Any, name: str) -> str | None:
+def stored_id(opened: ModelStore, name: str) -> str | None:
     """The cache id ``name`` stands for in ``opened``: the id itself if it has a cache, else
     the cache of the ``chat`` / ``run`` agent ``name``; None if neither has one."""
     return next((i for i in (name, chat_cache_id(name)) if opened.has_agent(i)), None)

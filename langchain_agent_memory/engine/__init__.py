@@ -1,235 +1,112 @@
 """The persistent KV engine (no LangChain imports), and its one door: the LangChain and
 LangGraph rooms, the server and the command line import what they use from here, never
-from a module behind it (an import-linter contract in pyproject.toml keeps it so).
+from a module behind it (an import-linter contract in pyproject.toml keeps it so). They
+reach stored caches through ``StoreAdmin`` and the engine's own ``Engine.admin``: no
+store, catalog, pool or session class is named here (another contract: this module
+imports nothing from ``storage``).
 
 NOTE: ``runtime`` first: it loads a fast BLAS into the process before anything imports
 mlx (every module of the engine imports ``mx`` from it; importing this package makes the
 order explicit whatever is imported first). The names below load on first use, so that
 ``agent-memory --help`` or a server's settings check does not import mlx-lm's models.
+
+The imports under ``TYPE_CHECKING`` are the one list of this door's names: type checkers
+and IDEs read them (``X as X``: a re-export), import-linter sees what the door opens onto,
+and at run time ``_homes`` reads the same statements from this file to load each name
+from its module on first use (and to make ``__all__``), so no second list can drift.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .ops import runtime  # noqa: F401
 
 if TYPE_CHECKING:
-    from .admin import AgentInfo, shared_blocks
-    from .config import EngineConfig, load_model, resolve_model_dir
-    from .engine import Engine
-    from .errors import (
-        AgentNotFoundError,
-        BlockMissingError,
-        BlocksUnavailableError,
-        CacheFormatError,
-        CacheWriteError,
-        CommitConflictError,
-        ContextLengthError,
-        NewerFormatError,
-        RemoteConfigError,
-        RemoteUnavailableError,
-        UnsupportedGGUFError,
-        UnsupportedModelError,
-    )
-    from .kv import preset_name
-    from .model.constrain import (
-        JSON_OPTIONS,
-        MAX_FREE_STRING_CHARS,
-        GrammarConstraint,
-        bounded_strings,
-        json_schema_grammar,
-        tool_call_grammar,
-    )
-    from .model.families import recorded_verdicts
-    from .model.gguf_convert import convert_gguf
-    from .model.hub import cached_snapshot, hub_cache_dir, parse_repo_id, snapshot_repo
-    from .model.loading import (
-        DEFAULT_MODEL,
-        SHIPPED_MODELS,
-        LoadedModel,
-        conversion_progress,
-        trained_context,
-    )
-    from .ops import device
-    from .registry import engine_key, shared_engine, shutdown, unwatch_engines, watch_engines
-    from .requests.commits import Subscription
-    from .results import CacheOutcome, CacheSource, GenerationParams, GenerationResult, StreamChunk, Timings
-    from .storage.agent_ids import INTERNAL_PREFIX, is_internal, validate_agent_id
-    from .storage.block_writes import BlockWrites
-    from .storage.blocks import AgentRecord, BlockHash
-    from .storage.budget import StorageBudget, enforce, parse_age, parse_size
-    from .storage.catalog import Catalog
-    from .storage.pg_session import PgSession
-    from .storage.remote import SharedBlockStore, open_store
-    from .storage.status import StoreStatus
-    from .storage.store import DiskBlockStore
-    from .storage.store_config import StoreConfig
+    from .admin import shared_blocks as shared_blocks
+    from .config import EngineConfig as EngineConfig
+    from .config import load_model as load_model
+    from .config import resolve_model_dir as resolve_model_dir
+    from .engine import Engine as Engine
+    from .errors import AgentNotFoundError as AgentNotFoundError
+    from .errors import BlockMissingError as BlockMissingError
+    from .errors import CacheWriteError as CacheWriteError
+    from .errors import CommitConflictError as CommitConflictError
+    from .errors import ContextLengthError as ContextLengthError
+    from .errors import RemoteUnavailableError as RemoteUnavailableError
+    from .errors import UnsupportedGGUFError as UnsupportedGGUFError
+    from .errors import UnsupportedModelError as UnsupportedModelError
+    from .kv import preset_name as preset_name
+    from .model.constrain import JSON_OPTIONS as JSON_OPTIONS
+    from .model.constrain import MAX_FREE_STRING_CHARS as MAX_FREE_STRING_CHARS
+    from .model.constrain import GrammarConstraint as GrammarConstraint
+    from .model.constrain import bounded_strings as bounded_strings
+    from .model.constrain import json_schema_grammar as json_schema_grammar
+    from .model.constrain import tool_call_grammar as tool_call_grammar
+    from .model.families import recorded_verdicts as recorded_verdicts
+    from .model.gguf_convert import convert_gguf as convert_gguf
+    from .model.hub import cached_snapshot as cached_snapshot
+    from .model.hub import hub_cache_dir as hub_cache_dir
+    from .model.hub import parse_repo_id as parse_repo_id
+    from .model.loading import DEFAULT_MODEL as DEFAULT_MODEL
+    from .model.loading import SHIPPED_MODELS as SHIPPED_MODELS
+    from .model.loading import LoadedModel as LoadedModel
+    from .model.loading import conversion_progress as conversion_progress
+    from .model.loading import trained_context as trained_context
+    from .ops import device as device
+    from .registry import shared_engine as shared_engine
+    from .registry import shutdown as shutdown
+    from .registry import unwatch_engines as unwatch_engines
+    from .registry import watch_engines as watch_engines
+    from .requests.commits import Subscription as Subscription
+    from .results import GenerationParams as GenerationParams
+    from .results import GenerationResult as GenerationResult
+    from .results import StreamChunk as StreamChunk
+    from .store_admin import INTERNAL_PREFIX as INTERNAL_PREFIX
+    from .store_admin import AgentRecord as AgentRecord
+    from .store_admin import ModelStore as ModelStore
+    from .store_admin import StorageBudget as StorageBudget
+    from .store_admin import StoreAdmin as StoreAdmin
+    from .store_admin import database_session as database_session
+    from .store_admin import is_internal as is_internal
+    from .store_admin import parse_age as parse_age
+    from .store_admin import parse_size as parse_size
+    from .store_admin import validate_agent_id as validate_agent_id
 
-#: the module (under this package) that defines each public name
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "admin": ("AgentInfo", "shared_blocks"),
-    "requests.commits": ("Subscription",),
-    "config": (
-        "EngineConfig",
-        "load_model",
-        "resolve_model_dir",
-    ),
-    "engine": ("Engine",),
-    "errors": (
-        "AgentNotFoundError",
-        "BlockMissingError",
-        "BlocksUnavailableError",
-        "CacheFormatError",
-        "CacheWriteError",
-        "CommitConflictError",
-        "ContextLengthError",
-        "NewerFormatError",
-        "RemoteConfigError",
-        "RemoteUnavailableError",
-        "UnsupportedGGUFError",
-        "UnsupportedModelError",
-    ),
-    "kv": ("preset_name",),
-    "model.constrain": (
-        "JSON_OPTIONS",
-        "MAX_FREE_STRING_CHARS",
-        "GrammarConstraint",
-        "bounded_strings",
-        "json_schema_grammar",
-        "tool_call_grammar",
-    ),
-    "model.families": ("recorded_verdicts",),
-    "model.gguf_convert": ("convert_gguf",),
-    "model.hub": (
-        "cached_snapshot",
-        "hub_cache_dir",
-        "parse_repo_id",
-        "snapshot_repo",
-    ),
-    "model.loading": (
-        "DEFAULT_MODEL",
-        "SHIPPED_MODELS",
-        "LoadedModel",
-        "conversion_progress",
-        "trained_context",
-    ),
-    "registry": (
-        "engine_key",
-        "shared_engine",
-        "shutdown",
-        "unwatch_engines",
-        "watch_engines",
-    ),
-    "results": (
-        "CacheOutcome",
-        "CacheSource",
-        "GenerationParams",
-        "GenerationResult",
-        "StreamChunk",
-        "Timings",
-    ),
-    "storage.agent_ids": (
-        "INTERNAL_PREFIX",
-        "is_internal",
-        "validate_agent_id",
-    ),
-    "storage.blocks": ("AgentRecord", "BlockHash"),
-    "storage.budget": (
-        "StorageBudget",
-        "enforce",
-        "parse_age",
-        "parse_size",
-    ),
-    "storage.catalog": ("Catalog",),
-    "storage.pg_session": ("PgSession",),
-    "storage.block_writes": ("BlockWrites",),
-    "storage.remote": (
-        "SharedBlockStore",
-        "open_store",
-    ),
-    "storage.status": ("StoreStatus",),
-    "storage.store": ("DiskBlockStore",),
-    "storage.store_config": ("StoreConfig",),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "INTERNAL_PREFIX",
-    "JSON_OPTIONS",
-    "MAX_FREE_STRING_CHARS",
-    "SHIPPED_MODELS",
-    "AgentInfo",
-    "AgentNotFoundError",
-    "AgentRecord",
-    "BlockHash",
-    "BlockMissingError",
-    "BlockWrites",
-    "BlocksUnavailableError",
-    "CacheFormatError",
-    "CacheOutcome",
-    "CacheSource",
-    "CacheWriteError",
-    "Catalog",
-    "CommitConflictError",
-    "ContextLengthError",
-    "DiskBlockStore",
-    "Engine",
-    "EngineConfig",
-    "GenerationParams",
-    "GenerationResult",
-    "GrammarConstraint",
-    "LoadedModel",
-    "NewerFormatError",
-    "PgSession",
-    "RemoteConfigError",
-    "RemoteUnavailableError",
-    "SharedBlockStore",
-    "StorageBudget",
-    "StoreConfig",
-    "StoreStatus",
-    "StreamChunk",
-    "Subscription",
-    "Timings",
-    "UnsupportedGGUFError",
-    "UnsupportedModelError",
-    "bounded_strings",
-    "cached_snapshot",
-    "conversion_progress",
-    "convert_gguf",
-    "device",
-    "enforce",
-    "engine_key",
-    "hub_cache_dir",
-    "is_internal",
-    "json_schema_grammar",
-    "load_model",
-    "open_store",
-    "parse_age",
-    "parse_repo_id",
-    "parse_size",
-    "preset_name",
-    "recorded_verdicts",
-    "resolve_model_dir",
-    "shared_blocks",
-    "shared_engine",
-    "shutdown",
-    "snapshot_repo",
-    "tool_call_grammar",
-    "trained_context",
-    "unwatch_engines",
-    "validate_agent_id",
-    "watch_engines",
-]
+def _homes() -> dict[str, str]:
+    """Each public name and the module (under this package) it comes from: the imports
+    under ``TYPE_CHECKING`` above, read from this file."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+    )
+    return {
+        alias.asname or alias.name: str(node.module)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+_HOMES = _homes()
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "device":  # a module: what runs where
-        return importlib.import_module(f"{__name__}.ops.device")
-    if name not in _WHERE:
+    if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    home = importlib.import_module(f"{__name__}.{_HOMES[name]}")
+    # a name its module lacks is a module of that package (``device``): loaded as one
+    value = getattr(home, name) if hasattr(home, name) else importlib.import_module(f"{home.__name__}.{name}")
     globals()[name] = value  # looked up once
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -27,7 +27,7 @@ from .storage.agent_ids import validate_agent_id
 from .storage.block_writes import BlockWrites, WriteOutcome
 from .storage.blocks import AgentRecord, BlockHash
 from .storage.budget import BudgetKeeper, StorageBudget
-from .storage.protocols import BlockStore, take_lease
+from .storage.protocols import BlockStore, seen_version, take_lease
 
 T = TypeVar("T")
 
@@ -91,7 +91,8 @@ class AgentAdmin:
     @storage_budget.setter
     def storage_budget(self, budget: StorageBudget | None) -> None:
         self._budget.budget = budget
-        self._store.bound_pending(budget.max_bytes if budget is not None else None)  # a shared store's
+        if self._store.replication is not None:  # a shared store's saves waiting to upload
+            self._store.replication.bound_pending(budget.max_bytes if budget is not None else None)
 
     @property
     def store(self) -> Any:
@@ -124,7 +125,7 @@ class AgentAdmin:
 
     def disk_bytes(self) -> int:
         """Bytes this engine's store holds on disk (what ``max_disk_bytes`` bounds)."""
-        return self.store.disk_bytes()
+        return self.store.maintenance.disk_bytes()
 
     # ------------------------------------------------------------------ agents' caches
 
@@ -170,9 +171,7 @@ class AgentAdmin:
         """Whether the agent has a stored cache (no record is parsed)."""
         return bool(self.store.has_agent(agent_id))
 
-    def agent_info(
-        self, agent: str | AgentRecord, shared: Collection[BlockHash] = frozenset()
-    ) -> AgentInfo | None:
+    def agent_info(self, agent: str | AgentRecord, shared: Collection[str] = frozenset()) -> AgentInfo | None:
         """An agent's record and the bytes of its blocks on this engine's disk; those of
         ``shared`` (blocks other agents name too: ``shared_blocks``) apart."""
         record = self.agent_record(agent) if isinstance(agent, str) else agent
@@ -181,7 +180,9 @@ class AgentAdmin:
         blocks = set(record.blocks)
         common = [h for h in blocks if h in shared]
         return AgentInfo(
-            record, self._store.local_bytes(blocks), self._store.local_bytes(common) if common else 0
+            record,
+            self._store.local.local_bytes(blocks),
+            self._store.local.local_bytes(common) if common else 0,
         )
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:
@@ -208,7 +209,8 @@ class AgentAdmin:
         validate_agent_id(agent_id)
 
         def leased(into: WriteOutcome) -> T:
-            with take_lease(self._store, agent_id, self._store.seen_version(agent_id)) as lease:
+            replication = self._store.replication
+            with take_lease(replication, agent_id, seen_version(replication, agent_id)) as lease:
                 if not lease.current:
                     self.agents.read_record(agent_id, self._store)  # a shared store's newer one: replaced
                 done = write(into)

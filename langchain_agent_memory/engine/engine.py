@@ -299,7 +299,9 @@ class Engine:
     def status(self) -> StoreStatus:
         """The store's state now (reachable, saves waiting to upload, saves queued), without
         waiting for the queued saves: what a readiness probe reads."""
-        return dataclasses.replace(self._store.status(), queued_saves=self._save_queue.queued)
+        replication = self._store.replication
+        status = replication.status() if replication is not None else StoreStatus(shared=False)
+        return dataclasses.replace(status, queued_saves=self._save_queue.queued)
 
     def _in_use(self) -> set[str]:
         """Agents the disk budget never evicts: saves queued, requests queued or running."""

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..engine import PgSession
+from ..engine import database_session
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {history} (
@@ -250,12 +250,12 @@ class Links:
 class PostgresLinks(Links):
     """The same tables in a shared store's PostgreSQL database (``am_``-prefixed names), so
     that every worker sees every link; times on Postgres's clock. Calls go through the
-    engine's ``PgSession``, as the store's own do: each has a deadline the client keeps, so
+    engine's ``database_session``, as the store's own do: each has a deadline the client keeps, so
     a frozen database fails a checkpoint's call with ``RemoteUnavailableError`` after
     ``timeout_s`` instead of hanging the graph."""
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
-        self._session = PgSession(url, timeout_s=timeout_s, pool_size=2, setup=self._create)
+        self._session = database_session(url, timeout_s=timeout_s, pool_size=2, setup=self._create)
         now = self._session.run(
             "read the database's clock",
             lambda c: float(c.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0]),

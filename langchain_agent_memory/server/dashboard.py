@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse
 
-from ..engine import AgentRecord, BlockHash, Engine, is_internal, shared_blocks
+from ..engine import AgentRecord, Engine, is_internal, shared_blocks
 from .agent_routes import Caller
 from .errors import APIError
 from .history import History
@@ -127,7 +127,7 @@ def _agent(
     model: str,
     record: AgentRecord,
     hot: set[str],
-    shared: set[BlockHash],
+    shared: Collection[str],
 ) -> dict[str, Any]:
     info = engine.admin.agent_info(record, shared)
     turns, hot_turns = replies.agent_turns(model, record.agent_id)

@@ -126,12 +126,12 @@ class PostgresRows:
     while the database is out of reach (``RemoteUnavailableError``: a 503)."""
 
     def __init__(self, url: str) -> None:
-        from ..engine import PgSession
+        from ..engine import database_session
 
         def setup(conn: Any) -> None:
             conn.execute(f"CREATE TABLE IF NOT EXISTS agent_memory_responses ({_COLUMNS})")
 
-        self._session = PgSession(url, setup=setup)
+        self._session = database_session(url, setup=setup)
 
     def put(self, row: Row) -> None:
         self._session.run("store a response", lambda c: c.execute(

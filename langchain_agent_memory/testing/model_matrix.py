@@ -114,7 +114,7 @@ def same_tokens(model_dir: Path, prompt: list[int], ours: list[int], theirs: lis
 def turn_tokens(engine: Engine, agent: str, result: GenerationResult) -> tuple[list[int], list[int]]:
     """The prompt's and the reply's token ids of ``agent``'s last turn, as stored."""
     engine.flush()
-    record = engine.admin.store.get_agent(agent)
+    record = engine.admin.agent_record(agent)
     assert record is not None
     ids = list(record.token_ids)
     return ids[: result.prompt_tokens], ids[

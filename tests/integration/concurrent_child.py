@@ -70,7 +70,7 @@ def main(
                     engine.admin.delete(record.agent_id)
                 )
             if store:
-                collected = engine.admin.store.collect_garbage(grace_s=2).blocks_collected
+                collected = engine.admin.store.upkeep.collect_garbage(grace_s=2).blocks_collected
                 ops["cleanup blocks collected"] = ops.get("cleanup blocks collected", 0) + collected
             if turn % 5 == 0:
                 engine.generate("cleanup:probe", SYSTEM + f"\nQ: section {turn}?\nA:", PARAMS)

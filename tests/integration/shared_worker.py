@@ -67,9 +67,9 @@ def run(engine: Engine, cmd: dict) -> dict:
         engine.admin.set_agent(cmd["to"], record)
         return {"forked": True}
     if op == "flush":
-        return {"pending": store.flush_pending()}
+        return {"pending": store.replication.pending.flush()}
     if op == "gc":
-        return dataclasses.asdict(store.collect_garbage(cmd.get("grace")))
+        return dataclasses.asdict(store.upkeep.collect_garbage(cmd.get("grace")))
     if op == "stats":
         leases = getattr(store, "leases", None)
         waits = {"handoff_waits": leases.waits, "handoff_waited_s": leases.waited_s} if leases else {}
@@ -102,7 +102,7 @@ def run(engine: Engine, cmd: dict) -> dict:
     if op == "gcloop":
         end, collected, rounds = time.monotonic() + cmd["seconds"], 0, 0
         while time.monotonic() < end:
-            collected += store.collect_garbage(grace_s=cmd["grace"]).blocks_collected
+            collected += store.upkeep.collect_garbage(grace_s=cmd["grace"]).blocks_collected
             rounds += 1
         return {"collected": collected, "rounds": rounds}
     if op == "quit":

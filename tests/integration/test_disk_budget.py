@@ -173,9 +173,9 @@ def test_an_index_of_the_previous_schema_is_migrated_with_last_use_and_sizes(
             "PRAGMA user_version = 2;"
         )
     store = DiskBlockStore(tmp_path / "kv", fp)
-    usage = store.usage()
+    usage = store.maintenance.usage()
     assert dict(usage.agents) == pytest.approx(stamps)
-    assert store.disk_bytes() == usage.total == pytest.approx(expected, rel=0.05)
+    assert store.maintenance.disk_bytes() == usage.total == pytest.approx(expected, rel=0.05)
     store.close()
 
 

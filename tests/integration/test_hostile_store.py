@@ -379,15 +379,15 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
             for i in range(1, 17):
                 reply = engine.generate(f"a{i}", SYSTEM + f"User: agent {i}.\nAssistant:", one)
                 assert reply.wait_saved() == "local"
-                largest = max(largest, engine.admin.store.pending_bytes())
+                largest = max(largest, engine.admin.store.replication.pending.nbytes())
             assert engine.generate("late", SYSTEM + "User: late.\nAssistant:", wait).saved == "local"
             stats = engine.admin.store.stats
             assert stats.pending_dropped >= 1 and largest <= budget, (largest, budget)
             assert "dropped here" in caplog.text
-            assert engine.admin.store.upload_pending("a16")  # the newest is kept
+            assert engine.admin.store.local.upload_pending("a16")  # the newest is kept
             pg.start()
             deadline = time.monotonic() + 60
-            while engine.admin.store.flush_pending():
+            while engine.admin.store.replication.pending.flush():
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
             assert engine.admin.store.has_agent("a16")

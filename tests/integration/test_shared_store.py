@@ -303,7 +303,7 @@ def test_an_app_and_a_cleanup_worker_share_a_store(tmp_path: Path, shared_store:
                 str(e.generate(record.agent_id, record.text, GenerationParams(max_tokens=1)).outcome)
                 != "cold"
             )
-        e.admin.store.collect_garbage(grace_s=0)
+        e.admin.store.upkeep.collect_garbage(grace_s=0)
         _objects_all_named(shared_store, e.fingerprint)
 
 
@@ -341,7 +341,7 @@ def test_verify_does_not_mark_missing_a_block_uploaded_while_it_ran(
         a.generate("x", SYSTEM + "User: name a river.\nAssistant:", GenerationParams(max_tokens=4))
         a.flush()
         monkeypatch.setattr(a.admin.store.objects, "list", lambda fp: iter(()))  # listed before the uploads
-        report = a.admin.store.verify(repair=True)
+        report = a.admin.store.upkeep.verify(repair=True)
         assert report.checked > 0 and report.missing == 0 and report.marked_missing == 0, report
         monkeypatch.undo()
         a.admin.fork("x", "x-fork")

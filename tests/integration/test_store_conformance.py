@@ -27,7 +27,7 @@ from langchain_agent_memory.engine.storage.blocks import (
     block_hash,
 )
 from langchain_agent_memory.engine.storage.objects import BlocksUnavailableError
-from langchain_agent_memory.engine.storage.protocols import BlockStore, take_lease
+from langchain_agent_memory.engine.storage.protocols import BlockStore, seen_version, take_lease
 from langchain_agent_memory.engine.storage.remote import SharedBlockStore, open_store
 from langchain_agent_memory.engine.storage.store_config import StoreConfig
 
@@ -107,11 +107,11 @@ def _same(a: Block, b: Block) -> None:
 def test_blocks_round_trip_and_are_written_once(opener: Opener) -> None:
     store = opener("w1")
     blk = _block(None, [1, 2, 3], 0)
-    assert not store.has_block(blk.hash) and not store.has_local_block(blk.hash)
+    assert not store.has_block(blk.hash) and not store.local.has_block(blk.hash)
     written = store.put_block(blk)
     assert written > blk.nbytes and store.put_block(blk) == 0  # content-addressed: once
-    assert store.has_block(blk.hash) and store.has_local_block(blk.hash)
-    assert store.local_bytes([blk.hash]) == written
+    assert store.has_block(blk.hash) and store.local.has_block(blk.hash)
+    assert store.local.local_bytes([blk.hash]) == written
     _same(blk, store.get_block(blk.hash))
     (group,) = store.read_blocks([blk.hash])
     for name, x in blk.tensors.items():
@@ -131,7 +131,7 @@ def test_a_committed_agent_is_what_another_worker_reads(opener: Opener) -> None:
     whole = {name: mx.concatenate([b.tensors[name] for b in blocks], axis=2) for name in blocks[0].tensors}
     for name, x in whole.items():
         assert mx.array_equal(group.tensor(name), x).item(), name
-    assert other.agent_chain("thread 1:planner ✓") == record.blocks
+    assert other.local.agent_chain("thread 1:planner ✓") == record.blocks
 
 
 def test_agents_are_listed_by_prefix(opener: Opener) -> None:
@@ -145,26 +145,40 @@ def test_agents_are_listed_by_prefix(opener: Opener) -> None:
 def test_a_record_replaced_names_its_new_blocks_and_a_deleted_one_is_gone(opener: Opener) -> None:
     store = opener("w1")
     first, _ = _agent(store, "agent", seed=20)
-    assert store.begin("agent", store.seen_version("agent"))  # a live copy at the version seen is current
+    # a live copy at the version seen is current
+    assert take_lease(store.replication, "agent", seen_version(store.replication, "agent")).current
     longer, _ = _agent(store, "agent", seed=21, n_blocks=3)
     back = opener("w2").get_agent("agent")
     assert back is not None and back.blocks == longer.blocks != first.blocks
-    assert store.is_referenced(longer.blocks[0])
+    assert store.local.is_referenced(longer.blocks[0])
     with store.locked():
         assert store.delete_agent("agent")
     assert opener("w3").get_agent("agent") is None and not store.has_agent("agent")
-    assert not store.is_referenced(longer.blocks[0])
+    assert not store.local.is_referenced(longer.blocks[0])
 
 
 def test_a_request_that_ends_without_a_commit_gives_the_agent_back(opener: Opener) -> None:
     store = opener("w1")
     _agent(store, "leased", seed=30)
-    assert store.begin("leased", store.seen_version("leased"))
-    store.end("leased")
+    lease = take_lease(store.replication, "leased", seen_version(store.replication, "leased"))
+    assert lease.current
+    lease.release()
     other = opener("w2")
     assert other.get_agent("leased") is not None
-    assert other.begin("leased", other.seen_version("leased"))  # not held by the first worker
-    other.end("leased")
+    theirs = take_lease(other.replication, "leased", seen_version(other.replication, "leased"))
+    assert theirs.current  # not held by the first worker
+    theirs.release()
+
+
+def test_only_a_shared_store_has_replication(opener: Opener) -> None:
+    """A local store has no lease, version or upload: its ``replication`` is absent (None),
+    not a set of no-ops; a shared store's takes leases and knows versions."""
+    store = opener("w1")
+    _agent(store, "versioned", seed=31)
+    if not isinstance(store, SharedBlockStore):
+        assert store.replication is None and seen_version(store.replication, "versioned") is None
+        return
+    assert store.replication is not None and store.replication.seen_version("versioned") == 1
 
 
 def test_agent_ids_that_could_name_paths_are_refused(opener: Opener) -> None:
@@ -179,14 +193,18 @@ def test_agent_ids_that_could_name_paths_are_refused(opener: Opener) -> None:
 def test_eviction_frees_this_workers_disk_least_recently_used_first(opener: Opener) -> None:
     store = opener("w1")
     old, _, _ = (_agent(store, agent, seed=40 + i)[0] for i, agent in enumerate(["old", "mid", "new"]))
-    usage = store.usage()
-    assert [a for a, _ in usage.agents][:3] == ["old", "mid", "new"] and usage.total == store.disk_bytes()
-    held = store.local_bytes(old.blocks)
+    usage = store.maintenance.usage()
+    assert [a for a, _ in usage.agents][:3] == [
+        "old",
+        "mid",
+        "new",
+    ] and usage.total == store.maintenance.disk_bytes()
+    held = store.local.local_bytes(old.blocks)
     with store.locked():
-        freed, deleted = store.evict_agents(["old"])
+        freed, deleted = store.maintenance.evict_agents(["old"])
     assert freed == held > 0 and sorted(deleted) == sorted(old.blocks)
-    assert not any(store.has_local_block(h) for h in deleted)
-    assert "old" not in [a for a, _ in store.usage().agents] and store.pinned() == set()
+    assert not any(store.local.has_block(h) for h in deleted)
+    assert "old" not in [a for a, _ in store.maintenance.usage().agents] and _pinned(store) == set()
 
 
 def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opener: Opener) -> None:
@@ -195,13 +213,18 @@ def test_a_lease_given_back_by_a_failed_request_lets_another_worker_commit(opene
     assert two.get_agent("contested") is not None  # the second worker knows its version
     with (
         pytest.raises(RuntimeError, match="request failed"),
-        take_lease(one, "contested", one.seen_version("contested")) as lease,
+        take_lease(one.replication, "contested", seen_version(one.replication, "contested")) as lease,
     ):
         assert lease.current
         raise RuntimeError("the request failed")
     record, _ = _agent(two, "contested", seed=51)  # not refused: the lease was given back
     back = opener("w3").get_agent("contested")
     assert back is not None and back.blocks == record.blocks
+
+
+def _pinned(store: BlockStore) -> set[str]:
+    """The agents eviction keeps whatever their age: a shared store's saves not uploaded."""
+    return store.replication.pinned() if store.replication is not None else set()
 
 
 def _damage(path: Path) -> bytes:
@@ -214,24 +237,24 @@ def _damage(path: Path) -> bytes:
 
 def test_a_deleted_block_is_gone_from_this_worker(opener: Opener) -> None:
     store = opener("w1")
-    assert list(store.block_hashes()) == []
+    assert list(store.local.block_hashes()) == []
     record, blocks = _agent(store, "owner", seed=60)
     loose = _block(None, [6, 0, 1], 61)  # written, named by no record (a save cut short)
     store.put_block(loose)
-    assert sorted(store.block_hashes()) == sorted([*record.blocks, loose.hash])
+    assert sorted(store.local.block_hashes()) == sorted([*record.blocks, loose.hash])
     named = record.blocks[-1]
     for h in (loose.hash, named):
         store.delete_block(h)
-        assert not store.has_local_block(h) and h not in set(store.block_hashes())
+        assert not store.local.has_block(h) and h not in set(store.local.block_hashes())
     store.delete_block(loose.hash)  # already gone: nothing to do
-    assert sorted(store.block_hashes()) == sorted(record.blocks[:-1])
+    assert sorted(store.local.block_hashes()) == sorted(record.blocks[:-1])
     assert not store.has_block(loose.hash)
     with pytest.raises(BlockMissingError, match="is missing"):
         store.get_block(loose.hash)
     if isinstance(store, SharedBlockStore):  # this worker's copy only: read through again
         assert store.has_block(named)
         _same(blocks[-1], store.get_block(named))
-        assert store.has_local_block(named)
+        assert store.local.has_block(named)
     else:
         assert not store.has_block(named)
         with pytest.raises(BlockMissingError, match="is missing"):
@@ -243,31 +266,33 @@ def test_block_hashes_are_the_blocks_on_this_workers_disk(opener: Opener) -> Non
     record, _ = _agent(one, "listed", seed=62)
     other = opener("w2")
     other.read_blocks(record.blocks)  # read through, where the blocks were elsewhere
-    assert set(record.blocks) <= set(other.block_hashes())
-    assert all(other.has_local_block(h) for h in other.block_hashes())
+    assert set(record.blocks) <= set(other.local.block_hashes())
+    assert all(other.local.has_block(h) for h in other.local.block_hashes())
 
 
 def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(opener: Opener) -> None:
     away = opener("w1", reachable=False)
     record, _ = _agent(away, "offline", seed=70)
-    waits = away.upload_pending("offline")
+    waits = away.local.upload_pending("offline")
     assert waits == isinstance(away, SharedBlockStore)  # a local store has no store to wait for
-    assert away.pinned() == ({"offline"} if waits else set())  # the only copy: never evicted
+    assert _pinned(away) == ({"offline"} if waits else set())  # the only copy: never evicted
     mine = away.get_agent("offline")  # this worker goes on from its own save
     assert mine is not None and mine.blocks == record.blocks
-    status = away.status()  # what a readiness probe reads: no call to the store
-    assert status.shared == waits and status.reachable == (not waits)
-    assert (status.pending_saves, status.pending_bytes > 0) == ((1, True) if waits else (0, False))
-    away.bound_pending(1)  # past it the oldest waiting saves go, never the newest
-    assert away.upload_pending("offline") == waits and away.get_agent("offline") is not None
-    away.bound_pending(None)
+    if away.replication is not None:
+        status = away.replication.status()  # what a readiness probe reads: no call to the store
+        assert status.shared and not status.reachable
+        assert (status.pending_saves, status.pending_bytes > 0) == (1, True)
+        away.replication.bound_pending(1)  # past it the oldest waiting saves go, never the newest
+        assert away.local.upload_pending("offline") and away.get_agent("offline") is not None
+        away.replication.bound_pending(None)
     away.close()
     back = opener("w1")  # the same worker, the store answering again
-    assert back.upload_pending("offline") == waits
+    assert back.local.upload_pending("offline") == waits
     assert back.get_agent("offline") is not None  # a pending save is uploaded before the read
-    assert not back.upload_pending("offline") and back.pinned() == set()
-    assert back.status().reachable and back.status().pending_saves == 0
-    assert not back.upload_pending("never saved")
+    assert not back.local.upload_pending("offline") and _pinned(back) == set()
+    if back.replication is not None:
+        assert back.replication.status().reachable and back.replication.status().pending_saves == 0
+    assert not back.local.upload_pending("never saved")
     theirs = opener("w2").get_agent("offline")
     assert theirs is not None and theirs.blocks == record.blocks
 
@@ -275,14 +300,14 @@ def test_a_save_the_store_cannot_take_yet_waits_on_this_worker_until_it_answers(
 def test_a_save_waiting_to_upload_is_listed_with_the_stores_agents(opener: Opener) -> None:
     away = opener("w1", reachable=False)
     _agent(away, "offline", seed=71)
-    waits = away.upload_pending("offline")
+    waits = away.local.upload_pending("offline")
     away.close()
     _agent(opener("w2"), "theirs", seed=72)
     back = opener("w1")  # the store answers again; the save has not been uploaded yet
     listed = [r.agent_id for r in back.agents()]
     assert listed == ["offline", "theirs"]  # sorted, as the store lists them
     assert back.has_agent("offline")  # a fork's or a delete's check finds it too
-    assert back.upload_pending("offline") == waits  # listing it uploads nothing
+    assert back.local.upload_pending("offline") == waits  # listing it uploads nothing
 
 
 @pytest.mark.parametrize("opener", ["shared"], indirect=True)  # one directory has no copy to fall behind
@@ -323,21 +348,21 @@ def test_a_read_that_answered_before_another_workers_commit_never_mirrors_over_t
 
 def test_oldest_use_is_the_least_recently_used_agents_last_use(opener: Opener) -> None:
     store = opener("w1")
-    assert store.oldest_use() is None  # no agent
+    assert store.maintenance.oldest_use() is None  # no agent
     start = time.time()
     _agent(store, "first", seed=80, n_blocks=1)
     between = time.time()
     _agent(store, "second", seed=81, n_blocks=1)
-    oldest = store.oldest_use()
+    oldest = store.maintenance.oldest_use()
     assert oldest is not None and start <= oldest <= between
-    assert oldest == store.usage().agents[0][1]  # what eviction plans with
+    assert oldest == store.maintenance.usage().agents[0][1]  # what eviction plans with
     with store.locked():
         store.delete_agent("first")
-    second = store.oldest_use()
+    second = store.maintenance.oldest_use()
     assert second is not None and second >= between
     with store.locked():
         store.delete_agent("second")
-    assert store.oldest_use() is None
+    assert store.maintenance.oldest_use() is None
 
 
 def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None:
@@ -346,12 +371,12 @@ def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None
     loose = _block(None, [9, 0, 1], 91)
     store.put_block(loose)
     for blk in (loose, blocks[0]):
-        bad = _damage(store.block_path(blk.hash))
+        bad = _damage(store.local.block_path(blk.hash))
         with pytest.raises(CacheFormatError, match="checksum"):
             store.get_block(blk.hash)
         moved = store.quarantine_block(blk.hash)
         assert moved is not None and moved.parent.name == "quarantine" and moved.read_bytes() == bad
-    assert not store.has_local_block(loose.hash)
+    assert not store.local.has_block(loose.hash)
     with pytest.raises(BlockMissingError, match="is missing"):
         store.get_block(loose.hash)
     if isinstance(store, SharedBlockStore):  # a sound copy was fetched from the store
@@ -365,13 +390,13 @@ def test_a_bad_block_is_moved_aside_and_never_read_again(opener: Opener) -> None
 def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener) -> None:
     store = opener("w1")
     record, _ = _agent(store, "unreadable", seed=100)
-    moved = store.quarantine_agent("unreadable")
+    moved = store.maintenance.quarantine_agent("unreadable")
     assert moved is not None and moved.parent.name == "quarantine"
     assert json.loads(moved.read_text())["agent_id"] == "unreadable"  # kept for inspection
-    assert all(store.has_local_block(h) for h in record.blocks)  # the next save reuses them
-    assert store.quarantine_agent("nobody") is None
+    assert all(store.local.has_block(h) for h in record.blocks)  # the next save reuses them
+    assert store.maintenance.quarantine_agent("nobody") is None
     with pytest.raises(ValueError, match="agent_id"):
-        store.quarantine_agent("../x")
+        store.maintenance.quarantine_agent("../x")
     back = store.get_agent("unreadable")
     if isinstance(store, SharedBlockStore):  # this worker's copy only: the store's is read again
         assert back is not None and back.blocks == record.blocks
@@ -381,18 +406,18 @@ def test_a_quarantined_record_is_moved_aside_and_its_blocks_kept(opener: Opener)
 
 def test_clearing_the_quarantine_frees_its_bytes(opener: Opener) -> None:
     store = opener("w1")
-    assert store.clear_quarantine() == 0  # nothing quarantined
+    assert store.maintenance.clear_quarantine() == 0  # nothing quarantined
     _agent(store, "cleared", seed=110)
     loose = _block(None, [1, 1, 0], 111)
     store.put_block(loose)
-    moved = [store.quarantine_block(loose.hash), store.quarantine_agent("cleared")]
+    moved = [store.quarantine_block(loose.hash), store.maintenance.quarantine_agent("cleared")]
     held = sum(p.stat().st_size for p in moved if p is not None)
-    assert held > 0 and store.usage().quarantine_bytes == held
-    before = store.disk_bytes()
-    assert store.clear_quarantine() == held  # the bytes freed
+    assert held > 0 and store.maintenance.usage().quarantine_bytes == held
+    before = store.maintenance.disk_bytes()
+    assert store.maintenance.clear_quarantine() == held  # the bytes freed
     assert not any(p.exists() for p in moved if p is not None)
-    assert store.usage().quarantine_bytes == 0 and store.disk_bytes() == before - held
-    assert store.clear_quarantine() == 0
+    assert store.maintenance.usage().quarantine_bytes == 0 and store.maintenance.disk_bytes() == before - held
+    assert store.maintenance.clear_quarantine() == 0
 
 
 def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) -> None:
@@ -423,6 +448,6 @@ def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) 
     assert _what(theirs.get_agent("viewed ✓")) == _what(record)
     (group, *_) = theirs.read_blocks([b.hash for b in blocks])
     assert mx.array_equal(group.tensor("L1.k")[:, :, :4], blocks[0].tensors["L1.k"]).item()
-    with take_lease(theirs, "viewed ✓", theirs.seen_version("viewed ✓")) as lease:
+    with take_lease(theirs.replication, "viewed ✓", seen_version(theirs.replication, "viewed ✓")) as lease:
         assert lease.current  # this worker's copy is what it serves
     lease.release()

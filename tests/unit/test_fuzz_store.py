@@ -58,7 +58,7 @@ def test_no_agent_id_names_a_path(store: DiskBlockStore, agent_id: str) -> None:
         return
     store.put_agent(AgentRecord(agent_id, [], [1], [1], "x"))
     assert store.get_agent(agent_id).agent_id == agent_id  # type: ignore[union-attr]
-    assert store.quarantine_agent(agent_id) is not None  # the one place an id reaches a file name
+    assert store.maintenance.quarantine_agent(agent_id) is not None  # the one place an id reaches a file name
     quarantined = _files(store.dir.parent) - before
     assert all(p.parent == store.dir / "quarantine" for p in quarantined)
     for p in quarantined:

@@ -36,7 +36,7 @@ from ..storage.blocks import (
 from ..storage.budget import EvictionReport
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore, Lease, StoreReads, take_lease
+from ..storage.protocols import BlockStore, Lease, StoreReads, seen_version, take_lease
 from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
 from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
@@ -139,7 +139,7 @@ class AgentCaches:
         hot = self.hot.get(agent_id)
         # A shared store: take the agent's lease; another worker saved it since: reread.
         if lease is None:
-            lease = take_lease(self.reads, agent_id, hot.version if hot else None)
+            lease = take_lease(self.reads.replication, agent_id, hot.version if hot else None)
         if not lease.current and hot is not None:
             self.hot.drop(agent_id)
         with lease:  # given back if the admission fails
@@ -188,7 +188,7 @@ class AgentCaches:
         tokens = record_tokens(record)
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
-        version = self.store.seen_version(agent_id)
+        version = seen_version(self.store.replication, agent_id)
         return AgentState(tokens, record.chain, None, version, record.state_blocks()), CacheSource.HOT
 
     def read_record(self, agent_id: str, via: StoreReads) -> AgentRecord | None:
@@ -201,7 +201,7 @@ class AgentCaches:
         except CacheFormatError as exc:
             # Moved aside (so this is said once), references kept: the next save reuses
             # the record's sound blocks and rewrites it.
-            via.quarantine_agent(agent_id)
+            via.maintenance.quarantine_agent(agent_id)
             logger.warning(
                 "agent %r: stored cache record unusable (%s); moved to quarantine/, falling back "
                 "to prefill (sound blocks shared by content are still reused), the next save "

@@ -28,7 +28,7 @@ from ..storage.blocks import (
     freeze_blocks,
 )
 from ..storage.pool import BlockPool
-from ..storage.protocols import BlockStore, Lease
+from ..storage.protocols import BlockStore, Lease, seen_version
 from .agent_state import Admission, AgentState, PendingSave, kept_from
 from .block_cuts import blocks_of
 from .hot_agents import HotAgents
@@ -93,7 +93,7 @@ class CacheWrites:
                 layer.drop_before(kept_from(layer, n))
         # A hybrid's state past ``n`` (a stop sequence) is not kept: it resumes from snapshots.
         state = AgentState(
-            known, chain, layers if at_end else None, self.store.seen_version(agent_id), states
+            known, chain, layers if at_end else None, seen_version(self.store.replication, agent_id), states
         )
         self.hot.keep(agent_id, state)
         nbytes = sum(block.written_nbytes for block in blocks.values())
@@ -214,7 +214,7 @@ class CacheWrites:
 
     def has_local(self, h: BlockHash) -> bool:
         """Whether block ``h`` is here: in memory or on this worker's disk (no round trip)."""
-        return self.held(h) or self.store.has_local_block(h)
+        return self.held(h) or self.store.local.has_block(h)
 
     def saving_agents(self) -> set[str]:
         """Agents with a save not written yet (``write``)."""
@@ -283,4 +283,4 @@ def write_record(job: WriteJob, writes: BlockWrites) -> Written:
     finally:
         if job.lease is not None:
             job.lease.release()  # no-op after the commit; a failed save gives it back
-    return Written(True, outcome, writes.store.seen_version(record.agent_id))
+    return Written(True, outcome, seen_version(writes.store.replication, record.agent_id))

@@ -25,7 +25,7 @@ from ..caches.agents import AgentCaches, AgentView
 from ..caches.reuse import plan_own, plan_reuse
 from ..ops.process import RUNTIME
 from ..storage.blocks import BlockHash
-from ..storage.protocols import Lease, take_lease
+from ..storage.protocols import Lease, seen_version, take_lease
 from ..storage.remote import SharedBlockStore
 from .steps import Request
 
@@ -100,11 +100,12 @@ class StoreAdmissions:
     def lease(self, agent_id: str, prompt: str, view: AgentView) -> Lease:
         """The agent's lease, with its record and the blocks ``prompt`` reuses brought here
         (``view``: what the loop knew of the agent when it handed the request over)."""
-        store = self.store
+        replication = self.store.replication
         # Fresh unless another worker committed since the live copy's version (none live:
         # since what this worker knows; a request of its own may make one live meanwhile).
         hot = view.live
-        lease = take_lease(store, agent_id, view.version if hot is not None else store.seen_version(agent_id))
+        version = view.version if hot is not None else seen_version(replication, agent_id)
+        lease = take_lease(replication, agent_id, version)
         try:
             self._fetch(agent_id, prompt, hot if lease.current else None, view.held)
         except Exception as exc:  # an optimisation: the model's thread prefills what is not here
@@ -142,10 +143,10 @@ class StoreAdmissions:
                 has=lambda hashes: self._stored(hashes, held),
             )
         wanted = [h for h in plan.blocks() if h not in held] if plan is not None else []
-        if wanted and not self.store.prefetch(wanted):
+        if wanted and not self.store.blocks.prefetch(wanted):
             logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
 
     def _stored(self, hashes: Sequence[BlockHash], held: frozenset[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in this worker's memory (``held``) or in the shared store (one
         round trip)."""
-        return set(self.store.stored(list(hashes))) | {h for h in hashes if h in held}
+        return set(self.store.blocks.stored(list(hashes))) | {h for h in hashes if h in held}

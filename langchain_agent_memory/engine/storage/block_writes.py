@@ -75,7 +75,7 @@ class BlockWrites:
         held in memory (the saves', the pool's), whose headers need no read."""
         written, new_blocks = 0, []
         with self.store.locked():
-            replaced = set(old) | set(self.store.agent_chain(record.agent_id))
+            replaced = set(old) | set(self.store.local.agent_chain(record.agent_id))
             try:
                 # The record names what reading its chain takes: its segments' earlier blocks
                 # (each checked below like the rest: another process may have deleted one).
@@ -157,7 +157,7 @@ class BlockWrites:
     def delete_agent(self, agent_id: str, into: WriteOutcome | None = None) -> bool:
         """Delete an agent's record (even an unreadable one) and the blocks only it named."""
         with self.store.locked():
-            chain = self.store.agent_chain(agent_id)
+            chain = self.store.local.agent_chain(agent_id)
             gone = self.store.delete_agent(agent_id)
             self.release(chain, into=into)
         return gone
@@ -170,7 +170,7 @@ class BlockWrites:
         keep = set(new)
         with self.store.locked():
             for h in dict.fromkeys(old):
-                if h not in keep and not self.store.is_referenced(h):
+                if h not in keep and not self.store.local.is_referenced(h):
                     self.store.delete_block(h)
                     if into is not None:
                         into.deleted.append(h)

@@ -121,7 +121,7 @@ def enforce(
     engine leaves headroom, so that a pass runs every few saves, not after each).
     ``in_use(fingerprint, agent_id)``: never evicted. ``dry_run``: plan only (the report
     says what would go). Callers hold each store's lock when other threads may write."""
-    usages = [s.usage() for s in stores]
+    usages = [s.maintenance.usage() for s in stores]
     report = EvictionReport(bytes_before=sum(u.total for u in usages))
     # How many records name each block: a block's bytes are freed when the last goes.
     holders = {u.fingerprint: Counter(h for blocks in u.refs.values() for h in blocks) for u in usages}
@@ -143,7 +143,7 @@ def enforce(
         chosen.setdefault(fp, []).append(agent)
         report.evicted.append((fp, agent))
 
-    pinned = {s.fingerprint: s.pinned() for s in stores}
+    pinned = {s.fingerprint: s.replication.pinned() if s.replication else set() for s in stores}
     left = []
     for used, fp, agent in candidates:
         if in_use(fp, agent) or agent in pinned[fp]:
@@ -167,12 +167,12 @@ def enforce(
         return report
     for store in stores:
         if report.quarantine_bytes:
-            store.clear_quarantine()
+            store.maintenance.clear_quarantine()
         agents = chosen.get(store.fingerprint)
         if agents:
-            _, deleted = store.evict_agents(agents)
+            _, deleted = store.maintenance.evict_agents(agents)
             report.deleted_blocks[store.fingerprint] = deleted
-    report.bytes_after = sum(s.disk_bytes() for s in stores)
+    report.bytes_after = sum(s.maintenance.disk_bytes() for s in stores)
     if report.evicted:
         names = [agent for _, agent in report.evicted]
         logger.info(
@@ -262,7 +262,7 @@ class BudgetKeeper:
         if watch is None or not (force or watch.due(written, saves, now)):
             return None
         budget = watch.budget
-        total, oldest = self._store.disk_bytes(), self._store.oldest_use()
+        total, oldest = self._store.maintenance.disk_bytes(), self._store.maintenance.oldest_use()
         expired = budget.ttl_s is not None and oldest is not None and oldest < now - budget.ttl_s
         report = None
         if expired or (budget.max_bytes is not None and total > budget.max_bytes):

@@ -19,6 +19,7 @@ from typing import Protocol
 from .agent_ids import validate_agent_id
 from .blocks import AgentRecord, Block, BlockHash
 from .objects import BlocksUnavailableError
+from .protocols import LeaseHolder
 from .reader import BlockGroup
 from .store import DiskBlockStore
 
@@ -29,20 +30,33 @@ class TieredStore(Protocol):
     local: DiskBlockStore
     fingerprint: str
 
-    def seen_version(self, agent_id: str) -> int | None: ...
-    def end(self, agent_id: str) -> None: ...
     def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class TierLeases:
+    """A shared store's leases as the model's thread sees them (``LocalTier.replication``):
+    a request whose lease could not be taken before (``admissions``) goes on from what is
+    here, so ``begin`` asks the store nothing; the give-back runs on the store's threads."""
+
+    def __init__(self, replication: LeaseHolder) -> None:
+        self.end = replication.end
+        self.seen_version = replication.seen_version
+
+    def begin(self, agent_id: str, version: int | None) -> bool:
+        return True
 
 
 class LocalTier:
     """``SharedBlockStore.local_tier()``: its reads answered from this worker's disk alone;
     what must still reach the store (a lease given back, a bad object replaced) is handed to
-    the store's own threads (``SharedBlockStore.end``, ``quarantine_block``)."""
+    the store's own threads (``replication.end``, ``quarantine_block``)."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, replication: LeaseHolder) -> None:
         self._store, self._local = store, store.local
         self.fingerprint = store.fingerprint
+        self.replication = TierLeases(replication)
+        self.maintenance = store.local.maintenance  # this worker's disk: all of it is here
 
     def has_block(self, h: BlockHash) -> bool:
         return self._local.has_block(h)
@@ -77,22 +91,8 @@ class LocalTier:
         validate_agent_id(agent_id)
         return self._local.get_agent(agent_id)
 
-    def seen_version(self, agent_id: str) -> int | None:
-        return self._store.seen_version(agent_id)
-
-    def begin(self, agent_id: str, version: int | None) -> bool:
-        """A request whose lease could not be taken before (``admissions``) goes on from
-        what is here."""
-        return True
-
-    def end(self, agent_id: str) -> None:
-        self._store.end(agent_id)  # the give-back runs on the store's threads
-
     def quarantine_block(self, h: BlockHash) -> Path | None:
         return self._store.quarantine_block(h)  # the store's copy is checked on its threads
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self._local.quarantine_agent(agent_id)
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         return self._store.locked()

@@ -1,6 +1,7 @@
-"""The local store's upkeep (``DiskBlockStore`` holds it as ``upkeep``): bytes on disk,
-least-recently-used order and eviction, quarantined records and their clearing, and
-recovery after a crash."""
+"""The upkeep of this worker's disk (``DiskBlockStore`` holds it as ``maintenance``; a shared
+store's is its local tier's): bytes on disk, least-recently-used order and eviction,
+quarantined records and their clearing, and recovery after a crash. The one
+implementation of ``protocols.Maintenance``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..ops.files import TEMP_PREFIX, DirectoryLock, atomic_write_bytes
@@ -29,6 +30,9 @@ class DiskMaintenance:
         self, directory: Path, files: BlockFiles, index: AgentIndex, lock: DirectoryLock, *, tier: bool
     ) -> None:
         self.dir, self.files, self.index, self.lock, self.tier = directory, files, index, lock, tier
+        #: told of each agent evicted here before its record goes (a shared store's records
+        #: forget this worker's copy: ``SharedRecords.forget``); None: nothing to tell
+        self.on_evict: Callable[[str], None] | None = None
 
     def _fixed_bytes(self) -> tuple[int, int]:
         """(the directory's own files: index with its journal, format; quarantined files) in bytes."""
@@ -85,7 +89,11 @@ class DiskMaintenance:
 
     def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
         """Delete these agents' records and the blocks no remaining record names, under the
-        directory lock; return the bytes freed and the blocks deleted."""
+        directory lock; return the bytes freed and the blocks deleted. A shared store's
+        local tier: this worker's copies only (the store keeps the agents; their next request
+        reads them through, as on any other worker)."""
+        for agent in agent_ids if self.on_evict is not None else ():
+            self.on_evict(agent)
         db = self.index.db
         with self.lock:
             with self.index.db_lock, db:

@@ -1,20 +1,27 @@
-"""What the engine asks of a block store (``DiskBlockStore``, ``SharedBlockStore``), in three
-narrow protocols: ``BlockStoreBlocks`` (block files), ``BlockStoreRecords`` (agent records
-and the leases around a request), ``BlockStoreMaintenance`` (bytes on disk, eviction,
-quarantine). ``BlockStore`` is all three: what a backend implements, and what the store
-conformance suite (tests/integration/test_store_conformance.py) checks on every backend."""
+"""What the engine asks of a block store (``DiskBlockStore``, ``SharedBlockStore``), in
+narrow protocols: ``BlockStoreBlocks`` (block files), ``BlockStoreRecords`` (agent records),
+``Maintenance`` (bytes on disk, eviction, quarantine, recovery: ``store.maintenance``), and
+``Replication`` (the
+lease around a request, versions, saves waiting to upload): a shared store's only, absent
+(None) for a local one. ``BlockStore`` is all of them: what a backend implements, and what
+the store conformance suite (tests/integration/test_store_conformance.py) checks on every
+backend."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .blocks import AgentRecord, Block, BlockHash, StoreUsage
+from .index import RecoveryReport
 from .reader import BlockGroup
 from .status import StoreStatus
+
+if TYPE_CHECKING:
+    from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +32,6 @@ class BlockStoreBlocks(Protocol):
     fingerprint: str
 
     def has_block(self, h: BlockHash) -> bool: ...
-    def has_local_block(self, h: BlockHash) -> bool: ...
-    def local_bytes(self, hashes: Iterable[BlockHash]) -> int: ...
     def put_block(self, block: Block) -> int: ...
     def prior_of(self, h: BlockHash) -> BlockHash | None: ...
     def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
@@ -34,44 +39,65 @@ class BlockStoreBlocks(Protocol):
         self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
     ) -> list[BlockGroup]: ...
     def delete_block(self, h: BlockHash) -> None: ...
-    def block_hashes(self) -> Iterator[BlockHash]: ...
-    def is_referenced(self, h: BlockHash) -> bool: ...
 
 
 class BlockStoreRecords(Protocol):
-    """Agent records, and the lease around a request (a shared store's: ``begin`` says
-    whether a live copy at ``version`` is current; ``end`` gives the lease back without a
-    commit; ``put_agent`` commits and gives it back)."""
+    """Agent records (a shared store's ``put_agent`` commits and gives the request's lease
+    back)."""
 
     def put_agent(self, record: AgentRecord) -> int: ...
     def get_agent(self, agent_id: str) -> AgentRecord | None: ...
     def has_agent(self, agent_id: str) -> bool: ...
-    def upload_pending(self, agent_id: str) -> bool: ...
-    def agent_chain(self, agent_id: str) -> list[BlockHash]: ...
     def delete_agent(self, agent_id: str) -> bool: ...
     def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
-    def begin(self, agent_id: str, version: int | None) -> bool: ...
-    def seen_version(self, agent_id: str) -> int | None: ...
-    def end(self, agent_id: str) -> None: ...
 
 
-class BlockStoreMaintenance(Protocol):
-    """Bytes on disk, eviction, quarantine; mutations that must not interleave with another
-    process's (a commit: blocks then record; a delete: record then orphaned blocks) run
-    inside ``with store.locked():``."""
+class Maintenance(Protocol):
+    """This worker's disk: bytes, least-recently-used order and eviction, quarantined
+    records, recovery after a crash (``maintenance.DiskMaintenance``, the one
+    implementation; a shared store's is its local tier's, which also forgets in the shared
+    records what it evicts)."""
 
-    def locked(self) -> contextlib.AbstractContextManager[None]: ...
     def disk_bytes(self) -> int: ...
     def oldest_use(self) -> float | None: ...
     def usage(self) -> StoreUsage: ...
-    def pinned(self) -> set[str]: ...
     def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]: ...
-    def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def quarantine_agent(self, agent_id: str) -> Path | None: ...
     def clear_quarantine(self) -> int: ...
-    def status(self) -> StoreStatus: ...
-    def bound_pending(self, max_bytes: int | None) -> None: ...
+    def recover(self) -> RecoveryReport: ...
+
+
+class BlockStoreMaintenance(Protocol):
+    """The store's lock, its ``maintenance`` and its close; mutations that must not
+    interleave with another process's (a commit: blocks then record; a delete: record then
+    orphaned blocks) run inside ``with store.locked():``."""
+
+    @property
+    def maintenance(self) -> Maintenance: ...
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+    def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def close(self) -> None: ...
+
+
+class LeaseHolder(Protocol):
+    """Where a request's lease is taken (``begin``: whether a live copy at ``version`` is
+    current) and given back without a commit (``end``), and the version of each agent this
+    worker last read or wrote: a shared store's ``replication``, or its local tier's view
+    of it. A local store has none: one directory has one writer at a time."""
+
+    def begin(self, agent_id: str, version: int | None) -> bool: ...
+    def end(self, agent_id: str) -> None: ...
+    def seen_version(self, agent_id: str) -> int | None: ...
+
+
+class Replication(LeaseHolder, Protocol):
+    """What a store shared by workers adds (``storage.replication.SharedReplication``): the
+    leases, the saves kept on this worker until the store takes them (never evicted:
+    ``pinned``; bounded: ``bound_pending``), and its state for a readiness probe."""
+
+    def pinned(self) -> set[str]: ...
+    def bound_pending(self, max_bytes: int | None) -> None: ...
+    def status(self) -> StoreStatus: ...
 
 
 class StoreReads(Protocol):
@@ -88,27 +114,32 @@ class StoreReads(Protocol):
         self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
     ) -> list[BlockGroup]: ...
     def get_agent(self, agent_id: str) -> AgentRecord | None: ...
-    def seen_version(self, agent_id: str) -> int | None: ...
-    def begin(self, agent_id: str, version: int | None) -> bool: ...
-    def end(self, agent_id: str) -> None: ...
+    @property
+    def replication(self) -> LeaseHolder | None: ...
+    @property
+    def maintenance(self) -> Maintenance: ...
     def quarantine_block(self, h: BlockHash) -> Path | None: ...
-    def quarantine_agent(self, agent_id: str) -> Path | None: ...
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class BlockStore(BlockStoreBlocks, BlockStoreRecords, BlockStoreMaintenance, Protocol):
-    """A backend: all three (local ``DiskBlockStore``, ``remote.SharedBlockStore``), and the
-    view its model-thread readers get (``local_tier``); both pass the store conformance
-    suite (tests/integration/test_store_conformance.py)."""
+    """A backend: all of them (local ``DiskBlockStore``, ``remote.SharedBlockStore``), and
+    the view its model-thread readers get (``local_tier``); both pass the store conformance
+    suite (tests/integration/test_store_conformance.py). ``local``: this worker's directory
+    (what a block's file, bytes here, the chains this worker's records name and the saves
+    not uploaded yet are asked of); a local store is its own."""
 
+    @property
+    def replication(self) -> Replication | None: ...
+    @property
+    def local(self) -> DiskBlockStore: ...
     def local_tier(self) -> StoreReads: ...
 
 
-class LeaseHolder(Protocol):
-    """Where a request's lease is taken and given back (a store, or its ``local_tier``)."""
-
-    def begin(self, agent_id: str, version: int | None) -> bool: ...
-    def end(self, agent_id: str) -> None: ...
+def seen_version(replication: LeaseHolder | None, agent_id: str) -> int | None:
+    """The version of the agent this worker last read or wrote (None: none, or a local
+    store, which has no versions)."""
+    return None if replication is None else replication.seen_version(agent_id)
 
 
 class Lease:
@@ -116,19 +147,21 @@ class Lease:
     the version the caller holds is the newest. Given back exactly once: by ``release`` (a
     request that ends without a commit), or by the commit that ends it (``committed``: the
     store's ``put_agent`` gives it back). As a context manager it is given back when its
-    block raises. A local store's lease holds nothing; a shared store's is a row in its
-    catalog that other workers' requests wait on until it is given back or expires."""
+    block raises. A local store's lease holds nothing (``store`` is None); a shared store's
+    is a row in its catalog that other workers' requests wait on until it is given back or
+    expires."""
 
     __slots__ = ("_done", "agent_id", "current", "store")
 
-    def __init__(self, store: LeaseHolder, agent_id: str, current: bool) -> None:
+    def __init__(self, store: LeaseHolder | None, agent_id: str, current: bool) -> None:
         self.store, self.agent_id, self.current = store, agent_id, current
         self._done = False
 
     def release(self) -> None:
         if not self._done:
             self._done = True
-            self.store.end(self.agent_id)
+            if self.store is not None:
+                self.store.end(self.agent_id)
 
     def committed(self) -> None:
         self._done = True
@@ -141,6 +174,9 @@ class Lease:
             self.release()
 
 
-def take_lease(store: LeaseHolder, agent_id: str, version: int | None) -> Lease:
-    """Take the agent's lease in ``store`` for a request that holds it at ``version``."""
-    return Lease(store, agent_id, store.begin(agent_id, version))
+def take_lease(replication: LeaseHolder | None, agent_id: str, version: int | None) -> Lease:
+    """Take the agent's lease for a request that holds it at ``version`` (a store's
+    ``replication``; None, a local store's: a lease that holds nothing, always current)."""
+    if replication is None:
+        return Lease(None, agent_id, True)
+    return Lease(replication, agent_id, replication.begin(agent_id, version))

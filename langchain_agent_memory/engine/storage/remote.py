@@ -31,22 +31,21 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 
 from ..ops.files import DirectoryLock
 from ..ops.process import RUNTIME
-from .blocks import AgentRecord, Block, BlockHash, StoreUsage
+from .blocks import AgentRecord, Block, BlockHash
 from .catalog import Catalog
-from .index import RecoveryReport
 from .leases import Leases
 from .local_tier import LocalTier
 from .objects import ObjectBlocks, RemoteConfigError, RemoteUnavailableError
 from .reader import BlockGroup
 from .remote_blocks import Reach, SharedBlocks, SharedStats, submit
 from .remote_records import SharedRecords
-from .remote_upkeep import GarbageReport, SharedUpkeep, VerifyReport
-from .status import StoreStatus
+from .remote_upkeep import SharedUpkeep
+from .replication import SharedReplication
 from .store import DiskBlockStore
 from .store_config import StoreConfig
 
@@ -58,7 +57,8 @@ class SharedBlockStore:
     worker's directory (a ``DiskBlockStore``) as the tier in front. Its work is its parts':
     ``blocks`` (read through, uploaded), ``records`` (read through, committed, pending
     saves), ``upkeep`` (garbage collection, verify), ``leases`` (a request's hold on an
-    agent)."""
+    agent), and ``replication``: what callers ask of a shared store only (a local store's
+    is None)."""
 
     def __init__(
         self,
@@ -89,35 +89,20 @@ class SharedBlockStore:
             worker_id=self.worker_id, lease_s=lease_s, retry_s=retry_s,
         )  # fmt: skip
         self.upkeep = SharedUpkeep(local, catalog, objects, self.blocks, grace_s=grace_s)
+        #: this worker's disk (``DiskMaintenance``): its eviction forgets the copies here
+        self.maintenance = local.maintenance
+        self.maintenance.on_evict = self.records.forget
+        self.replication = SharedReplication(
+            local, catalog, self.leases, self.records, self.reach, self.stats, self._io
+        )
         if self.local.pending_agents():  # saved here by an earlier process, not uploaded
             self.records.pending.start()
         _OPEN.add(self)
 
-    @property
-    def reachable(self) -> bool:
-        """Whether the store answered its last call (False: the circuit is open, and this
-        worker serves from its local tier)."""
-        return self.catalog.healthy
-
-    def status(self) -> StoreStatus:
-        """Reachable, and the saves waiting to upload (their bytes read from this worker's
-        index only when there are some): nothing here waits on the store or a save."""
-        pending = self.stats.pending_saves
-        return StoreStatus(True, self.reachable, pending, self.pending_bytes() if pending else 0)
-
     def local_tier(self) -> LocalTier:
         """This store as the engine's model thread reads it: this worker's copies only, so
         that a hung store stalls no model step (``local_tier``)."""
-        return LocalTier(self)
-
-    @property
-    def recovery(self) -> RecoveryReport:
-        return self.local.recovery
-
-    def bound_pending(self, max_bytes: int | None) -> None:
-        """Keep at most ``max_bytes`` of saves waiting to upload on this worker (None: no
-        bound): past it the oldest are dropped, loudly (``PendingSaves.bound``)."""
-        self.records.pending.max_bytes = max_bytes
+        return LocalTier(self, self.replication)
 
     def locked(self) -> DirectoryLock:
         return self.local.locked()
@@ -130,49 +115,10 @@ class SharedBlockStore:
         self.catalog.close()
         self.local.close()
 
-    # ------------------------------------------------------------------ requests
-
-    def begin(self, agent_id: str, version: int | None) -> bool:
-        """Take the agent's lease for a request (waiting for another worker's save in flight:
-        ``Leases.take``); False if a live copy at ``version`` is stale (another worker
-        committed since). Unreachable: True (work from what is here)."""
-        try:
-            current = self.leases.take(agent_id)
-        except RemoteUnavailableError as exc:
-            self.reach.down(exc)
-            return True
-        return current == version or self.records.is_own_save(agent_id, version, current)
-
-    def seen_version(self, agent_id: str) -> int | None:
-        state = self.local.sync_state(agent_id)
-        return state[0] if state else None
-
-    def end(self, agent_id: str) -> None:
-        """Give the lease back after a request that did not commit (the last of this
-        worker's on the agent), on the store's threads: nothing waits on it, and a request
-        that starts meanwhile takes the row again (``Leases.give_back``)."""
-        if self.leases.done(agent_id):
-            submit(self._io, self.leases.give_back, agent_id)
-
     # ------------------------------------------------------------------ blocks (``blocks``)
-
-    def block_path(self, h: BlockHash) -> Path:
-        return self.local.block_path(h)
-
-    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
-        return self.local.local_bytes(hashes)
-
-    def has_local_block(self, h: BlockHash) -> bool:
-        return self.local.has_block(h)
 
     def has_block(self, h: BlockHash) -> bool:
         return h in self.blocks.stored([h])
-
-    def stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
-        return self.blocks.stored(hashes)
-
-    def prefetch(self, hashes: Sequence[BlockHash]) -> bool:
-        return self.blocks.prefetch(hashes)
 
     def put_block(self, block: Block) -> int:
         """Written to this worker's disk; uploaded when a record naming it commits."""
@@ -204,22 +150,6 @@ class SharedBlockStore:
         submit(self._io, self.blocks.replace_bad, h)  # nothing waits on the store's copy
         return moved
 
-    def block_hashes(self) -> Iterator[BlockHash]:
-        return self.local.block_hashes()
-
-    def is_referenced(self, h: BlockHash) -> bool:
-        """Whether a record on this worker names ``h`` (its local copy is kept while one does)."""
-        return self.local.is_referenced(h)
-
-    def refcount(self, h: BlockHash) -> int:
-        return self.local.refcount(h)
-
-    def referenced_blocks(self) -> set[BlockHash]:
-        return self.local.referenced_blocks()
-
-    def recover(self) -> RecoveryReport:
-        return self.local.recover()
-
     # ------------------------------------------------------------------ records (``records``)
 
     def get_agent(self, agent_id: str) -> AgentRecord | None:
@@ -237,58 +167,6 @@ class SharedBlockStore:
     def delete_agent(self, agent_id: str) -> bool:
         return self.records.delete_agent(agent_id)
 
-    def agent_chain(self, agent_id: str) -> list[BlockHash]:
-        """The chain of this worker's copy (the blocks a save may release locally)."""
-        return self.local.agent_chain(agent_id)
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.local.quarantine_agent(agent_id)
-
-    def upload_pending(self, agent_id: str) -> bool:
-        return self.local.upload_pending(agent_id)
-
-    def pending_bytes(self) -> int:
-        return self.records.pending.nbytes()
-
-    def flush_pending(self) -> int:
-        return self.records.pending.flush()
-
-    def upload_before_exit(self, deadline: float) -> None:
-        self.records.pending.upload_before_exit(deadline)
-
-    # ------------------------------------------------------------------ this worker's disk
-
-    def disk_bytes(self) -> int:
-        return self.local.disk_bytes()
-
-    def usage(self) -> StoreUsage:
-        return self.local.usage()
-
-    def oldest_use(self) -> float | None:
-        return self.local.oldest_use()
-
-    def pinned(self) -> set[str]:
-        """Saves made while the store was unreachable: the only copy until uploaded."""
-        return set(self.local.pending_agents())
-
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
-        """Drop this worker's copies only: the store keeps the agents (their next request
-        reads them through, as on any other worker)."""
-        for agent in agent_ids:
-            self.records.forget(agent)
-        return self.local.evict_agents(agent_ids)
-
-    def clear_quarantine(self) -> int:
-        return self.local.clear_quarantine()
-
-    # ------------------------------------------------------------------ the store's upkeep (``upkeep``)
-
-    def collect_garbage(self, grace_s: float | None = None) -> GarbageReport:
-        return self.upkeep.collect_garbage(grace_s)
-
-    def verify(self, repair: bool = True) -> VerifyReport:
-        return self.upkeep.verify(repair)
-
 
 #: Shared stores open in this process (``upload_before_exit`` at interpreter exit).
 _OPEN: weakref.WeakSet[SharedBlockStore] = weakref.WeakSet()
@@ -299,7 +177,7 @@ def upload_before_exit(deadline: float) -> None:
     every open shared store keeps locally and not in the store yet, until ``deadline``."""
     for store in list(_OPEN):
         with contextlib.suppress(Exception):
-            store.upload_before_exit(deadline)
+            store.replication.pending.upload_before_exit(deadline)
 
 
 def open_store(

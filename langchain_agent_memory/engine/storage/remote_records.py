@@ -316,7 +316,7 @@ class PendingSaves:
         waiting = self.local.pending_agents()  # least recently saved first
         while limit is not None and len(waiting) > 1 and self.nbytes() > limit:
             victim = waiting.pop(0)
-            self.local.evict_agents([victim])
+            self.local.maintenance.evict_agents([victim])
             self.stats.pending_dropped += 1
             logger.error(
                 "agent %r: its save could not be uploaded and this worker's saves waiting to upload "

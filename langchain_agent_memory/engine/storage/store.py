@@ -31,20 +31,23 @@ from pathlib import Path
 
 from ..ops.files import DirectoryLock, atomic_write_bytes
 from .block_files import BlockFiles
-from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatError, StoreUsage, version_error
+from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatError, version_error
 from .index import AgentIndex, RecoveryReport
 from .maintenance import DiskMaintenance
 from .reader import BlockGroup
-from .status import StoreStatus
 
 
 class DiskBlockStore:
     """Blocks as safetensors files (``files``), agent records in a SQLite index (``index``),
     under one directory; its upkeep (disk use, eviction, quarantine, recovery) is
-    ``upkeep``'s. On open, ``recover`` undoes what a killed process may have left:
+    ``maintenance``'s. On open, its ``recover`` undoes what a killed process may have left:
     temporary files, and blocks written for a record it never committed (or left behind by
     a delete it did not finish).
     """
+
+    #: none: one directory has one writer at a time, so no lease, version or upload
+    #: (a shared store's ``SharedReplication``)
+    replication: None = None
 
     def __init__(
         self, root: str | os.PathLike[str], fingerprint: str, *, tier: bool = False, read_only: bool = False
@@ -75,8 +78,8 @@ class DiskBlockStore:
                 meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
                 atomic_write_bytes(fmt, json.dumps(meta).encode())
             self.index = AgentIndex.open(self.dir / "index.sqlite", self.files)
-            self.upkeep = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=tier)
-            self.recovery = self.recover()
+            self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=tier)
+            self.recovery = self.maintenance.recover()
 
     def _open_read_only(self) -> None:
         """Open an existing directory without changing anything in it: its index read-only
@@ -89,41 +92,26 @@ class DiskBlockStore:
         if version != FORMAT_VERSION:
             raise version_error(f"cache directory {self.dir}", version)
         self.index = AgentIndex.open_read_only(self.dir / "index.sqlite", self.files)
-        self.upkeep = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=self.tier)
+        self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=self.tier)
         self.recovery = RecoveryReport()
 
     def locked(self) -> DirectoryLock:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
         return self._lock
 
-    def begin(self, agent_id: str, version: int | None) -> bool:
-        """A request for the agent starts: whether a live copy of it at ``version`` may be
-        used (here always: one directory has one writer at a time; a shared store takes a
-        lease and compares versions)."""
-        return True
-
-    def seen_version(self, agent_id: str) -> int | None:
-        """The shared store's version of the agent this process last read or wrote (None here)."""
-        return None
-
-    def end(self, agent_id: str) -> None:
-        """A request for the agent ended without a commit (a shared store's lease)."""
-
     def leading_blocks(self, hashes: Sequence[BlockHash]) -> int:
         """How many of ``hashes``, from the first, are here."""
         return next((i for i, h in enumerate(hashes) if not self.has_block(h)), len(hashes))
+
+    @property
+    def local(self) -> DiskBlockStore:
+        """This worker's directory (a shared store's local tier): a local store is its own."""
+        return self
 
     def local_tier(self) -> DiskBlockStore:
         """What the engine's model thread reads (``local_tier``): all of this store, which
         never waits on a network."""
         return self
-
-    def bound_pending(self, max_bytes: int | None) -> None:
-        """Saves waiting to upload: none here (a shared store bounds its own)."""
-
-    def status(self) -> StoreStatus:
-        """A directory of this host's: always reachable, nothing waits to upload."""
-        return StoreStatus(shared=False)
 
     def close(self) -> None:
         self.index.close()
@@ -134,10 +122,6 @@ class DiskBlockStore:
         return self.files.path(h)
 
     def has_block(self, h: BlockHash) -> bool:
-        return self.files.exists(h)
-
-    def has_local_block(self, h: BlockHash) -> bool:
-        """Whether the block's file is in this directory (no round trip to anything)."""
         return self.files.exists(h)
 
     def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
@@ -210,31 +194,3 @@ class DiskBlockStore:
 
     def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
         self.index.note_blocks(blocks)
-
-    # ------------------------------------------------------------------ upkeep (``upkeep``)
-
-    def disk_bytes(self) -> int:
-        return self.upkeep.disk_bytes()
-
-    def oldest_use(self) -> float | None:
-        return self.upkeep.oldest_use()
-
-    def usage(self) -> StoreUsage:
-        return self.upkeep.usage()
-
-    def pinned(self) -> set[str]:
-        """Agents eviction must keep whatever their age (a shared store's local tier keeps
-        saves not uploaded yet); none here."""
-        return set()
-
-    def evict_agents(self, agent_ids: Sequence[str]) -> tuple[int, list[BlockHash]]:
-        return self.upkeep.evict_agents(agent_ids)
-
-    def quarantine_agent(self, agent_id: str) -> Path | None:
-        return self.upkeep.quarantine_agent(agent_id)
-
-    def clear_quarantine(self) -> int:
-        return self.upkeep.clear_quarantine()
-
-    def recover(self) -> RecoveryReport:
-        return self.upkeep.recover()
