@@ -14,7 +14,7 @@ from ..caches.agent_state import PendingSave
 from ..caches.agents import AgentCaches
 from ..caches.cache_writes import Written, write_record
 from ..results import Saved
-from ..storage.block_writes import BlockWrites
+from ..storage.block_writes import BlockWrites, WriteOutcome
 from ..storage.budget import BudgetKeeper, EvictionReport, StorageBudget, enforce
 from ..storage.protocols import BlockStore
 from .commits import CommitFeed
@@ -53,17 +53,25 @@ class Committer:
         agent_id = save.record.agent_id
 
         def write() -> Saved:  # on the save thread
-            written = write_record(job, self.writes)
-            saved: Saved = False
-            error = written.error
-            if error is None and written.stored:
-                try:
-                    self.feed.committed(job.record)
-                    self.budget.saved()
-                    saved = "local" if self.store.local.upload_pending(agent_id) else True
-                except Exception as exc:  # stored all the same: the record stands
-                    error = exc
-            self.loop.post(self._written, save, written, saved, error, done)
+            written, saved = Written(False, WriteOutcome()), False
+            error: BaseException | None = None
+            try:
+                written = write_record(job, self.writes)
+                error = written.error
+                if error is None and written.stored:
+                    try:
+                        self.feed.committed(job.record)
+                        self.budget.saved()
+                        saved = "local" if self.store.local.upload_pending(agent_id) else True
+                    except Exception as exc:  # stored all the same: the record stands
+                        error = exc
+            except BaseException as exc:
+                # Whatever ended the write (an interrupt too, which ``write_record`` does not
+                # take for a failed save), the loop hears of it: otherwise the save stays
+                # queued there and ``flush`` waits for it forever.
+                error = exc
+            finally:
+                self.loop.post(self._written, save, written, saved, error, done)
             if error is not None:
                 raise error  # logged and kept for ``flush`` (``SaveQueue``)
             return saved
