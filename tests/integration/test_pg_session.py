@@ -84,7 +84,7 @@ def test_open_close_cycles_leave_no_thread_and_no_connection(
     def cycle(i: int) -> None:
         store = open_store(tmp_path / "w", FP, config)
         assert isinstance(store, SharedBlockStore)
-        lease = take_lease(store, f"agent-{i % 7}", None)  # the heartbeat starts
+        lease = take_lease(store.replication, f"agent-{i % 7}", None)  # the heartbeat starts
         readers = [
             threading.Thread(target=store.catalog.has_blocks, args=(FP, [f"{i}-{k}"])) for k in range(3)
         ]

@@ -26,17 +26,19 @@ def server(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield url
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 4}),
-        ("/v1/messages", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 4}),
-        ("/v1/responses", {"input": LONG, "max_output_tokens": 4}),
-    ],
-)
+def _body(path: str) -> dict:
+    # Its own first words: no other agent's stored prompt is read, the prefill runs cold.
+    prompt = f"For {path}: " + LONG
+    if path == "/v1/responses":
+        return {"input": prompt, "max_output_tokens": 4}
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
 def test_a_long_prefill_streams_keep_alives_then_the_reply(
-    server: str, path: str, body: dict, monkeypatch: pytest.MonkeyPatch
+    server: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    body = _body(path)
     monkeypatch.setattr(streams, "FIRST_TOKEN_WAIT_S", 0.05)  # a prefill "longer" than the wait
     monkeypatch.setattr(streams, "KEEPALIVE_S", 0.2)
     agent = {"X-Agent-ID": f"long {path.rsplit('/', 1)[-1]}"}
