@@ -34,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -132,19 +134,12 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
             threads = [
                 threading.Thread(target=_one, args=(engine, barrier, replies, a, prompts[a])) for a in ids
             ]
-            counts: dict[str, int] = {}
-            stop = threading.Event()
-            sampler = threading.Thread(
-                target=_sample_stacks, args=(engine._worker._thread_id, stop, counts), daemon=True
-            )
-            sampler.start()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            stop.set()
-            sampler.join()
+            with _stacks_of(engine) as counts:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
             peak = mx.get_peak_memory() - base
             as_is = _active() - base
             held = _held_bytes(engine)
@@ -368,6 +363,22 @@ def _sample_stacks(thread_id: int, stop: threading.Event, counts: dict[str, int]
         time.sleep(0.001)
 
 
+@contextmanager
+def _stacks_of(engine: Any) -> Iterator[dict[str, int]]:
+    """The engine's loop thread's stacks, sampled while the block runs (``_sample_stacks``)."""
+    counts: dict[str, int] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(
+        target=_sample_stacks, args=(engine._worker._thread_id, stop, counts), daemon=True
+    )
+    sampler.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        sampler.join()
+
+
 def _top(counts: dict[str, int], n: int) -> list[tuple[float, str]]:
     """The ``n`` most sampled stacks, each with its share of the samples."""
     total = sum(counts.values()) or 1
@@ -409,13 +420,15 @@ def _bare_steps(model: Any, cache: list[Any], token: int, steps: int, ours: bool
     return {"synced_ms": round(synced, 3), "ahead_ms": round(ahead, 3), "build_ms": round(build, 3)}
 
 
-def _bare(model: Any, layers: list[Any], ids: list[int], with_mlx_lm: bool) -> dict[str, Any]:
-    """On the engine's worker thread: ``_bare_steps`` over our layers, then over mlx-lm's
-    KVCache prefilled with the same ids."""
+def _bare(engine: Any, agent: str, ids: list[int], with_mlx_lm: bool) -> dict[str, Any]:
+    """On the engine's loop (which owns the hot agent's layers): ``_bare_steps`` over
+    ``agent``'s layers, then over mlx-lm's KVCache prefilled with the same ids."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    res: dict[str, Any] = {"ours": _bare_steps(model, layers, ids[-1], 48, True)}
+    model = engine.lm.model
+    state = engine.agents.hot.get(agent)
+    res: dict[str, Any] = {"ours": _bare_steps(model, state.layers, ids[-1], 48, True)}
     if with_mlx_lm:
         cache = make_prompt_cache(model)
         for i in range(0, len(ids), 2048):
@@ -450,25 +463,15 @@ def decode_profile(model_dir: Path, root: Path, ctx: int = 32768) -> list[dict[s
             engine.generate("p", text, GenerationParams(max_tokens=1))
             r = engine.generate("p", text + extension(1), GenerationParams(max_tokens=33))
             row["engine_warmup_tok_s"] = round((r.completion_tokens - 1) / r.timings.decode_s, 1)
-            counts: dict[str, int] = {}
-            stop = threading.Event()
-            sampler = threading.Thread(
-                target=_sample_stacks, args=(engine._worker._thread_id, stop, counts), daemon=True
-            )
-            sampler.start()
-            r = engine.generate("p", text + extension(2), GenerationParams(max_tokens=129))
-            stop.set()
-            sampler.join()
+            with _stacks_of(engine) as counts:
+                r = engine.generate("p", text + extension(2), GenerationParams(max_tokens=129))
             row["engine_tok_s"] = round((r.completion_tokens - 1) / r.timings.decode_s, 1)
             row["stacks"] = _top(counts, 14)
-            state, _ = engine.agents.lookup("p")
-            model = engine.lm.model
             ids = engine.tokenizer.encode(text)
-
-            row["bare"] = engine._worker.submit(_bare, model, state.layers, ids, not mlx_done).result()
+            row["bare"] = engine._worker.submit(_bare, engine, "p", ids, not mlx_done).result()
             mlx_done = True
             engine.close()
-            del engine, state, model
+            del engine
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         gc.collect()
