@@ -74,3 +74,43 @@ def test_every_thread_an_engine_on_a_shared_store_starts_is_lent_by_the_runtime(
         names = sorted(t.name for t in alive)  # as named while the engine is open
     assert {"agent-memory-mlx", "agent-memory-saves", "agent-memory-remote"} <= set(names), names
     assert not [t.name for t in alive if t not in before and t not in lent], names
+
+
+#: A script that ends while its engine is busy: a thread of its own streams a long reply
+#: and the main thread returns mid-decode (no close(), no shutdown()).
+BUSY_AT_EXIT = textwrap.dedent(
+    """
+    import sys
+    import threading
+
+    from langchain_agent_memory.engine import Engine, GenerationParams
+
+    engine = Engine("smollm2-135m", cache_dir=sys.argv[1], kv_bits=None)
+    decoding = threading.Event()
+
+    def stream():
+        for _ in engine.stream("a", "Agent a tells a long story:", GenerationParams(max_tokens=100000)):
+            decoding.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    decoding.wait()
+    print("decoding", flush=True)
+    """
+)
+
+
+def test_a_process_that_exits_while_its_engine_decodes_ends_cleanly(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """The interpreter finalizes with no runtime thread inside MLX: one that is there then
+    aborts the process (exit code 134, "terminate called without an active exception"),
+    which a user's script, a server's shutdown or a test run reports as a crash."""
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", BUSY_AT_EXIT, str(tmp_path / "c")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip() == "decoding"

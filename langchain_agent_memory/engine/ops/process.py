@@ -22,12 +22,16 @@ runs on (only ``shutdown`` does):
   either). A process that opened and closed engines by the hundred (a test suite, a server
   swapping models, a notebook) piled up idle native threads: ~48 per model in the model
   matrix, which ran three times slower by its end.
-- A thread that has run MLX work and *ends* during interpreter shutdown makes mlx abort
-  ("terminate called without an active exception", exit code 134); a daemon thread that is
-  still waiting when the process ends does not. So these threads are daemons that wait for
-  their next loan, and the interpreter's exit ends none of them: it runs the exit hooks
-  (``at_exit``: the saves still queued are written) and lets them wait. ``shutdown`` ends
-  them while the interpreter is whole, which is safe.
+- A thread that is inside MLX when the interpreter finalizes aborts the process
+  ("terminate called without an active exception", exit code 134: the interpreter ends a
+  daemon thread that wakes then by unwinding its stack, and MLX's C++ frames do not let
+  it through); so may one that has run MLX work and *ends* then. A daemon thread that
+  waits on a queue does not wake. So these threads are daemons that wait for their next
+  loan, and the interpreter's exit first runs the exit hooks (``at_exit``: the saves still
+  queued are written), then stops every loan (each says how: ``lend``'s ``stop``; an
+  engine's loop leaves a reply it is decoding where it is) and waits for them to be back
+  on their queues, so that none is inside MLX, or wakes by a timer, while the interpreter
+  finalizes. ``shutdown`` ends the threads themselves while the interpreter is whole.
 
 The one lock (``lock``, re-entrant: a stock's maker may lend threads) guards the runtime's
 own tables and the short critical sections of what lives as long as the process besides:
@@ -44,6 +48,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -65,11 +70,13 @@ class Closable(Protocol):
 
 class Loan:
     """One loan of a runtime thread: ``loop`` runs on it until it returns (then the thread
-    is idle again, before ``join`` returns: the next loan finds it)."""
+    is idle again, before ``join`` returns: the next loan finds it). ``stop`` makes the loop
+    return soon, whatever it is doing (called once, at the process's exit)."""
 
-    def __init__(self, name: str, loop: Callable[[], None]) -> None:
+    def __init__(self, name: str, loop: Callable[[], None], stop: Callable[[], object]) -> None:
         self.name = name
         self.loop: Callable[[], None] | None = loop
+        self.stop = stop
         self.done = threading.Event()
 
     def is_alive(self) -> bool:
@@ -99,9 +106,11 @@ class ProcessRuntime:
 
     # ------------------------------------------------------------------ threads
 
-    def lend(self, loop: Callable[[], None], name: str) -> Loan:
-        """Run ``loop`` on an idle thread, or a new one where none is idle, under ``name``."""
-        loan = Loan(name, loop)
+    def lend(self, loop: Callable[[], None], name: str, stop: Callable[[], object]) -> Loan:
+        """Run ``loop`` on an idle thread, or a new one where none is idle, under ``name``.
+        ``stop`` makes it return soon: from a wait (a timer's, a queue's) and from the MLX
+        work it is doing (at the process's exit: the module's docstring)."""
+        loan = Loan(name, loop, stop)
         with self.lock:
             self._loans.add(loan)
             if self._idle:
@@ -183,6 +192,26 @@ class ProcessRuntime:
                 hook()
             except Exception:
                 logger.exception("exit hook %r failed", hook)
+        self._stop_loans(EXIT_STOP_S)
+
+    def _stop_loans(self, wait_s: float) -> None:
+        """Every loan stopped and waited for (``wait_s`` in all): its thread is then back on
+        its queue, where the interpreter's finalizing does not reach it."""
+        with self.lock:
+            loans = list(self._loans)
+        for loan in loans:
+            try:
+                loan.stop()
+            except Exception:
+                logger.exception("stopping thread %s failed", loan.name)
+        deadline = time.monotonic() + wait_s
+        late = [loan.name for loan in loans if not loan.join(max(0.0, deadline - time.monotonic()))]
+        if late:
+            logger.warning(
+                "threads still running %g s after the exit stopped them: %s (the process may abort "
+                "if one is inside MLX as the interpreter ends)",
+                wait_s, ", ".join(late),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ the end
 
@@ -233,7 +262,11 @@ class LentPool(Executor):
         self.name = name
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         # The loops hold the queue, not this object: dropped, it is freed and its threads go back.
-        self._loans = [runtime.lend(functools.partial(_run_jobs, self._jobs), name) for _ in range(size)]
+        # A stop ends one thread once the jobs queued before it have run.
+        stop = functools.partial(self._jobs.put, None)
+        self._loans = [
+            runtime.lend(functools.partial(_run_jobs, self._jobs), name, stop) for _ in range(size)
+        ]
         self._stop = weakref.finalize(self, _stop_jobs, self._jobs, size)
         # Not at exit: a thread woken while the interpreter finalizes is ended by it, and an
         # MLX thread that ends then aborts the process (the module's docstring).
@@ -278,6 +311,10 @@ def run_job(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) 
     except BaseException as exc:
         future.set_exception(exc)
 
+
+#: Seconds the process's exit waits for its loans to stop, after the exit hooks (a step of
+#: decode, a save's write, a database call: each ends by its own deadline sooner).
+EXIT_STOP_S = 15.0
 
 RUNTIME = ProcessRuntime()
 atexit.register(RUNTIME._exit)

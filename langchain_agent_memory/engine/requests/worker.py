@@ -65,21 +65,22 @@ _STOP: Any = object()  # a job that ends the worker's loop (``Worker.stop``)
 
 
 class Worker:
-    """One engine's MLX work, run in order on a thread lent by the process runtime. Why not a
-    ``ThreadPoolExecutor``, and why no stop at exit: a thread that has run MLX work and
-    *ends* during interpreter shutdown makes MLX abort ("terminate called without an active
-    exception", exit code 134); a daemon thread that is still waiting when the process ends
-    does not. Interrupted saves are safe (see ``store``)."""
+    """One engine's MLX work, run in order on a thread lent by the process runtime (why lent,
+    not a ``ThreadPoolExecutor``: ``ops.process``). At the process's exit the loop returns
+    after the step or job it is running: the requests in progress end there (their agents
+    keep the caches saved before), and no MLX work runs while the interpreter finalizes,
+    which would abort the process. Interrupted saves are safe (see ``store``)."""
 
     def __init__(self, name: str = "agent-memory-mlx") -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._jobs = queue.SimpleQueue()
         self._stepper: weakref.ref[Stepper] | None = None
         self._stopped = False
+        self._halted = False  # the process exits: leave now, requests in progress or not
         self._thread_id: int | None = None
         #: The cache state this loop owns (``ops.owner``): bound while the loop runs.
         self.owner = Owner()
-        self._loan = RUNTIME.lend(self._run_loop, name)
+        self._loan = RUNTIME.lend(self._run_loop, name, self._halt)
 
     @property
     def stepper(self) -> Stepper | None:
@@ -102,12 +103,14 @@ class Worker:
     def _loop(self) -> None:
         self._thread_id = threading.get_ident()
         self.owner.bind()
-        while True:
+        while not self._halted:
             stepper = self.stepper
             if stepper is not None and stepper.has_work():
                 # The jobs queued now (not those they queue again), then one step.
                 for _ in range(self._jobs.qsize()):
-                    self._run(*self._jobs.get())
+                    if (job := self._jobs.get()) is _STOP:
+                        return
+                    self._run(*job)
                 try:
                     stepper.step()
                 except BaseException:  # a step fails its own requests; never the thread
@@ -137,6 +140,11 @@ class Worker:
         self._jobs.put(_STOP)  # type: ignore[arg-type]
         if wait and not self.on_worker:
             self._loan.join()  # the thread is back with the runtime, for the next engine
+
+    def _halt(self) -> None:
+        """The process exits: the loop returns after what it is running (``RUNTIME.lend``)."""
+        self._halted = True
+        self._jobs.put(_STOP)  # type: ignore[arg-type]
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._stopped:  # a job no thread would run: its caller would wait forever

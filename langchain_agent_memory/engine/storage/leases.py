@@ -67,7 +67,7 @@ class Leases:
             # then keeps the row for this request (``others``).
             self._held[agent_id] += 1
             if not self._closed.is_set() and (self._heart is None or not self._heart.is_alive()):
-                self._heart = RUNTIME.lend(self._beat, "agent-memory-leases")
+                self._heart = RUNTIME.lend(self._beat, "agent-memory-leases", self._closed.set)
         started = time.monotonic()
         while True:
             taken, version = self.catalog.begin(self.fingerprint, agent_id, self.holder, self.lease_s)

@@ -85,7 +85,7 @@ class Deadlines:
                 raise RemoteUnavailableError(f"{self.name}: closed")
             self._calls.append(call)
             if self._thread is None:
-                self._thread = RUNTIME.lend(self._watch, self.name)
+                self._thread = RUNTIME.lend(self._watch, self.name, self._halt)
             self._cond.notify()
         try:
             yield call
@@ -126,6 +126,13 @@ class Deadlines:
                         self._cond.acquire()
                     continue
                 self._cond.wait(max(0.0, min(wake, ticked + self._tick_s) - now))
+
+    def _halt(self) -> None:
+        """The process exits: later calls are refused, the thread ends once those in flight
+        have (``RUNTIME.lend``)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Wait for the calls in flight (each ends by its deadline at the latest), then stop
@@ -347,7 +354,9 @@ class PgSession:
         with RUNTIME.lock:  # one probe at a time: checked and lent at once
             if self._closed.is_set() or (self._probe is not None and self._probe.is_alive()):
                 return
-            self._probe = RUNTIME.lend(self._probe_until_healthy, "agent-memory-store-probe")
+            self._probe = RUNTIME.lend(
+                self._probe_until_healthy, "agent-memory-store-probe", self._closed.set
+            )
 
     def _probe_until_healthy(self) -> None:
         while not self._closed.wait(self.retry_s):

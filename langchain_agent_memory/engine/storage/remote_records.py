@@ -359,7 +359,7 @@ class PendingSaves:
     def start(self) -> None:
         if self._uploader is not None and self._uploader.is_alive():
             return
-        self._uploader = RUNTIME.lend(self._loop, "agent-memory-uploader")
+        self._uploader = RUNTIME.lend(self._loop, "agent-memory-uploader", self._closed.set)
 
     def _loop(self) -> None:
         while not self._closed.wait(self.retry_s):
