@@ -1,10 +1,10 @@
-"""The store conformance suite: what the engine asks of a block store (``storage.protocols``),
-run against every backend the same way, as LangGraph's checkpoint-conformance does for
-savers. ``local``: a directory (``DiskBlockStore``); ``shared``: PostgreSQL + an
-S3-compatible server (SeaweedFS) with a directory in front (``SharedBlockStore``), real
-servers. A second store opened over the same places stands for another process. Where the
-backends differ by design (a shared store's worker deletes or quarantines its own copies,
-the store keeps its own), a test says what each does."""
+"""The store conformance suite: what the engine asks of a block store (its roles,
+``storage.protocols``: ``test_a_store_is_its_roles``), run against every backend the same
+way, as LangGraph's checkpoint-conformance does for savers. ``local``: a directory
+(``DiskBlockStore``); ``shared``: PostgreSQL + an S3-compatible server (SeaweedFS) with a
+directory in front (``SharedBlockStore``), real servers. A second store opened over the
+same places stands for another process. Where the backends differ by design (a shared
+store's worker deletes or quarantines its own copies, the store keeps its own), a test says what each does."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Protocol
 import pytest
 
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.storage.block_files import BlockFiles
 from langchain_agent_memory.engine.storage.blocks import (
     AgentRecord,
     Block,
@@ -26,9 +27,22 @@ from langchain_agent_memory.engine.storage.blocks import (
     CacheFormatError,
     block_hash,
 )
+from langchain_agent_memory.engine.storage.index import AgentIndex
 from langchain_agent_memory.engine.storage.objects import BlocksUnavailableError
-from langchain_agent_memory.engine.storage.protocols import BlockStore, seen_version, take_lease
+from langchain_agent_memory.engine.storage.protocols import (
+    BlockStore,
+    BlockStoreBlocks,
+    BlockStoreRecords,
+    LeaseHolder,
+    Maintenance,
+    RecordReads,
+    Replication,
+    StoreReads,
+    seen_version,
+    take_lease,
+)
 from langchain_agent_memory.engine.storage.remote import SharedBlockStore, open_store
+from langchain_agent_memory.engine.storage.store import DiskBlockStore
 from langchain_agent_memory.engine.storage.store_config import StoreConfig
 
 FP = "conformance-model"
@@ -168,6 +182,47 @@ def test_a_request_that_ends_without_a_commit_gives_the_agent_back(opener: Opene
     theirs = take_lease(other.replication, "leased", seen_version(other.replication, "leased"))
     assert theirs.current  # not held by the first worker
     theirs.release()
+
+
+def _members(protocol: type) -> set[str]:
+    """The attributes and methods a protocol (with those it extends) asks for."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if getattr(cls, "_is_protocol", False) and cls is not Protocol:
+            names |= {n for n in [*vars(cls), *getattr(cls, "__annotations__", {})] if not n.startswith("_")}
+    return names
+
+
+def _plays(role: object, protocol: type) -> None:
+    missing = sorted(n for n in _members(protocol) if not hasattr(role, n))
+    assert not missing, f"{type(role).__name__} lacks {missing} of {protocol.__name__}"
+
+
+def test_a_store_is_its_roles(opener: Opener) -> None:
+    """Callers use a store's roles directly: each plays its protocol, on the store and on the
+    view of its model thread; what only a directory has is its local store's; the store
+    itself forwards nothing (no ``get_block``, ``put_agent``...: one name per operation)."""
+    store = opener("w1")
+    _plays(store, BlockStore)
+    _plays(store.blocks, BlockStoreBlocks)
+    _plays(store.records, BlockStoreRecords)
+    _plays(store.maintenance, Maintenance)
+    if store.replication is not None:
+        _plays(store.replication, Replication)
+    assert isinstance(store.local, DiskBlockStore) and store.local.local is store.local
+    assert isinstance(store.local.blocks, BlockFiles) and isinstance(store.local.records, AgentIndex)
+    assert store.blocks.fingerprint == store.fingerprint == FP
+    tier = store.local_tier()
+    _plays(tier, StoreReads)
+    _plays(tier.blocks, BlockStoreBlocks)
+    _plays(tier.records, RecordReads)
+    _plays(tier.maintenance, Maintenance)
+    if tier.replication is not None:
+        _plays(tier.replication, LeaseHolder)
+    with tier.locked(), store.locked():  # one directory lock, re-entrant in this thread
+        pass
+    roles = _members(BlockStoreBlocks) | _members(BlockStoreRecords) | {"get_block", "put_agent", "agents"}
+    assert not [n for n in roles - {"fingerprint"} if hasattr(store, n)]
 
 
 def test_only_a_shared_store_has_replication(opener: Opener) -> None:
@@ -439,9 +494,8 @@ def test_the_model_threads_view_reads_only_what_this_worker_has(opener: Opener) 
             theirs.blocks.read([b.hash for b in blocks])
         assert missing.value.available == 0
         assert _what(two.records.get("viewed ✓")) == _what(record)  # the store read through: mirrored here
-        assert _what(theirs.records.get("viewed ✓")) == _what(record) and not theirs.blocks.has(
-            blocks[0].hash
-        )
+        assert _what(theirs.records.get("viewed ✓")) == _what(record)
+        assert not theirs.blocks.has(blocks[0].hash)
         two.blocks.read([blocks[0].hash])  # fetched: the first block is here, the second not
         with pytest.raises(BlocksUnavailableError) as missing:
             theirs.blocks.read([b.hash for b in blocks])

@@ -96,7 +96,7 @@ def migrate_index(db: sqlite3.Connection, where: Path) -> int:
 
 @dataclass(slots=True)
 class RecoveryReport:
-    """What ``DiskBlockStore.recover`` found and fixed when the store was opened."""
+    """What ``DiskMaintenance.recover`` found and fixed when the store was opened."""
 
     temp_files_removed: int = 0
     orphan_blocks_removed: int = 0
