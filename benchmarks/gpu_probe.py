@@ -312,7 +312,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
     n = len(record.token_ids)
     for rep in range(2):
         t0 = time.perf_counter()
-        groups = engine.admin.store.read_blocks(record.blocks)
+        groups = engine.admin.store.blocks.read(record.blocks)
         t1 = time.perf_counter()
         mx.eval([g.tensor(name) for g in groups for name in g.names()[:2]])
         t2 = time.perf_counter()
@@ -403,7 +403,7 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     for rep in range(reps):
         agents.clear_memory()
         t0 = time.perf_counter()
-        groups = engine.admin.store.read_blocks(record.blocks)
+        groups = engine.admin.store.blocks.read(record.blocks)
         mx.eval([g.blob for g in groups])
         mx.synchronize()
         read_s = time.perf_counter() - t0
