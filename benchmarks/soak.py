@@ -125,6 +125,8 @@ class Worker:
         except OSError:
             return None
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if "VmRSS" not in fields:  # exiting (a zombie until reaped): no memory left to read
+            return None
         return {
             "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
             "fds": fds,
@@ -414,6 +416,12 @@ class Soak:
             return None
 
     def sampler(self) -> None:
+        try:
+            self._sample_until_stopped()
+        except Exception as exc:  # the resource checks would judge a part of the run only
+            self.ledger.bad(f"sampler: {type(exc).__name__}: {exc}")
+
+    def _sample_until_stopped(self) -> None:
         while not self.stop.wait(2.0):
             row: dict[str, Any] = {"t": time.monotonic() - self.t0, "db_connections": self.db_connections()}
             for w in self.workers:
