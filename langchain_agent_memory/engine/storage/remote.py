@@ -111,6 +111,7 @@ class SharedBlockStore:
         _OPEN.discard(self)
         self.leases.close()
         self.records.pending.close()
+        self.records.lanes.close()
         self._io.shutdown(wait=True)
         self.catalog.close()
         self.local.close()
