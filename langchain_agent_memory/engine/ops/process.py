@@ -174,6 +174,21 @@ class ProcessRuntime:
                 held = self._stocks[name] = (make(), end)
             return held[0]  # type: ignore[no-any-return]
 
+    def stocks(self, prefix: str) -> list[Any]:
+        """The stocks whose names start with ``prefix``, as made now."""
+        with self.lock:
+            return [held[0] for name, held in self._stocks.items() if name.startswith(prefix)]
+
+    def drop(self, match: Callable[[str, Any], bool]) -> int:
+        """End the stocks ``match(name, stock)`` picks (a later use makes them again); how
+        many."""
+        with self.lock:
+            gone = [name for name, held in self._stocks.items() if match(name, held[0])]
+            ended = [self._stocks.pop(name) for name in gone]
+        while ended:
+            _end(*ended.pop())
+        return len(gone)
+
     def track(self, engine: Closable) -> None:
         """Close ``engine`` at ``shutdown`` if it is still open then (held weakly)."""
         with self.lock:
@@ -278,6 +293,11 @@ class LentPool(Executor):
         future: Future[T] = Future()
         self._jobs.put((future, functools.partial(fn, **kwargs) if kwargs else fn, args))
         return future
+
+    @property
+    def backlog(self) -> int:
+        """Jobs queued and not started yet (read without waiting)."""
+        return self._jobs.qsize()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No more jobs; the threads go back once those queued have run (``wait``: until
