@@ -183,7 +183,7 @@ def test_with_the_database_frozen_a_new_agents_first_request_is_as_fast_as_a_kno
                     "tripper", prompts["tripper"]
                 )  # behind the stuck call: opens the circuit
                 known = first_token_s("known", prompts["known"])
-                new = first_token_s("newcomer", SYSTEM + "User: I am new.\nAssistant:")
+                new = first_token_s("newcomer", "User: I am new.\nAssistant:")  # little to prefill
                 uploading = engine.status().queued_saves  # the saver's save is still stuck
             finally:
                 pg.thaw()
