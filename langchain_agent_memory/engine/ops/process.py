@@ -41,7 +41,7 @@ of what lives as long as the process besides: the picks of the buffer stocks
 save queues (``saves``), a session's one probe thread (``pg_session``). A stock's maker runs
 under it, so makers are quick (a model's is a future: the load runs after, outside it).
 Nothing holds it across I/O or a model's work; no cache state is under it. It is one of the
-engine's four locks (``docs/concepts/concurrency.md``).
+engine's three locks (``docs/concepts/concurrency.md``).
 """
 
 from __future__ import annotations
