@@ -51,7 +51,7 @@ def test_a_failed_job_does_not_stop_its_key() -> None:
         lanes.close()
 
 
-def test_close_runs_the_jobs_queued_before_it() -> None:
+def test_close_runs_the_jobs_queued_before_it_and_later_calls_run_on_their_callers() -> None:
     lanes = Lanes("test-lanes", 2)
     release = threading.Event()
     done: list[int] = []
@@ -62,6 +62,7 @@ def test_close_runs_the_jobs_queued_before_it() -> None:
     release.set()
     closing.join(10)
     assert not closing.is_alive() and [f.result(0) for f in queued] == [None] * 3 and done == [0, 1, 2]
+    assert lanes.call("a", lambda: "on the caller") == "on the caller"  # the dispatcher is gone
 
 
 def test_the_directory_lock_excludes_threads_and_is_reentrant(tmp_path: Path) -> None:

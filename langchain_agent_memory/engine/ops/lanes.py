@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +21,9 @@ from typing import Any, TypeVar
 from .process import RUNTIME, Job, run_job
 
 T = TypeVar("T")
+
+#: Seconds between two looks, while waiting for a job, at whether the dispatcher returned.
+_LOOK_S = 1.0
 
 #: A message to the dispatcher: (key, a job to queue), or (key, None): its running job ended.
 _Message = tuple[str, Job | None]
@@ -34,9 +38,10 @@ class Lanes:
         self._pool = RUNTIME.pool(name, size)
         self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
         stop = functools.partial(self._inbox.put, None)
-        self._loan = RUNTIME.lend(
-            functools.partial(_dispatch, self._inbox, self._pool), f"{name}-order", stop
-        )
+        #: the dispatcher has returned (closed, or the process exits): jobs run on their callers
+        self._gone = threading.Event()
+        loop = functools.partial(_dispatch, self._inbox, self._pool, self._gone)
+        self._loan = RUNTIME.lend(loop, f"{name}-order", stop)
         self._closed = False
 
     def submit(self, key: str, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -48,8 +53,17 @@ class Lanes:
         return future
 
     def call(self, key: str, fn: Callable[..., T], *args: Any) -> T:
-        """``submit``, waited for. Never from a job of the same key: it would wait for itself."""
-        return self.submit(key, fn, *args).result()
+        """``submit``, waited for. Never from a job of the same key: it would wait for itself.
+        Once the dispatcher has returned, on the calling thread (in order no more)."""
+        if self._gone.is_set():
+            return fn(*args)
+        future = self.submit(key, fn, *args)
+        while True:
+            try:
+                return future.result(timeout=_LOOK_S)
+            except TimeoutError:
+                if self._gone.is_set() and future.cancel():  # never started: nothing will start it
+                    return fn(*args)
 
     def close(self) -> None:
         """Run the jobs submitted so far, then give the threads back."""
@@ -59,9 +73,16 @@ class Lanes:
         self._pool.shutdown(wait=True)
 
 
-def _dispatch(inbox: queue.SimpleQueue[_Message | None], pool: Any) -> None:
+def _dispatch(inbox: queue.SimpleQueue[_Message | None], pool: Any, gone: threading.Event) -> None:
     """The dispatcher's loop: each key's jobs, the running one first (its own: no lock).
     Stopped (``None``), it still runs the jobs queued, then returns."""
+    try:
+        _order(inbox, pool)
+    finally:
+        gone.set()
+
+
+def _order(inbox: queue.SimpleQueue[_Message | None], pool: Any) -> None:
     waiting: dict[str, deque[Job]] = {}
     stopped = False
     while not (stopped and not waiting):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 #: Seconds between two looks at a lease another worker holds (a catalog round trip each).
 POLL_S = 0.05
 
+
+#: Seconds between two looks, while waiting for the heartbeat's answer, at whether it stopped.
+_LOOK_S = 1.0
 
 #: A message to the heartbeat: (what to run on its counts, its arguments, the answer's future).
 _Message = tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]
@@ -70,20 +74,27 @@ class Leases:
         self._io = io
         self._held: Counter[str] = Counter()  # the heartbeat's alone
         self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        self._gone = threading.Event()  # the heartbeat has stopped
         self._heart = RUNTIME.lend(self._beat, "agent-memory-leases", self._stop)
-        self._closed = False
         #: Hand-offs that waited for another worker's lease, and how long in all.
         self.waits = 0
         self.waited_s = 0.0
 
     def _ask(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run by the heartbeat on its counts, waited for (it answers at once:
-        it never waits on the network)."""
-        answer: Future[Any] = Future()
-        if self._closed:  # nothing renews any more: the counts are this caller's
+        it never waits on the network). Once it has stopped (closed, or the process exits),
+        nothing renews any more and the counts are their callers'."""
+        if self._gone.is_set():
             return fn(*args)
+        answer: Future[Any] = Future()
         self._inbox.put((fn, args, answer))
-        return answer.result()
+        while True:
+            try:
+                return answer.result(timeout=_LOOK_S)
+            except TimeoutError:
+                # Stopped before it took this one (``cancel``: only a message it never ran).
+                if self._gone.is_set() and answer.cancel():
+                    return fn(*args)
 
     def take(self, agent_id: str) -> int | None:
         """A request of this worker on ``agent_id`` starts: count it, then take the lease,
@@ -160,28 +171,32 @@ class Leases:
         """Answer the messages; every ``lease_s / 3`` renew the rows of the requests in
         flight (on the I/O threads: a hung database holds up no answer here)."""
         due = time.monotonic() + self.lease_s / 3
-        while True:
-            try:
-                message = self._inbox.get(timeout=max(0.0, due - time.monotonic()))
-            except queue.Empty:
-                due = time.monotonic() + self.lease_s / 3
-                for agent_id in [a for a, n in self._held.items() if n > 0]:
-                    with contextlib.suppress(RuntimeError):  # the store is closing
-                        self._io.submit(self._renew, agent_id)
-                continue
-            if message is None:
-                return
-            fn, args, answer = message
-            try:
-                answer.set_result(fn(*args))
-            except BaseException as exc:
-                answer.set_exception(exc)
+        try:
+            while True:
+                try:
+                    message = self._inbox.get(timeout=max(0.0, due - time.monotonic()))
+                except queue.Empty:
+                    due = time.monotonic() + self.lease_s / 3
+                    for agent_id in [a for a, n in self._held.items() if n > 0]:
+                        with contextlib.suppress(RuntimeError):  # the store is closing
+                            self._io.submit(self._renew, agent_id)
+                    continue
+                if message is None:
+                    return
+                fn, args, answer = message
+                if not answer.set_running_or_notify_cancel():  # its asker gave up on this thread
+                    continue
+                try:
+                    answer.set_result(fn(*args))
+                except BaseException as exc:
+                    answer.set_exception(exc)
+        finally:
+            self._gone.set()  # later questions are answered by their askers
 
     def _stop(self) -> None:
         self._inbox.put(None)
 
     def close(self) -> None:
         """Stop the heartbeat and wait for it (a renewal in flight ends by its deadline)."""
-        self._closed = True
         self._stop()
         self._heart.join()
