@@ -118,7 +118,7 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
     engine = Engine(model, cache_dir=tmp / f"w{n}", context_length=4 * n)
     text = text if text is not None else _text(str(model), n)
     engine.generate("w", text, GenerationParams(max_tokens=1))
-    record = engine.admin.store.get_agent("w")
+    record = engine.admin.store.records.get("w")
     assert record is not None
     chain = record.blocks
     rows: dict[str, float] = {}
@@ -126,9 +126,9 @@ def warm_breakdown(model: str | Path, n: int, tmp: Path, text: str | None = None
         engine.admin.set_agent(f"w{i}", record)  # a fork of the context: its blocks, shared
         engine.admin.clear_memory()
         t0 = time.perf_counter()
-        headers = [read_header(engine.admin.store.block_path(h)) for h in chain]
+        headers = [read_header(engine.admin.store.blocks.path(h)) for h in chain]
         t1 = time.perf_counter()
-        groups = engine.admin.store.read_blocks(chain)
+        groups = engine.admin.store.blocks.read(chain)
         import mlx.core as mx
 
         mx.eval([g.blob for g in groups])

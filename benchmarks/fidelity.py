@@ -167,7 +167,7 @@ def block_bytes(model_name: str, formats: dict[str, Any], ids: list[int]) -> dic
             eng = Engine(model_name, cache_dir=tmp, kv_format=fmt)
             eng.generate("a", eng.tokenizer.decode(ids[:700]), GenerationParams(max_tokens=1))
             eng.flush()  # the record is published once its blocks are written (a save thread)
-            record = eng.admin.store.get_agent("a")
+            record = eng.admin.store.records.get("a")
             assert record is not None
             sizes = [next(Path(tmp).rglob(f"{h}.safetensors")).stat().st_size for h in record.blocks]
             out[name] = [size / (min(256, len(record.token_ids) - 256 * i)) for i, size in enumerate(sizes)]

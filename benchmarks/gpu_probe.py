@@ -312,7 +312,7 @@ def warm_main(model_dir: str, state: str, ctx: int) -> None:
     n = len(record.token_ids)
     for rep in range(2):
         t0 = time.perf_counter()
-        groups = engine.admin.store.read_blocks(record.blocks)
+        groups = engine.admin.store.blocks.read(record.blocks)
         t1 = time.perf_counter()
         mx.eval([g.tensor(name) for g in groups for name in g.names()[:2]])
         t2 = time.perf_counter()
@@ -403,7 +403,7 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
     for rep in range(reps):
         agents.clear_memory()
         t0 = time.perf_counter()
-        groups = engine.admin.store.read_blocks(record.blocks)
+        groups = engine.admin.store.blocks.read(record.blocks)
         mx.eval([g.blob for g in groups])
         mx.synchronize()
         read_s = time.perf_counter() - t0
@@ -421,63 +421,6 @@ def restore_main(ctx: int, model: str, reps: int) -> None:
         row["active_gb"] = mx.get_active_memory() / 1e9
         emit(**row)
         mx.clear_cache()
-    engine.close()
-
-
-def commit_main(ctx: int, model: str) -> None:
-    """Where a cold turn's time between its first token and its reply goes (the commit on
-    the model's thread), part by part, synchronized after each part (benchmark only: the
-    wrappers are set on this process's own engine classes)."""
-    from collections import Counter
-
-    from gpu import prompt_text, random_model_dir
-    from peers import extension
-
-    from langchain_agent_memory.engine import agents as agents_module
-    from langchain_agent_memory.engine.engine import GenerationParams
-    from langchain_agent_memory.engine.kv.layer import LayerCache
-    from langchain_agent_memory.engine.ops.runtime import mx
-
-    root = Path(tempfile.mkdtemp(prefix="probe-commit-"))
-    engine = _engine(random_model_dir(model, root / "model"), root / "state")
-    engine.generate("small", prompt_text(engine.tokenizer, 4096), GenerationParams(max_tokens=4))
-    spent: Counter[str] = Counter()
-
-    def timed(name: str, fn: Any) -> Any:
-        def wrap(*a: Any, **k: Any) -> Any:
-            mx.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            mx.synchronize()
-            spent[name] += time.perf_counter() - t0
-            return out
-
-        return wrap
-
-    LayerCache.commit = timed("layer_commits", LayerCache.commit)  # type: ignore[method-assign]
-    agents_module.freeze_blocks = timed("freeze_blocks", agents_module.freeze_blocks)
-    from langchain_agent_memory.engine.storage import blocks as store_module
-
-    def host_views(tensors: dict[str, Any]) -> dict[str, Any]:  # host_views, in its two parts
-        ready = {k: mx.contiguous(v) for k, v in tensors.items()}
-        timed("contiguous_eval", mx.eval)(ready)
-        return timed("host_views", lambda: {k: store_module._host(v) for k, v in ready.items()})()
-
-    agents_module.host_views = host_views
-    agents = engine.agents
-    agents._blocks_of = timed("blocks_of", agents._blocks_of)  # type: ignore[method-assign]
-    agents.commit = timed("commit", agents.commit)  # type: ignore[method-assign]
-    runner = engine._steps.runner
-    runner.leave = timed("leave", runner.leave)  # type: ignore[method-assign]
-    prompt = prompt_text(engine.tokenizer, ctx)
-    for rep in range(2):
-        spent.clear()
-        t0 = time.perf_counter()
-        r = engine.generate(f"cold{rep}", prompt + extension(rep), GenerationParams(max_tokens=1))
-        wall = time.perf_counter() - t0
-        emit(probe="commit", rep=rep, ctx=ctx, wall_s=wall, ttft_s=r.timings.ttft_s,
-             save_s=r.timings.save_s, **{f"{k}_s": v for k, v in spent.items()})  # fmt: skip
-        engine.flush()
     engine.close()
 
 
@@ -545,9 +488,6 @@ def main() -> None:
     rs.add_argument("--ctx", type=int, default=32768)
     rs.add_argument("--model", default="llama-3.1-8b")
     rs.add_argument("--reps", type=int, default=3)
-    c = sub.add_parser("commit")
-    c.add_argument("--ctx", type=int, default=32768)
-    c.add_argument("--model", default="llama-3.1-8b")
     cd = sub.add_parser("cold")
     cd.add_argument("--ctx", type=int, default=4096)
     cd.add_argument("--model", default="llama-3.1-8b")
@@ -561,8 +501,6 @@ def main() -> None:
         upload(args.files, args.size)
     elif args.cmd == "engine":
         engine_main(args.ctx, args.model, args.turns_only)
-    elif args.cmd == "commit":
-        commit_main(args.ctx, args.model)
     elif args.cmd == "cold":
         cold_main(args.ctx, args.model, args.reps)
     elif args.cmd == "restore":

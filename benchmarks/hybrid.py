@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> None:
             r = engine.generate(agent, prompt, one)
             ours[kind] = r.timings.ttft_s
             ours[f"{kind}_outcome"] = f"{r.outcome} ({r.reused_tokens} reused)"
-        kv_bytes = engine.admin.store.local_bytes(record.chain)
-        state_bytes = engine.admin.store.local_bytes(record.blocks[len(record.chain) :])
+        kv_bytes = engine.admin.store.blocks.local_bytes(record.chain)
+        state_bytes = engine.admin.store.blocks.local_bytes(record.blocks[len(record.chain) :])
         print(f"{n} tokens: mlx-lm ...", flush=True)
         m_cold = peer.cold(text)
         m_extend = peer._extend(text, 0, load_first=True)

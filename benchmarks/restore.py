@@ -6,7 +6,7 @@ files dropped from the page cache first with ``posix_fadvise(DONTNEED)``).
 
 The blocks are an 8B-class model's KV at the default 4-bit-class format (32 layers, 8 KV
 heads of 128: packed 4-bit keys and values with fp16 scales, 256-token blocks) written by
-the store itself (``DiskBlockStore.put_block``) with random contents: the bytes and the
+the store itself (``BlockFiles.put``) with random contents: the bytes and the
 file layout are a real agent's, the values are not (a restore's speed does not depend on
 them). Each size is restored three ways, side by side in one run (this machine is shared:
 the ratios are what counts):
@@ -102,7 +102,7 @@ def _restore(store: Any, hashes: list[Any]) -> float:
     from langchain_agent_memory.engine.ops.runtime import mx
 
     t0 = time.perf_counter()
-    groups = store.read_blocks(hashes)
+    groups = store.blocks.read(hashes)
     mx.eval([g.blob for g in groups])
     return time.perf_counter() - t0
 
@@ -113,7 +113,7 @@ def _to_tensors(store: Any, hashes: list[Any]) -> float:
     from langchain_agent_memory.engine.ops.runtime import mx
 
     t0 = time.perf_counter()
-    groups = store.read_blocks(hashes)
+    groups = store.blocks.read(hashes)
     mx.eval([g.tensor(name) for g in groups for name in g.names()])
     return time.perf_counter() - t0
 
@@ -143,13 +143,16 @@ def run(tokens: list[int], repeats: int, console: Console) -> dict[str, Any]:
             sha = DiskBlockStore(Path(tmp) / f"sha-{n}", FP)
             blocks = _blocks(n, seed=n)
             for blk in blocks:
-                fast.put_block(blk)
-                sha.put_block(blk)
+                fast.blocks.put(blk)
+                sha.blocks.put(blk)
             hashes = [b.hash for b in blocks]
             del blocks
             for h in hashes:
-                _strip_fast_digests(sha.block_path(h))
-            paths = {"xxh3": [fast.block_path(h) for h in hashes], "sha": [sha.block_path(h) for h in hashes]}
+                _strip_fast_digests(sha.blocks.path(h))
+            paths = {
+                "xxh3": [fast.blocks.path(h) for h in hashes],
+                "sha": [sha.blocks.path(h) for h in hashes],
+            }
             nbytes = sum(p.stat().st_size for p in paths["xxh3"])
             keys = ("xxh3", "sha", "cat", "fresh read", "to tensors", "cold cat", "cold xxh3")
             times: dict[str, list[float]] = {k: [] for k in keys}

@@ -306,7 +306,7 @@ def main() -> None:
     eng = engine()
     instrument(type(eng.agents.new_layers()[0]))
     eng.generate("small", small + extension(1), one)  # every kernel of a warm turn compiled
-    record = eng.admin.store.get_agent("bench")
+    record = eng.admin.store.records.get("bench")
     assert record is not None
     gather_threads = reader.GATHER_THREADS
     for rep in range(args.reps):

@@ -494,7 +494,7 @@ class Soak:
             out["dangling references"] = store.catalog.dangling(reader.fingerprint)
             lost, resumed, agents = [], Counter(), sorted(self.ledger.acked)
             for agent in agents:
-                record = store.get_agent(agent)
+                record = store.records.get(agent)
                 acked = self.ledger.acked[agent][0]
                 later = self.ledger.since.get(agent, [])
                 text = record.text if record is not None else ""

@@ -68,7 +68,7 @@ def _restores(eng: Any, tmp: str, kv_bits: int, repeats: int = 3) -> dict[str, A
             owner.admin.delete("probe")
     writer.close()
     shutil.rmtree(whole_dir, ignore_errors=True)
-    record = eng.admin.store.get_agent("agent")
+    record = eng.admin.store.records.get("agent")
     assert record is not None
     turns_s, whole_s = statistics.median(times["turns"]), statistics.median(times["whole"])
     return {
@@ -113,9 +113,9 @@ def main() -> None:
             io_bytes = _written() - io_before
             messages.append({"role": "assistant", "content": r.text})
             files = list(Path(tmp).rglob("blocks/*/*.safetensors"))
-            record = eng.admin.store.get_agent("agent")
+            record = eng.admin.store.records.get("agent")
             assert record is not None
-            whole = sum(eng.admin.store.block_path(h).stat().st_size for h in record.blocks)
+            whole = sum(eng.admin.store.blocks.path(h).stat().st_size for h in record.blocks)
             if not per_token and len(record.token_ids) >= 256:  # one whole block's tensors: the format's rate
                 per_token = _block_tensor_bytes(eng, record.blocks[0]) / 256
             new_tokens = len(record.token_ids) - cached_before
@@ -213,7 +213,7 @@ def main() -> None:
 def _files(eng: Any, h: str) -> int:
     """The files block ``h`` is read from: itself and those its segments continue."""
     files = 1
-    while (h := eng.admin.store.prior_of(h)) is not None:
+    while (h := eng.admin.store.blocks.prior_of(h)) is not None:
         files += 1
     return files
 
@@ -233,7 +233,7 @@ def _block_tensor_bytes(eng: object, h: object) -> int:
     """A stored block's tensor bytes (its file less the header)."""
     from safetensors import safe_open
 
-    path = eng.admin.store.block_path(h)  # type: ignore[attr-defined]
+    path = eng.admin.store.blocks.path(h)  # type: ignore[attr-defined]
     with safe_open(str(path), "numpy") as f:
         return sum(f.get_tensor(k).nbytes for k in f.keys())  # noqa: SIM118 - a safetensors handle
 

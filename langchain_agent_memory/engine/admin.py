@@ -161,15 +161,15 @@ class AgentAdmin:
         queued so far included; ``wait=False``: as the store holds them now, without waiting
         for those saves (a server's list, which must answer while a large one is written)."""
         store = self.store if wait else self._store
-        return list(store.agents(prefix))  # the store's reads: not the model steps' lock
+        return list(store.records.list(prefix))  # the store's reads: not the model steps' lock
 
     def agent_record(self, agent_id: str) -> AgentRecord | None:
         """The agent's stored record (None: no cache), its saves queued so far included."""
-        return self.store.get_agent(agent_id)
+        return self.store.records.get(agent_id)
 
     def has_agent(self, agent_id: str) -> bool:
         """Whether the agent has a stored cache (no record is parsed)."""
-        return bool(self.store.has_agent(agent_id))
+        return bool(self.store.records.has(agent_id))
 
     def agent_info(self, agent: str | AgentRecord, shared: Collection[str] = frozenset()) -> AgentInfo | None:
         """An agent's record and the bytes of its blocks on this engine's disk; those of
@@ -181,8 +181,8 @@ class AgentAdmin:
         common = [h for h in blocks if h in shared]
         return AgentInfo(
             record,
-            self._store.local.local_bytes(blocks),
-            self._store.local.local_bytes(common) if common else 0,
+            self._store.local.blocks.local_bytes(blocks),
+            self._store.local.blocks.local_bytes(common) if common else 0,
         )
 
     def set_agent(self, agent_id: str, source: AgentRecord) -> None:

@@ -110,17 +110,17 @@ class ModelStore:
 
     def agents(self, prefix: str = "") -> list[AgentRecord]:
         """The records of the agents whose ids start with ``prefix``."""
-        return list(self._store.agents(prefix))
+        return list(self._store.records.list(prefix))
 
     def record(self, agent_id: str) -> AgentRecord | None:
-        return self._store.get_agent(agent_id)
+        return self._store.records.get(agent_id)
 
     def has_agent(self, agent_id: str) -> bool:
-        return bool(self._store.has_agent(agent_id))
+        return bool(self._store.records.has(agent_id))
 
     def block_bytes(self, h: str) -> int | None:
         """Bytes of the block's file in this directory (None: not here)."""
-        path = self._store.local.block_path(BlockHash(h))
+        path = self._store.local.blocks.path(BlockHash(h))
         return path.stat().st_size if path.exists() else None
 
     def delete_agents(self, agent_ids: list[str]) -> int:
@@ -154,19 +154,19 @@ class ModelStore:
     def check_blocks(self, repair: bool, on_damaged: Callable[[str, Exception], None]) -> BlockCheck:
         """Every block agents name read back and checked; ``on_damaged(hash, error)`` for each
         that fails, which ``repair`` quarantines (its agents prefill what it held)."""
-        named = sorted(self._store.local.referenced_blocks())
+        named = sorted(self._store.local.records.referenced_blocks())
         damaged: list[str] = []
         missing = 0
         for h in named:
             try:
-                self._store.read_blocks([h])
+                self._store.blocks.read([h])
             except BlockMissingError:
                 missing += 1
             except CacheFormatError as exc:
                 on_damaged(h, exc)
                 damaged.append(h)
         for h in damaged if repair else ():
-            self._store.quarantine_block(BlockHash(h))
+            self._store.blocks.quarantine(BlockHash(h))
         return BlockCheck(len(named), damaged, len(damaged) if repair else 0, missing)
 
     def disk_use(self) -> DiskUse:

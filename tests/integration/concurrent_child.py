@@ -83,7 +83,7 @@ def main(
             continue
         with engine.admin.store.locked():  # the invariant, seen from either process at any time
             for record in engine.admin.agent_records():
-                if not all(engine.admin.store.has_block(h) for h in record.blocks):
+                if not all(engine.admin.store.blocks.has(h) for h in record.blocks):
                     ops["records naming a missing block"] = ops.get("records naming a missing block", 0) + 1
     print(json.dumps({"ops": ops, "warnings": warnings.lines}))
 

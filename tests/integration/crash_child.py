@@ -89,13 +89,13 @@ def main(root: str, journal_path: str, seed: int) -> None:
     while True:
         seq += 1
         agent = rng.choice(AGENTS)
-        current = store.get_agent(agent)
+        current = store.records.get(agent)
         roll = rng.random()
         if roll < 0.1:
             log(seq=seq, agent=agent, intent=None)
             pool.delete_agent(agent)
         elif roll < 0.2:
-            source = store.get_agent(rng.choice(AGENTS))
+            source = store.records.get(rng.choice(AGENTS))
             if source is None:
                 continue
             fork = AgentRecord(

@@ -58,12 +58,12 @@ def run(engine: Engine, cmd: dict) -> dict:
             "ttft_s": result.timings.ttft_s,
         }
     if op == "record":  # the store's record of an agent (read through this worker)
-        record = store.get_agent(cmd["agent"])
+        record = store.records.get(cmd["agent"])
         return {"text": record.text if record else None, "blocks": len(record.blocks) if record else 0}
     if op == "delete":
         return {"deleted": engine.admin.delete(cmd["agent"])}
     if op == "fork":
-        record = store.get_agent(cmd["agent"])
+        record = store.records.get(cmd["agent"])
         engine.admin.set_agent(cmd["to"], record)
         return {"forked": True}
     if op == "flush":
@@ -75,7 +75,10 @@ def run(engine: Engine, cmd: dict) -> dict:
         waits = {"handoff_waits": leases.waits, "handoff_waited_s": leases.waited_s} if leases else {}
         return {**dataclasses.asdict(store.stats), **waits, "fingerprint": engine.fingerprint}
     if op == "check":
-        return {"dangling": store.catalog.dangling(engine.fingerprint), "agents": len(list(store.agents()))}
+        return {
+            "dangling": store.catalog.dangling(engine.fingerprint),
+            "agents": len(list(store.records.list())),
+        }
     if op == "turns":  # until killed: every turn extends one of N agents' caches
         params = GenerationParams(max_tokens=2)
         n = 0
@@ -89,7 +92,7 @@ def run(engine: Engine, cmd: dict) -> dict:
             print(json.dumps({"turn": n}), flush=True)
     if op == "churn":  # fork an agent, extend the forks, delete older ones
         params = GenerationParams(max_tokens=2)
-        base = store.get_agent(cmd["agent"])
+        base = store.records.get(cmd["agent"])
         end, n = time.monotonic() + cmd["seconds"], 0
         while time.monotonic() < end:
             fork = f"{cmd['agent']}#fork{n}"

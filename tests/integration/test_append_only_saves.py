@@ -40,7 +40,7 @@ def _conversation(engine: Engine, agent: str, turns: int) -> tuple[str, list[int
         reply = engine.generate(agent, prompt, GREEDY)
         engine.flush()
         prompt += reply.text
-        record = engine.admin.store.get_agent(agent)
+        record = engine.admin.store.records.get(agent)
         assert record is not None
         written.append(reply.bytes_written)
         gained.append(len(record.token_ids) - before)
@@ -69,7 +69,7 @@ def _rows_written(ends: list[int]) -> list[int]:
 def _files_of(store: DiskBlockStore, h: BlockHash) -> int:
     """The files block ``h`` is read from: itself, and those its segments continue."""
     files = 1
-    while (h := store.prior_of(h)) is not None:  # type: ignore[assignment]
+    while (h := store.blocks.prior_of(h)) is not None:  # type: ignore[assignment]
         files += 1
     return files
 
@@ -80,7 +80,7 @@ def _assert_full_blocks_whole(store: DiskBlockStore, record: AgentRecord) -> Non
     full block."""
     full = len(record.token_ids) // BLOCK_TOKENS
     for h in record.chain[:full]:
-        assert store.prior_of(h) is None and h not in record.priors, f"block {h[:12]} is a segment"
+        assert store.blocks.prior_of(h) is None and h not in record.priors, f"block {h[:12]} is a segment"
     last, parts = record.chain[-1], set()
     while last in record.priors:
         parts.add(last)
@@ -95,12 +95,12 @@ def test_a_turn_writes_a_segment_since_its_blocks_prefix_a_block_it_fills_whole_
     hot = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=kv_bits)
     prompt, written, gained = _conversation(hot, "a", 7)
     store = hot.admin.store
-    record = store.get_agent("a")
+    record = store.records.get("a")
     assert record is not None and len(record.token_ids) > 2 * BLOCK_TOKENS  # block 1 filled by turns
     assert record.priors  # ... and block 2 continued by a segment
     _assert_full_blocks_whole(store, record)
     # The segments block 1 was written in are gone: nothing names them.
-    assert set(store.block_hashes()) == set(record.blocks)
+    assert set(store.blocks.hashes()) == set(record.blocks)
     # Turns 2-7 write the rows ``_rows_written`` says, the same bytes per row whether as a
     # segment or whole (a rewrite of the whole block each turn: 3.5x the new tokens' K/V).
     rows = _rows_written(list(itertools.accumulate(gained)))
@@ -134,12 +134,12 @@ def test_after_many_turns_no_block_is_read_from_more_than_one_segment_and_reload
         prompt += question
         prompt += hot.generate("a", prompt, GREEDY).text
         hot.flush()
-        record = store.get_agent("a")
+        record = store.records.get("a")
         assert record is not None
         files = [_files_of(store, h) for h in record.chain]
         assert max(files) <= 2 and all(f == 1 for f in files[:-1]), files
         assert len(record.priors) == files[-1] - 1
-        assert set(store.block_hashes()) == set(record.blocks)
+        assert set(store.blocks.hashes()) == set(record.blocks)
         segments += files[-1] - 1
     assert record.token_ids[2 * BLOCK_TOKENS :] and segments >= 4  # the last block grew by segments
 
@@ -164,9 +164,9 @@ def test_forks_and_sharers_keep_the_blocks_segments_continue(smollm: LoadedModel
     assert eng.admin.delete("writer")
     store = eng.admin.store
     for agent in ("fork", "sharer"):
-        record = store.get_agent(agent)
+        record = store.records.get(agent)
         assert record is not None and bool(record.priors) == (agent == "fork")
-        assert all(store.has_block(h) for h in record.blocks), agent
+        assert all(store.blocks.has(h) for h in record.blocks), agent
     fresh = Engine("smollm2-135m", cache_dir=tmp_path)
     for agent in ("fork", "sharer"):
         text = fresh.admin.cached_text(agent)
@@ -183,26 +183,26 @@ def test_a_filled_block_is_the_block_a_one_turn_save_of_its_text_writes_and_shar
     eng = Engine("smollm2-135m", cache_dir=tmp_path / "turns")
     _conversation(eng, "a", 6)
     store = eng.admin.store
-    record = store.get_agent("a")
+    record = store.records.get("a")
     assert record is not None
     full = len(record.token_ids) // BLOCK_TOKENS
     text, one = eng.admin.cached_text("a"), GenerationParams(max_tokens=1)
     whole = Engine("smollm2-135m", cache_dir=tmp_path / "whole")
     whole.generate("a", text, one)
     whole.flush()
-    written = whole.admin.store.get_agent("a")
+    written = whole.admin.store.records.get("a")
     assert written is not None and written.chain[:full] == record.chain[:full]
     for h in record.chain[:full]:
-        assert store.block_path(h).stat().st_size == whole.admin.store.block_path(h).stat().st_size
+        assert store.blocks.path(h).stat().st_size == whole.admin.store.blocks.path(h).stat().st_size
 
     shared = eng.generate("sharer", text, one)
     eng.flush()
     # (and past them the leading rows of the agent's last block: ``reuse.plan_shared``)
     assert shared.outcome.match is MatchKind.SHARED and shared.reused_tokens >= full * BLOCK_TOKENS
-    sharer = store.get_agent("sharer")
+    sharer = store.records.get("sharer")
     assert sharer is not None and sharer.chain[:full] == record.chain[:full]
     _assert_full_blocks_whole(store, sharer)
-    assert all(store.refcount(h) == 2 for h in record.chain[:full])
+    assert all(store.records.refcount(h) == 2 for h in record.chain[:full])
 
 
 class _Crash(BaseException):
@@ -218,15 +218,15 @@ def test_a_crash_between_a_filled_blocks_write_and_its_record_leaves_the_last_sa
     crash and releases the segments."""
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None)
     store, crashed = eng.admin.store, []
-    put_agent = store.put_agent
+    put_record = store.records.put
 
     def dies_filling_block_1(record: AgentRecord, *args: object) -> int:
         if len(record.token_ids) >= 2 * BLOCK_TOKENS:
             crashed.append(record)
             raise _Crash
-        return put_agent(record, *args)
+        return put_record(record, *args)
 
-    monkeypatch.setattr(store, "put_agent", dies_filling_block_1)
+    monkeypatch.setattr(store.records, "put", dies_filling_block_1)
     prompt = SYSTEM
     for question in QUESTIONS:
         prompt += question
@@ -238,8 +238,8 @@ def test_a_crash_between_a_filled_blocks_write_and_its_record_leaves_the_last_sa
         prompt += reply.text
     (record,) = crashed
     filled = record.chain[1]
-    assert store.has_block(filled) and store.prior_of(filled) is None  # written whole, durable
-    last = store.get_agent("a")
+    assert store.blocks.has(filled) and store.blocks.prior_of(filled) is None  # written whole, durable
+    last = store.records.get("a")
     assert last is not None and len(last.token_ids) < 2 * BLOCK_TOKENS and last.priors
     monkeypatch.undo()
     eng.close()
@@ -249,10 +249,10 @@ def test_a_crash_between_a_filled_blocks_write_and_its_record_leaves_the_last_sa
     assert str(again.outcome) == "warm-extend" and again.reused_tokens == len(last.token_ids)
     assert again.text == reply.text  # at 16 bits the stored rows are the computed ones
     fresh.flush()
-    healed = fresh.admin.store.get_agent("a")
+    healed = fresh.admin.store.records.get("a")
     assert healed is not None and healed.chain[1] == filled
     _assert_full_blocks_whole(fresh.admin.store, healed)
-    assert set(fresh.admin.store.block_hashes()) == set(healed.blocks)
+    assert set(fresh.admin.store.blocks.hashes()) == set(healed.blocks)
 
 
 def test_a_damaged_block_under_a_segment_costs_a_prefill_and_the_next_save_mends_it(
@@ -260,10 +260,10 @@ def test_a_damaged_block_under_a_segment_costs_a_prefill_and_the_next_save_mends
 ) -> None:
     eng = Engine("smollm2-135m", cache_dir=tmp_path)
     prompt, _, _ = _conversation(eng, "a", 3)
-    record = eng.admin.store.get_agent("a")
+    record = eng.admin.store.records.get("a")
     assert record is not None and record.priors
     base = next(p for p in record.priors.values() if p not in record.priors)  # block 1's first part
-    path = eng.admin.store.block_path(base)
+    path = eng.admin.store.blocks.path(base)
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01  # one flipped bit in its tensor data
     path.write_bytes(bytes(data))
@@ -276,8 +276,8 @@ def test_a_damaged_block_under_a_segment_costs_a_prefill_and_the_next_save_mends
     cold = Engine("smollm2-135m", cache_dir=tmp_path / "cold").generate("b", nxt, GREEDY)
     assert again.text == cold.text
     fresh.flush()
-    mended = fresh.admin.store.get_agent("a")
-    assert mended is not None and all(fresh.admin.store.has_block(h) for h in mended.blocks)
+    mended = fresh.admin.store.records.get("a")
+    assert mended is not None and all(fresh.admin.store.blocks.has(h) for h in mended.blocks)
     last = Engine("smollm2-135m", cache_dir=tmp_path).generate("a", nxt + again.text + " More?", GREEDY)
     assert str(last.outcome) == "warm-extend"
 
@@ -290,12 +290,12 @@ def test_another_worker_reads_a_segmented_chain_through_the_shared_store(
     store, blocks = shared_store
     with Engine("smollm2-135m", cache_dir=tmp_path / "a", kv_bits=None, store=store, blocks=blocks) as a:
         prompt, _, _ = _conversation(a, "agent", 3)  # block 1 not filled
-        record = a.admin.store.get_agent("agent")
+        record = a.admin.store.records.get("agent")
         assert record is not None and record.priors
         nxt = prompt + "\nQ8: Anything else?\nA:"
         hot = a.generate("agent", nxt, GREEDY)
     with Engine("smollm2-135m", cache_dir=tmp_path / "b", kv_bits=None, store=store, blocks=blocks) as b:
-        stored = b.admin.store.get_agent("agent")  # A's last save, a segment and its prefix
+        stored = b.admin.store.records.get("agent")  # A's last save, a segment and its prefix
         assert stored is not None and stored.priors and stored.chain[-1] != record.chain[-1]
         turn = b.generate("agent", nxt + hot.text + "\nQ9: Why?\nA:", GREEDY)
         assert str(turn.outcome) == "warm-extend" and turn.reused_tokens == len(stored.token_ids)

@@ -70,13 +70,15 @@ def test_batched_decode_equals_decode_alone(
     for agent in PROMPTS:
         assert got[agent].text == expected[agent].text, agent
         assert got[agent].completion_tokens == expected[agent].completion_tokens
-        a, b = alone.admin.store.get_agent(agent), batched.admin.store.get_agent(agent)
+        a, b = alone.admin.store.records.get(agent), batched.admin.store.records.get(agent)
         assert a is not None and b is not None and a.token_ids == b.token_ids and a.blocks == b.blocks
         for h in a.blocks:
             worst = max(
                 worst,
                 _kv_mismatch(
-                    batched, alone.admin.store.get_block(h).tensors, batched.admin.store.get_block(h).tensors
+                    batched,
+                    alone.admin.store.blocks.get(h).tensors,
+                    batched.admin.store.blocks.get(h).tensors,
                 ),
             )
     # Float sums in another order (a batch of 3 rows, prefill chunks of another size) may move
@@ -370,7 +372,7 @@ def test_short_turns_of_several_agents_prefill_in_one_pass_as_each_alone(
     for agent in PROMPTS:
         assert str(got[agent].outcome) == "hot-extend", got[agent].outcome
         assert got[agent].text == expected[agent].text, agent
-        a, b = alone.admin.store.get_agent(agent), batched.admin.store.get_agent(agent)
+        a, b = alone.admin.store.records.get(agent), batched.admin.store.records.get(agent)
         assert a is not None and b is not None and a.token_ids == b.token_ids
     figures[f"short turns in one prefill pass ({attention})"] = (
         f"tails of {passes[0]} tokens in one pass, replies identical to each alone"

@@ -68,7 +68,7 @@ def test_every_checkpoint_links_the_cache_it_stood_at(two_turns) -> None:  # typ
     assert len({links["t1:lawyer"] for links in after_turns}) == 2  # one cache state per turn
     snapshots = engine.admin.agent_records(SNAPSHOT_PREFIX)
     assert len(snapshots) == 2
-    latest = engine.admin.store.get_agent("t1:lawyer")
+    latest = engine.admin.store.records.get("t1:lawyer")
     assert latest is not None and any(s.blocks == latest.blocks for s in snapshots)
 
 
@@ -86,12 +86,12 @@ def test_copy_thread_shares_blocks_and_diverges_on_its_own(two_turns) -> None:  
     before = _block_files(tmp)
     saver.copy_thread("t1", "t2")
     assert _block_files(tmp) == before  # a fork copies no tensors
-    source = engine.admin.store.get_agent("t1:lawyer")
-    fork = engine.admin.store.get_agent("t2:lawyer")
+    source = engine.admin.store.records.get("t1:lawyer")
+    fork = engine.admin.store.records.get("t2:lawyer")
     assert source is not None and fork is not None and fork.blocks == source.blocks
     out = app.invoke({"messages": [HumanMessage("Can I sell copies?")]}, _cfg("t2"))
     assert out["messages"][-1].response_metadata["cache"].endswith("-extend")
-    assert engine.admin.store.get_agent("t1:lawyer") == source  # the source is untouched
+    assert engine.admin.store.records.get("t1:lawyer") == source  # the source is untouched
     assert engine.admin.cached_tokens("t2:lawyer") > len(source.token_ids)
     assert len(app.get_state(_cfg("t1")).values["messages"]) == 4
 
@@ -101,7 +101,7 @@ def test_prune_collects_the_snapshots_of_pruned_checkpoints(two_turns) -> None: 
     saver.prune(["t1"], strategy="keep_latest")
     snapshots = engine.admin.agent_records(SNAPSHOT_PREFIX)
     assert len(snapshots) == 1
-    assert snapshots[0].blocks == engine.admin.store.get_agent("t1:lawyer").blocks  # type: ignore[union-attr]
+    assert snapshots[0].blocks == engine.admin.store.records.get("t1:lawyer").blocks  # type: ignore[union-attr]
     saver.prune(["t1"], strategy="delete")
     assert engine.admin.agent_records() == [] and _block_files(tmp) == set()
 
@@ -122,14 +122,14 @@ def test_delete_for_runs_drops_that_runs_links_and_snapshot(smollm: LoadedModel,
     # The turn-1 snapshot's blocks are all still on disk: its checkpoints can be resumed.
     assert set(snapshots[0].blocks) <= _block_files(tmp_path)
     # The thread now ends at turn 1, and so does its agent's cache.
-    assert engine.admin.store.get_agent("t1:lawyer").text == snapshots[0].text  # type: ignore[union-attr]
+    assert engine.admin.store.records.get("t1:lawyer").text == snapshots[0].text  # type: ignore[union-attr]
 
 
 def test_time_travel_restores_the_cache_of_that_checkpoint(two_turns) -> None:  # type: ignore[no-untyped-def]
     app, saver, engine, _ = two_turns
     turn1 = next(s for s in app.get_state_history(_cfg("t1")) if len(s.values.get("messages", [])) == 2)
     snapshot = saver.linked_agents(turn1.config)["t1:lawyer"]
-    stored_after_turn1 = engine.admin.store.get_agent(SNAPSHOT_PREFIX + snapshot)
+    stored_after_turn1 = engine.admin.store.records.get(SNAPSHOT_PREFIX + snapshot)
     assert stored_after_turn1 is not None
     assert len(engine.admin.cached_text("t1:lawyer")) > len(stored_after_turn1.text)  # now at turn 2
     # Resume from turn 1 with another question: the node extends turn 1's cache exactly.
@@ -195,14 +195,14 @@ def test_resuming_prefetches_the_next_nodes_cache_only(smollm: LoadedModel, tmp_
 
 def test_browsing_history_changes_no_cache(two_turns) -> None:  # type: ignore[no-untyped-def]
     app, saver, engine, _ = two_turns
-    before = engine.admin.store.get_agent("t1:lawyer")
+    before = engine.admin.store.records.get("t1:lawyer")
     assert before is not None
     # what LangGraph Studio does while a person browses: every state, old ones included
     states = list(app.get_state_history(_cfg("t1")))
     for s in states:
         app.get_state(s.config)
     saver.get_delta_channel_history(config=states[-1].config, channels=["messages"])
-    after = engine.admin.store.get_agent("t1:lawyer")
+    after = engine.admin.store.records.get("t1:lawyer")
     assert after is not None and after.blocks == before.blocks and after.text == before.text
     # the next turn, from the latest checkpoint, extends the latest cache (turn 2's)
     out = app.invoke({"messages": [HumanMessage("Is it free?")]}, _cfg("t1"))
@@ -222,7 +222,7 @@ def test_resuming_an_older_checkpoint_rewinds_first(smollm: LoadedModel, tmp_pat
     app.invoke(None, cfg)  # turn 2 answered: the cache holds both turns
     waiting = [s for s in app.get_state_history(cfg) if s.next == ("critic",)]
     second = waiting[0]  # turn 2 asked, not answered
-    snapshot = llm.engine.admin.store.get_agent(
+    snapshot = llm.engine.admin.store.records.get(
         SNAPSHOT_PREFIX + saver.linked_agents(second.config)["t1:critic"]
     )
     assert snapshot is not None and "Who wrote it?" not in snapshot.text
@@ -297,7 +297,9 @@ def test_one_saver_links_every_engine_of_the_graph(smollm: LoadedModel, tmp_path
     out = app.invoke({"messages": [HumanMessage("Is it free?")]}, turn1.config)
     for reply in out["messages"][-2:]:
         engine = small.engine if reply.response_metadata["agent_id"] == "t1:writer" else exact.engine
-        snapshot = engine.admin.store.get_agent(SNAPSHOT_PREFIX + linked[reply.response_metadata["agent_id"]])
+        snapshot = engine.admin.store.records.get(
+            SNAPSHOT_PREFIX + linked[reply.response_metadata["agent_id"]]
+        )
         assert snapshot is not None
         assert reply.response_metadata["cache"].endswith("-extend")
         assert reply.usage_metadata["input_token_details"]["cache_read"] == len(snapshot.token_ids)
@@ -383,7 +385,7 @@ def test_checkpoints_in_postgres(smollm: LoadedModel, tmp_path: Path, postgres_u
         assert saver.linked_agents(app.get_state(_cfg("pg")).config)
         saver.copy_thread("pg", "pg-copy")
         assert app.get_state(_cfg("pg-copy")).values == app.get_state(_cfg("pg")).values
-        assert llm.engine.admin.store.get_agent("pg-copy:lawyer") is not None
+        assert llm.engine.admin.store.records.get("pg-copy:lawyer") is not None
         saver.delete_for_runs(["run-2"])
         assert len(app.get_state(_cfg("pg")).values["messages"]) == 2  # back to after run 1
 

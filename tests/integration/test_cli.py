@@ -27,11 +27,11 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     for agent, question in (("t1:lawyer", "Its name?"), ("t2:lawyer", "Who wrote it?")):
         engine.generate(agent, f"{SYSTEM}\nQ: {question}\nA:", GenerationParams(max_tokens=2))
-    shared = engine.admin.store.get_agent("t1:lawyer").blocks[0]  # type: ignore[union-attr]
+    shared = engine.admin.store.records.get("t1:lawyer").blocks[0]  # type: ignore[union-attr]
     d = str(tmp_path)
 
     engine.admin.set_agent(
-        "@snapshot:0123abcd", engine.admin.store.get_agent("t2:lawyer")
+        "@snapshot:0123abcd", engine.admin.store.records.get("t2:lawyer")
     )  # a checkpointer's entry
     listing = _run("cache", "ls", "--cache-dir", d, "--format", "json")
     assert {r["agent"] for r in json.loads(listing)} == {"t1:lawyer", "t2:lawyer"}  # its own entries hidden
@@ -57,12 +57,12 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     assert f"tokens: {engine.admin.cached_tokens('t1:lawyer')}" in shown and "Apache" in shown
 
     assert "deleted 1 agent cache" in _run("cache", "rm", "t1:lawyer", "--cache-dir", d)
-    assert engine.admin.store.get_agent("t1:lawyer") is None
-    assert engine.admin.store.has_block(shared)  # t2 still names it
+    assert engine.admin.store.records.get("t1:lawyer") is None
+    assert engine.admin.store.blocks.has(shared)  # t2 still names it
     missing = CliRunner().invoke(app, ["cache", "show", "t1:lawyer", "--cache-dir", d])
     assert missing.exit_code != 0 and "no stored cache" in missing.output
 
-    orphan_dir = engine.admin.store.block_path(shared).parent
+    orphan_dir = engine.admin.store.blocks.path(shared).parent
     (orphan_dir / f".{shared}.safetensors.x.safetensors").write_bytes(b"half")  # a killed save's temp file
     # Looking never changes the store: ls, show and du leave what a killed save left
     files = sorted(
@@ -85,9 +85,9 @@ def test_cache_commands(smollm: LoadedModel, tmp_path: Path) -> None:
     assert row["agent"] == "t2:lawyer" and row["tokens"] == engine.admin.cached_tokens("t2:lawyer")
     assert "\tt2:lawyer\t" in _run("cache", "ls", "--cache-dir", d)  # not a terminal: plain lines
     assert "would delete t2:lawyer" in _run("cache", "rm", "--thread", "t2", "--dry-run", "--cache-dir", d)
-    assert engine.admin.store.get_agent("t2:lawyer") is not None
+    assert engine.admin.store.records.get("t2:lawyer") is not None
     assert "deleted 1 agent cache" in _run("cache", "rm", "--prefix", "t2:", "-y", "--cache-dir", d)
-    assert engine.admin.store.get_agent("t2:lawyer") is None
+    assert engine.admin.store.records.get("t2:lawyer") is None
     listed = json.loads(_run("models", "--format", "json", "--cache-dir", d))
     assert {"smollm2-135m", "gemma3-270m"} <= {m["name"] for m in listed["models"] if m["kind"] == "shipped"}
     families = {f["family"]: f for f in listed["families"]}
@@ -277,8 +277,8 @@ def test_cache_verify_checks_this_directorys_blocks(smollm: LoadedModel, tmp_pat
         d = str(tmp_path)
         clean = CliRunner().invoke(app, ["cache", "verify", "--cache-dir", d])
         assert clean.exit_code == 0, clean.output
-        h = engine.admin.store.get_agent("v:one").blocks[0]  # type: ignore[union-attr]
-        path = engine.admin.store.block_path(h)
+        h = engine.admin.store.records.get("v:one").blocks[0]  # type: ignore[union-attr]
+        path = engine.admin.store.blocks.path(h)
         data = bytearray(path.read_bytes())
         data[-100] ^= 0x01  # one flipped bit in the tensor data
         path.write_bytes(bytes(data))

@@ -61,10 +61,10 @@ def _future_version(path: Path, _: Engine) -> None:
 
 def _other_models_block(path: Path, engine: Engine) -> None:
     """The same block, as another model's (or KV format's) cache directory holds it."""
-    good = engine.admin.store.get_block(path.stem)  # type: ignore[arg-type]
+    good = engine.admin.store.blocks.get(path.stem)  # type: ignore[arg-type]
     other = DiskBlockStore(engine.cache_dir / "kv", "another-model")
-    other.put_block(Block(good.hash, good.parent, good.token_ids, good.tensors))
-    path.write_bytes(other.block_path(good.hash).read_bytes())
+    other.blocks.put(Block(good.hash, good.parent, good.token_ids, good.tensors))
+    path.write_bytes(other.blocks.path(good.hash).read_bytes())
 
 
 BLOCK_DAMAGE = {
@@ -106,15 +106,15 @@ def test_damaged_block_is_quarantined_and_repaired(
 ) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = engine.generate("lawyer", PROMPT, GREEDY)
-    record = engine.admin.store.get_agent("lawyer")
+    record = engine.admin.store.records.get("lawyer")
     assert record is not None and len(record.blocks) >= 2
-    victim = engine.admin.store.block_path(record.blocks[1])
+    victim = engine.admin.store.blocks.path(record.blocks[1])
     BLOCK_DAMAGE[damage](victim, engine)
 
     again = _falls_back_then_repairs(tmp_path, first, caplog)
     # Only blocks before the damaged one can serve (shared by content), never the damaged one.
     assert again.reused_tokens <= 256
-    Engine("smollm2-135m", cache_dir=tmp_path).admin.store.get_block(record.blocks[1])  # a sound copy
+    Engine("smollm2-135m", cache_dir=tmp_path).admin.store.blocks.get(record.blocks[1])  # a sound copy
     _record_figure(figures, damage)
 
 

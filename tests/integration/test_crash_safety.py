@@ -71,7 +71,7 @@ def test_random_sigkills_during_saves_lose_nothing(tmp_path: Path, figures: dict
         in_flight = _replay(journal, states)
         counts["killed mid-operation"] += in_flight is not None
         for agent in AGENTS:
-            record = store.get_agent(agent)
+            record = store.records.get(agent)
             allowed = {states.get(agent)}
             if in_flight is not None and in_flight[0] == agent:
                 allowed.add(in_flight[1])
@@ -83,9 +83,11 @@ def test_random_sigkills_during_saves_lose_nothing(tmp_path: Path, figures: dict
             if record is not None:
                 counts["records checked"] += 1
                 for h in record.blocks:
-                    store.get_block(h)  # present, checksum and hash verified
+                    store.blocks.get(h)  # present, checksum and hash verified
                     counts["block files verified"] += 1
-        assert set(store.block_hashes()) == store.referenced_blocks(), f"kill {i}: index and files disagree"
+        assert set(store.blocks.hashes()) == store.records.referenced_blocks(), (
+            f"kill {i}: index and files disagree"
+        )
         assert not [p for p in store.dir.rglob(f"{TEMP_PREFIX}*") if p.is_file()], (
             f"kill {i}: temp files left"
         )
@@ -133,7 +135,7 @@ def test_sigkills_during_background_saves_leave_each_agent_old_or_new(
                 prompts.setdefault(agent, {})[base.get(agent, 0) + entry["turn"]] = entry["prompt"]
         store = DiskBlockStore(cache / "kv", fingerprint)  # recovery runs on open
         for agent, turns in prompts.items():
-            record = store.get_agent(agent)
+            record = store.records.get(agent)
             at = [t for t, p in turns.items() if record is not None and record.text.startswith(p)]
             newest = max(at) if at else 0
             assert record is None or at, f"kill {i}: {agent!r} stands for none of its turns"
@@ -144,7 +146,9 @@ def test_sigkills_during_background_saves_leave_each_agent_old_or_new(
             if record is not None:
                 counts["records checked"] += 1
                 for h in record.blocks:
-                    store.get_block(h)  # present, checksum and hash verified
-        assert set(store.block_hashes()) == store.referenced_blocks(), f"kill {i}: index and files disagree"
+                    store.blocks.get(h)  # present, checksum and hash verified
+        assert set(store.blocks.hashes()) == store.records.referenced_blocks(), (
+            f"kill {i}: index and files disagree"
+        )
         store.close()
     figures["background saves killed"] = ", ".join(f"{v} {k}" for k, v in counts.items()) + ", 0 violations"

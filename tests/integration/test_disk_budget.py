@@ -74,7 +74,7 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
             assert engine.admin.disk_bytes() <= budget
             largest = max(largest, _dir_bytes(tmp_path / "kv"))
             assert largest <= budget
-            assert engine.admin.store.has_agent("busy"), f"agent in use evicted after a{i}"
+            assert engine.admin.store.records.has("busy"), f"agent in use evicted after a{i}"
     finally:
         stop.set()
         busy.join(timeout=120)

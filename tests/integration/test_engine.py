@@ -156,11 +156,11 @@ def test_two_agents_store_a_shared_system_prompt_once(smollm: LoadedModel, tmp_p
     system = "Use this text.\n\n" + corpus.python_docs()[:5000]  # > 1K tokens
     ra = eng.generate("a", _chat(eng, system, [("What is a for loop?", None)]), GREEDY)
     rb = eng.generate("b", _chat(eng, system, [("What does assert do?", None)]), GREEDY)
-    chain_a = eng.admin.store.get_agent("a").blocks  # type: ignore[union-attr]
-    chain_b = eng.admin.store.get_agent("b").blocks  # type: ignore[union-attr]
+    chain_a = eng.admin.store.records.get("a").blocks  # type: ignore[union-attr]
+    chain_b = eng.admin.store.records.get("b").blocks  # type: ignore[union-attr]
     shared = len(set(chain_a) & set(chain_b))
     assert shared >= 1000 // BLOCK_TOKENS
-    files = list(eng.admin.store.blocks_dir.rglob("*.safetensors"))
+    files = list(eng.admin.store.blocks.dir.rglob("*.safetensors"))
     assert len(files) == len(set(chain_a) | set(chain_b))
     # The second agent wrote only its own tail blocks.
     assert rb.bytes_written < ra.bytes_written * (len(chain_b) - shared + 1) / len(chain_a)
@@ -225,7 +225,7 @@ def _stored_agent(tmp_path: Path) -> tuple[Engine, str, GenerationResult, AgentR
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("What is this license called?", None)])
     first = eng.generate("a", p, GREEDY)
-    record = eng.admin.store.get_agent("a")
+    record = eng.admin.store.records.get("a")
     assert record is not None and len(record.blocks) == 2
     return eng, p, first, record
 
@@ -255,7 +255,7 @@ def test_bad_agent_ids(smollm: LoadedModel, tmp_path: Path, bad: str) -> None:
     with pytest.raises(ValueError, match="agent_id"):
         eng.admin.set_agent(bad, AgentRecord("src", [], [], [], ""))
     # Refused before any work: no record, no block, no file anywhere (not "../x" either).
-    assert list(eng.admin.store.agents()) == [] and list(eng.admin.store.block_hashes()) == []
+    assert list(eng.admin.store.records.list()) == [] and list(eng.admin.store.blocks.hashes()) == []
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
@@ -263,7 +263,7 @@ def test_missing_block_falls_back_to_prefill(
     smollm: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     eng, p, first, record = _stored_agent(tmp_path)
-    eng.admin.store.block_path(record.blocks[-1]).unlink()
+    eng.admin.store.blocks.path(record.blocks[-1]).unlink()
     fresh = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     with caplog.at_level(logging.WARNING):
         again = fresh.generate("a", p, GREEDY)
@@ -273,8 +273,8 @@ def test_missing_block_falls_back_to_prefill(
     assert again.outcome.match is MatchKind.SHARED
     assert again.reused_tokens == BLOCK_TOKENS * (len(record.blocks) - 1)
     assert first.text and again.text
-    repaired = fresh.admin.store.get_agent("a")
-    assert repaired is not None and all(fresh.admin.store.has_block(h) for h in repaired.blocks)
+    repaired = fresh.admin.store.records.get("a")
+    assert repaired is not None and all(fresh.admin.store.blocks.has(h) for h in repaired.blocks)
 
 
 def test_sampling_is_reproducible_with_a_seed(smollm: LoadedModel, tmp_path: Path) -> None:
@@ -349,7 +349,7 @@ def test_context_length_refuses_long_prompts_and_ends_replies(smollm: LoadedMode
     assert r.finish_reason == "length" and r.prompt_tokens + r.completion_tokens == 64
     with pytest.raises(ContextLengthError, match="reads at most 64"):
         engine.generate("other", prompt + "1, 2, 3, " * 20, GREEDY)
-    assert engine.admin.store.get_agent("other") is None  # nothing was stored for the refused prompt
+    assert engine.admin.store.records.get("other") is None  # nothing was stored for the refused prompt
 
 
 def test_the_working_copy_reserve_changes_no_output(

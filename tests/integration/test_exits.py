@@ -47,7 +47,7 @@ def _prompt() -> str:
 def _stored_text(store: str, blocks: str, root: Path) -> str | None:
     """The agent's text in the shared store, read by a worker that never held it."""
     with Engine("smollm2-135m", cache_dir=root, store=store, blocks=blocks) as reader:
-        record = reader.admin.store.get_agent("cfg")
+        record = reader.admin.store.records.get("cfg")
         return record.text if record is not None else None
 
 
@@ -96,9 +96,9 @@ def test_a_save_kept_locally_when_the_worker_was_killed_is_uploaded_by_the_next_
         # Killed before any upload; the next engine on the directory uploads what it finds.
         with Engine("smollm2-135m", cache_dir=tmp_path / "w", store=store, blocks=blocks) as again:
             deadline = time.monotonic() + 60
-            while again.admin.store.local.pending_agents() and time.monotonic() < deadline:
+            while again.admin.store.local.records.pending_agents() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert again.admin.store.local.pending_agents() == []
+            assert again.admin.store.local.records.pending_agents() == []
         text = _stored_text(store, blocks, tmp_path / "reader")
         assert text is not None and "What is it called?" in text
     finally:

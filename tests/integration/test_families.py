@@ -170,7 +170,7 @@ def test_default_4bit_format_reloads_like_the_hot_run(
     warm = again.generate("x", p2, GREEDY)
     assert str(warm.outcome).startswith("warm") and warm.text == r2.text
     assert again.quant.label == hot.quant.label == "k6g64h-v4g64h-h4"
-    record = again.admin.store.get_agent("x")
+    record = again.admin.store.records.get("x")
     assert record is not None and len(record.blocks) >= 2  # persisted in 256-token blocks
     stored = again.admin.cached_text("x")
     exact = again.generate("x", stored, GREEDY)
@@ -252,7 +252,7 @@ def test_hybrid_reload_equals_the_uninterrupted_run_and_diverge_equals_cold(
     warm = again.generate("x", p2, GREEDY)
     assert str(warm.outcome).startswith("warm") and warm.text == r2.text and r1.completion_tokens > 0
     assert warm.reused_tokens == n1 - 1  # the stored turn's end: its last token is re-run
-    record = again.admin.store.get_agent("x")
+    record = again.admin.store.records.get("x")
     assert (
         record is not None
         and record.states
@@ -288,10 +288,13 @@ def test_a_hybrid_agents_snapshots_weigh_no_more_than_its_kv(
         engine = Engine(model, cache_dir=tmp_path / str(budget), state_budget=budget)
         engine.generate("x", text, GREEDY)
         engine.flush()
-        record = engine.admin.store.get_agent("x")
+        record = engine.admin.store.records.get("x")
         assert record is not None and record.states
         chain, snaps = record.blocks[: len(record.chain)], record.blocks[len(record.chain) :]
-        kv, states = engine.admin.store.local_bytes(chain), engine.admin.store.local_bytes(snaps)
+        kv, states = (
+            engine.admin.store.blocks.local_bytes(chain),
+            engine.admin.store.blocks.local_bytes(snaps),
+        )
         sizes[budget] = (len(snaps), kv, states)
         n = len(record.token_ids)
         cut = _cut_at_token(engine, "x", n - 1024)
@@ -324,14 +327,14 @@ def test_a_disk_budget_evicts_hybrid_agents_with_their_snapshots(
     for i in range(8):
         engine.generate(f"a{i}", prompt(i), GREEDY)
         engine.flush()
-        record = engine.admin.store.get_agent(f"a{i}")
+        record = engine.admin.store.records.get(f"a{i}")
         assert record is not None and record.states
         snapshots[f"a{i}"] = record.blocks[len(record.chain) :]
         assert engine.admin.disk_bytes() <= budget
         assert sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file()) <= budget
-    evicted = [a for a in snapshots if not engine.admin.store.has_agent(a)]
+    evicted = [a for a in snapshots if not engine.admin.store.records.has(a)]
     assert evicted and "a7" not in evicted
-    on_disk = set(engine.admin.store.block_hashes())
+    on_disk = set(engine.admin.store.blocks.hashes())
     assert not {h for a in evicted for h in snapshots[a]} & on_disk
     engine.admin.clear_memory()  # read from disk
     kept = engine.generate("a7", prompt(7) + " And then?", GREEDY)

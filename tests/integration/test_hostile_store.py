@@ -468,13 +468,13 @@ def test_saves_waiting_for_a_stopped_store_stay_within_the_budget(
             stats = engine.admin.store.stats
             assert stats.pending_dropped >= 1 and largest <= budget, (largest, budget)
             assert "dropped here" in caplog.text
-            assert engine.admin.store.local.upload_pending("a16")  # the newest is kept
+            assert engine.admin.store.local.records.upload_pending("a16")  # the newest is kept
             pg.start()
             deadline = time.monotonic() + 60
             while engine.admin.store.replication.pending.flush():
                 assert time.monotonic() < deadline
                 time.sleep(0.5)
-            assert engine.admin.store.has_agent("a16")
+            assert engine.admin.store.records.has("a16")
     finally:
         pg.close()
 

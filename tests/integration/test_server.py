@@ -29,7 +29,7 @@ from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.registry import shared_engine
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.budget import StorageBudget
-from langchain_agent_memory.engine.storage.store import DiskBlockStore
+from langchain_agent_memory.engine.storage.index import AgentIndex
 from langchain_agent_memory.server import ServerConfig, create_app
 from langchain_agent_memory.testing.corpus import apache_license
 from langchain_agent_memory.testing.server_process import free_port, start_server
@@ -248,7 +248,7 @@ def test_closing_a_stream_stops_decoding(client: openai.OpenAI, server: tuple[st
     stream.close()
     # a second request of the agent waits for the first to end (same-agent requests run in order)
     after = _complete(client, "oa-cancel", ask, max_tokens=1)
-    kept = shared_engine(MODEL, cache_dir=server[1]).admin.store.get_agent("oa-cancel")
+    kept = shared_engine(MODEL, cache_dir=server[1]).admin.store.records.get("oa-cancel")
     assert kept is not None
     generated = len(kept.token_ids) - after.usage.prompt_tokens
     assert generated < 100, f"decoding went on after the client left: {generated} tokens kept"
@@ -262,22 +262,22 @@ def test_a_failed_save_leaves_the_reply_and_the_previous_cache(
     agent's previous cache; once writable again the same agent is served and saved."""
     engine = shared_engine(MODEL, cache_dir=server[1])
 
-    def disk_full(self: DiskBlockStore, record: object) -> int:  # the index write fails
+    def disk_full(self: AgentIndex, record: object, *sync: object) -> int:  # the index write fails
         raise sqlite3.OperationalError("database or disk is full")
 
     with monkeypatch.context() as mp:
-        mp.setattr(DiskBlockStore, "put_agent", disk_full)
+        mp.setattr(AgentIndex, "put", disk_full)
         assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
         assert _stream_text(client, "oa-full-stream", COLORS, max_tokens=12)
         with pytest.raises(CacheWriteError, match="disk is full"):
             engine.flush()
     assert (
-        engine.admin.store.get_agent("oa-full") is None
-        and engine.admin.store.get_agent("oa-full-stream") is None
+        engine.admin.store.records.get("oa-full") is None
+        and engine.admin.store.records.get("oa-full-stream") is None
     )
     assert _complete(client, "oa-full", COLORS, max_tokens=4).choices[0].message.content
     engine.flush()
-    assert engine.admin.store.get_agent("oa-full") is not None
+    assert engine.admin.store.records.get("oa-full") is not None
 
 
 def test_ready_and_the_agents_list_answer_while_a_save_waits(

@@ -346,7 +346,7 @@ def test_verify_does_not_mark_missing_a_block_uploaded_while_it_ran(
         monkeypatch.undo()
         a.admin.fork("x", "x-fork")
     with Engine("smollm2-135m", cache_dir=tmp_path / "b", store=store, blocks=blocks) as b:
-        forked = b.admin.store.get_agent("x-fork")
+        forked = b.admin.store.records.get("x-fork")
         assert forked is not None
         out = b.generate("x-fork", forked.text + " More?", GenerationParams(max_tokens=2))
         assert str(out.outcome).startswith("warm"), out.outcome

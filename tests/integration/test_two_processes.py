@@ -45,16 +45,16 @@ def test_an_app_and_a_cleanup_process_share_a_cache_dir(
     store = engine.admin.store
     assert (store.recovery.temp_files_removed, store.recovery.missing_blocks) == (0, 0)
     assert store.recovery.orphan_blocks_removed == 0
-    records = list(store.agents())
+    records = list(store.records.list())
     for record in records:
         for h in record.blocks:
-            store.get_block(h)
-    assert set(store.block_hashes()) == store.referenced_blocks()
+            store.blocks.get(h)
+    assert set(store.blocks.hashes()) == store.records.referenced_blocks()
     for record in records:  # and each cache resumes
         result = engine.generate(record.agent_id, record.text, GenerationParams(max_tokens=1))
         assert str(result.outcome).startswith("warm"), record.agent_id
     figures["two processes"] = (
         ", ".join(f"{v} {k}" for k, v in sorted(ops.items()))
         + f", {len(warnings)} fallbacks to prefill after a racing delete, 0 damage, "
-        f"{len(records)} records and {len(store.referenced_blocks())} blocks verified after"
+        f"{len(records)} records and {len(store.records.referenced_blocks())} blocks verified after"
     )

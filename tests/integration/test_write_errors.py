@@ -21,6 +21,7 @@ from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.files import TEMP_PREFIX
 from langchain_agent_memory.engine.storage import block_files as files_module
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
+from langchain_agent_memory.engine.storage.index import AgentIndex
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
 
 GREEDY = GenerationParams(max_tokens=6)
@@ -45,10 +46,10 @@ def _failing_file_writes(monkeypatch: pytest.MonkeyPatch, error: OSError) -> Non
 
 
 def _failing_index(monkeypatch: pytest.MonkeyPatch, error: sqlite3.Error) -> None:
-    def put_agent(self: DiskBlockStore, record: object) -> int:
+    def put(self: AgentIndex, record: object, *sync: object) -> int:
         raise error
 
-    monkeypatch.setattr(DiskBlockStore, "put_agent", put_agent)
+    monkeypatch.setattr(AgentIndex, "put", put)
 
 
 FAULTS = {
@@ -69,7 +70,7 @@ FAULTS = {
 
 def _clean(store: DiskBlockStore) -> None:
     assert not [p for p in store.dir.rglob(f"{TEMP_PREFIX}*") if p.is_file()], "a temporary file was left"
-    assert set(store.block_hashes()) == store.referenced_blocks(), "a block no record names was left"
+    assert set(store.blocks.hashes()) == store.records.referenced_blocks(), "a block no record names was left"
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=str)
@@ -78,7 +79,7 @@ def test_a_failed_save_keeps_the_previous_cache(
 ) -> None:
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     first = engine.generate("lawyer", FIRST, GREEDY)
-    before = engine.admin.store.get_agent("lawyer")
+    before = engine.admin.store.records.get("lawyer")
     inject, says = FAULTS[fault]
     with monkeypatch.context() as mp:
         inject(mp)
@@ -88,7 +89,7 @@ def test_a_failed_save_keeps_the_previous_cache(
             engine.flush()  # the save's failure: raised once
     engine.flush()
     assert "previous cache is intact" in str(failure.value) and "'lawyer'" in str(failure.value)
-    assert engine.admin.store.get_agent("lawyer") == before
+    assert engine.admin.store.records.get("lawyer") == before
     _clean(engine.admin.store)
 
     restarted = Engine("smollm2-135m", cache_dir=tmp_path)  # the previous cache still loads
@@ -96,7 +97,7 @@ def test_a_failed_save_keeps_the_previous_cache(
     assert str(again.outcome).startswith("warm") and again.text == first.text
     retry = engine.generate("lawyer", SECOND, GREEDY)  # writable again: saves normally
     engine.flush()
-    assert retry.bytes_written > 0 and engine.admin.store.get_agent("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
+    assert retry.bytes_written > 0 and engine.admin.store.records.get("lawyer").text.startswith(SECOND)  # type: ignore[union-attr]
     _clean(engine.admin.store)
     figures["write errors"] = (
         figures.get("write errors", "") + f"{fault}: raised, old cache loads, retry saves; "

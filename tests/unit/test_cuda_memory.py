@@ -72,9 +72,9 @@ def test_the_gpu_read_path_lands_every_block_in_its_row(tmp_path: Path, monkeypa
         tensors = {"L0.k": mx.random.normal((1, 2, 4, 8)).astype(mx.float16), "L1.v": mx.zeros((1, 2, 4, 16))}
         tokens = [4 * i + j for j in range(4)]
         blk = Block(block_hash(parent, tokens, "model-a"), parent, tokens, tensors)
-        store.put_block(blk)
+        store.blocks.put(blk)
         hashes.append(parent := blk.hash)
-    expected = store.read_blocks(hashes)
+    expected = store.blocks.read(hashes)
     monkeypatch.setattr(cuda_memory, "runtime", lambda: object())
     monkeypatch.setattr(cuda_memory, "Upload", _FakeUpload)
     monkeypatch.setattr(cuda_memory, "staging", lambda n: contextlib.nullcontext(np.empty(n, np.uint8)))
@@ -82,13 +82,13 @@ def test_the_gpu_read_path_lands_every_block_in_its_row(tmp_path: Path, monkeypa
     monkeypatch.setattr(reader, "GATHER_THREADS", 0)
     monkeypatch.setattr(_FakeUpload, "made", [])
     monkeypatch.setattr(_FakeUpload, "fail", fail)
-    got = store.read_blocks(hashes)
+    got = store.blocks.read(hashes)
     assert len(_FakeUpload.made) == len(expected) and len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert mx.array_equal(a.blob, b.blob).item() and a.names() == b.names()
-    path = store.block_path(hashes[3])
+    path = store.blocks.path(hashes[3])
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x04
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="checksum"):
-        store.read_blocks(hashes)
+        store.blocks.read(hashes)

@@ -53,11 +53,11 @@ def test_no_agent_id_names_a_path(store: DiskBlockStore, agent_id: str) -> None:
         validate_agent_id(agent_id)
     except ValueError:
         with pytest.raises(ValueError, match="agent_id"):
-            store.put_agent(AgentRecord(agent_id, [], [1], [1], "x"))
+            store.records.put(AgentRecord(agent_id, [], [1], [1], "x"))
         _count("agent ids refused")
         return
-    store.put_agent(AgentRecord(agent_id, [], [1], [1], "x"))
-    assert store.get_agent(agent_id).agent_id == agent_id  # type: ignore[union-attr]
+    store.records.put(AgentRecord(agent_id, [], [1], [1], "x"))
+    assert store.records.get(agent_id).agent_id == agent_id  # type: ignore[union-attr]
     assert store.maintenance.quarantine_agent(agent_id) is not None  # the one place an id reaches a file name
     quarantined = _files(store.dir.parent) - before
     assert all(p.parent == store.dir / "quarantine" for p in quarantined)
@@ -70,19 +70,19 @@ def test_no_agent_id_names_a_path(store: DiskBlockStore, agent_id: str) -> None:
 @given(h=st.text(max_size=80))
 def test_no_block_hash_names_a_path(store: DiskBlockStore, h: str) -> None:
     try:
-        path = store.block_path(h)  # type: ignore[arg-type]
+        path = store.blocks.path(h)  # type: ignore[arg-type]
     except ValueError:
         _count("block names refused")
         return
-    assert path.parent.parent == store.blocks_dir
+    assert path.parent.parent == store.blocks.dir
 
 
 def _good_block_bytes(store: DiskBlockStore) -> tuple[str, bytes, dict[str, mx.array]]:
     h = block_hash(None, [1, 2, 3], FP)
     tensors = {"L0.k.q": mx.arange(24, dtype=mx.uint32).reshape(1, 1, 3, 8), "L0.v": mx.ones((1, 1, 3, 4))}
-    store.delete_block(h)  # the previous example left a damaged copy
-    store.put_block(Block(h, None, [1, 2, 3], tensors))
-    return h, store.block_path(h).read_bytes(), tensors
+    store.blocks.delete(h)  # the previous example left a damaged copy
+    store.blocks.put(Block(h, None, [1, 2, 3], tensors))
+    return h, store.blocks.path(h).read_bytes(), tensors
 
 
 def test_damaged_block_files_are_refused_cleanly(store: DiskBlockStore, figures: dict[str, str]) -> None:
@@ -117,9 +117,9 @@ def test_damaged_block_files_are_refused_cleanly(store: DiskBlockStore, figures:
         else:
             for at in data.draw(st.lists(st.integers(8 + n, len(good) - 1), min_size=1, max_size=8)):
                 raw[at] ^= data.draw(st.integers(1, 255))
-        store.block_path(h).write_bytes(bytes(raw))  # type: ignore[arg-type]
+        store.blocks.path(h).write_bytes(bytes(raw))  # type: ignore[arg-type]
         try:
-            block = store.get_block(h)  # type: ignore[arg-type]
+            block = store.blocks.get(h)  # type: ignore[arg-type]
         except CacheFormatError:
             seen["refused"] = seen.get("refused", 0) + 1
             return
@@ -141,7 +141,7 @@ def test_damaged_block_files_are_refused_cleanly(store: DiskBlockStore, figures:
 @FUZZ
 @given(raw=st.one_of(st.text(max_size=300), st.binary(max_size=300).map(lambda b: b.decode("latin-1"))))
 def test_damaged_records_are_refused_cleanly(store: DiskBlockStore, raw: str) -> None:
-    store.put_agent(AgentRecord("victim", [], [], [], ""))
+    store.records.put(AgentRecord("victim", [], [], [], ""))
     import sqlite3
 
     db = sqlite3.connect(store.dir / "index.sqlite")
@@ -149,7 +149,7 @@ def test_damaged_records_are_refused_cleanly(store: DiskBlockStore, raw: str) ->
     db.commit()
     db.close()
     try:
-        store.get_agent("victim")
+        store.records.get("victim")
         _count("records parsed")
     except CacheFormatError:
         _count("damaged records refused")

@@ -50,25 +50,25 @@ def test_release_deletes_only_blocks_no_record_names(tmp_path: Path) -> None:
         writes.put(blk, outcome)
     pool.apply(outcome)
     assert pool.snapshot_stats().blocks_written == 3
-    store.put_agent(AgentRecord("a", [shared.hash, mine.hash], [1, 2], [1, 2], "xy"))
-    store.put_agent(AgentRecord("b", [shared.hash, theirs.hash], [1, 3], [1, 2], "xz"))
-    assert store.refcount(shared.hash) == 2
-    store.delete_agent("a")
+    store.records.put(AgentRecord("a", [shared.hash, mine.hash], [1, 2], [1, 2], "xy"))
+    store.records.put(AgentRecord("b", [shared.hash, theirs.hash], [1, 3], [1, 2], "xz"))
+    assert store.records.refcount(shared.hash) == 2
+    store.records.delete("a")
     deleted = WriteOutcome()
     writes.release([shared.hash, mine.hash], into=deleted)  # agent a deleted
     pool.apply(deleted)
     assert deleted.deleted == [mine.hash]
-    assert not store.has_block(mine.hash) and not pool.is_hot(mine.hash) and pool.is_hot(shared.hash)
-    assert store.has_block(shared.hash) and store.has_block(theirs.hash)
+    assert not store.blocks.has(mine.hash) and not pool.is_hot(mine.hash) and pool.is_hot(shared.hash)
+    assert store.blocks.has(shared.hash) and store.blocks.has(theirs.hash)
 
 
 def test_references_are_seen_by_another_process(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block(1)
-    store.put_block(blk)
-    store.put_agent(AgentRecord("a", [blk.hash], [1], [1], "x"))
+    store.blocks.put(blk)
+    store.records.put(AgentRecord("a", [blk.hash], [1], [1], "x"))
     other = DiskBlockStore(tmp_path, FP)  # as a second process opens it
-    other.put_agent(AgentRecord("b", [blk.hash], [1], [1], "x"))
-    store.delete_agent("a")
+    other.records.put(AgentRecord("b", [blk.hash], [1], [1], "x"))
+    store.records.delete("a")
     BlockWrites(store).release([blk.hash])  # b, written by the other, still names it
-    assert store.has_block(blk.hash) and store.refcount(blk.hash) == 1
+    assert store.blocks.has(blk.hash) and store.records.refcount(blk.hash) == 1

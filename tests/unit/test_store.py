@@ -52,15 +52,15 @@ def test_hash_is_chained_and_model_specific() -> None:
 def test_round_trip_and_immutability(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block()
-    written = store.put_block(blk)
+    written = store.blocks.put(blk)
     assert written > blk.nbytes  # tensors + header
-    assert store.put_block(blk) == 0  # content-addressed: never rewritten
-    back = store.get_block(blk.hash)
+    assert store.blocks.put(blk) == 0  # content-addressed: never rewritten
+    back = store.blocks.get(blk.hash)
     assert back.token_ids == [1, 2, 3] and back.parent is None
     for k, v in blk.tensors.items():
         assert back.tensors[k].dtype == v.dtype
         assert mx.array_equal(back.tensors[k], v).item()
-    assert list(store.block_hashes()) == [blk.hash]
+    assert list(store.blocks.hashes()) == [blk.hash]
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob(".*.safetensors"))
 
 
@@ -73,50 +73,50 @@ def _corrupt(path: Path, offset_from_end: int) -> None:
 def test_flipped_tensor_bit_is_detected(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block()
-    store.put_block(blk)
-    _corrupt(store.block_path(blk.hash), 3)
+    store.blocks.put(blk)
+    _corrupt(store.blocks.path(blk.hash), 3)
     with pytest.raises(CacheFormatError, match="checksum"):
-        store.get_block(blk.hash)
+        store.blocks.get(blk.hash)
 
 
 def test_truncated_block_is_detected(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block()
-    store.put_block(blk)
-    path = store.block_path(blk.hash)
+    store.blocks.put(blk)
+    path = store.blocks.path(blk.hash)
     path.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(CacheFormatError, match="unreadable"):
-        store.get_block(blk.hash)
+        store.blocks.get(blk.hash)
 
 
 def test_flipped_header_byte_is_detected(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _block()
-    store.put_block(blk)
-    path = store.block_path(blk.hash)
+    store.blocks.put(blk)
+    path = store.blocks.path(blk.hash)
     data = bytearray(path.read_bytes())
     i = data.index(b'"token_ids"') + 16  # inside the header's JSON text
     data[i] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError):
-        store.get_block(blk.hash)
+        store.blocks.get(blk.hash)
 
 
 def test_another_models_block_under_the_right_name(tmp_path: Path) -> None:
     mine = DiskBlockStore(tmp_path, FP)
     theirs = DiskBlockStore(tmp_path, "model-b")
     blk = _block(fp="model-b")
-    theirs.put_block(blk)
-    target = mine.block_path(blk.hash)
+    theirs.blocks.put(blk)
+    target = mine.blocks.path(blk.hash)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(theirs.block_path(blk.hash).read_bytes())
+    target.write_bytes(theirs.blocks.path(blk.hash).read_bytes())
     with pytest.raises(CacheFormatError, match="another model"):
-        mine.get_block(blk.hash)
+        mine.blocks.get(blk.hash)
 
 
 def test_missing_block(tmp_path: Path) -> None:
     with pytest.raises(BlockMissingError):
-        DiskBlockStore(tmp_path, FP).get_block(block_hash(None, [7], FP))
+        DiskBlockStore(tmp_path, FP).blocks.get(block_hash(None, [7], FP))
 
 
 def test_newer_format_directory_is_refused(tmp_path: Path) -> None:
@@ -129,12 +129,12 @@ def test_newer_format_directory_is_refused(tmp_path: Path) -> None:
 def test_agent_records_round_trip(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     rec = AgentRecord("thread-1:planner", [block_hash(None, [1], FP)], [1], [3], "abc")
-    store.put_agent(rec)
-    back = store.get_agent("thread-1:planner")
+    store.records.put(rec)
+    back = store.records.get("thread-1:planner")
     assert back is not None and back.blocks == rec.blocks and back.text == "abc"
-    assert store.get_agent("other") is None
-    assert [r.agent_id for r in store.agents()] == ["thread-1:planner"]
-    assert store.delete_agent("thread-1:planner") and store.get_agent("thread-1:planner") is None
+    assert store.records.get("other") is None
+    assert [r.agent_id for r in store.records.list()] == ["thread-1:planner"]
+    assert store.records.delete("thread-1:planner") and store.records.get("thread-1:planner") is None
 
 
 def _edit_record(store: DiskBlockStore, agent_id: str, edit) -> None:  # type: ignore[no-untyped-def]
@@ -148,34 +148,34 @@ def _edit_record(store: DiskBlockStore, agent_id: str, edit) -> None:  # type: i
 
 def test_newer_agent_record_is_refused(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
-    store.put_agent(AgentRecord("a", [], [], [], ""))
+    store.records.put(AgentRecord("a", [], [], [], ""))
     _edit_record(
         store, "a", lambda raw: json.dumps({**json.loads(raw), "format_version": SEGMENTS_FORMAT_VERSION + 1})
     )
     with pytest.raises(CacheFormatError, match="newer"):
-        store.get_agent("a")
+        store.records.get("a")
 
 
 def test_corrupt_agent_record_is_a_format_error(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
-    store.put_agent(AgentRecord("a", [], [], [], ""))
+    store.records.put(AgentRecord("a", [], [], [], ""))
     _edit_record(store, "a", lambda raw: raw[: len(raw) // 2])
     with pytest.raises(CacheFormatError, match="corrupt"):
-        store.get_agent("a")
-    assert list(store.agents()) == []  # listing skips it (with a log line)
+        store.records.get("a")
+    assert list(store.records.list()) == []  # listing skips it (with a log line)
 
 
 def test_open_removes_temp_files_and_unreferenced_blocks(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     kept, orphan = _block(tokens=(1,)), _block(tokens=(2,))
-    store.put_block(kept)
-    store.put_block(orphan)  # a save killed before its record was written
-    store.put_agent(AgentRecord("a", [kept.hash], [1], [1], "x"))
-    temp = store.block_path(kept.hash).parent / f".{kept.hash}.safetensors.abc.safetensors"
+    store.blocks.put(kept)
+    store.blocks.put(orphan)  # a save killed before its record was written
+    store.records.put(AgentRecord("a", [kept.hash], [1], [1], "x"))
+    temp = store.blocks.path(kept.hash).parent / f".{kept.hash}.safetensors.abc.safetensors"
     temp.write_bytes(b"half a block")  # a save killed mid-write
     report = DiskBlockStore(tmp_path, FP).recovery
     assert (report.temp_files_removed, report.orphan_blocks_removed, report.missing_blocks) == (1, 1, 0)
-    assert not temp.exists() and not store.has_block(orphan.hash) and store.has_block(kept.hash)
+    assert not temp.exists() and not store.blocks.has(orphan.hash) and store.blocks.has(kept.hash)
 
 
 def test_records_of_the_json_layout_are_migrated(tmp_path: Path) -> None:
@@ -184,7 +184,7 @@ def test_records_of_the_json_layout_are_migrated(tmp_path: Path) -> None:
     (legacy / "0123.json").write_text(AgentRecord("old-agent", [], [5], [1], "x").to_json())
     store = DiskBlockStore(tmp_path, FP)
     assert store.recovery.records_migrated == 1 and not legacy.exists()
-    assert store.get_agent("old-agent") is not None
+    assert store.records.get("old-agent") is not None
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "a\\b", "a\x00b", ".hidden", "x" * 257, "tab\there"])
@@ -199,15 +199,15 @@ def test_bad_agent_ids_are_refused(bad: str) -> None:
 def test_good_agent_ids_round_trip_and_name_no_file(good: str, tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     before = {p.name for p in (tmp_path / FP).iterdir()}
-    store.put_agent(AgentRecord(good, [], [1], [1], "x"))
-    assert store.get_agent(good).agent_id == good  # type: ignore[union-attr]
+    store.records.put(AgentRecord(good, [], [1], [1], "x"))
+    assert store.records.get(good).agent_id == good  # type: ignore[union-attr]
     assert {p.name for p in (tmp_path / FP).iterdir()} == before  # only the index changed
 
 
 def test_index_schema_is_versioned_and_migrated(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     rec = AgentRecord("a", [], [1, 2], [1, 2], "hi")
-    store.put_agent(rec)
+    store.records.put(rec)
     store.close()
     db = sqlite3.connect(tmp_path / FP / "index.sqlite")
     assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION
@@ -215,7 +215,7 @@ def test_index_schema_is_versioned_and_migrated(tmp_path: Path) -> None:
     db.execute("PRAGMA user_version = 0")
     db.commit()
     again = DiskBlockStore(tmp_path, FP)
-    assert again.get_agent("a") == rec
+    assert again.records.get("a") == rec
     again.close()
     assert db.execute("PRAGMA user_version").fetchone()[0] == INDEX_SCHEMA_VERSION
     # A newer version's index is refused, not rewritten.
@@ -238,41 +238,41 @@ def _layered_block(layers: int = 3, seed: int = 0) -> Block:
 def test_some_layers_are_read_alone_and_checked_alone(tmp_path: Path) -> None:
     store = DiskBlockStore(tmp_path, FP)
     blk = _layered_block()
-    store.put_block(blk)
-    (whole,) = store.read_blocks([blk.hash])
-    (part,) = store.read_blocks([blk.hash], layers=[0, 10])
+    store.blocks.put(blk)
+    (whole,) = store.blocks.read([blk.hash])
+    (part,) = store.blocks.read([blk.hash], layers=[0, 10])
     assert part.names() == ["L0.k.q", "L0.v", "L10.k.q", "L10.v"]
     assert part.blob.size == whole.blob.size // 2  # 2 of 4 layers: only their bytes were read
     for name in part.names():
         assert mx.array_equal(part.tensor(name), blk.tensors[name]).item()
     # A flipped bit in a layer that is read is caught; one in a layer that is not, is not
     # read (a whole read still catches it).
-    path = store.block_path(blk.hash)
+    path = store.blocks.path(blk.hash)
     data = bytearray(path.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
     table = json.loads(data[8 : 8 + header_len])
     at = 8 + header_len + table["L2.v"]["data_offsets"][0]
     data[at] ^= 0x40
     path.write_bytes(bytes(data))
-    store.read_blocks([blk.hash], layers=[0])  # L2 not read: nothing to check
+    store.blocks.read([blk.hash], layers=[0])  # L2 not read: nothing to check
     with pytest.raises(CacheFormatError, match="checksum"):
-        store.read_blocks([blk.hash], layers=[2])
+        store.blocks.read([blk.hash], layers=[2])
     with pytest.raises(CacheFormatError, match="checksum"):
-        store.read_blocks([blk.hash])
+        store.blocks.read([blk.hash])
 
 
 def test_blocks_without_part_checksums_are_read_whole(tmp_path: Path) -> None:
     """A block written before per-layer checksums (same format version) still loads: whole."""
     store = DiskBlockStore(tmp_path, FP)
     blk = _layered_block()
-    store.put_block(blk)
-    path = store.block_path(blk.hash)
+    store.blocks.put(blk)
+    path = store.blocks.path(blk.hash)
     (meta_back,) = [json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])]
     meta = meta_back["__metadata__"]
     for field in ("part_checksums", "xxh3", "part_xxh3"):  # none of them was written then
         del meta[field]
     mx.save_safetensors(str(path), dict(blk.tensors), metadata=meta)
-    (group,) = store.read_blocks([blk.hash], layers=[0])
+    (group,) = store.blocks.read([blk.hash], layers=[0])
     assert len(group.names()) == len(blk.tensors)
 
 
@@ -311,18 +311,18 @@ def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(
     checked by its SHA-256, whole or by layer, and still refused when damaged."""
     store = DiskBlockStore(tmp_path, FP)
     blk = _layered_block(seed=4)
-    store.put_block(blk)
-    path = store.block_path(blk.hash)
+    store.blocks.put(blk)
+    path = store.blocks.path(blk.hash)
     meta = _meta(path)
     assert {"checksum", "part_checksums", "xxh3", "part_xxh3"} <= set(meta)
-    (group,) = store.read_blocks([blk.hash])
+    (group,) = store.blocks.read([blk.hash])
     named = [(e.name, bytes(np.asarray(group.blob[0, e.begin : e.end]))) for e in group.headers[0].tensors]
     assert meta["xxh3"] == fast_checksum(named, meta=covered(meta, whole=True))
     for field in ("xxh3", "part_xxh3"):
         del meta[field]
     mx.save_safetensors(str(path), dict(blk.tensors), metadata=meta)
-    (whole,) = store.read_blocks([blk.hash])
-    (part,) = store.read_blocks([blk.hash], layers=[1])
+    (whole,) = store.blocks.read([blk.hash])
+    (part,) = store.blocks.read([blk.hash], layers=[1])
     assert mx.array_equal(part.tensor("L1.v"), blk.tensors["L1.v"]).item() and whole.names() == sorted(
         blk.tensors
     )
@@ -330,7 +330,7 @@ def test_a_restore_checks_the_fast_checksum_and_older_blocks_their_sha256(
     data[-3] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="checksum"):
-        store.read_blocks([blk.hash])
+        store.blocks.read([blk.hash])
 
 
 @pytest.fixture(params=["tensor by tensor", "gathered"])
@@ -347,8 +347,8 @@ def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path, digests: 
     covers the header's fields as well as the data."""
     store = DiskBlockStore(tmp_path, FP)
     blk = _block(tokens=(5, 6, 7, 8), seed=9)
-    store.put_block(blk)
-    path = store.block_path(blk.hash)
+    store.blocks.put(blk)
+    path = store.blocks.path(blk.hash)
     good = path.read_bytes()
     header_end = 8 + int.from_bytes(good[:8], "little")
     missed = []
@@ -359,12 +359,12 @@ def test_every_damaged_byte_of_a_block_file_is_refused(tmp_path: Path, digests: 
         data[at] ^= 0x01
         path.write_bytes(bytes(data))
         try:
-            store.get_block(blk.hash)
+            store.blocks.get(blk.hash)
         except CacheFormatError:
             continue
         missed.append(at)
     path.write_bytes(good)
-    assert store.get_block(blk.hash).hash == blk.hash
+    assert store.blocks.get(blk.hash).hash == blk.hash
     assert missed == [], [good[max(0, a - 20) : a + 20] for a in missed[:5]]
 
 
@@ -373,28 +373,28 @@ def test_a_segment_holds_its_new_rows_and_reads_back_whole(tmp_path: Path) -> No
     the stored block of its first rows: reading it gives the whole block's tensors."""
     store = DiskBlockStore(tmp_path, FP)
     parent = _block(tokens=(7,) * 4, seed=1)
-    store.put_block(parent)
+    store.blocks.put(parent)
     tokens = list(range(40))
     full = _block(parent.hash, tokens, seed=2)
     first = Block(block_hash(parent.hash, tokens[:10], FP), parent.hash, tokens[:10],
                   {k: v[:, :, :10] for k, v in full.tensors.items()})  # fmt: skip
     middle = Block(block_hash(parent.hash, tokens[:25], FP), parent.hash, tokens[:25],
                    {k: v[:, :, :25] for k, v in full.tensors.items()}, rows_from=10)  # fmt: skip
-    store.put_block(first)
-    store.put_block(middle)
+    store.blocks.put(first)
+    store.blocks.put(middle)
     full.rows_from = 25
-    written = store.put_block(full)
-    assert written < store.put_block(Block(block_hash(None, tokens, FP), None, tokens, full.tensors)) * 0.5
-    back = store.get_block(full.hash)
-    assert back.rows_from == 25 and store.prior_of(full.hash) == middle.hash
+    written = store.blocks.put(full)
+    assert written < store.blocks.put(Block(block_hash(None, tokens, FP), None, tokens, full.tensors)) * 0.5
+    back = store.blocks.get(full.hash)
+    assert back.rows_from == 25 and store.blocks.prior_of(full.hash) == middle.hash
     for k, v in full.tensors.items():
         assert mx.array_equal(back.tensors[k], v).item(), k
-    (group,) = store.read_blocks([full.hash])
+    (group,) = store.blocks.read([full.hash])
     assert all(mx.array_equal(group.tensor(k), v).item() for k, v in full.tensors.items())
     # Its first rows gone: the segment cannot be read, and says so as a damaged block.
-    store.delete_block(first.hash)
+    store.blocks.delete(first.hash)
     with pytest.raises(CacheFormatError, match="continues block"):
-        store.get_block(full.hash)
+        store.blocks.get(full.hash)
 
 
 def test_a_record_with_segments_round_trips_and_keeps_its_chain() -> None:

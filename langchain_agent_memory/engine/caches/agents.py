@@ -195,7 +195,7 @@ class AgentCaches:
         """The agent's record read ``via`` the store (off the model's thread) or its
         ``reads`` (on it); an unusable one is moved aside (None)."""
         try:
-            return via.get_agent(agent_id)
+            return via.records.get(agent_id)
         except NewerFormatError:
             raise  # a newer version's cache: refuse rather than overwrite it
         except CacheFormatError as exc:
@@ -273,18 +273,18 @@ class AgentCaches:
                 for b in reversed(self._lineage(h)):
                     self.pool.forget(b)
                     try:
-                        self.reads.get_block(b)
+                        self.reads.blocks.get(b)
                     except (BlockMissingError, BlocksUnavailableError):
                         continue
                     except CacheFormatError:
-                        moved += self.reads.quarantine_block(b) is not None
+                        moved += self.reads.blocks.quarantine(b) is not None
         return moved
 
     def _lineage(self, h: BlockHash) -> list[BlockHash]:
         """``h``, then the blocks of its earlier rows as far as their headers can be read."""
         out = [h]
         with contextlib.suppress(CacheFormatError, BlocksUnavailableError):
-            while (prior := self.reads.prior_of(out[-1])) is not None and prior not in out:
+            while (prior := self.reads.blocks.prior_of(out[-1])) is not None and prior not in out:
                 out.append(prior)
         return out
 
@@ -362,7 +362,7 @@ class AgentCaches:
     def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
         """Those of ``hashes`` in memory or in the store (``plan_shared``'s ``has``: every one
         is asked, a hybrid's snapshots are sparse, so a missing one ends nothing)."""
-        return {h for h in hashes if self.held(h) or self.reads.has_block(h)}
+        return {h for h in hashes if self.held(h) or self.reads.blocks.has(h)}
 
     def load_hot(self, agent_id: str) -> bool:
         """Build an agent's live caches from its blocks (a prefetch); False if it has no

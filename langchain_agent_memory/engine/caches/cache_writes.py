@@ -153,7 +153,7 @@ class CacheWrites:
         for _ in range(BLOCK_TOKENS):  # agents saved before this change: a segment a turn
             in_hand = self.queued_block(h) or self.pool.hot_block(h)
             try:
-                prior = in_hand.prior(fp) if in_hand is not None else self.store.prior_of(h)
+                prior = in_hand.prior(fp) if in_hand is not None else self.store.blocks.prior_of(h)
             except CacheFormatError:  # BlockMissingError too
                 return None
             if prior is None:
@@ -214,7 +214,7 @@ class CacheWrites:
 
     def has_local(self, h: BlockHash) -> bool:
         """Whether block ``h`` is here: in memory or on this worker's disk (no round trip)."""
-        return self.held(h) or self.store.local.has_block(h)
+        return self.held(h) or self.store.local.blocks.has(h)
 
     def saving_agents(self) -> set[str]:
         """Agents with a save not written yet (``write``)."""

@@ -132,7 +132,7 @@ def _sources(
         while end < len(needed) and not caches.held(needed[end]) and wanted(end) == layers:
             end += 1
         b0 = b
-        for group in caches.reads.read_blocks(needed[b:end], layers):
+        for group in caches.reads.blocks.read(needed[b:end], layers):
             runs.append((b0, group))
             b0 += len(group.headers)
         caches.pool.stats.misses += end - b

@@ -62,7 +62,7 @@ class Committer:
                     try:
                         self.feed.committed(job.record)
                         self.budget.saved()
-                        saved = "local" if self.store.local.upload_pending(agent_id) else True
+                        saved = "local" if self.store.local.records.upload_pending(agent_id) else True
                     except Exception as exc:  # stored all the same: the record stands
                         error = exc
             except BaseException as exc:

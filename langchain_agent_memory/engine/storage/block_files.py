@@ -1,7 +1,7 @@
-"""The block files of a cache directory (``DiskBlockStore`` holds them as ``files``):
-``blocks/<h[:2]>/<h>.safetensors``, each written atomically once (blocks are
-content-addressed and immutable), read only after its header and checksums are verified,
-and moved to ``quarantine/`` when it proves bad."""
+"""The block files of a cache directory (a store's ``local.blocks``; a local store's
+``blocks`` role, ``protocols.BlockStoreBlocks``): ``blocks/<h[:2]>/<h>.safetensors``, each
+written atomically once (blocks are content-addressed and immutable), read only after its
+header and checksums are verified, and moved to ``quarantine/`` when it proves bad."""
 
 from __future__ import annotations
 
@@ -64,8 +64,12 @@ class BlockFiles:
             raise ValueError(f"not a block hash: {h!r}")
         return self.dir / h[:2] / f"{h}.safetensors"
 
-    def exists(self, h: BlockHash) -> bool:
+    def has(self, h: BlockHash) -> bool:
         return self.path(h).exists()
+
+    def leading(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``hashes``, from the first, are here."""
+        return next((i for i, h in enumerate(hashes) if not self.has(h)), len(hashes))
 
     def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
         """Bytes of these blocks' files (those missing count nothing)."""

@@ -50,7 +50,7 @@ class BlockWrites:
 
     def put(self, block: Block, into: WriteOutcome | None = None) -> int:
         """Persist ``block`` (no-op if stored); return bytes written."""
-        written = self.store.put_block(block)
+        written = self.store.local.blocks.put(block)  # a shared store's: uploaded by its commit
         self.bytes_written += written
         if written and into is not None:
             into.written.append(block)
@@ -75,16 +75,16 @@ class BlockWrites:
         held in memory (the saves', the pool's), whose headers need no read."""
         written, new_blocks = 0, []
         with self.store.locked():
-            replaced = set(old) | set(self.store.local.agent_chain(record.agent_id))
+            replaced = set(old) | set(self.store.local.records.agent_chain(record.agent_id))
             try:
                 # The record names what reading its chain takes: its segments' earlier blocks
                 # (each checked below like the rest: another process may have deleted one).
                 record.set_priors(self._priors(record.chain, block_of, in_hand or {}))
                 for i, h in enumerate(record.blocks):
-                    if not self.store.has_block(h):
+                    if not self.store.blocks.has(h):
                         written += self.put(block_of(i), into)
                         new_blocks.append(h)
-                written += self.store.put_agent(record)
+                written += self.store.records.put(record)
             except (OSError, sqlite3.Error, CacheWriteError) as exc:
                 self.release(new_blocks, into=into)  # written for a record that was not
                 if isinstance(exc, CacheWriteError):
@@ -109,7 +109,7 @@ class BlockWrites:
                 with contextlib.suppress(CacheWriteError, BlockMissingError):
                     block = block_of(i)
             block = block or in_hand.get(h)
-            return self.store.prior_of(h) if block is None else block.prior(self.store.fingerprint)
+            return self.store.blocks.prior_of(h) if block is None else block.prior(self.store.fingerprint)
 
         priors: dict[BlockHash, BlockHash] = {}
         try:
@@ -148,7 +148,7 @@ class BlockWrites:
         the source (this process's or another's) cannot free those blocks in between.
         ``AgentNotFoundError`` if the source has no record. Returns the source's record."""
         with self.store.locked():
-            source = self.store.get_agent(source_id)
+            source = self.store.records.get(source_id)
             if source is None:
                 raise AgentNotFoundError(f"agent {source_id!r} has no stored cache")
             self.set_agent(record_of(source), into)
@@ -157,8 +157,8 @@ class BlockWrites:
     def delete_agent(self, agent_id: str, into: WriteOutcome | None = None) -> bool:
         """Delete an agent's record (even an unreadable one) and the blocks only it named."""
         with self.store.locked():
-            chain = self.store.local.agent_chain(agent_id)
-            gone = self.store.delete_agent(agent_id)
+            chain = self.store.local.records.agent_chain(agent_id)
+            gone = self.store.records.delete(agent_id)
             self.release(chain, into=into)
         return gone
 
@@ -170,7 +170,7 @@ class BlockWrites:
         keep = set(new)
         with self.store.locked():
             for h in dict.fromkeys(old):
-                if h not in keep and not self.store.local.is_referenced(h):
-                    self.store.delete_block(h)
+                if h not in keep and not self.store.local.records.is_referenced(h):
+                    self.store.local.blocks.delete(h)  # this worker's copy (objects: ``collect_garbage``)
                     if into is not None:
                         into.deleted.append(h)

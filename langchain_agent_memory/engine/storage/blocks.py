@@ -243,7 +243,7 @@ class Block:
     token_ids: list[int]
     tensors: Mapping[str, mx.array]
     #: The tensors as host views (``host_views``), made on the MLX thread for a write on
-    #: another; None: ``put_block`` makes them (on the calling thread).
+    #: another; None: ``BlockFiles.put`` makes them (on the calling thread).
     host: Mapping[str, HostTensor] | None = None
     #: Written as a segment: the file holds only tokens ``[rows_from, n)``; the rows before
     #: are block ``prior_hash(self)``, stored already (a turn appends to its agent's partly

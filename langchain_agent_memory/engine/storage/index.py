@@ -1,7 +1,8 @@
-"""The local store's SQLite index (``DiskBlockStore`` holds it as ``index``): its schema as
-migrations (``INDEX_MIGRATIONS``), applied in order when a directory is opened; the index
-itself (``AgentIndex``: agent records, their block references, a shared store's sync
-state, block sizes); and what recovery after a crash reports."""
+"""The local store's SQLite index (a store's ``local.records``; a local store's ``records``
+role, ``protocols.BlockStoreRecords``): its schema as migrations (``INDEX_MIGRATIONS``),
+applied in order when a directory is opened; the index itself (``AgentIndex``: agent
+records, their block references, a shared store's sync state, block sizes); and what
+recovery after a crash reports."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def migrate_index(db: sqlite3.Connection, where: Path) -> int:
 
 @dataclass(slots=True)
 class RecoveryReport:
-    """What ``DiskBlockStore.recover`` found and fixed when the store was opened."""
+    """What ``DiskMaintenance.recover`` found and fixed when the store was opened."""
 
     temp_files_removed: int = 0
     orphan_blocks_removed: int = 0
@@ -187,7 +188,7 @@ class AgentIndex:
             except queue.Empty:
                 return
 
-    def put_agent(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
+    def put(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
         """Store ``record`` and its block references in one transaction; its blocks must
         already be stored (a crash then never leaves a record naming a missing block).
         ``sync``: (remote version, pending) of a shared store's local tier, written with it."""
@@ -233,7 +234,7 @@ class AgentIndex:
         state = self.sync_state(agent_id)
         return bool(state and state[1])
 
-    def has_agent(self, agent_id: str) -> bool:
+    def has(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
         return self.db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone() is not None
 
@@ -258,7 +259,7 @@ class AgentIndex:
             raise version_error(f"agent record {agent_id!r}", version, SEGMENTS_FORMAT_VERSION)
         return [BlockHash(r[0]) for r in rows]
 
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
+    def get(self, agent_id: str) -> AgentRecord | None:
         validate_agent_id(agent_id)
         row = self.db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
         if row is None:
@@ -268,7 +269,7 @@ class AgentIndex:
             raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
         return record
 
-    def delete_agent(self, agent_id: str) -> bool:
+    def delete(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
         with self.db:
             gone = self.db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
@@ -276,7 +277,7 @@ class AgentIndex:
             self.db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
         return gone > 0
 
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+    def list(self, prefix: str = "") -> Iterator[AgentRecord]:
         """Every record whose agent id starts with ``prefix`` (unreadable ones skipped, with
         a log line)."""
         rows = self.db.execute(

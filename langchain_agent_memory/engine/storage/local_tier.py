@@ -11,27 +11,15 @@ A local store is its own local tier (``DiskBlockStore.local_tier``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection, Sequence
-from pathlib import Path
-from typing import Protocol
 
-from .agent_ids import validate_agent_id
-from .blocks import AgentRecord, Block, BlockHash
+from ..ops.files import DirectoryLock
+from .block_files import BlockFiles
+from .blocks import Block, BlockHash
 from .objects import BlocksUnavailableError
-from .protocols import LeaseHolder
+from .protocols import BlockStoreBlocks, LeaseHolder
 from .reader import BlockGroup
 from .store import DiskBlockStore
-
-
-class TieredStore(Protocol):
-    """A store with this worker's directory in front (``SharedBlockStore``)."""
-
-    local: DiskBlockStore
-    fingerprint: str
-
-    def quarantine_block(self, h: BlockHash) -> Path | None: ...
-    def locked(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class TierLeases:
@@ -47,52 +35,58 @@ class TierLeases:
         return True
 
 
-class LocalTier:
-    """``SharedBlockStore.local_tier()``: its reads answered from this worker's disk alone;
-    what must still reach the store (a lease given back, a bad object replaced) is handed to
-    the store's own threads (``replication.end``, ``quarantine_block``)."""
+class TierBlocks:
+    """A shared store's blocks as the model's thread reads them (``LocalTier.blocks``): the
+    files on this worker's disk (``files``) alone; a block not there is missing
+    (``BlocksUnavailableError``: the request prefills it). A bad one is quarantined by the
+    store's ``blocks`` (moved aside here, the store's copy checked on the store's threads)."""
 
-    def __init__(self, store: TieredStore, replication: LeaseHolder) -> None:
-        self._store, self._local = store, store.local
-        self.fingerprint = store.fingerprint
-        self.replication = TierLeases(replication)
-        self.maintenance = store.local.maintenance  # this worker's disk: all of it is here
-
-    def has_block(self, h: BlockHash) -> bool:
-        return self._local.has_block(h)
+    def __init__(self, files: BlockFiles, shared: BlockStoreBlocks) -> None:
+        self.files = files
+        self.fingerprint = files.fingerprint
+        #: on this worker's disk: what the model's thread may read
+        self.has = files.has
+        self.quarantine = shared.quarantine
 
     def prior_of(self, h: BlockHash) -> BlockHash | None:
         self._here([h])
-        return self._local.prior_of(h)
+        return self.files.prior_of(h)
 
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
+    def get(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         self._here([h])
-        return self._local.get_block(h, names)
+        return self.files.get(h, names)
 
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]:
+    def read(self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None) -> list[BlockGroup]:
         self._here(hashes)
-        return self._local.read_blocks(hashes, layers)
+        return self.files.read(hashes, layers)
 
     def _here(self, hashes: Sequence[BlockHash]) -> None:
         """``BlocksUnavailableError`` (with how many leading ones are here) unless every one
         of ``hashes`` is on this worker's disk."""
-        missing = [h for h in hashes if not self._local.has_block(h)]
+        missing = [h for h in hashes if not self.files.has(h)]
         if missing:
             raise BlocksUnavailableError(
                 f"shared store: {len(missing)} block(s) were not fetched before the request was admitted",
-                self._local.leading_blocks(hashes),
+                self.files.leading(hashes),
             )
 
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
-        """This worker's copy of the record (the newest one was read before the request
-        reached the model's thread)."""
-        validate_agent_id(agent_id)
-        return self._local.get_agent(agent_id)
 
-    def quarantine_block(self, h: BlockHash) -> Path | None:
-        return self._store.quarantine_block(h)  # the store's copy is checked on its threads
+class LocalTier:
+    """``SharedBlockStore.local_tier()`` (a ``protocols.StoreReads``): its reads answered
+    from this worker's disk alone; what must still reach the store (a lease given back, a
+    bad object replaced) is handed to the store's own threads (``replication.end``,
+    ``blocks.quarantine``)."""
 
-    def locked(self) -> contextlib.AbstractContextManager[None]:
-        return self._store.locked()
+    def __init__(self, local: DiskBlockStore, blocks: BlockStoreBlocks, replication: LeaseHolder) -> None:
+        self.fingerprint = local.fingerprint
+        self.blocks = TierBlocks(local.blocks, blocks)
+        #: this worker's copies (the newest record was read before the request reached the
+        #: model's thread)
+        self.records = local.records
+        self.replication = TierLeases(replication)
+        self.maintenance = local.maintenance  # this worker's disk: all of it is here
+        self._lock = local.locked()
+
+    def locked(self) -> DirectoryLock:
+        """This worker's directory lock (the store's)."""
+        return self._lock

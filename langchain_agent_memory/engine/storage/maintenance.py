@@ -159,7 +159,7 @@ class DiskMaintenance:
                 if h not in referenced:
                     self.files.delete(h)
                     report.orphan_blocks_removed += 1
-            report.missing_blocks = sum(1 for h in referenced if not self.files.exists(h))
+            report.missing_blocks = sum(1 for h in referenced if not self.files.has(h))
             self.index.note_blocks(sorted(referenced))  # sizes of blocks saved before they were kept
             self.index.forget_sizes()
         if report.temp_files_removed or report.orphan_blocks_removed:
@@ -189,8 +189,8 @@ class DiskMaintenance:
             except CacheFormatError as exc:
                 logger.warning("not migrating %s: %s", p, exc)
                 continue
-            if not self.index.has_agent(record.agent_id):
-                self.index.put_agent(record)
+            if not self.index.has(record.agent_id):
+                self.index.put(record)
                 moved += 1
             p.unlink()
         with contextlib.suppress(OSError):

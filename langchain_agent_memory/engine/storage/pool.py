@@ -51,7 +51,7 @@ class BlockPool:
             self._hot.move_to_end(h)  # touch: most recently used last
             self.stats.hits += 1
             return block, True
-        block = self.reads.get_block(h)
+        block = self.reads.blocks.get(h)
         self.stats.misses += 1
         self.admit(block)
         return block, False

@@ -1,10 +1,22 @@
-"""What the engine asks of a block store (``DiskBlockStore``, ``SharedBlockStore``), in
-narrow protocols: ``BlockStoreBlocks`` (block files), ``BlockStoreRecords`` (agent records),
-``Maintenance`` (bytes on disk, eviction, quarantine, recovery: ``store.maintenance``), and
-``Replication`` (the
-lease around a request, versions, saves waiting to upload): a shared store's only, absent
-(None) for a local one. ``BlockStore`` is all of them: what a backend implements, and what
-the store conformance suite (tests/integration/test_store_conformance.py) checks on every
+"""What the engine asks of a block store (``DiskBlockStore``, ``SharedBlockStore``): a store
+is its roles, each a small protocol implemented once per backend and used by callers
+directly (``store.blocks.get``, ``store.records.put``), never through the store:
+
+- ``blocks`` (``BlockStoreBlocks``): block files, read (a shared store's read through this
+  worker's disk) and quarantined; written to this worker's directory
+  (``store.local.blocks.put``: a shared store's commit uploads those its record names).
+- ``records`` (``BlockStoreRecords``): agent records.
+- ``maintenance`` (``Maintenance``): this worker's disk: bytes, eviction, quarantined
+  records, recovery.
+- ``replication`` (``Replication``): the lease around a request, versions, saves waiting to
+  upload: a shared store's only, absent (None) for a local one.
+- ``local``: this worker's directory (a ``DiskBlockStore``: what only a directory has, its
+  files' paths and sizes, the chains its records name, their sync state, is asked of
+  ``local.blocks`` and ``local.records``); ``local_tier()``: the store as the engine's
+  model thread reads it (``StoreReads``); ``locked()``, ``close()``.
+
+``BlockStore`` is all of them: what a backend implements, and what the store conformance
+suite (tests/integration/test_store_conformance.py) checks, role by role, on every
 backend."""
 
 from __future__ import annotations
@@ -27,29 +39,52 @@ logger = logging.getLogger(__name__)
 
 
 class BlockStoreBlocks(Protocol):
-    """Block files: content-addressed, immutable, written before any record names them."""
+    """Block files: content-addressed, immutable, written before any record names them
+    (``BlockFiles``, a local store's; ``SharedBlocks``, read through this worker's disk;
+    ``TierBlocks``, this worker's disk alone, for the model's thread)."""
 
     fingerprint: str
 
-    def has_block(self, h: BlockHash) -> bool: ...
-    def put_block(self, block: Block) -> int: ...
-    def prior_of(self, h: BlockHash) -> BlockHash | None: ...
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]: ...
-    def delete_block(self, h: BlockHash) -> None: ...
+    def has(self, h: BlockHash) -> bool:
+        """Whether block ``h`` can be read (a shared store: here or in the store)."""
+
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        """The block of segment ``h``'s earlier rows (None: ``h`` is whole)."""
+
+    def get(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
+        """Block ``h`` (all tensors, or only ``names``), verified: ``BlockMissingError``,
+        ``CacheFormatError``; never unverified data."""
+
+    def read(self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None) -> list[BlockGroup]:
+        """Blocks ``hashes`` in order, verified, as groups of one tensor layout (``layers``:
+        only these layers' tensors are needed)."""
+
+    def quarantine(self, h: BlockHash) -> Path | None:
+        """Move a bad copy of ``h`` aside (where it went; None: there was none)."""
 
 
-class BlockStoreRecords(Protocol):
-    """Agent records (a shared store's ``put_agent`` commits and gives the request's lease
-    back)."""
+class RecordReads(Protocol):
+    """An agent's record, as the model's thread reads it (``StoreReads.records``)."""
 
-    def put_agent(self, record: AgentRecord) -> int: ...
-    def get_agent(self, agent_id: str) -> AgentRecord | None: ...
-    def has_agent(self, agent_id: str) -> bool: ...
-    def delete_agent(self, agent_id: str) -> bool: ...
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]: ...
+    def get(self, agent_id: str) -> AgentRecord | None:
+        """The agent's record (None: none); ``CacheFormatError`` if it is unreadable."""
+
+
+class BlockStoreRecords(RecordReads, Protocol):
+    """Agent records (``AgentIndex``, a local store's; ``SharedRecords``, a shared store's,
+    whose ``put`` commits and gives the request's lease back)."""
+
+    def put(self, record: AgentRecord) -> int:
+        """Store ``record`` (its blocks stored first); the bytes written."""
+
+    def has(self, agent_id: str) -> bool:
+        """Whether the agent has a record (none is parsed)."""
+
+    def delete(self, agent_id: str) -> bool:
+        """Forget the agent's record (its blocks are the caller's: ``BlockWrites``)."""
+
+    def list(self, prefix: str = "") -> Iterator[AgentRecord]:
+        """Every readable record whose agent id starts with ``prefix``, by agent id."""
 
 
 class Maintenance(Protocol):
@@ -65,18 +100,6 @@ class Maintenance(Protocol):
     def quarantine_agent(self, agent_id: str) -> Path | None: ...
     def clear_quarantine(self) -> int: ...
     def recover(self) -> RecoveryReport: ...
-
-
-class BlockStoreMaintenance(Protocol):
-    """The store's lock, its ``maintenance`` and its close; mutations that must not
-    interleave with another process's (a commit: blocks then record; a delete: record then
-    orphaned blocks) run inside ``with store.locked():``."""
-
-    @property
-    def maintenance(self) -> Maintenance: ...
-    def locked(self) -> contextlib.AbstractContextManager[None]: ...
-    def quarantine_block(self, h: BlockHash) -> Path | None: ...
-    def close(self) -> None: ...
 
 
 class LeaseHolder(Protocol):
@@ -103,37 +126,45 @@ class Replication(LeaseHolder, Protocol):
 class StoreReads(Protocol):
     """What the engine's model thread reads of a store (``BlockStore.local_tier``): never a
     network round trip. A local store is its own; a shared store's is a ``LocalTier``
-    (this worker's copies: a request's store work is done before it reaches that thread)."""
+    (this worker's copies: a request's store work is done before it reaches that thread).
+    Mutations that must not interleave with another process's run inside ``locked()``."""
 
     fingerprint: str
 
-    def has_block(self, h: BlockHash) -> bool: ...
-    def prior_of(self, h: BlockHash) -> BlockHash | None: ...
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block: ...
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]: ...
-    def get_agent(self, agent_id: str) -> AgentRecord | None: ...
+    @property
+    def blocks(self) -> BlockStoreBlocks: ...
+    @property
+    def records(self) -> RecordReads: ...
     @property
     def replication(self) -> LeaseHolder | None: ...
     @property
     def maintenance(self) -> Maintenance: ...
-    def quarantine_block(self, h: BlockHash) -> Path | None: ...
     def locked(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-class BlockStore(BlockStoreBlocks, BlockStoreRecords, BlockStoreMaintenance, Protocol):
-    """A backend: all of them (local ``DiskBlockStore``, ``remote.SharedBlockStore``), and
-    the view its model-thread readers get (``local_tier``); both pass the store conformance
-    suite (tests/integration/test_store_conformance.py). ``local``: this worker's directory
-    (what a block's file, bytes here, the chains this worker's records name and the saves
-    not uploaded yet are asked of); a local store is its own."""
+class BlockStore(Protocol):
+    """A backend (local ``DiskBlockStore``, ``remote.SharedBlockStore``): its roles, and the
+    view its model-thread readers get (``local_tier``); both pass the store conformance
+    suite (tests/integration/test_store_conformance.py). Mutations that must not interleave
+    with another process's (a commit: blocks then record; a delete: record then orphaned
+    blocks) run inside ``with store.locked():``. ``local``: this worker's directory; a local
+    store is its own."""
 
+    fingerprint: str
+
+    @property
+    def blocks(self) -> BlockStoreBlocks: ...
+    @property
+    def records(self) -> BlockStoreRecords: ...
+    @property
+    def maintenance(self) -> Maintenance: ...
     @property
     def replication(self) -> Replication | None: ...
     @property
     def local(self) -> DiskBlockStore: ...
     def local_tier(self) -> StoreReads: ...
+    def locked(self) -> contextlib.AbstractContextManager[None]: ...
+    def close(self) -> None: ...
 
 
 def seen_version(replication: LeaseHolder | None, agent_id: str) -> int | None:
@@ -146,7 +177,7 @@ class Lease:
     """A request's hold on an agent (``take_lease``): ``current`` says whether a live copy at
     the version the caller holds is the newest. Given back exactly once: by ``release`` (a
     request that ends without a commit), or by the commit that ends it (``committed``: the
-    store's ``put_agent`` gives it back). As a context manager it is given back when its
+    store's ``records.put`` gives it back). As a context manager it is given back when its
     block raises. A local store's lease holds nothing (``store`` is None); a shared store's
     is a row in its catalog that other workers' requests wait on until it is given back or
     expires."""

@@ -31,18 +31,14 @@ import os
 import socket
 import uuid
 import weakref
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
 
 from ..ops.files import DirectoryLock
 from ..ops.process import RUNTIME
-from .blocks import AgentRecord, Block, BlockHash
 from .catalog import Catalog
 from .leases import Leases
 from .local_tier import LocalTier
 from .objects import ObjectBlocks, RemoteConfigError, RemoteUnavailableError
-from .reader import BlockGroup
-from .remote_blocks import Reach, SharedBlocks, SharedStats, submit
+from .remote_blocks import Reach, SharedBlocks, SharedStats
 from .remote_records import SharedRecords
 from .remote_upkeep import SharedUpkeep
 from .replication import SharedReplication
@@ -54,11 +50,12 @@ logger = logging.getLogger(__name__)
 
 class SharedBlockStore:
     """Blocks and records shared through PostgreSQL and an object store, with this
-    worker's directory (a ``DiskBlockStore``) as the tier in front. Its work is its parts':
-    ``blocks`` (read through, uploaded), ``records`` (read through, committed, pending
-    saves), ``upkeep`` (garbage collection, verify), ``leases`` (a request's hold on an
-    agent), and ``replication``: what callers ask of a shared store only (a local store's
-    is None)."""
+    worker's directory (``local``, a ``DiskBlockStore``) as the tier in front. Callers use
+    its roles (``protocols.BlockStore``): ``blocks`` (read through, uploaded: ``SharedBlocks``),
+    ``records`` (read through, committed, pending saves: ``SharedRecords``), ``maintenance``
+    (this worker's disk) and ``replication`` (what callers ask of a shared store only; a
+    local store's is None); and its own parts: ``upkeep`` (garbage collection, verify),
+    ``leases`` (a request's hold on an agent)."""
 
     def __init__(
         self,
@@ -76,6 +73,7 @@ class SharedBlockStore:
         self.local, self.catalog, self.objects = local, catalog, objects
         self.fingerprint = local.fingerprint
         self.dir = local.dir
+        self._lock = local.locked()
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = SharedStats()
         self.reach = Reach(self.stats)
@@ -95,17 +93,19 @@ class SharedBlockStore:
         self.replication = SharedReplication(
             local, catalog, self.leases, self.records, self.reach, self.stats, self._io
         )
-        if self.local.pending_agents():  # saved here by an earlier process, not uploaded
+        if self.local.records.pending_agents():  # saved here by an earlier process, not uploaded
             self.records.pending.start()
         _OPEN.add(self)
 
     def local_tier(self) -> LocalTier:
         """This store as the engine's model thread reads it: this worker's copies only, so
         that a hung store stalls no model step (``local_tier``)."""
-        return LocalTier(self, self.replication)
+        return LocalTier(self.local, self.blocks, self.replication)
 
     def locked(self) -> DirectoryLock:
-        return self.local.locked()
+        """This worker's directory lock (a record's commit in the store is ordered by its
+        version and lease, ``Catalog.commit``)."""
+        return self._lock
 
     def close(self) -> None:
         _OPEN.discard(self)
@@ -115,58 +115,6 @@ class SharedBlockStore:
         self._io.shutdown(wait=True)
         self.catalog.close()
         self.local.close()
-
-    # ------------------------------------------------------------------ blocks (``blocks``)
-
-    def has_block(self, h: BlockHash) -> bool:
-        return h in self.blocks.stored([h])
-
-    def put_block(self, block: Block) -> int:
-        """Written to this worker's disk; uploaded when a record naming it commits."""
-        return self.local.put_block(block)
-
-    def prior_of(self, h: BlockHash) -> BlockHash | None:
-        self.blocks.fetch([h])
-        return self.local.prior_of(h)
-
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
-        self.blocks.fetch([h])
-        return self.local.get_block(h, names)
-
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]:
-        self.blocks.fetch(hashes)
-        return self.local.read_blocks(hashes, layers)
-
-    def delete_block(self, h: BlockHash) -> None:
-        """This worker's copy only: objects go through ``collect_garbage``."""
-        self.local.delete_block(h)
-
-    def quarantine_block(self, h: BlockHash) -> Path | None:
-        """Move a bad copy here aside and fetch the block again; if the store's copy is bad
-        too, delete it there (its catalog row unmarked): the next save that needs the block
-        uploads a sound one, as a local store's next save rewrites a quarantined file."""
-        moved = self.local.quarantine_block(h)
-        submit(self._io, self.blocks.replace_bad, h)  # nothing waits on the store's copy
-        return moved
-
-    # ------------------------------------------------------------------ records (``records``)
-
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
-        return self.records.get_agent(agent_id)
-
-    def has_agent(self, agent_id: str) -> bool:
-        return self.records.has_agent(agent_id)
-
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
-        return self.records.agents(prefix)
-
-    def put_agent(self, record: AgentRecord) -> int:
-        return self.records.put_agent(record)
-
-    def delete_agent(self, agent_id: str) -> bool:
-        return self.records.delete_agent(agent_id)
 
 
 #: Shared stores open in this process (``upload_before_exit`` at interpreter exit).

@@ -1,22 +1,24 @@
-"""The blocks side of ``SharedBlockStore`` (it holds ``SharedBlocks`` as ``blocks``): blocks
-read through this worker's disk (fetched in parallel, with a deadline), uploaded from it
-(catalog row, then conditional create of the object), a bad copy replaced; and what every
-part of the shared store shares: its counters (``SharedStats``) and what this worker last
-heard from the store (``Reach``)."""
+"""The blocks role of ``SharedBlockStore`` (``SharedBlocks``, its ``blocks``:
+``protocols.BlockStoreBlocks``): blocks read through this worker's disk (fetched in
+parallel, with a deadline), uploaded from it (catalog row, then conditional create of the
+object), a bad copy replaced; and what every part of the shared store shares: its counters
+(``SharedStats``) and what this worker last heard from the store (``Reach``)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ..ops.files import atomic_write_bytes
-from .blocks import BlockHash, BlockMissingError, CacheFormatError, CacheWriteError
+from .blocks import Block, BlockHash, BlockMissingError, CacheFormatError, CacheWriteError
 from .catalog import Catalog
 from .objects import BlocksUnavailableError, ObjectBlocks, RemoteUnavailableError
+from .reader import BlockGroup
 from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ class Reach:
 
 class SharedBlocks:
     """Blocks of a shared store: in ``objects`` (their rows in ``catalog``), read through
-    ``local``, this worker's disk, on the ``io`` threads."""
+    ``local``, this worker's disk, on the ``io`` threads. A block is written to this
+    worker's disk (``local.blocks.put``) and uploaded by the commit of a record naming it;
+    an object is deleted only by ``collect_garbage``."""
 
     def __init__(
         self,
@@ -77,10 +81,39 @@ class SharedBlocks:
         self.stats = reach.stats
         self.read_timeout_s = read_timeout_s
 
+    # ------------------------------------------------------------------ the blocks role
+
+    def has(self, h: BlockHash) -> bool:
+        """On this worker's disk or in the store (``stored``)."""
+        return h in self.stored([h])
+
+    def prior_of(self, h: BlockHash) -> BlockHash | None:
+        """The block of segment ``h``'s earlier rows (None: whole); ``h`` fetched if need be."""
+        self.fetch([h])
+        return self.local.blocks.prior_of(h)
+
+    def get(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
+        self.fetch([h])
+        return self.local.blocks.get(h, names)
+
+    def read(self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None) -> list[BlockGroup]:
+        self.fetch(hashes)
+        return self.local.blocks.read(hashes, layers)
+
+    def quarantine(self, h: BlockHash) -> Path | None:
+        """Move a bad copy here aside and fetch the block again; if the store's copy is bad
+        too, delete it there (its catalog row unmarked): the next save that needs the block
+        uploads a sound one, as a local store's next save rewrites a quarantined file."""
+        moved = self.local.blocks.quarantine(h)
+        submit(self.io, self.replace_bad, h)  # nothing waits on the store's copy
+        return moved
+
+    # ------------------------------------------------------------------ fetch, upload
+
     def stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
         """Which of ``hashes`` are on this worker's disk or in the store (one round trip;
         this worker's alone while the store is unreachable)."""
-        here = {h for h in hashes if self.local.has_block(h)}
+        here = {h for h in hashes if self.local.blocks.has(h)}
         rest = [h for h in hashes if h not in here]
         if rest:
             try:
@@ -102,13 +135,13 @@ class SharedBlocks:
     def fetch(self, hashes: Sequence[BlockHash]) -> None:
         """Bring ``hashes`` to this worker's disk; ``BlocksUnavailableError`` (with how many
         leading ones are here) if the store does not deliver them within the deadline."""
-        missing = [h for h in hashes if not self.local.has_block(h)]
+        missing = [h for h in hashes if not self.local.blocks.has(h)]
         if not missing:
             return
         self._download_all(hashes, missing)
         # A segment is read with the blocks of its earlier rows: bring those too.
-        priors = [p for h in missing if (p := self.local.prior_of(h)) is not None]
-        if priors := [p for p in priors if not self.local.has_block(p)]:
+        priors = [p for h in missing if (p := self.local.blocks.prior_of(h)) is not None]
+        if priors := [p for p in priors if not self.local.blocks.has(p)]:
             self.fetch(priors)
 
     def _download_all(self, hashes: Sequence[BlockHash], missing: list[BlockHash]) -> None:
@@ -123,9 +156,9 @@ class SharedBlocks:
             elif f.exception() is not None:
                 failed = failed or f.exception()
         if failed is None:
-            self.local.note_blocks(missing)  # counted in this worker's disk use
+            self.local.records.note_blocks(missing)  # counted in this worker's disk use
             return
-        available = self.local.leading_blocks(hashes)
+        available = self.local.blocks.leading(hashes)
         if isinstance(failed, BlockMissingError):
             raise failed
         self.reach.down(failed)
@@ -140,7 +173,7 @@ class SharedBlocks:
                 self.catalog.unstore(self.fingerprint, [h])
             logger.warning("block %s is missing from the object store: marked missing in the catalog", h[:12])
             raise BlockMissingError(f"block {h[:12]} is missing from the object store {self.objects.url}")
-        atomic_write_bytes(self.local.block_path(h), data)
+        atomic_write_bytes(self.local.blocks.path(h), data)
         self.stats.blocks_fetched += 1
         self.stats.bytes_fetched += len(data)
 
@@ -156,7 +189,7 @@ class SharedBlocks:
         self.catalog.block_stored(self.fingerprint, todo)
 
     def _upload_one(self, h: BlockHash) -> None:
-        path = self.local.block_path(h)
+        path = self.local.blocks.path(h)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -174,11 +207,11 @@ class SharedBlocks:
         is bad too, delete it there."""
         try:
             self.fetch([h])
-            self.local.get_block(h)
+            self.local.blocks.get(h)
         except RemoteUnavailableError:
             pass
         except CacheFormatError as exc:
-            self.local.quarantine_block(h)
+            self.local.blocks.quarantine(h)
             try:
                 self.catalog.unstore(self.fingerprint, [h])
                 self.objects.delete(self.objects.key(self.fingerprint, h))

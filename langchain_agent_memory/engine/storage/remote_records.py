@@ -1,8 +1,8 @@
-"""The records side of ``SharedBlockStore`` (it holds ``SharedRecords`` as ``records``):
-agent records read through PostgreSQL and mirrored in this worker's index, saves made here
-first and pushed to the store (compare-and-swap on the version this worker last saw), saves
-left pending while the store is unreachable and uploaded by a background thread
-(``PendingSaves``).
+"""The records role of ``SharedBlockStore`` (``SharedRecords``, its ``records``:
+``protocols.BlockStoreRecords``): agent records read through PostgreSQL and mirrored in this
+worker's index, saves made here first and pushed to the store (compare-and-swap on the
+version this worker last saw), saves left pending while the store is unreachable and
+uploaded by a background thread (``PendingSaves``).
 
 One agent's record work runs in order, on the store's lanes (``ops.lanes``): its read of the
 catalog and the mirror here, its save and upload, the upload of a save left pending, its
@@ -77,47 +77,47 @@ class SharedRecords:
         """This worker's copy of the agent is gone (evicted)."""
         self._uploaded.pop(agent_id, None)
 
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
+    def get(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
         is unreachable."""
         validate_agent_id(agent_id)
         return self.lanes.call(agent_id, self._read, agent_id)
 
     def _read(self, agent_id: str) -> AgentRecord | None:
-        """``get_agent``, in the agent's lane."""
+        """``get``, in the agent's lane."""
         try:
             self._push_pending(agent_id)
             got = self.catalog.get(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
             self.reach.down(exc)
-            return self.local.get_agent(agent_id)
-        state = self.local.sync_state(agent_id)
+            return self.local.records.get(agent_id)
+        state = self.local.records.sync_state(agent_id)
         if got is None:
-            if self.local.has_agent(agent_id) and not (state and state[1]):
-                self.local.delete_agent(agent_id)  # deleted on another worker
+            if self.local.records.has(agent_id) and not (state and state[1]):
+                self.local.records.delete(agent_id)  # deleted on another worker
             return None
         raw, version = got
-        if state == (version, False) and self.local.has_agent(agent_id):
+        if state == (version, False) and self.local.records.has(agent_id):
             with contextlib.suppress(CacheFormatError):
-                return self.local.get_agent(agent_id)
-        self.local.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
+                return self.local.records.get(agent_id)
+        self.local.records.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
         record = parse_record(raw, f"agent record {agent_id!r}")
         if record.agent_id != agent_id:
             raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
-        self.local.put_agent(record, sync=(version, False))
+        self.local.records.put(record, sync=(version, False))
         return record
 
-    def has_agent(self, agent_id: str) -> bool:
+    def has(self, agent_id: str) -> bool:
         """Whether the store has the agent, or this worker a save of it not uploaded yet."""
-        if self.local.upload_pending(agent_id):
+        if self.local.records.upload_pending(agent_id):
             return True
         try:
             return self.catalog.has(self.fingerprint, agent_id)
         except RemoteUnavailableError as exc:
             self.reach.down(exc)
-            return self.local.has_agent(agent_id)
+            return self.local.records.has(agent_id)
 
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
+    def list(self, prefix: str = "") -> Iterator[AgentRecord]:
         """The store's records, with this worker's saves it has not taken yet in their place
         (they are the newest: an agent saved here while the store was out of reach, or
         leased by another worker, is listed, not missing until its upload)."""
@@ -125,7 +125,7 @@ class SharedRecords:
             rows = self.catalog.agents(self.fingerprint, prefix)
         except RemoteUnavailableError as exc:
             self.reach.down(exc)
-            yield from self.local.agents(prefix)
+            yield from self.local.records.list(prefix)
             return
         listed: dict[str, AgentRecord] = {}
         for agent_id, raw, _ in rows:
@@ -133,15 +133,15 @@ class SharedRecords:
                 listed[agent_id] = parse_record(raw, f"agent record {agent_id!r}")
             except CacheFormatError as exc:
                 logger.warning("skipping unreadable agent record: %s", exc)
-        for agent_id in self.local.pending_agents():
+        for agent_id in self.local.records.pending_agents():
             if agent_id.startswith(prefix):
                 with contextlib.suppress(CacheFormatError):  # unreadable: said when it is read
-                    mine = self.local.get_agent(agent_id)
+                    mine = self.local.records.get(agent_id)
                     if mine is not None:
                         listed[agent_id] = mine
         yield from (listed[a] for a in sorted(listed))
 
-    def put_agent(self, record: AgentRecord) -> int:
+    def put(self, record: AgentRecord) -> int:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
@@ -156,11 +156,11 @@ class SharedRecords:
         return written
 
     def _save(self, record: AgentRecord) -> tuple[int, bool]:
-        """``put_agent``'s write here and upload, in the agent's lane: the bytes written,
+        """``put``'s write here and upload, in the agent's lane: the bytes written,
         and whether the store took it."""
-        state = self.local.sync_state(record.agent_id)
+        state = self.local.records.sync_state(record.agent_id)
         base = state[0] if state else None
-        written = self.local.put_agent(record, sync=(base, True))
+        written = self.local.records.put(record, sync=(base, True))
         return written, self._push(record, base)
 
     def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
@@ -199,7 +199,7 @@ class SharedRecords:
                     raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
             first = self.reach.down(exc)
-            # A new save left pending: said, loudly once per outage (``put_agent`` bounds them).
+            # A new save left pending: said, loudly once per outage (``put`` bounds them).
             if not pending:
                 logger.log(
                     logging.WARNING if first else logging.INFO,
@@ -221,13 +221,13 @@ class SharedRecords:
                 self.pending.start()
                 return False
             self.stats.conflicts += 1
-            self.local.delete_agent(record.agent_id)  # the winner's record is read next time
+            self.local.records.delete(record.agent_id)  # the winner's record is read next time
             raise
         if pending:
-            state = self.local.sync_state(record.agent_id)
+            state = self.local.records.sync_state(record.agent_id)
             self._uploaded[record.agent_id] = (state[0] if state else None, done.version)
         record.updated_at = done.updated_at  # Postgres's clock: links to checkpoints use it
-        self.local.set_sync(record.agent_id, done.version, False)
+        self.local.records.set_sync(record.agent_id, done.version, False)
         self.stats.commits += 1
         self.reach.up()
         return True
@@ -254,13 +254,13 @@ class SharedRecords:
         """Upload the agent's save left pending, if any, in the agent's lane (a request's read
         does first: it is the newest); ``RemoteUnavailableError`` while the store cannot take
         it."""
-        state = self.local.sync_state(agent_id)
+        state = self.local.records.sync_state(agent_id)
         if not (state and state[1]):
             return
         try:
-            record = self.local.get_agent(agent_id)
+            record = self.local.records.get(agent_id)
             if record is None:
-                self.local.set_sync(agent_id, state[0], False)
+                self.local.records.set_sync(agent_id, state[0], False)
                 return
             if not self._push(record, state[0], pending=True):
                 raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
@@ -272,7 +272,7 @@ class SharedRecords:
                 exc,
             )
 
-    def delete_agent(self, agent_id: str) -> bool:
+    def delete(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
         return self.lanes.call(agent_id, self._delete, agent_id)
 
@@ -284,7 +284,7 @@ class SharedRecords:
                 f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
                 "store answers"
             ) from exc
-        return self.local.delete_agent(agent_id) or gone
+        return self.local.records.delete(agent_id) or gone
 
 
 def _continues(new: str, old: str) -> bool:
@@ -312,17 +312,17 @@ class PendingSaves:
     def nbytes(self) -> int:
         """Bytes of the blocks named by saves not uploaded yet (on this worker's disk)."""
         blocks: set[BlockHash] = set()
-        for agent_id in self.local.pending_agents():
+        for agent_id in self.local.records.pending_agents():
             with contextlib.suppress(Exception):  # deleted or quarantined meanwhile
-                blocks.update(self.local.agent_chain(agent_id))
-        return self.local.local_bytes(blocks)
+                blocks.update(self.local.records.agent_chain(agent_id))
+        return self.local.blocks.local_bytes(blocks)
 
     def bound(self) -> None:
         """Past ``max_bytes`` of saves waiting to upload, drop the oldest of them from
         this worker (never the newest, never a committed record: the store keeps the last
         version uploaded), loudly: a store that stays away must not fill the disk."""
         limit = self.max_bytes
-        waiting = self.local.pending_agents()  # least recently saved first
+        waiting = self.local.records.pending_agents()  # least recently saved first
         while limit is not None and len(waiting) > 1 and self.nbytes() > limit:
             victim = waiting.pop(0)
             self.local.maintenance.evict_agents([victim])
@@ -336,12 +336,12 @@ class PendingSaves:
 
     def flush(self) -> int:
         """Upload every save made while the store was unreachable; how many are left."""
-        for agent_id in self.local.pending_agents():
+        for agent_id in self.local.records.pending_agents():
             try:
                 self._push(agent_id)
             except RemoteUnavailableError:
                 break
-        left = len(self.local.pending_agents())
+        left = len(self.local.records.pending_agents())
         self.stats.pending_saves = left
         return left
 
@@ -349,14 +349,14 @@ class PendingSaves:
         """Upload the saves kept here and not yet in the store (a store that was out of
         reach, another worker's lease), until ``deadline`` (``time.monotonic``); say what is
         left: the next engine on this directory uploads it."""
-        for agent_id in self.local.pending_agents():
+        for agent_id in self.local.records.pending_agents():
             if time.monotonic() >= deadline:
                 break
             try:
                 self._push(agent_id)
             except RemoteUnavailableError:
                 break
-        left = self.local.pending_agents()
+        left = self.local.records.pending_agents()
         if left:
             logger.warning(
                 "%d agent(s)' last saves (%s) are kept on this worker (%s) but not in the shared store: "

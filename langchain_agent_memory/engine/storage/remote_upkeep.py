@@ -80,7 +80,7 @@ class SharedUpkeep:
             report.missing += 1
             if not repair:
                 continue
-            if self.local.has_block(BlockHash(h)):
+            if self.local.blocks.has(BlockHash(h)):
                 self.blocks.upload([BlockHash(h)], check=False)
                 report.uploaded += 1
             else:

@@ -71,7 +71,7 @@ class SharedReplication:
 
     def seen_version(self, agent_id: str) -> int | None:
         """The store's version of the agent this worker last read or wrote (None: none)."""
-        state = self._local.sync_state(agent_id)
+        state = self._local.records.sync_state(agent_id)
         return state[0] if state else None
 
     def end(self, agent_id: str) -> None:
@@ -86,7 +86,7 @@ class SharedReplication:
     def pinned(self) -> set[str]:
         """Agents eviction must keep whatever their age: saves made while the store was
         unreachable, the only copy until uploaded."""
-        return set(self._local.pending_agents())
+        return set(self._local.records.pending_agents())
 
     def bound_pending(self, max_bytes: int | None) -> None:
         """Keep at most ``max_bytes`` of saves waiting to upload on this worker (None: no

@@ -20,27 +20,29 @@ one, never a torn one, and a record is written only after all of its blocks.
 Agent ids are keys in the index, never paths, so no id can name a file; ids are still
 validated (``validate_agent_id``) so that mistakes surface early. Several processes may
 share a directory: mutations run under its lock (``DiskBlockStore.locked``).
+
+A store is its roles, which callers use directly (``protocols.BlockStore``): here
+``blocks`` is the ``BlockFiles`` and ``records`` the ``AgentIndex`` of the directory.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ..ops.files import DirectoryLock, atomic_write_bytes
 from .block_files import BlockFiles
-from .blocks import FORMAT_VERSION, AgentRecord, Block, BlockHash, CacheFormatError, version_error
+from .blocks import FORMAT_VERSION, CacheFormatError, version_error
 from .index import AgentIndex, RecoveryReport
 from .maintenance import DiskMaintenance
-from .reader import BlockGroup
 
 
 class DiskBlockStore:
-    """Blocks as safetensors files (``files``), agent records in a SQLite index (``index``),
-    under one directory; its upkeep (disk use, eviction, quarantine, recovery) is
-    ``maintenance``'s. On open, its ``recover`` undoes what a killed process may have left:
+    """One cache directory, as its roles (``protocols.BlockStore``): ``blocks``, its block
+    files (safetensors, ``BlockFiles``); ``records``, its agent records (a SQLite index,
+    ``AgentIndex``); ``maintenance``, its upkeep (disk use, eviction, quarantine, recovery);
+    no ``replication``. On open, its ``recover`` undoes what a killed process may have left:
     temporary files, and blocks written for a record it never committed (or left behind by
     a delete it did not finish).
     """
@@ -56,13 +58,12 @@ class DiskBlockStore:
         self.tier = tier
         self.fingerprint = fingerprint
         self.dir = Path(root) / fingerprint
-        self.files = BlockFiles(self.dir, fingerprint)
-        self.blocks_dir = self.files.dir
+        self.blocks = BlockFiles(self.dir, fingerprint)
         self._lock = DirectoryLock(self.dir / "lock")  # never taken by a read-only store
         if read_only:  # for looking (``cache ls``/``du``): no lock, no migration, no recovery
             self._open_read_only()
             return
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        self.blocks.dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
             fmt = self.dir / "format.json"
             if fmt.exists():
@@ -77,8 +78,8 @@ class DiskBlockStore:
             else:
                 meta = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint}
                 atomic_write_bytes(fmt, json.dumps(meta).encode())
-            self.index = AgentIndex.open(self.dir / "index.sqlite", self.files)
-            self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=tier)
+            self.records = AgentIndex.open(self.dir / "index.sqlite", self.blocks)
+            self.maintenance = DiskMaintenance(self.dir, self.blocks, self.records, self._lock, tier=tier)
             self.recovery = self.maintenance.recover()
 
     def _open_read_only(self) -> None:
@@ -91,17 +92,13 @@ class DiskBlockStore:
             raise CacheFormatError(f"{self.dir} is not a readable cache directory ({exc})") from exc
         if version != FORMAT_VERSION:
             raise version_error(f"cache directory {self.dir}", version)
-        self.index = AgentIndex.open_read_only(self.dir / "index.sqlite", self.files)
-        self.maintenance = DiskMaintenance(self.dir, self.files, self.index, self._lock, tier=self.tier)
+        self.records = AgentIndex.open_read_only(self.dir / "index.sqlite", self.blocks)
+        self.maintenance = DiskMaintenance(self.dir, self.blocks, self.records, self._lock, tier=self.tier)
         self.recovery = RecoveryReport()
 
     def locked(self) -> DirectoryLock:
         """Hold the directory's exclusive lock (re-entrant in this thread)."""
         return self._lock
-
-    def leading_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of ``hashes``, from the first, are here."""
-        return next((i for i, h in enumerate(hashes) if not self.has_block(h)), len(hashes))
 
     @property
     def local(self) -> DiskBlockStore:
@@ -114,83 +111,5 @@ class DiskBlockStore:
         return self
 
     def close(self) -> None:
-        self.index.close()
-
-    # ------------------------------------------------------------------ blocks (``files``)
-
-    def block_path(self, h: BlockHash) -> Path:
-        return self.files.path(h)
-
-    def has_block(self, h: BlockHash) -> bool:
-        return self.files.exists(h)
-
-    def local_bytes(self, hashes: Iterable[BlockHash]) -> int:
-        return self.files.local_bytes(hashes)
-
-    def put_block(self, block: Block) -> int:
-        return self.files.put(block)
-
-    def prior_of(self, h: BlockHash) -> BlockHash | None:
-        """The block of segment ``h``'s earlier rows (None: whole); ``h`` must be here."""
-        return self.files.prior_of(h)
-
-    def get_block(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
-        return self.files.get(h, names)
-
-    def read_blocks(
-        self, hashes: Sequence[BlockHash], layers: Collection[int] | None = None
-    ) -> list[BlockGroup]:
-        return self.files.read(hashes, layers)
-
-    def delete_block(self, h: BlockHash) -> None:
-        self.files.delete(h)
-
-    def block_hashes(self) -> Iterator[BlockHash]:
-        return self.files.hashes()
-
-    def quarantine_block(self, h: BlockHash) -> Path | None:
-        return self.files.quarantine(h)
-
-    # ------------------------------------------------------------------ agents (``index``)
-
-    def put_agent(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
-        return self.index.put_agent(record, sync)
-
-    def sync_state(self, agent_id: str) -> tuple[int | None, bool] | None:
-        return self.index.sync_state(agent_id)
-
-    def set_sync(self, agent_id: str, version: int | None, pending: bool) -> None:
-        self.index.set_sync(agent_id, version, pending)
-
-    def pending_agents(self) -> list[str]:
-        return self.index.pending_agents()
-
-    def upload_pending(self, agent_id: str) -> bool:
-        return self.index.upload_pending(agent_id)
-
-    def has_agent(self, agent_id: str) -> bool:
-        return self.index.has_agent(agent_id)
-
-    def agent_chain(self, agent_id: str) -> list[BlockHash]:
-        return self.index.agent_chain(agent_id)
-
-    def get_agent(self, agent_id: str) -> AgentRecord | None:
-        return self.index.get_agent(agent_id)
-
-    def delete_agent(self, agent_id: str) -> bool:
-        return self.index.delete_agent(agent_id)
-
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
-        return self.index.agents(prefix)
-
-    def is_referenced(self, h: BlockHash) -> bool:
-        return self.index.is_referenced(h)
-
-    def refcount(self, h: BlockHash) -> int:
-        return self.index.refcount(h)
-
-    def referenced_blocks(self) -> set[BlockHash]:
-        return self.index.referenced_blocks()
-
-    def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
-        self.index.note_blocks(blocks)
+        """Close the index (the one thing a directory holds open)."""
+        self.records.close()
