@@ -132,14 +132,15 @@ class Engine:
         if cfg.reserve_work and not device.on_gpu() and self.attention == "copy":
             rows = reserve_rows(self.spec, context_length, cfg.alone_chunk_tokens, cfg.work_budget_bytes)
             parts.callback(WorkReserve(self.spec, rows).release)
+        schedule = Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule", loop=self._worker)
         self.agents = AgentCaches(
             spec=self.spec, quant=self.quant, store=self._store, pool=self.pool,
             tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
-            schedule=Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule"),
+            schedule=schedule,
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
-        self._feed = CommitFeed()
+        self._feed = CommitFeed(self._worker)
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes
         parts.callback(self._forget_memory)
         self._save_queue = SaveQueue(store_dir)  # block writes, checksums, fsync, index transactions

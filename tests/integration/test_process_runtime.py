@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     own.generate("b", "Agent b says hello to", params)
     shutdown()
     print("threads", sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()))
-    print("models", len(loaded_models().by_key), "engines", len(engine_registry().engines))
+    print("models", len(loaded_models()), "engines", len(engine_registry().engines))
     try:
         own.generate("b", "Agent b says hello to", params)
     except RuntimeError as exc:

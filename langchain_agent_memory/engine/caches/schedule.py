@@ -17,15 +17,21 @@ whose tool is still running. The engine is told more where someone knows it:
 Agents nothing was said of rank by recency, behind those a human holds up and ahead of those
 that run next or wait on a tool: requests without a graph (a server, a plain chain) see plain
 LRU. What was said expires (``hint_ttl_s``): a thread abandoned mid-run pins nothing.
+
+The schedule is its engine's loop's (``loop``), like the hot tier it orders: what a graph's or
+a chat model's thread says reaches it as a message (``Worker.post``), a question as one the
+loop answers (``Worker.call``, at once on the loop itself). No lock.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Need(IntEnum):
@@ -45,8 +51,16 @@ class _Hint:
     until: float  # monotonic time it expires
 
 
+class Loop(Protocol):
+    """The thread that owns a schedule (an engine's ``Worker``)."""
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def call(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
 class Schedule:
-    """What the engine was told of its agents' next turns (thread-safe)."""
+    """What the engine was told of its agents' next turns, kept by ``loop`` (None: by the
+    thread that uses it alone, a test's)."""
 
     def __init__(
         self,
@@ -55,56 +69,46 @@ class Schedule:
         clock: Callable[[], float] = time.monotonic,
         *,
         follow: bool = True,
+        loop: Loop | None = None,
     ) -> None:
         self.tool_ttl_s, self.hint_ttl_s, self._clock = tool_ttl_s, hint_ttl_s, clock
         #: False: what is said is ignored, eviction is least recently used (``eviction="lru"``)
         self.follow = follow
+        self._post: Callable[..., None] = loop.post if loop is not None else _here
+        self._call: Callable[..., Any] = loop.call if loop is not None else _here
+        # The loop's alone:
         self._hints: dict[str, _Hint] = {}
         #: agent -> when (``time.time()``) its latest request started
         self._started: dict[str, float] = {}
-        self._lock = threading.Lock()
 
     def runs_next(self, agent_ids: Iterable[str], as_of: float | None = None) -> None:
         """These agents' tasks run next (a graph's pending ``Send``s and nodes), as of the
         time ``as_of`` (``time.time()``; a checkpoint's): an agent whose request started
         since has run already."""
-        self._say(self._fresh(agent_ids, as_of), Need.NEXT, self.hint_ttl_s)
-
-    def _fresh(self, agent_ids: Iterable[str], as_of: float | None) -> list[str]:
-        """Those of ``agent_ids`` whose latest request started before ``as_of``."""
-        with self._lock:
-            return [a for a in agent_ids if as_of is None or self._started.get(a, float("-inf")) <= as_of]
+        self._post(self._say_fresh, list(agent_ids), as_of, Need.NEXT, False)
 
     def runs_soon(self, agent_ids: Iterable[str], as_of: float | None = None) -> None:
         """These agents run in the step after the next one (as far as the graph has shown:
         ``runs_next``'s ``as_of``); what was said of them already is not lowered."""
-        self._say(self._fresh(agent_ids, as_of), Need.SOON, self.hint_ttl_s, raise_only=True)
+        self._post(self._say_fresh, list(agent_ids), as_of, Need.SOON, True)
 
     def waits(self, agent_ids: Iterable[str]) -> None:
         """These agents wait on a human (an interrupt): their turns are far."""
-        self._say(agent_ids, Need.WAITING, self.hint_ttl_s)
+        self._post(self._say, list(agent_ids), Need.WAITING, self.hint_ttl_s)
 
     def awaits_tool(self, agent_id: str) -> None:
         """The agent's reply made tool calls: it comes back when they return."""
-        self._say([agent_id], Need.TOOL, self.tool_ttl_s)
+        self._post(self._say, [agent_id], Need.TOOL, self.tool_ttl_s)
 
     def started(self, agent_id: str) -> None:
         """A request for the agent started: what was said of its next turn is spent."""
-        with self._lock:
-            self._hints.pop(agent_id, None)
-            self._started[agent_id] = time.time()
+        self._call(self._start, agent_id)
 
     def need(self, agent_id: str) -> Need:
+        """How soon the agent is needed, as told (after all that was said before this)."""
         if not self.follow:
             return Need.UNKNOWN
-        with self._lock:
-            hint = self._hints.get(agent_id)
-            if hint is None:
-                return Need.UNKNOWN
-            if hint.until < self._clock():
-                del self._hints[agent_id]
-                return Need.UNKNOWN
-            return hint.need
+        return self._call(self._need, agent_id)  # type: ignore[no-any-return]
 
     def eviction_order(self, lru: Sequence[str]) -> list[str]:
         """``lru`` (least recently used first) in the order to evict: least needed first,
@@ -113,16 +117,42 @@ class Schedule:
 
     def told(self) -> dict[str, int]:
         """How many agents each hint stands for now (``Engine.stats``)."""
+        return self._call(self._told)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ on the loop
+
+    def _start(self, agent_id: str) -> None:
+        self._hints.pop(agent_id, None)
+        self._started[agent_id] = time.time()
+
+    def _need(self, agent_id: str) -> Need:
+        hint = self._hints.get(agent_id)
+        if hint is None:
+            return Need.UNKNOWN
+        if hint.until < self._clock():
+            del self._hints[agent_id]
+            return Need.UNKNOWN
+        return hint.need
+
+    def _told(self) -> dict[str, int]:
         now = self._clock()
-        with self._lock:
-            live = [h.need for h in self._hints.values() if h.until >= now]
+        live = [h.need for h in self._hints.values() if h.until >= now]
         return {need.name.lower(): live.count(need) for need in Need if need is not Need.UNKNOWN}
 
-    def _say(self, agent_ids: Iterable[str], need: Need, ttl_s: float, raise_only: bool = False) -> None:
+    def _say_fresh(self, agent_ids: list[str], as_of: float | None, need: Need, raise_only: bool) -> None:
+        """``_say`` of those of ``agent_ids`` whose latest request started before ``as_of``."""
+        fresh = [a for a in agent_ids if as_of is None or self._started.get(a, float("-inf")) <= as_of]
+        self._say(fresh, need, self.hint_ttl_s, raise_only)
+
+    def _say(self, agent_ids: list[str], need: Need, ttl_s: float, raise_only: bool = False) -> None:
         now = self._clock()
-        with self._lock:
-            for agent_id in agent_ids:
-                held = self._hints.get(agent_id)
-                if raise_only and held is not None and held.until >= now and held.need >= need:
-                    continue
-                self._hints[agent_id] = _Hint(need, now + ttl_s)
+        for agent_id in agent_ids:
+            held = self._hints.get(agent_id)
+            if raise_only and held is not None and held.until >= now and held.need >= need:
+                continue
+            self._hints[agent_id] = _Hint(need, now + ttl_s)
+
+
+def _here(fn: Callable[..., T], *args: Any) -> T:
+    """A schedule without a loop: its user's thread keeps it."""
+    return fn(*args)

@@ -14,9 +14,9 @@ import importlib.util
 import json
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,28 +197,14 @@ def trained_context(model_dir: Path) -> int | None:
     return int(value) if value else None
 
 
-class LoadedModels:
-    """The models this process loaded, by (directory, ``cpu_kernels``): each is loaded
-    once and shared by every engine of it. The process runtime's (``loaded_models``): its
-    shutdown forgets them all."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[tuple[Path, bool], LoadedModel] = {}
-        #: One load at a time: two engines of one model wait for the first load, not load twice.
-        self.lock = threading.Lock()
-
-    def forget(self, under: Path | None = None) -> int:
-        """Forget the models whose directories are under ``under`` (None: all of them);
-        how many were forgotten."""
-        with self.lock:
-            gone = [k for k in self.by_key if under is None or k[0].is_relative_to(under)]
-            for key in gone:
-                del self.by_key[key]
-        return len(gone)
+#: The name of a loaded model's stock (``RUNTIME.stock``) starts with this.
+MODEL_STOCK = "loaded model "
 
 
-def loaded_models() -> LoadedModels:
-    return RUNTIME.stock("loaded models", LoadedModels, LoadedModels.forget)
+def loaded_models() -> list[LoadedModel]:
+    """The models this process holds loaded (``load_model``)."""
+    made = RUNTIME.stocks(MODEL_STOCK)
+    return [f.result() for f in made if f.done() and f.exception() is None]
 
 
 def load_model(
@@ -244,35 +230,68 @@ def load_model(
     of ``fast_ops`` (``adapters.adapt_model``; only this instance changes). False gives
     mlx-lm's own model (benchmarks compare the two).
     """
-    models = loaded_models()
-    with models.lock:
-        path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
-        if (path, cpu_kernels) in models.by_key and not recheck:
-            return models.by_key[(path, cpu_kernels)]
-        check_refused(path)
-        from mlx_lm.utils import load as mlx_load
+    # Each model is a stock of the runtime: a future, made once per key; whoever made it
+    # loads, and an engine of the same model started meanwhile waits for that load, not for
+    # another model's (nothing is held while a model loads).
+    dtype = weight_dtype or device.weight_dtype()
+    key = f"{MODEL_STOCK}{model}|{Path(cache_dir).resolve()}|{dtype}|{cpu_kernels}"
+    if recheck:
+        RUNTIME.drop(lambda name, _: name == key)
+    mine: list[Future[LoadedModel]] = []
 
-        t0 = time.perf_counter()
-        _check_mlx_lm_has(path)
-        mdl, tok = mlx_load(str(path), lazy=True)
-        layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
-        settle(mdl)  # made here, run on the engine's worker
-        structure = describe(mdl)
-        memo = Path(cache_dir) / "models"
-        check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
-        if check is not None:
-            check.before_adapting()
-        if cpu_kernels:
-            adapt_or_say(mdl, name)
-        result = check.after_adapting() if check is not None else None
-        # Again after the self-check's passes on this thread: a module that writes an array
-        # during a pass (mlx-lm's own Gemma 3n AltUp, run before adapting; Kimi K3's and
-        # PLaMo 3's tables made on a first call) leaves it lazy where that pass's output was
-        # not evaluated (a pass that failed settles itself: ``forward.ModelForward``).
-        settle(mdl)
-        loaded = LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
-        models.by_key[(path, cpu_kernels)] = loaded
-        return loaded
+    def claim() -> Future[LoadedModel]:
+        mine.append(Future())
+        return mine[0]
+
+    future = RUNTIME.stock(key, claim, _unloaded)
+    if not mine:
+        return future.result()
+    try:
+        loaded = _load(model, cache_dir, weight_dtype, cpu_kernels, self_check, recheck)
+    except BaseException as exc:
+        RUNTIME.drop(lambda _, stock: stock is future)  # the next call tries again
+        future.set_exception(exc)
+        raise
+    future.set_result(loaded)
+    return loaded
+
+
+def _load(
+    model: str | Path,
+    cache_dir: Path,
+    weight_dtype: str | None,
+    cpu_kernels: bool,
+    self_check: bool,
+    recheck: bool,
+) -> LoadedModel:
+    """``load_model``'s load (once per key: its caller made the key's stock)."""
+    path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
+    check_refused(path)
+    from mlx_lm.utils import load as mlx_load
+
+    t0 = time.perf_counter()
+    _check_mlx_lm_has(path)
+    mdl, tok = mlx_load(str(path), lazy=True)
+    layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
+    settle(mdl)  # made here, run on the engine's worker
+    structure = describe(mdl)
+    memo = Path(cache_dir) / "models"
+    check = _SelfCheck(mdl, structure, path, name, cpu_kernels, memo, recheck) if self_check else None
+    if check is not None:
+        check.before_adapting()
+    if cpu_kernels:
+        adapt_or_say(mdl, name)
+    result = check.after_adapting() if check is not None else None
+    # Again after the self-check's passes on this thread: a module that writes an array
+    # during a pass (mlx-lm's own Gemma 3n AltUp, run before adapting; Kimi K3's and
+    # PLaMo 3's tables made on a first call) leaves it lazy where that pass's output was
+    # not evaluated (a pass that failed settles itself: ``forward.ModelForward``).
+    settle(mdl)
+    return LoadedModel(mdl, tok, path, name, time.perf_counter() - t0, structure, result)
+
+
+def _unloaded(future: Future[LoadedModel]) -> None:
+    """A model's stock ended: forgotten here (its memory goes once nothing else holds it)."""
 
 
 def _check_mlx_lm_has(path: Path) -> None:
@@ -349,7 +368,13 @@ def unload_models(under: Path) -> int:
     """Forget the loaded models whose directories are under ``under`` (a process that is
     done with them: test modules of random-weight models); their memory goes once nothing
     else holds them. Returns how many were forgotten."""
-    gone = loaded_models().forget(under)
+
+    def under_it(name: str, future: Future[LoadedModel]) -> bool:
+        if not name.startswith(MODEL_STOCK) or not future.done() or future.exception() is not None:
+            return False
+        return future.result().path.is_relative_to(under)
+
+    gone = RUNTIME.drop(under_it)
     gc.collect()  # a model's modules hold cycles: free them now, then give the memory back
     release_memory()
     return gone

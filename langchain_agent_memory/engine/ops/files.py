@@ -49,35 +49,32 @@ def atomic_write_bytes(path: Path, data: bytes) -> int:
 
 
 class DirectoryLock:
-    """An exclusive lock over one cache directory, across processes (``flock`` on a lock
-    file) and threads; re-entrant within a thread, so a commit can hold it around the
-    writes and deletes it is made of."""
+    """An exclusive lock over one cache directory, across processes and threads (``flock`` on
+    a lock file); re-entrant within a thread, so a commit can hold it around the writes and
+    deletes it is made of. NOTE: each thread locks through a descriptor of its own, and
+    ``flock`` refuses a second descriptor of the file while one holds it, in this process as
+    in any other: no thread lock is needed beside it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._thread_lock = threading.RLock()
-        self._depth = 0
-        self._fd: int | None = None
+        self._mine = threading.local()  # .fd, .depth: this thread's hold
 
     def __enter__(self) -> None:
-        self._thread_lock.acquire()
-        if self._depth == 0:
+        mine = self._mine
+        depth = getattr(mine, "depth", 0)
+        if depth == 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                except BaseException:
-                    os.close(fd)
-                    raise
+                fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:
-                self._thread_lock.release()
+                os.close(fd)
                 raise
-            self._fd = fd
-        self._depth += 1
+            mine.fd = fd
+        mine.depth = depth + 1
 
     def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = None
-        self._thread_lock.release()
+        mine = self._mine
+        mine.depth -= 1
+        if mine.depth == 0:
+            os.close(mine.fd)  # closing the descriptor releases the flock
+            mine.fd = None

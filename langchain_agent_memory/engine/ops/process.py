@@ -8,8 +8,9 @@ It owns:
   worker, its saves, the store's I/O, lease heartbeats, database watchdogs, the hash and
   read pools: ``LentPool``), named after what it runs and listed by ``threads``.
 - **The stocks**: objects made once on first use and kept for the process (``stock``): the
-  hash and read pools, the digest and staging buffers of block reads, the loaded models,
-  the engine registry. ``shutdown`` ends them, the latest made first.
+  hash and read pools, the digest and staging buffers of block reads, the loaded models
+  (each a future its maker fills: ``model.loading``), the engine registry. ``shutdown`` ends
+  them, the latest made first.
 - **The engines open** (``track``): ``shutdown`` closes them first, since they hold threads
   and stocks.
 
@@ -34,10 +35,13 @@ runs on (only ``shutdown`` does):
   finalizes. ``shutdown`` ends the threads themselves while the interpreter is whole.
 
 The one lock (``lock``, re-entrant: a stock's maker may lend threads) guards the runtime's
-own tables and the short critical sections of what lives as long as the process besides:
-the picks of the buffer stocks (``cuda_memory``, ``gather``), the compiled kernels' shape
-tables (``fast_ops``), the open save queues (``saves``), a session's one probe thread
-(``pg_session``). Nothing holds it across I/O or a model's work; no cache state is under it.
+own tables (threads, loans, stocks, open engines, exit hooks) and the short critical sections
+of what lives as long as the process besides: the picks of the buffer stocks
+(``cuda_memory``, ``gather``), the compiled kernels' shape tables (``fast_ops``), the open
+save queues (``saves``), a session's one probe thread (``pg_session``). A stock's maker runs
+under it, so makers are quick (a model's is a future: the load runs after, outside it).
+Nothing holds it across I/O or a model's work; no cache state is under it. It is one of the
+engine's three locks (``docs/concepts/concurrency.md``).
 """
 
 from __future__ import annotations
@@ -174,6 +178,21 @@ class ProcessRuntime:
                 held = self._stocks[name] = (make(), end)
             return held[0]  # type: ignore[no-any-return]
 
+    def stocks(self, prefix: str) -> list[Any]:
+        """The stocks whose names start with ``prefix``, as made now."""
+        with self.lock:
+            return [held[0] for name, held in self._stocks.items() if name.startswith(prefix)]
+
+    def drop(self, match: Callable[[str, Any], bool]) -> int:
+        """End the stocks ``match(name, stock)`` picks (a later use makes them again); how
+        many."""
+        with self.lock:
+            gone = [name for name, held in self._stocks.items() if match(name, held[0])]
+            ended = [self._stocks.pop(name) for name in gone]
+        while ended:
+            _end(*ended.pop())
+        return len(gone)
+
     def track(self, engine: Closable) -> None:
         """Close ``engine`` at ``shutdown`` if it is still open then (held weakly)."""
         with self.lock:
@@ -278,6 +297,11 @@ class LentPool(Executor):
         future: Future[T] = Future()
         self._jobs.put((future, functools.partial(fn, **kwargs) if kwargs else fn, args))
         return future
+
+    @property
+    def backlog(self) -> int:
+        """Jobs queued and not started yet (read without waiting)."""
+        return self._jobs.qsize()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No more jobs; the threads go back once those queued have run (``wait``: until

@@ -1,12 +1,13 @@
 """Who hears an engine's requests and commits: ``Engine.subscribe`` hands out a
 ``Subscription``; a checkpointer rewinds a resumed thread's agents before a request and
-keeps each agent's history from its commits."""
+keeps each agent's history from its commits. Who is subscribed is the engine's loop's to
+change (a message: ``Worker.call``); the other threads read the tuple it last made."""
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ..ops.process import RUNTIME
 from ..results import GenerationParams
@@ -16,6 +17,13 @@ logger = logging.getLogger(__name__)
 
 OnCommit = Callable[[AgentRecord], None]
 BeforeRequest = Callable[[str, GenerationParams], None]
+T = TypeVar("T")
+
+
+class Loop(Protocol):
+    """The thread that changes the subscriptions (an engine's ``Worker``)."""
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T: ...
 
 
 class Subscription:
@@ -41,34 +49,36 @@ class CommitFeed:
     queued; ``on_commit`` with each new agent record, in commit order, on a thread of its own
     (a checkpointer's fsync'ing writes never hold up the model's thread or the saves)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._subs: list[Subscription] = []
+    def __init__(self, loop: Loop) -> None:
+        self._loop = loop
+        #: the subscriptions, replaced (never changed) by the loop
+        self._subs: tuple[Subscription, ...] = ()
         self._notify = RUNTIME.pool("agent-memory-commits", 1)
 
     def subscribe(
         self, on_commit: OnCommit | None = None, before_request: BeforeRequest | None = None
     ) -> Subscription:
         sub = Subscription(self, on_commit, before_request)
-        with self._lock:
-            self._subs.append(sub)
+        self._loop.call(self._add, sub)
         return sub
 
+    def _add(self, sub: Subscription) -> None:
+        self._subs = (*self._subs, sub)
+
     def drop(self, sub: Subscription) -> None:
-        with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
+        self._loop.call(self._drop, sub)
+
+    def _drop(self, sub: Subscription) -> None:
+        self._subs = tuple(s for s in self._subs if s is not sub)
 
     def before_request(self, agent_id: str, params: GenerationParams) -> None:
-        with self._lock:
-            hooks = [s.before_request for s in self._subs if s.before_request is not None]
-        for hook in hooks:
-            hook(agent_id, params)
+        for sub in self._subs:
+            if sub.before_request is not None:
+                sub.before_request(agent_id, params)
 
     def committed(self, record: AgentRecord) -> None:
         """A save stored ``record`` (on the save thread)."""
-        with self._lock:
-            listeners = [s.on_commit for s in self._subs if s.on_commit is not None]
+        listeners = [s.on_commit for s in self._subs if s.on_commit is not None]
         for listener in listeners:
             self._notify.submit(_deliver, listener, record)
 

@@ -14,12 +14,15 @@ its record is published only after its blocks are durable (``BlockPool.save_agen
 same protocol as before: a crash leaves the previous record or the new one, each with all
 of its blocks); saves run in the order requests finished. ``flush`` waits for every save
 queued so far and raises the first that failed since the last ``flush``.
+
+What the queue knows of its saves is the save thread's (the first failure, whether a save
+runs) or the loop's (the latest save's settling): a wait is a job queued behind the saves,
+and no lock is taken.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -46,13 +49,14 @@ class SaveQueue:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._thread = RUNTIME.pool("agent-memory-saves", 1)
-        self._lock = threading.Lock()
-        self._last: Future[Any] | None = None
-        #: the latest save's settling on the engine's loop (``Committer``): a wait ends
-        #: after it too, so that nothing of a save runs once the process's exit has waited
+        #: the latest save's settling on the engine's loop (``Committer``; the loop's): a
+        #: wait ends after it too, so that nothing of a save runs once the process's exit
+        #: has waited
         self._settled: Future[Any] | None = None
-        self._failed: BaseException | None = None
-        self._queued = 0  # submitted, not ended: what ``Engine.status`` reports
+        # The save thread's:
+        self._failed: BaseException | None = None  # the first since the last ``flush``
+        self._running = False
+        self._closed = False
         with RUNTIME.lock:
             _QUEUES.add(self)
 
@@ -68,8 +72,7 @@ class SaveQueue:
                 return save()
             except BaseException as exc:
                 logger.warning("%s was not saved: %s", what, exc)
-                with self._lock:
-                    self._failed = self._failed or exc
+                self._failed = self._failed or exc
                 raise
 
         return self._queue(run)
@@ -79,49 +82,58 @@ class SaveQueue:
         fork, a delete: its caller waits and gets its error; nothing is kept for ``flush``)."""
         return self._queue(op).result()
 
-    def _queue(self, run: Callable[[], T]) -> Future[T]:
-        with self._lock:
-            self._last = future = self._thread.submit(run)
-            self._queued += 1
-        future.add_done_callback(self._ended)
-        return future
+    def _queue(self, op: Callable[[], T]) -> Future[T]:
+        def run() -> T:  # on the save thread
+            self._running = True
+            try:
+                return op()
+            finally:
+                self._running = False
 
-    def _ended(self, _: Future[Any]) -> None:
-        with self._lock:
-            self._queued -= 1
+        return self._thread.submit(run)
 
     @property
     def queued(self) -> int:
-        """Saves and changes submitted that have not ended yet (read without waiting)."""
-        return self._queued
+        """Saves and changes submitted that have not ended yet (read without waiting: the
+        save thread's backlog and the one it runs)."""
+        return self._thread.backlog + self._running
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every save submitted so far has ended (failed or not); False if some had
         not within ``timeout`` seconds."""
-        with self._lock:
-            # A later one ends after every earlier one (one thread, in order; settled in order).
-            pending = [f for f in (self._last, self._settled) if f is not None]
+        if self._closed:
+            return True
+        # A job queued now ends after every earlier one (one thread, in order); the loop
+        # settles saves in order too.
+        try:
+            marker = self._thread.submit(_nothing)
+        except RuntimeError:  # closed meanwhile: every save had ended first
+            return True
+        pending = [marker, *([self._settled] if self._settled is not None else [])]
         _, not_done = futures_wait(pending, timeout)
         return not not_done
 
     def flush(self) -> None:
         """``wait``, then raise the first save that failed since the last ``flush``."""
         self.wait()
-        with self._lock:
-            failed, self._failed = self._failed, None
+        failed = self._thread.submit(self._take_failed).result()
         if failed is not None:
             raise failed
 
-    @property
-    def idle(self) -> bool:
-        with self._lock:
-            return self._last is None or self._last.done()
+    def _take_failed(self) -> BaseException | None:
+        failed, self._failed = self._failed, None
+        return failed
 
     def close(self) -> None:
         self.wait()
+        self._closed = True
         self._thread.shutdown(wait=False)
         with RUNTIME.lock:
             _QUEUES.discard(self)
+
+
+def _nothing() -> None:
+    """A job that marks a place in the save thread's queue."""
 
 
 def wait_for(directory: Path) -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,38 +108,85 @@ class RecoveryReport:
 class AgentIndex:
     """Each agent's record and its block references, in one transaction per change, so
     that which blocks are still needed is known across processes (no in-memory count can
-    be: another process may have committed or deleted since). One connection serves every
-    thread (``db_lock`` serializes them); ``schema``: the version the index has (an older
-    one, opened read-only, lacks ``used_at`` and ``block_sizes``). ``files``: the blocks
-    whose sizes it records."""
+    be: another process may have committed or deleted since). Each thread uses a connection
+    of its own (``db``): SQLite serializes the writes, as it does another process's, and in
+    WAL mode a read never waits for a write (the engine's loop reads the index while the save
+    thread commits and fsyncs); no lock of ours. ``schema``: the version the index has (an
+    older one, opened read-only, lacks ``used_at`` and ``block_sizes``). ``files``: the
+    blocks whose sizes it records."""
 
-    def __init__(self, db: sqlite3.Connection, schema: int, files: BlockFiles) -> None:
-        self.db, self.schema, self.files = db, schema, files
-        self.db_lock = threading.RLock()
+    def __init__(self, connect: Callable[[], sqlite3.Connection], schema: int, files: BlockFiles) -> None:
+        self._connect, self.schema, self.files = connect, schema, files
+        self._mine = threading.local()  # .db: this thread's connection
+        #: every connection opened, for ``close`` (handed over, not shared)
+        self._opened: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._closed = False
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """The calling thread's connection to the index (opened on its first use)."""
+        db: sqlite3.Connection | None = getattr(self._mine, "db", None)
+        if db is None:
+            if self._closed:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            db = self._mine.db = self._connect()
+            self._opened.put(db)
+        return db
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in a read transaction: its queries see one state of the
+        index (a change another thread or process commits meanwhile is not seen in half)."""
+        db = self.db
+        if db.in_transaction:  # inside this thread's own transaction already
+            yield db
+            return
+        db.execute("BEGIN")
+        try:
+            yield db
+        finally:
+            db.commit()
 
     @classmethod
     def open(cls, path: Path, files: BlockFiles) -> AgentIndex:
         """Open (or create) the index at ``path`` and migrate it (under the directory lock)."""
-        db = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
-        migrate_index(db, path)
-        return cls(db, INDEX_SCHEMA_VERSION, files)
+
+        def connect() -> sqlite3.Connection:
+            # Closed by ``close``, on its caller's thread: not checked to be this one.
+            db = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
+            db.execute("PRAGMA synchronous=FULL")  # a committed record survives power loss
+            return db
+
+        index = cls(connect, INDEX_SCHEMA_VERSION, files)
+        index.db.execute("PRAGMA journal_mode=WAL")  # the file's: every connection's after this
+        migrate_index(index.db, path)
+        return index
 
     @classmethod
     def open_read_only(cls, path: Path, files: BlockFiles) -> AgentIndex:
         """Open an existing index read-only (a write raises ``sqlite3.OperationalError``),
         at the schema it has."""
         index = path.resolve()
-        db = sqlite3.connect(f"file:{index}?mode=ro", uri=True, check_same_thread=False, timeout=60)
+
+        def connect() -> sqlite3.Connection:
+            return sqlite3.connect(f"file:{index}?mode=ro", uri=True, check_same_thread=False, timeout=60)
+
+        db = connect()
         found = int(db.execute("PRAGMA user_version").fetchone()[0])
+        db.close()
         if found > INDEX_SCHEMA_VERSION:
             raise NewerFormatError(f"{index} has index schema {found}, written by a newer version: upgrade")
-        return cls(db, found, files)
+        return cls(connect, found, files)
 
     def close(self) -> None:
-        with self.db_lock:
-            self.db.close()
+        """Close every thread's connection (none may be in use: the store's threads have
+        ended their work)."""
+        self._closed = True
+        while True:
+            try:
+                self._opened.get_nowait().close()
+            except queue.Empty:
+                return
 
     def put(self, record: AgentRecord, sync: tuple[int | None, bool] | None = None) -> int:
         """Store ``record`` and its block references in one transaction; its blocks must
@@ -147,7 +195,7 @@ class AgentIndex:
         validate_agent_id(record.agent_id)
         data = record.to_json()
         refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
-        with self.db_lock, self.db:
+        with self.db:
             self.db.execute(
                 "INSERT OR REPLACE INTO agents (agent_id, record, used_at) VALUES (?, ?, ?)",
                 (record.agent_id, data, record.updated_at),
@@ -164,25 +212,22 @@ class AgentIndex:
 
     def sync_state(self, agent_id: str) -> tuple[int | None, bool] | None:
         """(remote version, pending) of a local record of a shared store; None if unknown."""
-        with self.db_lock:
-            row = self.db.execute(
-                "SELECT version, pending FROM remote_sync WHERE agent_id = ?", (agent_id,)
-            ).fetchone()
+        row = self.db.execute(
+            "SELECT version, pending FROM remote_sync WHERE agent_id = ?", (agent_id,)
+        ).fetchone()
         return (row[0], bool(row[1])) if row else None
 
     def set_sync(self, agent_id: str, version: int | None, pending: bool) -> None:
-        with self.db_lock, self.db:
+        with self.db:
             self.db.execute(
                 "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)", (agent_id, version, int(pending))
             )
 
     def pending_agents(self) -> list[str]:
         """Agents saved here while the shared store was unreachable, oldest first."""
-        with self.db_lock:
-            return [
-                r[0]
-                for r in self.db.execute("SELECT agent_id FROM remote_sync WHERE pending = 1 ORDER BY rowid")
-            ]
+        return [
+            r[0] for r in self.db.execute("SELECT agent_id FROM remote_sync WHERE pending = 1 ORDER BY rowid")
+        ]
 
     def upload_pending(self, agent_id: str) -> bool:
         """Whether the agent's record waits to be uploaded to a shared store (this tier's)."""
@@ -191,25 +236,22 @@ class AgentIndex:
 
     def has(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
-        with self.db_lock:
-            return (
-                self.db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone() is not None
-            )
+        return self.db.execute("SELECT 1 FROM agents WHERE agent_id = ?", (agent_id,)).fetchone() is not None
 
     def agent_chain(self, agent_id: str) -> list[BlockHash]:
         """The blocks the agent's record names, read from its references (the record itself,
         which holds every token id, is not parsed); ``NewerFormatError`` for a record of a
         newer version (never overwritten or deleted by this one); [] when there is none."""
         validate_agent_id(agent_id)
-        with self.db_lock:
+        with self.reading() as db:
             try:
-                row = self.db.execute(
+                row = db.execute(
                     "SELECT json_extract(record, '$.format_version') FROM agents WHERE agent_id = ?",
                     (agent_id,),
                 ).fetchone()
             except sqlite3.OperationalError:  # malformed JSON: its references still count
                 row = None
-            rows = self.db.execute(
+            rows = db.execute(
                 "SELECT block FROM refs WHERE agent_id = ? ORDER BY pos", (agent_id,)
             ).fetchall()
         version = row[0] if row else None
@@ -219,8 +261,7 @@ class AgentIndex:
 
     def get(self, agent_id: str) -> AgentRecord | None:
         validate_agent_id(agent_id)
-        with self.db_lock:
-            row = self.db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+        row = self.db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
         if row is None:
             return None
         record = parse_record(row[0], f"agent record {agent_id!r}")
@@ -230,7 +271,7 @@ class AgentIndex:
 
     def delete(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
-        with self.db_lock, self.db:
+        with self.db:
             gone = self.db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
             self.db.execute("DELETE FROM refs WHERE agent_id = ?", (agent_id,))
             self.db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
@@ -239,11 +280,10 @@ class AgentIndex:
     def list(self, prefix: str = "") -> Iterator[AgentRecord]:
         """Every record whose agent id starts with ``prefix`` (unreadable ones skipped, with
         a log line)."""
-        with self.db_lock:
-            rows = self.db.execute(
-                "SELECT agent_id, record FROM agents WHERE substr(agent_id, 1, ?) = ? ORDER BY agent_id",
-                (len(prefix), prefix),
-            ).fetchall()
+        rows = self.db.execute(
+            "SELECT agent_id, record FROM agents WHERE substr(agent_id, 1, ?) = ? ORDER BY agent_id",
+            (len(prefix), prefix),
+        ).fetchall()
         for agent_id, raw in rows:
             try:
                 yield parse_record(raw, f"agent record {agent_id!r}")
@@ -251,19 +291,15 @@ class AgentIndex:
                 logger.warning("skipping unreadable agent record: %s", exc)
 
     def is_referenced(self, h: BlockHash) -> bool:
-        with self.db_lock:
-            return self.db.execute("SELECT 1 FROM refs WHERE block = ? LIMIT 1", (h,)).fetchone() is not None
+        return self.db.execute("SELECT 1 FROM refs WHERE block = ? LIMIT 1", (h,)).fetchone() is not None
 
     def refcount(self, h: BlockHash) -> int:
         """How many agent records name block ``h``."""
-        with self.db_lock:
-            return self.db.execute(
-                "SELECT COUNT(DISTINCT agent_id) FROM refs WHERE block = ?", (h,)
-            ).fetchone()[0]
+        row = self.db.execute("SELECT COUNT(DISTINCT agent_id) FROM refs WHERE block = ?", (h,)).fetchone()
+        return int(row[0])
 
     def referenced_blocks(self) -> set[BlockHash]:
-        with self.db_lock:
-            return {BlockHash(r[0]) for r in self.db.execute("SELECT DISTINCT block FROM refs")}
+        return {BlockHash(r[0]) for r in self.db.execute("SELECT DISTINCT block FROM refs")}
 
     # ------------------------------------------------------------------ block sizes
 
@@ -286,12 +322,12 @@ class AgentIndex:
 
     def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
         """Blocks that arrived on this disk without a save (a shared store's fetch)."""
-        with self.db_lock, self.db:
+        with self.db:
             self.note_sizes(blocks)
 
     def forget_sizes(self) -> None:
         """Drop the size rows of blocks no record names (their files are gone or going)."""
-        with self.db_lock, self.db:
+        with self.db:
             self.db.execute(
                 "DELETE FROM block_sizes WHERE NOT EXISTS "
                 "(SELECT 1 FROM refs r WHERE r.block = block_sizes.block)"

@@ -20,18 +20,26 @@ of this worker runs:
   request that ends without a commit gives the row back only when it was the last. A
   request that starts between that decision and the delete takes the row again at once
   (``renew_if_held``).
+
+The counts are the heartbeat's, one thread that does no I/O itself (its renewals run on the
+store's I/O threads): a request's start, its end and a commit's question are messages it
+answers at once. No lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
 
 from ..errors import CommitConflictError
-from ..ops.process import RUNTIME, Loan
+from ..ops.process import RUNTIME
 from .catalog import Catalog
 from .objects import RemoteUnavailableError
 
@@ -41,33 +49,61 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05
 
 
+#: Seconds between two looks, while waiting for the heartbeat's answer, at whether it stopped.
+_LOOK_S = 1.0
+
+#: A message to the heartbeat: (what to run on its counts, its arguments, the answer's future).
+_Message = tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]
+
+
 class Leases:
-    """The leases this worker's requests hold in one catalog, for one model (fingerprint)."""
+    """The leases this worker's requests hold in one catalog, for one model (fingerprint);
+    renewals and give-backs run on ``io`` (the store's I/O threads)."""
 
     def __init__(
-        self, catalog: Catalog, fingerprint: str, holder: str, lease_s: float, handoff_wait_s: float
+        self,
+        catalog: Catalog,
+        fingerprint: str,
+        holder: str,
+        lease_s: float,
+        handoff_wait_s: float,
+        io: Executor,
     ) -> None:
         self.catalog, self.fingerprint, self.holder = catalog, fingerprint, holder
         self.lease_s, self.handoff_wait_s = lease_s, handoff_wait_s
-        self._held: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._heart: Loan | None = None
-        self._closed = threading.Event()
+        self._io = io
+        self._held: Counter[str] = Counter()  # the heartbeat's alone
+        self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        self._gone = threading.Event()  # the heartbeat has stopped
+        self._heart = RUNTIME.lend(self._beat, "agent-memory-leases", self._stop)
         #: Hand-offs that waited for another worker's lease, and how long in all.
         self.waits = 0
         self.waited_s = 0.0
+
+    def _ask(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run by the heartbeat on its counts, waited for (it answers at once:
+        it never waits on the network). Once it has stopped (closed, or the process exits),
+        nothing renews any more and the counts are their callers'."""
+        if self._gone.is_set():
+            return fn(*args)
+        answer: Future[Any] = Future()
+        self._inbox.put((fn, args, answer))
+        while True:
+            try:
+                return answer.result(timeout=_LOOK_S)
+            except TimeoutError:
+                # Stopped before it took this one (``cancel``: only a message it never ran).
+                if self._gone.is_set() and answer.cancel():
+                    return fn(*args)
 
     def take(self, agent_id: str) -> int | None:
         """A request of this worker on ``agent_id`` starts: count it, then take the lease,
         waiting up to ``handoff_wait_s`` while another worker holds it (its save in flight,
         or its request running). Returns the version of the agent's record (None: none).
         ``RemoteUnavailableError`` leaves the request counted: end it with ``done``."""
-        with self._lock:
-            # Counted before the row is taken: a save of this worker that commits meanwhile
-            # then keeps the row for this request (``others``).
-            self._held[agent_id] += 1
-            if not self._closed.is_set() and (self._heart is None or not self._heart.is_alive()):
-                self._heart = RUNTIME.lend(self._beat, "agent-memory-leases", self._closed.set)
+        # Counted before the row is taken: a save of this worker that commits meanwhile then
+        # keeps the row for this request (``others``).
+        self._ask(self._count, agent_id)
         started = time.monotonic()
         while True:
             taken, version = self.catalog.begin(self.fingerprint, agent_id, self.holder, self.lease_s)
@@ -91,18 +127,12 @@ class Leases:
     def done(self, agent_id: str) -> bool:
         """A request of this worker on ``agent_id`` ended; whether it was the last one (the
         row may then go)."""
-        with self._lock:
-            if self._held[agent_id] > 1:
-                self._held[agent_id] -= 1
-                return False
-            self._held.pop(agent_id, None)
-            return True
+        return self._ask(self._uncount, agent_id)  # type: ignore[no-any-return]
 
     def others(self, agent_id: str, own: int) -> bool:
         """Whether requests of this worker besides ``own`` of them hold ``agent_id`` (a
         commit then keeps the row)."""
-        with self._lock:
-            return self._held[agent_id] > own
+        return self._ask(self._more_than, agent_id, own)  # type: ignore[no-any-return]
 
     def give_back(self, agent_id: str) -> None:
         """Delete the row of a request that ended without a commit (the last of this worker's
@@ -122,23 +152,51 @@ class Leases:
         with contextlib.suppress(RemoteUnavailableError, CommitConflictError):
             self.catalog.begin(self.fingerprint, agent_id, self.holder, self.lease_s)
 
+    # ------------------------------------------------------------------ the heartbeat's
+
+    def _count(self, agent_id: str) -> None:
+        self._held[agent_id] += 1
+
+    def _uncount(self, agent_id: str) -> bool:
+        if self._held[agent_id] > 1:
+            self._held[agent_id] -= 1
+            return False
+        self._held.pop(agent_id, None)
+        return True
+
+    def _more_than(self, agent_id: str, own: int) -> bool:
+        return self._held[agent_id] > own
+
     def _beat(self) -> None:
-        """Renew the rows of the requests in flight (off the model's thread)."""
-        while not self._closed.wait(self.lease_s / 3):
-            with self._lock:
-                agents = [a for a, n in self._held.items() if n > 0]
-                if not agents:  # none held: the thread ends (``take`` starts another)
-                    self._heart = None
+        """Answer the messages; every ``lease_s / 3`` renew the rows of the requests in
+        flight (on the I/O threads: a hung database holds up no answer here)."""
+        due = time.monotonic() + self.lease_s / 3
+        try:
+            while True:
+                try:
+                    message = self._inbox.get(timeout=max(0.0, due - time.monotonic()))
+                except queue.Empty:
+                    due = time.monotonic() + self.lease_s / 3
+                    for agent_id in [a for a, n in self._held.items() if n > 0]:
+                        with contextlib.suppress(RuntimeError):  # the store is closing
+                            self._io.submit(self._renew, agent_id)
+                    continue
+                if message is None:
                     return
-            for agent_id in agents:
-                if self._closed.is_set():
-                    return
-                self._renew(agent_id)
+                fn, args, answer = message
+                if not answer.set_running_or_notify_cancel():  # its asker gave up on this thread
+                    continue
+                try:
+                    answer.set_result(fn(*args))
+                except BaseException as exc:
+                    answer.set_exception(exc)
+        finally:
+            self._gone.set()  # later questions are answered by their askers
+
+    def _stop(self) -> None:
+        self._inbox.put(None)
 
     def close(self) -> None:
         """Stop the heartbeat and wait for it (a renewal in flight ends by its deadline)."""
-        self._closed.set()
-        with self._lock:
-            heart = self._heart
-        if heart is not None:
-            heart.join()
+        self._stop()
+        self._heart.join()

@@ -46,31 +46,28 @@ class DiskMaintenance:
         quarantine (one query: the sizes are recorded as blocks are saved)."""
         if self.index.schema < 3:  # an older index opened read-only: look at the files
             return self.usage().total
-        with self.index.db_lock:
-            (blocks,) = self.index.db.execute(
-                "SELECT coalesce(sum(nbytes), 0) FROM block_sizes b "
-                "WHERE EXISTS (SELECT 1 FROM refs r WHERE r.block = b.block)"
-            ).fetchone()
+        (blocks,) = self.index.db.execute(
+            "SELECT coalesce(sum(nbytes), 0) FROM block_sizes b "
+            "WHERE EXISTS (SELECT 1 FROM refs r WHERE r.block = b.block)"
+        ).fetchone()
         return int(blocks) + sum(self._fixed_bytes())
 
     def oldest_use(self) -> float | None:
         """The last use of the least recently used agent (None: no agent)."""
         used = "used_at" if self.index.schema >= 3 else "json_extract(record, '$.updated_at')"
-        with self.index.db_lock:
-            (oldest,) = self.index.db.execute(f"SELECT min({used}) FROM agents").fetchone()
+        (oldest,) = self.index.db.execute(f"SELECT min({used}) FROM agents").fetchone()
         return None if oldest is None else float(oldest)
 
     def usage(self) -> StoreUsage:
         """Every agent with its last use (least recent first), the blocks it names and their
         sizes: what ``budget.enforce`` plans with."""
         used = "used_at" if self.index.schema >= 3 else "json_extract(record, '$.updated_at')"
-        db = self.index.db
-        with self.index.db_lock:
+        refs: dict[str, set[BlockHash]] = {}
+        with self.index.reading() as db:  # the records and their references as of one moment
             agents = [
                 (a, float(t or 0))
                 for a, t in db.execute(f"SELECT agent_id, {used} FROM agents ORDER BY 2, 1")
             ]
-            refs: dict[str, set[BlockHash]] = {}
             for agent, block in db.execute("SELECT agent_id, block FROM refs"):
                 refs.setdefault(agent, set()).add(BlockHash(block))
             known = (
@@ -96,7 +93,7 @@ class DiskMaintenance:
             self.on_evict(agent)
         db = self.index.db
         with self.lock:
-            with self.index.db_lock, db:
+            with db:
                 chains = set()
                 for agent in agent_ids:
                     chains.update(
@@ -120,15 +117,14 @@ class DiskMaintenance:
         validate_agent_id(agent_id)
         db = self.index.db
         with self.lock:
-            with self.index.db_lock:
-                row = db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
+            row = db.execute("SELECT record FROM agents WHERE agent_id = ?", (agent_id,)).fetchone()
             if row is None:
                 return None
             name = hashlib.sha256(agent_id.encode()).hexdigest()[:32]
             dst = self.files.quarantine_dir / f"agent-{name}.{time.time_ns()}.json"
             dst.parent.mkdir(exist_ok=True)
             atomic_write_bytes(dst, row[0].encode())
-            with self.index.db_lock, db:
+            with db:
                 db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,))
             return dst
 
@@ -156,7 +152,7 @@ class DiskMaintenance:
                     tmp.unlink()
                     report.temp_files_removed += 1
             report.records_migrated = self._migrate_json_records()
-            with self.index.db_lock, self.index.db:  # references of quarantined records
+            with self.index.db:  # references of quarantined records
                 self.index.db.execute("DELETE FROM refs WHERE agent_id NOT IN (SELECT agent_id FROM agents)")
             referenced = self.index.referenced_blocks()
             for h in list(self.files.hashes()):

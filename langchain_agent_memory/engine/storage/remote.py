@@ -78,7 +78,7 @@ class SharedBlockStore:
         self.stats = SharedStats()
         self.reach = Reach(self.stats)
         self._io = RUNTIME.pool("agent-memory-remote", 8)
-        self.leases = Leases(catalog, self.fingerprint, self.worker_id, lease_s, handoff_wait_s)
+        self.leases = Leases(catalog, self.fingerprint, self.worker_id, lease_s, handoff_wait_s, self._io)
         self.blocks = SharedBlocks(
             local, catalog, objects, self._io, self.reach, read_timeout_s=read_timeout_s
         )
@@ -111,6 +111,7 @@ class SharedBlockStore:
         _OPEN.discard(self)
         self.leases.close()
         self.records.pending.close()
+        self.records.lanes.close()
         self._io.shutdown(wait=True)
         self.catalog.close()
         self.local.close()

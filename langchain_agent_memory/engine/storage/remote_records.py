@@ -2,7 +2,16 @@
 ``protocols.BlockStoreRecords``): agent records read through PostgreSQL and mirrored in this
 worker's index, saves made here first and pushed to the store (compare-and-swap on the
 version this worker last saw), saves left pending while the store is unreachable and
-uploaded by a background thread (``PendingSaves``)."""
+uploaded by a background thread (``PendingSaves``).
+
+One agent's record work runs in order, on the store's lanes (``ops.lanes``): its read of the
+catalog and the mirror here, its save and upload, the upload of a save left pending, its
+delete. A read that answered before another worker's commit must not mirror its older
+record over the newer one a later read brought (a request would plan from it and find its
+blocks missing), nor over this worker's save in flight; two uploads of one agent must not
+race each other's commit. Different agents' work never waits for each other: a request for
+an agent with nothing to upload goes ahead while another agent's upload waits on a hung
+database."""
 
 from __future__ import annotations
 
@@ -10,11 +19,11 @@ import contextlib
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ..errors import BlockMissingError, CommitConflictError
+from ..ops.lanes import Lanes
 from ..ops.process import RUNTIME, Loan
 from .agent_ids import validate_agent_id
 from .blocks import AgentRecord, BlockHash, CacheFormatError, CacheWriteError, parse_record
@@ -26,8 +35,9 @@ from .store import DiskBlockStore
 
 logger = logging.getLogger(__name__)
 
-#: Locks an agent's reads and saves are serialized on (by a stable hash of its id).
-AGENT_LOCKS = 64
+#: Threads of the lanes: as many as the callers that may wait on them at once (admissions'
+#: four, the save thread, the uploader, an admin call, a prefetch).
+LANE_THREADS = 8
 
 
 class SharedRecords:
@@ -51,13 +61,9 @@ class SharedRecords:
         self.stats = reach.stats
         self.worker_id = worker_id
         self.lease_s = lease_s
+        #: each agent's record work, in order (the module's docstring)
+        self.lanes = Lanes("agent-memory-records", LANE_THREADS)
         self.pending = PendingSaves(local, self.stats, self.push_pending, retry_s=retry_s)
-        self._pushing = threading.RLock()
-        # One agent's catalog read and its mirror here, its save and its push, happen one
-        # at a time: a read that answered before another worker's commit must not mirror
-        # its older record over the newer one a later read brought (a request would plan
-        # from it and find its blocks missing), nor over this worker's save in flight.
-        self._agent_locks = [threading.RLock() for _ in range(AGENT_LOCKS)]
         #: agent -> (version a pending save was based on, version its upload made): a live
         #: copy at the first is the second (this worker's own save, uploaded later).
         self._uploaded: dict[str, tuple[int | None, int]] = {}
@@ -71,37 +77,35 @@ class SharedRecords:
         """This worker's copy of the agent is gone (evicted)."""
         self._uploaded.pop(agent_id, None)
 
-    def _lock_of(self, agent_id: str) -> threading.RLock:
-        """The lock of ``agent_id``'s reads and saves (shared with a few other agents)."""
-        return self._agent_locks[zlib.crc32(agent_id.encode()) % AGENT_LOCKS]
-
     def get(self, agent_id: str) -> AgentRecord | None:
         """The agent's record in the store (mirrored here), or this worker's copy if the store
         is unreachable."""
         validate_agent_id(agent_id)
-        with self._lock_of(agent_id):
-            try:
-                self.push_pending(agent_id)
-                got = self.catalog.get(self.fingerprint, agent_id)
-            except RemoteUnavailableError as exc:
-                self.reach.down(exc)
+        return self.lanes.call(agent_id, self._read, agent_id)
+
+    def _read(self, agent_id: str) -> AgentRecord | None:
+        """``get``, in the agent's lane."""
+        try:
+            self._push_pending(agent_id)
+            got = self.catalog.get(self.fingerprint, agent_id)
+        except RemoteUnavailableError as exc:
+            self.reach.down(exc)
+            return self.local.records.get(agent_id)
+        state = self.local.records.sync_state(agent_id)
+        if got is None:
+            if self.local.records.has(agent_id) and not (state and state[1]):
+                self.local.records.delete(agent_id)  # deleted on another worker
+            return None
+        raw, version = got
+        if state == (version, False) and self.local.records.has(agent_id):
+            with contextlib.suppress(CacheFormatError):
                 return self.local.records.get(agent_id)
-            state = self.local.records.sync_state(agent_id)
-            if got is None:
-                if self.local.records.has(agent_id) and not (state and state[1]):
-                    self.local.records.delete(agent_id)  # deleted on another worker
-                return None
-            raw, version = got
-            if state == (version, False) and self.local.records.has(agent_id):
-                with contextlib.suppress(CacheFormatError):
-                    return self.local.records.get(agent_id)
-            # the next save replaces even an unreadable one
-            self.local.records.set_sync(agent_id, version, False)
-            record = parse_record(raw, f"agent record {agent_id!r}")
-            if record.agent_id != agent_id:
-                raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
-            self.local.records.put(record, sync=(version, False))
-            return record
+        self.local.records.set_sync(agent_id, version, False)  # the next save replaces even an unreadable one
+        record = parse_record(raw, f"agent record {agent_id!r}")
+        if record.agent_id != agent_id:
+            raise CacheFormatError(f"agent record {agent_id!r} holds agent {record.agent_id!r}")
+        self.local.records.put(record, sync=(version, False))
+        return record
 
     def has(self, agent_id: str) -> bool:
         """Whether the store has the agent, or this worker a save of it not uploaded yet."""
@@ -141,15 +145,23 @@ class SharedRecords:
         """Save ``record`` here (pending), then in the store (compare-and-swap on the version
         this worker last saw). ``CommitConflictError`` if another worker's save won; an
         unreachable store leaves it pending (uploaded later) and returns normally."""
-        with self._lock_of(record.agent_id), self._pushing:
-            state = self.local.records.sync_state(record.agent_id)
-            base = state[0] if state else None
-            written = self.local.records.put(record, sync=(base, True))
-            self._push(record, base)
+        written, stored = self.lanes.call(record.agent_id, self._save, record)
+        if not stored:
+            # Left pending: bounded, here (under the directory lock the caller holds, which a
+            # lane must not wait for), and loudly once per outage (``_push``).
+            self.pending.bound()
         # The request's lease ends with its commit (or its save kept here); a save that
         # raised leaves it to the request (``Lease.release``): given back exactly once.
         self.leases.done(record.agent_id)
         return written
+
+    def _save(self, record: AgentRecord) -> tuple[int, bool]:
+        """``put``'s write here and upload, in the agent's lane: the bytes written,
+        and whether the store took it."""
+        state = self.local.records.sync_state(record.agent_id)
+        base = state[0] if state else None
+        written = self.local.records.put(record, sync=(base, True))
+        return written, self._push(record, base)
 
     def _push(self, record: AgentRecord, base: int | None, *, pending: bool = False) -> bool:
         """Upload a locally saved record; False if the store is unreachable (still pending)
@@ -187,11 +199,8 @@ class SharedRecords:
                     raise RemoteUnavailableError("the commit kept meeting concurrent changes; retrying later")
         except RemoteUnavailableError as exc:
             first = self.reach.down(exc)
-            # A new save left pending: bounded (under the directory lock its caller holds; a
-            # retry adds no bytes and, holding the agent's lock, must not wait for that one)
-            # and said, loudly once per outage.
+            # A new save left pending: said, loudly once per outage (``put`` bounds them).
             if not pending:
-                self.pending.bound()
                 logger.log(
                     logging.WARNING if first else logging.INFO,
                     "agent %r: shared store unreachable (%s); the cache is saved on this worker and is "
@@ -209,7 +218,6 @@ class SharedRecords:
                         "%g s); this save is kept on this worker and uploaded once the lease is free",
                         record.agent_id, exc, self.lease_s,
                     )  # fmt: skip
-                    self.pending.bound()
                 self.pending.start()
                 return False
             self.stats.conflicts += 1
@@ -239,25 +247,23 @@ class SharedRecords:
         return got[1] if _continues(record.text, stored.text) else None
 
     def push_pending(self, agent_id: str) -> None:
-        """Upload this agent's pending save before reading the store (it is the newest)."""
-        if not self.local.records.upload_pending(agent_id):
-            # Nothing of this agent's waits to upload (every agent new to this worker): no
-            # lock is taken. Behind the push lock it waited for another agent's upload,
-            # stuck on a frozen database until its deadline (a new agent's first token in
-            # 3.0 s while known agents answered in 0.1-0.4 s).
+        """Upload this agent's pending save (the uploader's, before the process exits)."""
+        self.lanes.call(agent_id, self._push_pending, agent_id)
+
+    def _push_pending(self, agent_id: str) -> None:
+        """Upload the agent's save left pending, if any, in the agent's lane (a request's read
+        does first: it is the newest); ``RemoteUnavailableError`` while the store cannot take
+        it."""
+        state = self.local.records.sync_state(agent_id)
+        if not (state and state[1]):
             return
         try:
-            # One push at a time: the uploader and a request may both try.
-            with self._lock_of(agent_id), self._pushing:
-                state = self.local.records.sync_state(agent_id)
-                if not (state and state[1]):
-                    return
-                record = self.local.records.get(agent_id)
-                if record is None:
-                    self.local.records.set_sync(agent_id, state[0], False)
-                    return
-                if not self._push(record, state[0], pending=True):
-                    raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
+            record = self.local.records.get(agent_id)
+            if record is None:
+                self.local.records.set_sync(agent_id, state[0], False)
+                return
+            if not self._push(record, state[0], pending=True):
+                raise RemoteUnavailableError("the store is still unreachable, or the agent is leased")
         except CommitConflictError as exc:
             logger.warning(
                 "agent %r: a save made while the shared store was unreachable lost to a newer save by "
@@ -268,15 +274,17 @@ class SharedRecords:
 
     def delete(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
-        with self._lock_of(agent_id):
-            try:
-                gone = self.catalog.delete(self.fingerprint, agent_id)
-            except RemoteUnavailableError as exc:
-                raise CacheWriteError(
-                    f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
-                    "store answers"
-                ) from exc
-            return self.local.records.delete(agent_id) or gone
+        return self.lanes.call(agent_id, self._delete, agent_id)
+
+    def _delete(self, agent_id: str) -> bool:
+        try:
+            gone = self.catalog.delete(self.fingerprint, agent_id)
+        except RemoteUnavailableError as exc:
+            raise CacheWriteError(
+                f"could not delete agent {agent_id!r}: {exc}; nothing was deleted, retry when the "
+                "store answers"
+            ) from exc
+        return self.local.records.delete(agent_id) or gone
 
 
 def _continues(new: str, old: str) -> bool:
