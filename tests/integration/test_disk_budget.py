@@ -89,7 +89,11 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
     assert evicted.index("a3") > evicted.index("a20") if "a3" in evicted else True
     survivors = [r.agent_id for r in engine.admin.agent_records() if r.agent_id.startswith("a")]
     assert sorted(survivors, key=order.index) == order[-len(survivors) :]
-    assert len(survivors) >= 8
+    # Nothing evicted beyond what the budget needed: the kept agents fill it but for about
+    # one agent's room (how many they are depends on how far "busy" decoded before it was
+    # stopped: its last save is larger the longer it ran).
+    engine.flush()
+    assert len(survivors) >= 2 and engine.admin.disk_bytes() >= budget - 2 * one_agent
     # An evicted agent prefills again (cold), a kept one resumes warm from disk.
     engine.admin.drop_hot()
     again = engine.generate("a1", _prompt(1) + " Again.", ONE)
@@ -97,7 +101,8 @@ def test_a_budget_over_50_agents_keeps_the_directory_under_it_lru_first_never_on
     assert again.reused_tokens == 0 and kept.reused_tokens > 0
     figures["disk budget"] = (
         f"51 agents, budget {budget / 1e6:.1f} MB: directory at most {largest / 1e6:.2f} MB after any save, "
-        f"{disk['evicted_agents']} evicted least recently used first, the agent in use never"
+        f"{disk['evicted_agents']} evicted least recently used first, the agent in use never; "
+        f"{len(survivors)} kept, {engine.admin.disk_bytes() / 1e6:.2f} MB at the end"
     )
     engine.close()
 
