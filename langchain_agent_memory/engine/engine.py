@@ -30,6 +30,7 @@ from typing import Any
 from .admin import AgentAdmin, AgentInfo
 from .caches.agent_state import HotPolicy
 from .caches.agents import AgentCaches
+from .caches.prefix_index import Prompt
 from .caches.schedule import Schedule
 from .config import EngineConfig
 from .errors import CommitConflictError
@@ -139,6 +140,10 @@ class Engine:
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
+        # The prefix index starts from every chain the store holds (read here, taken in on the
+        # loop, which owns it): a new process finds a stored session's next block too.
+        chains = [(r.agent_id, r.chain, r.token_ids) for r in self._store.local.agents()]
+        self._worker.call(self.agents.index.fill, chains)
         self._feed = CommitFeed()
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes
         parts.callback(self._forget_memory)
@@ -265,14 +270,15 @@ class Engine:
             raise ValueError("prompt is empty")
         checked = params or GenerationParams()
         self._feed.before_request(agent_id, checked)
+        tokenized = Prompt.of(self.tokenizer, prompt, self.fingerprint)  # once, here, off the loop
 
         def start(cancel: threading.Event, sink: Sink) -> None:  # on the worker
             self._arrivals += 1
-            request = Request(agent_id, prompt, checked, cancel, sink, self._arrivals)
+            request = Request(agent_id, tokenized, checked, cancel, sink, self._arrivals)
             if self._admissions is None:
                 self._scheduler.submit(request)
             else:  # then ``_to_scheduler``, with what the loop knows of the agent now
-                self._admissions.submit(request, self.agents.view(agent_id))
+                self._admissions.submit(request, self.agents.view(agent_id, tokenized))
 
         return start
 
@@ -335,6 +341,7 @@ class Engine:
             "turns": turns,
             "hot_rate": turns.get("hot", 0) / max(1, sum(turns.values())),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            "prefix_index": self.agents.index.stats(),
             # agents whose requests wait on the shared store's part of their admission
             **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
             **self._scheduler.stats(),
