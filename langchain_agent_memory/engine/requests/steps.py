@@ -146,10 +146,10 @@ class RequestSteps:
             )
             last = (start.tail.ids or start.known.ids)[-1:] or [None]
             req.stream = TextStream(self.tokenizer, p.stop, anchor=last[0] if p.exact_text else None)
+            self.inflight.append(req)
             if self.share_prefixes:
                 req.share = self._shared_prefix(req)
-            self.inflight.append(req)
-            self.agents.index.fly(req, start.known.ids + start.tail.ids)
+                self.agents.index.fly(req, start.known.ids + start.tail.ids)
         except BaseException as exc:
             self.fail(req, exc)
 
