@@ -4,9 +4,9 @@ A request's agent is looked up hot (live layer caches in memory), then in the po
 tier, then on disk; what the request starts from is the prefix index's answer
 (``prefix_index``: its own cache's text matched with the prompt, else blocks other agents
 stored for the same leading tokens, ``SHARED``); layer caches are built from the blocks
-the answer keeps. A damaged record or block is
-quarantined and the request prefills (said in a log line). ``commit`` stores what a request
-added and keeps the agent hot (``HotPolicy``: how many stay hot, which keep working copies).
+the answer keeps. A damaged record or block is quarantined and the request prefills (said
+in a log line). ``commit`` stores what a request added and keeps the agent hot
+(``HotPolicy``: how many stay hot, which keep working copies).
 """
 
 from __future__ import annotations
