@@ -191,7 +191,7 @@ def test_a_new_session_reads_the_shared_instructions_up_to_its_own_text(
 
 
 def test_a_session_in_a_new_process_reads_a_stored_session_up_to_its_own_text(
-    smollm: LoadedModel, tmp_path: Path
+    smollm: LoadedModel, tmp_path: Path, figures: dict[str, str]
 ) -> None:
     """The same in a new process (a new engine on the same directory: nothing hot, nothing
     in memory): what the store holds says where the stored session's next block starts, so
@@ -210,6 +210,10 @@ def test_a_session_in_a_new_process_reads_a_stored_session_up_to_its_own_text(
     assert common - whole >= 32  # the instructions end inside a block
     assert rb.outcome.match is MatchKind.SHARED
     assert whole < common - 8 <= rb.reused_tokens <= common, (rb.reused_tokens, whole, common)
+    figures["a new process's session"] = (
+        f"read {rb.reused_tokens} of the {common} tokens it shares with a stored session "
+        f"({whole} in whole blocks), prefilled {rb.prompt_tokens - rb.reused_tokens} of {rb.prompt_tokens}"
+    )
     with Engine("smollm2-135m", cache_dir=tmp_path / "cold", kv_bits=None) as cold_engine:
         cold = cold_engine.generate("b", pb, GREEDY)
     assert cold.reused_tokens == 0
