@@ -111,7 +111,8 @@ def test_dropped_agents_leave_nothing_behind() -> None:
     assert len(index) == 3 + 2  # a's three blocks; b's second and third (its first is a's)
     index.drop("a")
     assert len(index) == 3
-    a, b = list(chain_hashes(SESSION, FP)), list(chain_hashes(_other_session(300), FP))
+    a = list(chain_hashes(SESSION, FP))
+    b = list(chain_hashes(_other_session(300), FP))
     assert [h for h, _ in index.next_blocks(a[0])] == [b[1]]  # b's next block, a's gone
     index.hold("b", list(chain_hashes(SESSION, FP)), SESSION)  # b's next turn: a's tokens
     assert len(index) == 3

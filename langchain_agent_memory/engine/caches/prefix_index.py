@@ -157,10 +157,10 @@ def _own(prompt: Prompt | None, own: OwnCache, hybrid: bool) -> ReusePlan | None
 
 
 def _shared(prompt: Prompt, has: Has, next_blocks: NextBlocks, fingerprint: str, hybrid: bool) -> ReusePlan:
-    full, hashes = prompt.tokens, prompt.hashes
-    present = has(hashes) if hashes else ()
+    full = prompt.tokens
+    present = has(prompt.hashes) if prompt.hashes else ()
     chain: list[BlockHash] = []
-    for h in hashes:
+    for h in prompt.hashes:
         if h not in present:
             break
         chain.append(h)
@@ -243,7 +243,9 @@ class PrefixIndex:
     loop's alone: other threads get a ``view``."""
 
     def __init__(self, fingerprint: str, *, has: Has, hybrid: bool, owner: Owner | None = None) -> None:
-        self.fingerprint, self.hybrid, self.owner = fingerprint, hybrid, owner
+        self.fingerprint = fingerprint
+        self.hybrid = hybrid
+        self.owner = owner
         #: which blocks are stored, asked on the loop (memory and this worker's disk)
         self.has = has
         self._nodes: dict[BlockHash, _Node] = {}
@@ -307,7 +309,8 @@ class PrefixIndex:
             if node is None or not node.flights:
                 break
             best = (next(iter(node.flights.values())), at + BLOCK_TOKENS)
-            parent, at = h, at + BLOCK_TOKENS
+            parent = h
+            at += BLOCK_TOKENS
         wanted = ids[at : at + BLOCK_TOKENS]
         for h in self._children.get(parent, ()):
             node = self._nodes[h]

@@ -121,7 +121,8 @@ class StoreAdmissions:
         worker's disk within the store's deadline: the prefix index's answer
         (``longest_prefix``, over the loop's ``view`` of the index) from ``live`` (the agent's
         live copy, if it is still the newest), else from the record, read again."""
-        caches, held = self.caches, view.held
+        caches = self.caches
+        held = view.held
         own: OwnCache | None
         if live is not None:
             own = own_cache(live)
