@@ -143,7 +143,7 @@ class Engine:
         )  # fmt: skip
         # The prefix index starts from every chain the store holds (read here, taken in on the
         # loop, which owns it): a new process finds a stored session's next block too.
-        chains = [(r.agent_id, r.chain, r.token_ids) for r in self._store.local.agents()]
+        chains = [(r.agent_id, r.chain, r.token_ids) for r in self._store.local.agents(warn=False)]
         self._worker.call(self.agents.index.fill, chains)
         self._feed = CommitFeed()
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes

@@ -180,8 +180,8 @@ class DiskBlockStore:
     def delete_agent(self, agent_id: str) -> bool:
         return self.index.delete_agent(agent_id)
 
-    def agents(self, prefix: str = "") -> Iterator[AgentRecord]:
-        return self.index.agents(prefix)
+    def agents(self, prefix: str = "", *, warn: bool = True) -> Iterator[AgentRecord]:
+        return self.index.agents(prefix, warn=warn)
 
     def is_referenced(self, h: BlockHash) -> bool:
         return self.index.is_referenced(h)
