@@ -18,18 +18,20 @@ new blocks. Nothing here knows about LangChain. The rooms behind it:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 from .admin import AgentAdmin, AgentInfo
 from .caches.agent_state import HotPolicy
 from .caches.agents import AgentCaches
+from .caches.prefix_index import Prompt
 from .caches.schedule import Schedule
 from .config import EngineConfig
 from .errors import CommitConflictError
@@ -140,6 +142,10 @@ class Engine:
             prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
+        # The prefix index starts from every chain the store holds (read here, taken in on the
+        # loop, which owns it): a new process finds a stored session's next block too.
+        chains = [(r.agent_id, r.chain, r.token_ids) for r in self._store.local.records.list(warn=False)]
+        self._worker.call(self.agents.index.fill, chains)
         self._feed = CommitFeed(self._worker)
         parts.callback(self._feed.close)  # subscribers hear every commit before the index closes
         parts.callback(self._forget_memory)
@@ -251,29 +257,52 @@ class Engine:
         """Text chunks as they are decoded; the last one carries the ``GenerationResult``.
         Runs on the engine's worker thread; closing the iterator early stops decoding (what
         was generated is kept in the cache, ``finish_reason == "cancelled"``)."""
-        return settled(self._worker.iterate(self._start(agent_id, prompt, params)), params)
+        checked = self._checked(agent_id, prompt, params)
+        tokenized = Prompt.of(self.tokenizer, prompt, self.fingerprint)  # once, here, off the loop
+        return settled(self._worker.iterate(self._start(agent_id, tokenized, checked)), params)
 
     def astream(
         self, agent_id: str, prompt: str, params: GenerationParams | None = None
     ) -> AsyncIterator[StreamChunk]:
-        """``stream`` for an event loop: the loop never blocks on MLX work."""
-        return asettled(self._worker.aiterate(self._start(agent_id, prompt, params)), params)
+        """``stream`` for an event loop: the loop never blocks on MLX work, nor on the
+        prompt's tokenization (a thread of asyncio's)."""
+        checked = self._checked(agent_id, prompt, params)
+        return asettled(self._atokenized(agent_id, prompt, checked), params)
 
-    def _start(self, agent_id: str, prompt: str, params: GenerationParams | None) -> Start:
+    async def _atokenized(
+        self, agent_id: str, prompt: str, checked: GenerationParams
+    ) -> AsyncGenerator[StreamChunk, None]:
+        # NOTE: a 32K-token prompt takes ~75 ms to tokenize on this CPU: on the event loop it
+        # would hold every other stream's chunks that long.
+        tokenized = await asyncio.to_thread(Prompt.of, self.tokenizer, prompt, self.fingerprint)
+        chunks = self._worker.aiterate(self._start(agent_id, tokenized, checked))
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def _checked(self, agent_id: str, prompt: str, params: GenerationParams | None) -> GenerationParams:
+        """The request's parameters, once the request is known to be one this engine runs
+        (told to ``before_request`` subscribers)."""
         self._check_open()
         validate_agent_id(agent_id)
         if not prompt:
             raise ValueError("prompt is empty")
         checked = params or GenerationParams()
         self._feed.before_request(agent_id, checked)
+        return checked
+
+    def _start(self, agent_id: str, prompt: Prompt, params: GenerationParams) -> Start:
+        """The request's start, run by the loop (``Worker.iterate``)."""
 
         def start(cancel: threading.Event, sink: Sink) -> None:  # on the worker
             self._arrivals += 1
-            request = Request(agent_id, prompt, checked, cancel, sink, self._arrivals)
+            request = Request(agent_id, prompt, params, cancel, sink, self._arrivals)
             if self._admissions is None:
                 self._scheduler.submit(request)
             else:  # then ``_to_scheduler``, with what the loop knows of the agent now
-                self._admissions.submit(request, self.agents.view(agent_id))
+                self._admissions.submit(request, self.agents.view(agent_id, prompt))
 
         return start
 
@@ -336,6 +365,7 @@ class Engine:
             "turns": turns,
             "hot_rate": turns.get("hot", 0) / max(1, sum(turns.values())),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            "prefix_index": self.agents.index.stats(),
             # agents whose requests wait on the shared store's part of their admission
             **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),
             **self._scheduler.stats(),

@@ -197,7 +197,7 @@ def test_a_filled_block_is_the_block_a_one_turn_save_of_its_text_writes_and_shar
 
     shared = eng.generate("sharer", text, one)
     eng.flush()
-    # (and past them the leading rows of the agent's last block: ``reuse.plan_shared``)
+    # (and past them the leading rows of the agent's last block: ``prefix_index``)
     assert shared.outcome.match is MatchKind.SHARED and shared.reused_tokens >= full * BLOCK_TOKENS
     sharer = store.records.get("sharer")
     assert sharer is not None and sharer.chain[:full] == record.chain[:full]

@@ -261,7 +261,7 @@ def test_fan_out_over_a_stored_prompt_decodes_it_once_and_forks_the_rest(
     def stored_prompt(name: str) -> Engine:
         engine = Engine("smollm2-135m", cache_dir=tmp_path / name, kv_bits=None)
         # Its prompt parts from theirs well before theirs part from each other: what they
-        # read of it (its whole blocks and its next block's leading rows, ``plan_shared``)
+        # read of it (its whole blocks and its next block's leading rows, ``prefix_index``)
         # ends there, and the run of the prefix past it is theirs to share.
         engine.generate("first", f"{prefix[:1400]}\n\nSummarize this.", params)
         return engine

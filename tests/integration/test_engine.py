@@ -190,6 +190,36 @@ def test_a_new_session_reads_the_shared_instructions_up_to_its_own_text(
     assert rb.text == cold.text
 
 
+def test_a_session_in_a_new_process_reads_a_stored_session_up_to_its_own_text(
+    smollm: LoadedModel, tmp_path: Path, figures: dict[str, str]
+) -> None:
+    """The same in a new process (a new engine on the same directory: nothing hot, nothing
+    in memory): what the store holds says where the stored session's next block starts, so
+    the new session reads its leading rows too, not only the whole blocks before them (the
+    prefix index is filled from the records at open), and answers as a cold run does."""
+    system = "Use this text.\n\n" + corpus.python_docs()[:2500]
+    with Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None) as first:
+        pa = _chat(first, system, [("What is a for loop?", None)])
+        pb = _chat(first, system, [("What does assert do?", None)])
+        first.generate("a", pa, GREEDY)
+    with Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=None) as eng:
+        rb = eng.generate("b", pb, GREEDY)
+        ids_a, ids_b = eng.tokenizer.encode(pa), eng.tokenizer.encode(pb)
+    common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    whole = common // BLOCK_TOKENS * BLOCK_TOKENS
+    assert common - whole >= 32  # the instructions end inside a block
+    assert rb.outcome.match is MatchKind.SHARED
+    assert whole < common - 8 <= rb.reused_tokens <= common, (rb.reused_tokens, whole, common)
+    figures["a new process's session"] = (
+        f"read {rb.reused_tokens} of the {common} tokens it shares with a stored session "
+        f"({whole} in whole blocks), prefilled {rb.prompt_tokens - rb.reused_tokens} of {rb.prompt_tokens}"
+    )
+    with Engine("smollm2-135m", cache_dir=tmp_path / "cold", kv_bits=None) as cold_engine:
+        cold = cold_engine.generate("b", pb, GREEDY)
+    assert cold.reused_tokens == 0
+    assert rb.text == cold.text
+
+
 def test_restart_in_a_second_process(smollm: LoadedModel, tmp_path: Path) -> None:
     script = textwrap.dedent(
         """

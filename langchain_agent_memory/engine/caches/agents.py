@@ -1,11 +1,12 @@
 """The agent-cache manager: which cache a request starts from, and what it leaves behind.
 
 A request's agent is looked up hot (live layer caches in memory), then in the pool's memory
-tier, then on disk; its prompt is matched to the cached text (``prefix``); layer caches are
-built from the blocks the match keeps; with nothing of its own, whole blocks another agent
-stored for the same leading tokens are reused (``SHARED``). A damaged record or block is
-quarantined and the request prefills (said in a log line). ``commit`` stores what a request
-added and keeps the agent hot (``HotPolicy``: how many stay hot, which keep working copies).
+tier, then on disk; what the request starts from is the prefix index's answer
+(``prefix_index``: its own cache's text matched with the prompt, else blocks other agents
+stored for the same leading tokens, ``SHARED``); layer caches are built from the blocks
+the answer keeps. A damaged record or block is quarantined and the request prefills (said
+in a log line). ``commit`` stores what a request added and keeps the agent hot
+(``HotPolicy``: how many stay hot, which keep working copies).
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..kv import KVQuant, LayerCache, ModelCacheSpec, RecurrentCache, make_layer_caches
-from ..kv.layer_work import DecodedPrefix
-from ..ops.owner import CHECK_OWNER, Owner, check_owner
+from ..ops.owner import Owner
 from ..ops.runtime import mx
 from ..prefix import MatchKind, PrefixMatch, TokenizedText, tokenize
 from ..results import CacheSource
@@ -40,8 +39,8 @@ from ..storage.protocols import BlockStore, Lease, StoreReads, seen_version, tak
 from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
 from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
+from .prefix_index import NOTHING, IndexView, OwnCache, PrefixIndex, Prompt, ReusePlan
 from .restore import available_prefix, layers_from_blocks
-from .reuse import NOTHING, ReusePlan, plan_own, plan_shared
 from .schedule import Schedule
 from .states import BUDGET
 
@@ -69,6 +68,8 @@ class AgentView:
     version: int | None
     #: the blocks in memory (``AgentCaches.held_blocks``)
     held: frozenset[BlockHash]
+    #: the prefix index on the request's prompt's path (``PrefixIndex.view``)
+    index: IndexView = field(default_factory=IndexView)
 
 
 class AgentCaches:
@@ -104,18 +105,20 @@ class AgentCaches:
         #: Per layer, the working-copy rows the engine reserved (``kv.reserve``; None: none).
         self.reserved_rows = reserved_rows
         self.hot = HotAgents(policy, lambda: self.writes.saving_agents(), schedule, owner)
+        #: the one reuse authority: every block known by chained hash (``prefix_index``)
+        self.index = PrefixIndex(store.fingerprint, has=self._stored, hybrid=spec.hybrid, owner=owner)
         self.writes = CacheWrites(
-            store=store, pool=pool, hot=self.hot, state_budget=state_budget, serve_stored=serve_stored
+            store=store,
+            pool=pool,
+            hot=self.hot,
+            index=self.index,
+            state_budget=state_budget,
+            serve_stored=serve_stored,
         )
         # The write path's, for the restore (``restore.BlockSources``) and the steps.
         self.commit, self.held = self.writes.commit, self.writes.held
         self.queued_block, self.has_local = self.writes.queued_block, self.writes.has_local
         self.saving_agents = self.writes.saving_agents
-        #: (blocks, tokens, layer) -> that layer's stored prefix decoded once for all the
-        #: requests that start from it (``DecodedPrefix``); gone with its last user.
-        self._decoded: weakref.WeakValueDictionary[tuple[Any, ...], DecodedPrefix] = (
-            weakref.WeakValueDictionary()
-        )
 
     @property
     def fingerprint(self) -> str:
@@ -132,7 +135,7 @@ class AgentCaches:
 
     # ------------------------------------------------------------------ a request's start
 
-    def admit(self, agent_id: str, prompt: str, lease: Lease | None = None) -> Admission:
+    def admit(self, agent_id: str, prompt: Prompt, lease: Lease | None = None) -> Admission:
         """The caches a request for ``prompt`` starts from, loaded, and what to prefill.
         ``lease``: the agent's, taken already (off this thread: ``admissions``)."""
         self.hot.schedule.started(agent_id)  # what was said of this turn is spent
@@ -147,10 +150,10 @@ class AgentCaches:
         start.lease = lease
         return start
 
-    def _admit(self, agent_id: str, prompt: str) -> Admission:
+    def _admit(self, agent_id: str, prompt: Prompt) -> Admission:
         state, source = self.lookup(agent_id)
-        plan = self.plan(state, prompt) if state is not None else None
-        if state is not None and plan is not None:
+        plan = self.index.plan(prompt, own_cache(state))
+        if state is not None and plan.own:
             t0 = time.perf_counter()
             loaded = self.materialize(agent_id, state, plan)
             if loaded is not None:
@@ -159,24 +162,19 @@ class AgentCaches:
                 known.truncate(reused)
                 if reused != m.reuse_tokens:  # back to a snapshot, or the store delivered part
                     m = PrefixMatch(MatchKind.DIVERGE, reused, len(known.text))
-                if not prompt.startswith(known.text) or len(known.text) != m.reuse_chars:
+                if not prompt.text.startswith(known.text) or len(known.text) != m.reuse_chars:
                     raise RuntimeError("prefix bookkeeping out of step (this is a bug)")
-                tail = tokenize(self.tokenizer, prompt[len(known.text) :], add_special_tokens=False)
+                # NOTE: the tail is tokenized as text of its own, as it was when the cache was
+                # matched by text: BPE reads the end of the stored text and the tail apart.
+                tail = tokenize(self.tokenizer, prompt.text[len(known.text) :], add_special_tokens=False)
                 source = CacheSource.WARM if loaded.from_disk else source
                 load_s = time.perf_counter() - t0
                 return Admission(
                     state=state, source=source, match=m, layers=loaded.layers, known=known,
                     tail=tail, load_s=load_s, prefix_blocks=state.blocks, prefetched=state.prefetched,
                 )  # fmt: skip
-        return self.cold_start(state, prompt)
-
-    def plan(self, state: AgentState, prompt: str | None) -> ReusePlan | None:
-        """What a request for ``prompt`` (None: all of it) reuses of ``state`` (``reuse``)."""
-        live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
-        held = live.held() if live is not None else ()
-        return plan_own(
-            state.tokens, prompt, state.blocks, hybrid=self.spec.hybrid, snapshots=state.states, held=held
-        )
+            plan = self.index.plan(prompt, None)  # its own is unusable: what others stored
+        return self.start_shared(state, prompt, plan)
 
     def lookup(self, agent_id: str) -> tuple[AgentState | None, CacheSource]:
         state = self.hot.touch(agent_id)
@@ -186,6 +184,7 @@ class AgentCaches:
         if record is None:
             return None, CacheSource.COLD
         tokens = record_tokens(record)
+        self.index.hold(agent_id, record.chain, record.token_ids)  # saved by another process, maybe
         # HOT until a block has to be read from disk (``materialize`` says so): blocks
         # still in the pool's memory tier serve a recorded agent without any I/O.
         version = seen_version(self.store.replication, agent_id)
@@ -302,33 +301,17 @@ class AgentCaches:
         layers, from_disk = layers_from_blocks(self, chain, n_tokens, only, state)
         if self.serve_stored:
             return layers, from_disk
-        blocks = tuple(chain[: -(-n_tokens // BLOCK_TOKENS)])
-        if CHECK_OWNER:
-            check_owner(self.hot.owner, "AgentCaches.from_blocks (the decoded prefixes)")
+        blocks = chain[: -(-n_tokens // BLOCK_TOKENS)]
         for i in range(len(layers)) if only is None else sorted(only):
             layer = layers[i]
-            if isinstance(layer, RecurrentCache):
-                continue
-            key = (blocks, n_tokens, i)
-            decoded = self._decoded.get(key)
-            if decoded is None:
-                decoded = self._decoded[key] = DecodedPrefix()
-            layer.work.share(decoded)
+            if not isinstance(layer, RecurrentCache):
+                layer.work.share(self.index.decoded(blocks, n_tokens, i))
         return layers, from_disk
 
-    def cold_start(self, state: AgentState | None, prompt: str) -> Admission:
-        """No usable cache of the agent's own: reuse whole blocks any agent stored for the
-        same leading tokens (a shared system prompt: ``reuse.plan_shared``), else start empty."""
-        plan = plan_shared(
-            prompt,
-            self.tokenizer,
-            self.fingerprint,
-            hybrid=self.spec.hybrid,
-            has=self._stored,
-            continuations=self._continuations,
-        )
-        full = plan.prompt
-        assert full is not None
+    def start_shared(self, state: AgentState | None, prompt: Prompt, plan: ReusePlan) -> Admission:
+        """No usable cache of the agent's own: start from the blocks other agents stored that
+        ``plan`` (the index's) keeps, else empty."""
+        full = prompt.tokens
         if plan.tokens:
             t0 = time.perf_counter()
             try:
@@ -345,23 +328,13 @@ class AgentCaches:
                 )  # fmt: skip
         return Admission(
             state=state, source=CacheSource.COLD, match=NOTHING, layers=self.new_layers(),
-            known=TokenizedText(""), tail=full, load_s=0.0, prefix_blocks=[],
+            known=TokenizedText(""), tail=full.split(0)[1], load_s=0.0, prefix_blocks=[],
         )  # fmt: skip
 
-    def _continuations(self, parent: BlockHash, k: int) -> list[tuple[BlockHash, Sequence[int]]]:
-        """The ``k``-th blocks of the chains the hot tier knows whose block ``k - 1`` is
-        ``parent``, with their tokens (``reuse.plan_shared``): a session that began with the
-        same instructions a moment ago holds the block where its own text starts."""
-        out = []
-        for agent in self.hot.ids():
-            state = self.hot.get(agent)
-            if state is not None and len(state.blocks) > k and state.blocks[k - 1] == parent:
-                out.append((state.blocks[k], state.tokens.ids[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS]))
-        return out
-
-    def _stored(self, hashes: list[BlockHash]) -> set[BlockHash]:
-        """Those of ``hashes`` in memory or in the store (``plan_shared``'s ``has``: every one
-        is asked, a hybrid's snapshots are sparse, so a missing one ends nothing)."""
+    def _stored(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """Those of ``hashes`` in memory or in this worker's store (the index's ``has`` on the
+        loop: every one is asked, a hybrid's snapshots are sparse, so a missing one ends
+        nothing)."""
         return {h for h in hashes if self.held(h) or self.reads.blocks.has(h)}
 
     def load_hot(self, agent_id: str) -> bool:
@@ -371,8 +344,8 @@ class AgentCaches:
         if live is not None and live.layers is not None:
             return False
         state, _ = self.lookup(agent_id)
-        plan = self.plan(state, None) if state is not None else None
-        if state is None or plan is None:
+        plan = self.index.plan(None, own_cache(state))
+        if state is None or not plan.own:
             return False
         loaded = self.materialize(agent_id, state, plan)
         if loaded is None or loaded.tokens != len(state.tokens):
@@ -391,15 +364,22 @@ class AgentCaches:
 
     def forget_agent(self, agent_id: str, outcome: WriteOutcome) -> None:
         """A fork, a restore or a delete rewrote ``agent_id``'s record (on the I/O side): its
-        live copy, which stands for the old text, goes; the pool's tier follows the writes."""
+        live copy, which stands for the old text, goes; the pool's tier follows the writes;
+        the index takes the record there is now (read here: this worker's store)."""
         self.hot.drop(agent_id)
         self.pool.apply(outcome, admit=False)
+        record = self.read_record(agent_id, self.reads)
+        if record is None:
+            self.index.drop(agent_id)
+        else:
+            self.index.hold(agent_id, record.chain, record.token_ids)
 
     def forget_evicted(self, report: EvictionReport) -> None:
         """The disk budget evicted agents (on the I/O side): forgotten in memory too (their
         next request prefills), their deleted blocks' memory copies with them."""
         for _, agent in report.evicted:
             self.hot.drop(agent)
+            self.index.drop(agent)
         for h in report.deleted_blocks.get(self.fingerprint, ()):
             self.pool.forget(h)
 
@@ -417,14 +397,16 @@ class AgentCaches:
         for h in self.pool.hot_hashes():
             self.pool.forget(h)
 
-    def view(self, agent_id: str | None) -> AgentView:
+    def view(self, agent_id: str | None, prompt: Prompt | None = None) -> AgentView:
         """What a request's preparation off the loop may know of ``agent_id`` (None: of no
-        agent: the blocks held only). Its live copy's tokens and chain are never changed in
-        place (a commit makes a new ``AgentState``), so the copy handed over is just that."""
+        agent: the blocks held only) and of the index on ``prompt``'s path. Its live copy's
+        tokens and chain are never changed in place (a commit makes a new ``AgentState``),
+        so the copy handed over is just that."""
         state = self.hot.get(agent_id) if agent_id is not None else None
         if state is not None:
             state = AgentState(state.tokens, state.blocks, None, state.version, dict(state.states))
-        return AgentView(state, state.version if state is not None else None, self.held_blocks())
+        index = self.index.view(prompt) if prompt is not None else IndexView()
+        return AgentView(state, state.version if state is not None else None, self.held_blocks(), index)
 
     def held_blocks(self) -> frozenset[BlockHash]:
         """The blocks in memory now (the pool's tier, the saves not written yet): what the
@@ -443,3 +425,13 @@ class AgentCaches:
             "eviction": "schedule" if schedule.follow else "lru",
             "evictions": self.hot.evictions, "told": schedule.told(),
         }  # fmt: skip
+
+
+def own_cache(state: AgentState | None) -> OwnCache | None:
+    """What a plan sees of an agent's cache (None: it has none); a hybrid's live recurrent
+    layers hold snapshots besides the stored ones."""
+    if state is None:
+        return None
+    live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
+    held = live.held() if live is not None else ()
+    return OwnCache(state.tokens, state.blocks, state.states, held)

@@ -32,6 +32,7 @@ from ..storage.protocols import BlockStore, Lease, seen_version
 from .agent_state import Admission, AgentState, PendingSave, kept_from
 from .block_cuts import blocks_of
 from .hot_agents import HotAgents
+from .prefix_index import PrefixIndex
 from .states import commit_snapshots
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class CacheWrites:
     store: BlockStore
     pool: BlockPool
     hot: HotAgents
+    #: what a commit's chain is known by for the next requests' reuse
+    index: PrefixIndex
     #: a hybrid's snapshot bytes over its K/V's (``states.commit_snapshots``)
     state_budget: float | None
     #: requests attend on the stored form: the pool's memory tier keeps no copy of a save
@@ -96,6 +99,7 @@ class CacheWrites:
             known, chain, layers if at_end else None, seen_version(self.store.replication, agent_id), states
         )
         self.hot.keep(agent_id, state)
+        self.index.hold(agent_id, chain, known.ids)
         nbytes = sum(block.written_nbytes for block in blocks.values())
         replaced = old.blocks + list(old.states.values()) if old else []
         return PendingSave(record, blocks, replaced, state, nbytes, start.lease)
@@ -197,8 +201,9 @@ class CacheWrites:
                 self._queued.pop(h, None)
         if done.stored:
             save.state.version = done.version
-        else:
+        else:  # its next request reads what is stored (the index takes it again then)
             self.hot.drop(save.record.agent_id, only=save.state)
+            self.index.drop(save.record.agent_id)
 
     def queued_block(self, h: BlockHash) -> Block | None:
         """A block a save has not written yet (held in memory until it is)."""

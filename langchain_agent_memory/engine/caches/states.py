@@ -33,7 +33,7 @@ from ..kv.recurrent import State, state_tensors
 from ..ops.runtime import mx
 from ..prefix import NOT_A_BOUNDARY, TokenizedText
 from ..storage.blocks import BLOCK_TOKENS, STATE_TOKEN, Block, BlockHash, state_block_hash
-from .agent_state import Admission, AgentState
+from .agent_state import Admission
 
 #: Snapshots kept without thinning: those within this many blocks of the end.
 DENSE = 4
@@ -140,16 +140,6 @@ def resume_point(tokens: TokenizedText, n_tokens: int, snapshots: Collection[int
         if 0 < p <= n_tokens and tokens.ends[p - 1] != NOT_A_BOUNDARY:
             return p
     return 0
-
-
-def resume(state: AgentState, n_tokens: int) -> tuple[int, BlockHash | None]:
-    """Where a request keeping the first ``n_tokens`` of a hybrid agent resumes: the newest
-    snapshot at or before it, stored or held by the agent's live layers (0: nowhere), and
-    the stored snapshot's block there (None: held live)."""
-    live = next((c for c in state.layers or () if isinstance(c, RecurrentCache)), None)
-    live_at = set(live.held()) if live is not None else set()
-    at = resume_point(state.tokens, n_tokens, set(state.states) | live_at)
-    return at, state.states.get(at)
 
 
 def commit_snapshots(

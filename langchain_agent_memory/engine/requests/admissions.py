@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from ..caches.agent_state import AgentState, record_tokens
-from ..caches.agents import AgentCaches, AgentView
-from ..caches.reuse import plan_own, plan_reuse
+from ..caches.agents import AgentCaches, AgentView, own_cache
+from ..caches.prefix_index import OwnCache, Prompt, longest_prefix
 from ..ops.process import RUNTIME
 from ..storage.blocks import BlockHash
 from ..storage.protocols import Lease, seen_version, take_lease
@@ -81,7 +81,7 @@ class StoreAdmissions:
 
         def fetch_all() -> None:
             for agent_id in agent_ids:
-                self._fetch(agent_id, None, None, held)
+                self._fetch(agent_id, None, None, AgentView(None, None, held))
 
         return self._pool.submit(fetch_all)
 
@@ -97,7 +97,7 @@ class StoreAdmissions:
             before.exception()  # the agent's request before this one is queued first
         self._queue(request)
 
-    def lease(self, agent_id: str, prompt: str, view: AgentView) -> Lease:
+    def lease(self, agent_id: str, prompt: Prompt, view: AgentView) -> Lease:
         """The agent's lease, with its record and the blocks ``prompt`` reuses brought here
         (``view``: what the loop knew of the agent when it handed the request over)."""
         replication = self.store.replication
@@ -107,7 +107,7 @@ class StoreAdmissions:
         version = view.version if hot is not None else seen_version(replication, agent_id)
         lease = take_lease(replication, agent_id, version)
         try:
-            self._fetch(agent_id, prompt, hot if lease.current else None, view.held)
+            self._fetch(agent_id, prompt, hot if lease.current else None, view)
         except Exception as exc:  # an optimisation: the model's thread prefills what is not here
             logger.warning(
                 "agent %r: its cache could not be brought here (%s); it prefills what this worker lacks",
@@ -116,33 +116,30 @@ class StoreAdmissions:
             )
         return lease
 
-    def _fetch(
-        self, agent_id: str, prompt: str | None, live: AgentState | None, held: frozenset[BlockHash]
-    ) -> None:
+    def _fetch(self, agent_id: str, prompt: Prompt | None, live: AgentState | None, view: AgentView) -> None:
         """The blocks a request for ``prompt`` (None: the whole cache) reads, fetched to this
-        worker's disk within the store's deadline: what ``reuse`` plans from ``live`` (the
-        agent's live copy, if it is still the newest), else from the record, read again."""
+        worker's disk within the store's deadline: the prefix index's answer
+        (``longest_prefix``, over the loop's ``view`` of the index) from ``live`` (the agent's
+        live copy, if it is still the newest), else from the record, read again."""
         caches = self.caches
+        held = view.held
+        own: OwnCache | None
         if live is not None:
-            own = (live.tokens, live.blocks, live.states)
+            own = own_cache(live)
         else:
             record = caches.read_record(agent_id, self.store)  # the newest, mirrored here
-            own = (record_tokens(record), record.chain, record.state_blocks()) if record is not None else None
-        hybrid = caches.spec.hybrid
-        if prompt is None:  # a prefetch: the whole cache of its own
-            plan = (
-                plan_own(own[0], None, own[1], hybrid=hybrid, snapshots=own[2]) if own is not None else None
-            )
-        else:
-            plan = plan_reuse(
-                prompt,
-                caches.tokenizer,
-                caches.fingerprint,
-                own=own,
-                hybrid=hybrid,
-                has=lambda hashes: self._stored(hashes, held),
-            )
-        wanted = [h for h in plan.blocks() if h not in held] if plan is not None else []
+            own = None
+            if record is not None:
+                own = OwnCache(record_tokens(record), record.chain, record.state_blocks())
+        plan = longest_prefix(
+            prompt,
+            own,
+            has=lambda hashes: self._stored(hashes, held),
+            next_blocks=view.index.next_blocks,
+            fingerprint=caches.fingerprint,
+            hybrid=caches.spec.hybrid,
+        )
+        wanted = [h for h in plan.blocks() if h not in held]
         if wanted and not self.store.blocks.prefetch(wanted):
             logger.info("agent %r: some blocks did not arrive in time; it prefills what is missing", agent_id)
 

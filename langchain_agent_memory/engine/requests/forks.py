@@ -33,14 +33,6 @@ def worth_forking(saved: int, wait: int) -> bool:
     return saved >= MIN_SHARED_TOKENS or (saved >= MIN_FORK_TOKENS and wait <= saved)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def clean_cut(tokens: TokenizedText, n: int, step: int = 1) -> int:
     """The largest ``m <= n``, a multiple of ``step``, after which ``tokens`` can be cut (not
     inside a character). A hybrid model forks at block boundaries (``step`` 256): the only

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..caches.agent_state import Admission
 from ..caches.agents import AgentCaches
+from ..caches.prefix_index import Prompt
 from ..caches.states import thin_held
 from ..kv import RecurrentCache
 from ..ops.runtime import mx
@@ -30,7 +31,7 @@ from ..results import (
 from ..storage.blocks import BLOCK_TOKENS
 from ..storage.protocols import Lease
 from .committer import Committer
-from .forks import can_fork, clean_cut, common_prefix, fork_layers, worth_forking
+from .forks import can_fork, clean_cut, fork_layers, worth_forking
 from .runner import ModelRunner, Penalties, Sampler
 from .scheduler import WAITING, Phase
 from .text import TextStream, last_clean, token_ends
@@ -42,7 +43,8 @@ class Request:
     """One generation request as the scheduler advances it (``scheduler.Schedulable``)."""
 
     agent_id: str
-    prompt: str
+    #: tokenized once, where the request came in (``Engine``)
+    prompt: Prompt
     params: GenerationParams
     cancel: threading.Event
     sink: Sink
@@ -110,7 +112,8 @@ class RequestSteps:
         self.eos = set(tokenizer.eos_token_ids)
         #: Fork prefixes in-flight requests share (``forks``); off: each prefills its own.
         self.share_prefixes = share_prefixes
-        self.inflight: list[Request] = []  # admitted, not finished: candidate sources
+        #: admitted, not finished: candidate sources (the prefix index knows their prompts)
+        self.inflight: list[Request] = []
         #: Requests admitted, by where their cache came from (hot / warm / cold).
         self.turns: Counter[str] = Counter()
         #: Decode runs one step ahead (``_decode_ahead``); off, each step reads its tokens
@@ -143,27 +146,25 @@ class RequestSteps:
             )
             last = (start.tail.ids or start.known.ids)[-1:] or [None]
             req.stream = TextStream(self.tokenizer, p.stop, anchor=last[0] if p.exact_text else None)
+            self.inflight.append(req)
             if self.share_prefixes:
                 req.share = self._shared_prefix(req)
-            self.inflight.append(req)
+                self.agents.index.fly(req, start.known.ids + start.tail.ids)
         except BaseException as exc:
             self.fail(req, exc)
 
     def _shared_prefix(self, req: Request) -> tuple[Request, int] | None:
-        """The in-flight request whose prompt shares the longest prefix with ``req``'s, and
-        how many tokens to fork, if that is worth it (``worth_forking``)."""
+        """The in-flight request whose prompt shares the longest prefix with ``req``'s (the
+        prefix index's answer), and how many tokens to fork, if that is worth it
+        (``worth_forking``)."""
         start = req.start
         assert start is not None
         ids = start.known.ids + start.tail.ids
-        best, best_n = None, 0
-        for other in self.inflight:
-            if other.phase is Phase.DONE or other.start is None:
-                continue
-            n = common_prefix(ids, other.start.known.ids + other.start.tail.ids)
-            if n > best_n:
-                best, best_n = other, n
-        if best is None:
+        found = self.agents.index.inflight_source(ids)
+        if found is None:
             return None
+        best, best_n = found
+        assert isinstance(best, Request)
         full = _joined(start.known, start.tail)
         step = BLOCK_TOKENS if any(isinstance(c, RecurrentCache) for c in start.layers) else 1
         n = clean_cut(full, min(best_n, len(ids) - 1), step)  # one token at least is run: its logits
@@ -483,6 +484,7 @@ class RequestSteps:
     def _forget(self, req: Request) -> None:
         if req in self.inflight:
             self.inflight.remove(req)
+            self.agents.index.land(req)
 
 
 def _joined(known: TokenizedText, tail: TokenizedText) -> TokenizedText:

@@ -277,9 +277,10 @@ class AgentIndex:
             self.db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
         return gone > 0
 
-    def list(self, prefix: str = "") -> Iterator[AgentRecord]:
+    def list(self, prefix: str = "", *, warn: bool = True) -> Iterator[AgentRecord]:
         """Every record whose agent id starts with ``prefix`` (unreadable ones skipped, with
-        a log line)."""
+        a log line unless ``warn`` is off: the engine's prefix index, filled at open, leaves
+        it to the agent's first request, which moves the record aside)."""
         rows = self.db.execute(
             "SELECT agent_id, record FROM agents WHERE substr(agent_id, 1, ?) = ? ORDER BY agent_id",
             (len(prefix), prefix),
@@ -288,7 +289,8 @@ class AgentIndex:
             try:
                 yield parse_record(raw, f"agent record {agent_id!r}")
             except CacheFormatError as exc:
-                logger.warning("skipping unreadable agent record: %s", exc)
+                if warn:
+                    logger.warning("skipping unreadable agent record: %s", exc)
 
     def is_referenced(self, h: BlockHash) -> bool:
         return self.db.execute("SELECT 1 FROM refs WHERE block = ? LIMIT 1", (h,)).fetchone() is not None
