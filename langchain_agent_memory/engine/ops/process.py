@@ -101,6 +101,8 @@ class ProcessRuntime:
         self.lock = threading.RLock()
         self._threads: dict[threading.Thread, Inbox] = {}
         self._idle: list[threading.Thread] = []
+        #: The name of the last loan each thread served (``lend`` prefers one of the same name).
+        self._served: dict[threading.Thread, str] = {}
         self._loans: set[Loan] = set()
         self._stocks: dict[str, tuple[Any, Callable[[Any], object]]] = {}
         self._open: weakref.WeakSet[Closable] = weakref.WeakSet()
@@ -118,7 +120,12 @@ class ProcessRuntime:
         with self.lock:
             self._loans.add(loan)
             if self._idle:
-                thread = self._idle.pop()
+                # A thread back to the work it did last: the native threads MLX and BLAS gave
+                # it are made already (an engine's loop on a thread that only ever saved or
+                # uploaded would get a new set, and a long process would pile them up).
+                same = [t for t in self._idle if self._served.get(t) == name]
+                thread = same[-1] if same else self._idle[-1]
+                self._idle.remove(thread)
             else:
                 inbox: Inbox = queue.SimpleQueue()
                 thread = threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True)
@@ -144,10 +151,12 @@ class ProcessRuntime:
                 me.name = IDLE_NAME
                 with self.lock:
                     self._loans.discard(loan)
+                    self._served[me] = loan.name
                     self._idle.append(me)
                 loan.done.set()
         with self.lock:
             del self._threads[me]
+            self._served.pop(me, None)
 
     def pool(self, name: str, size: int) -> LentPool:
         """``size`` threads lent to one pool until its ``shutdown``."""
