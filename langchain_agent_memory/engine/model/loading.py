@@ -233,8 +233,10 @@ def load_model(
     # Each model is a stock of the runtime: a future, made once per key; whoever made it
     # loads, and an engine of the same model started meanwhile waits for that load, not for
     # another model's (nothing is held while a model loads).
-    dtype = weight_dtype or device.weight_dtype()
-    key = f"{MODEL_STOCK}{model}|{Path(cache_dir).resolve()}|{dtype}|{cpu_kernels}"
+    # Keyed by the directory the name resolves to: one load per model whatever cache_dir an
+    # engine of it names (a model loaded by hand, then an engine of it, share the load).
+    path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
+    key = f"{MODEL_STOCK}{path.resolve()}|{cpu_kernels}"
     if recheck:
         RUNTIME.drop(lambda name, _: name == key)
     mine: list[Future[LoadedModel]] = []
@@ -247,7 +249,7 @@ def load_model(
     if not mine:
         return future.result()
     try:
-        loaded = _load(model, cache_dir, weight_dtype, cpu_kernels, self_check, recheck)
+        loaded = _load(path, name, cache_dir, cpu_kernels, self_check, recheck)
     except BaseException as exc:
         RUNTIME.drop(lambda _, stock: stock is future)  # the next call tries again
         future.set_exception(exc)
@@ -257,15 +259,15 @@ def load_model(
 
 
 def _load(
-    model: str | Path,
+    path: Path,
+    name: str,
     cache_dir: Path,
-    weight_dtype: str | None,
     cpu_kernels: bool,
     self_check: bool,
     recheck: bool,
 ) -> LoadedModel:
-    """``load_model``'s load (once per key: its caller made the key's stock)."""
-    path, name = resolve_model_dir(model, cache_dir=cache_dir, weight_dtype=weight_dtype)
+    """``load_model``'s load of the resolved ``path`` (once per key: its caller made the
+    key's stock)."""
     check_refused(path)
     from mlx_lm.utils import load as mlx_load
 
