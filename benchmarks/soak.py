@@ -24,9 +24,11 @@ Invariants (the run fails, exit 1, if one breaks):
   whose reply said ``cache_saved`` true or ``"local"`` (or with a later turn that reached a
   worker: a reply lost with its worker); a save reported lost (``false``) is counted;
 - 0 dangling references (``Catalog.dangling``; ``cache verify`` exits 0);
-- bounded resources per worker process (RSS, open files, threads) and database connections:
-  after warm-up (the first third of a worker's life) the peak of its last third is within
-  ``GROWTH`` of the peak of its middle third;
+- bounded resources per worker process (memory, open files, threads) and database
+  connections: after warm-up (the first third of a worker's life) the peak of its last third
+  is within ``GROWTH`` of the peak of its middle third. Memory is judged as RSS less what the
+  caches hold (the live caches and the block pool, from the worker's ``/metrics``): those
+  fill to their budgets over a life, and a leak is what grows besides them;
 - every agent resumes warm at the end, on a worker that never held it;
 - no 5xx other than 503 (the store out of reach) and 507 (the disk full), and no 400 for a
   request that is right.
@@ -66,8 +68,11 @@ RESULTS = HERE / "results"
 MODEL = "smollm2-135m"
 PREFIX = "You answer questions about this license in one short line.\n\n" + corpus.apache_license()[:1200]
 #: Allowed growth of a resource's peak from the middle third of a worker's life to its last.
-GROWTH = {"rss_mb": 0.25, "fds": 0.25, "threads": 0.25}
-SLACK = {"rss_mb": 64, "fds": 16, "threads": 8}  # absolute slack on top (small numbers)
+GROWTH = {"unheld_mb": 0.25, "fds": 0.25, "threads": 0.25}
+SLACK = {"unheld_mb": 64, "fds": 16, "threads": 8}  # absolute slack on top (small numbers)
+#: The worker's gauges of what its caches hold, and of mlx's memory (plotted beside RSS).
+HELD = ("agent_memory_hot_bytes", "agent_memory_pool_bytes")
+MLX = ("agent_memory_mlx_active_bytes", "agent_memory_mlx_cache_bytes")
 MAX_CONVERSATION = len(PREFIX) + 6000
 FAULTS = ("kill worker", "stop worker", "stop postgres", "stop seaweedfs", "disk full")
 
@@ -127,11 +132,33 @@ class Worker:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if "VmRSS" not in fields:  # exiting (a zombie until reaped): no memory left to read
             return None
+        rss = int(fields["VmRSS"].split()[0]) / 1024
+        gauges = self.gauges()
+        held = None if gauges is None else sum(gauges.get(n, 0.0) for n in HELD) / 2**20
         return {
-            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
+            "rss_mb": rss,
+            "held_mb": held,
+            "unheld_mb": None if held is None else rss - held,
+            "mlx_mb": None if gauges is None else sum(gauges.get(n, 0.0) for n in MLX) / 2**20,
             "fds": fds,
             "threads": int(fields["Threads"]),
         }
+
+    def gauges(self) -> dict[str, float] | None:
+        """The worker's memory gauges (summed over models), or None where it does not answer
+        within a second (frozen by a fault, restarting)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=1.0).text
+        except httpx.HTTPError:
+            return None
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in HELD + MLX:
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -534,10 +561,15 @@ class Soak:
                 if len(series) < 9:
                     continue
                 third = len(series) // 3
-                verdict = {"minutes": round(len(series) * 2 / 60, 1)}
+                verdict: dict[str, Any] = {"minutes": round(len(series) * 2 / 60, 1)}
                 for key, share in GROWTH.items():
-                    middle = max(s[key] for s in series[third : 2 * third])
-                    last = max(s[key] for s in series[2 * third :])
+                    values = [s[key] for s in series]
+                    mid = [v for v in values[third : 2 * third] if v is not None]
+                    end = [v for v in values[2 * third :] if v is not None]
+                    if not mid or not end:  # its gauges unread (a worker frozen that long)
+                        verdict[key] = "unread"
+                        continue
+                    middle, last = max(mid), max(end)
                     verdict[key] = [round(middle, 1), round(last, 1)]
                     if last > middle * (1 + share) + SLACK[key]:
                         self.ledger.bad(
@@ -563,12 +595,24 @@ def plot(data: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=False)
     samples = data["samples"]
     for ax, key, label in zip(
-        axes[:3], ("rss_mb", "fds", "threads"), ("RSS (MB)", "open files", "threads"), strict=True
+        axes[:3],
+        ("rss_mb", "fds", "threads"),
+        ("MB (dots: RSS; line: RSS less the caches)", "open files", "threads"),
+        strict=True,
     ):
         for name in ("a", "b", "c"):
             ts = [s["t"] / 60 for s in samples if s.get(name)]
             ys = [s[name][key] for s in samples if s.get(name)]
-            ax.plot(ts, ys, ".", markersize=3, label=f"worker {name}")
+            dots = ax.plot(ts, ys, ".", markersize=3, label=f"worker {name}")
+            if key == "rss_mb":  # beside RSS, what is judged: RSS less what the caches hold
+                kept = [
+                    (s["t"] / 60, s[name]["unheld_mb"])
+                    for s in samples
+                    if s.get(name) and s[name].get("unheld_mb") is not None
+                ]
+                ax.plot(
+                    [t for t, _ in kept], [y for _, y in kept], "-", color=dots[0].get_color(), linewidth=1
+                )
         for f in data["faults"]:
             ax.axvspan(f["t"] / 60, (f["t"] + max(f["s"], 1)) / 60, color="red", alpha=0.12)
         ax.set_ylabel(label)

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine import Engine, GenerationResult, is_internal
+from ..engine import Engine, GenerationResult, device, is_internal
 from .history import History
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,7 @@ class EngineCollector(Collector):
                 turns.add_metric([model, source], n)
         yield from families.values()
         yield from (steps, step_s, turns)
+        yield from _mlx_memory()
 
 
 _GAUGES = {
@@ -210,6 +211,7 @@ _GAUGES = {
     "agents_stored": "Agents with a stored cache.",
     "hot_bytes": "Bytes of the live caches (stored form and working copies).",
     "hot_budget_bytes": "The live caches' byte budget (absent: none).",
+    "pool_bytes": "Bytes of stored blocks the block pool keeps in memory (bounded by its budget).",
     "disk_bytes": "Bytes of the stored caches on this server's disk.",
     "disk_budget_bytes": "The stored caches' disk budget (absent: none).",
     "queued_saves": "Saves queued on this server and not written yet.",
@@ -231,6 +233,7 @@ def _engine_values(engine: Engine, stats: dict[str, Any]) -> dict[str, float | i
         ),
         "hot_bytes": tier["bytes"],
         "hot_budget_bytes": tier["hot_bytes"],
+        "pool_bytes": stats["pool"]["hot_bytes"],
         "disk_bytes": engine.admin.disk_bytes(),
         "disk_budget_bytes": budget.get("max_bytes"),  # type: ignore[arg-type]
         "queued_saves": status.queued_saves,
@@ -239,6 +242,19 @@ def _engine_values(engine: Engine, stats: dict[str, Any]) -> dict[str, float | i
         "shared_store_reachable": int(status.reachable) if status.shared else None,
         "max_decode_batch": stats.get("max_decode_batch", 0),
     }
+
+
+def _mlx_memory() -> Iterator[Metric]:
+    """mlx's memory in this process, all engines together. Beside ``hot_bytes`` it tells an
+    operator (and ``benchmarks/soak.py``) caches that fill from memory that leaks."""
+    active, cache = device.mlx_memory()
+    for name, doc, value in (
+        ("mlx_active_bytes", "Bytes mlx's arrays hold in this process (all models).", active),
+        ("mlx_cache_bytes", "Freed buffers mlx keeps for reuse in this process (all models).", cache),
+    ):
+        family = GaugeMetricFamily(f"agent_memory_{name}", doc)
+        family.add_metric([], float(value))
+        yield family
 
 
 class RequestCounter:

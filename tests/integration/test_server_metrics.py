@@ -93,6 +93,10 @@ def test_counters_move_with_each_reply_and_the_gauges_say_what_is_held(server: s
     assert value(refused, "agent_memory_agents_hot", model=MODEL) >= 3
     assert value(refused, "agent_memory_agents_stored", model=MODEL) >= 1  # saves land after replies
     assert value(refused, "agent_memory_disk_bytes", model=MODEL) > 0
+    # mlx's own memory (the process's, unlabelled) holds at least the live caches' bytes
+    hot = value(refused, "agent_memory_hot_bytes", model=MODEL)
+    assert hot > 0 and value(refused, "agent_memory_mlx_active_bytes") >= hot
+    assert ("agent_memory_mlx_cache_bytes", frozenset()) in refused
     assert value(refused, "agent_memory_decode_steps_total", model=MODEL, batch="1") > 0
     assert (
         "agent_memory_shared_store_reachable",

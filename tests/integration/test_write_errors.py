@@ -1,5 +1,5 @@
-"""A full disk or a permission error during a save (injected at the file layer: the disk
-of a test machine cannot be filled safely): the reply leaves before its save (written on
+"""A full disk or a permission error during a save (injected at the file layer, and on a
+real filesystem filled to its last byte: a small tmpfs): the reply leaves before its save (written on
 the engine's save thread), and the error reaches the caller at ``flush`` with a message
 that says what happened and what to do, the previous cache stays loadable (a new engine
 resumes it, same output), no temporary or half-written file is left, and a retry once the
@@ -7,9 +7,11 @@ disk is writable again saves normally."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import sqlite3
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from langchain_agent_memory.engine.storage import block_files as files_module
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.index import AgentIndex
 from langchain_agent_memory.engine.storage.store import DiskBlockStore
+from langchain_agent_memory.server.errors import APIError, as_api_errors
 
 GREEDY = GenerationParams(max_tokens=6)
 CONTEXT = "You answer questions about this license.\n\n" + corpus.apache_license()
@@ -115,3 +118,55 @@ def test_the_error_reaches_a_langchain_caller(
     assert reply.response_metadata["cache_saved"] == "pending"  # written after the reply left
     with pytest.raises(CacheWriteError, match="No space left"):
         llm.flush()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem of 48 MB (a tmpfs; the test is skipped where mounting is refused)."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(path: Path) -> None:
+    with contextlib.suppress(OSError), open(path, "wb") as f:
+        while True:
+            f.write(b"\0" * (1 << 16))
+
+
+def test_a_full_disk_refuses_a_fork_a_delete_and_a_save_with_what_to_do(
+    smollm: LoadedModel, small_disk: Path
+) -> None:
+    """Filled to its last byte, the disk refuses the index's writes too (SQLite: 'database or
+    disk is full'): a fork, a delete and a save each raise ``CacheWriteError`` saying what to
+    do (the server's 507, not a 500 'generation failed'), nothing is changed, and each
+    succeeds once space is freed."""
+    engine = Engine("smollm2-135m", cache_dir=small_disk / "cache")
+    engine.generate("lawyer", FIRST, GREEDY)
+    engine.flush()
+    before = engine.admin.store.records.get("lawyer")
+    ballast = small_disk / "ballast"
+    _fill(ballast)
+    for refused in (lambda: engine.admin.fork("lawyer", "clerk"), lambda: engine.admin.delete("lawyer")):
+        with pytest.raises(APIError) as answered, as_api_errors():
+            refused()
+        assert answered.value.status == 507 and "free disk space" in answered.value.message
+    assert engine.generate("lawyer", SECOND, GREEDY).text  # served; its save is refused
+    with pytest.raises(CacheWriteError, match="free disk space"):
+        engine.flush()
+    assert (
+        engine.admin.store.records.get("lawyer") == before and engine.admin.store.records.get("clerk") is None
+    )
+    ballast.unlink()
+    assert engine.admin.fork("lawyer", "clerk") == before
+    assert engine.admin.delete("lawyer") and engine.admin.store.records.get("lawyer") is None
+    assert str(engine.generate("clerk", FIRST, GREEDY).outcome).startswith(("hot", "warm"))
+    engine.close()

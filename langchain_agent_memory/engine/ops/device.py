@@ -60,6 +60,12 @@ def memory_bytes() -> int | None:
     return int(size) if size else None
 
 
+def mlx_memory() -> tuple[int, int]:
+    """mlx's memory in this process, every engine's together: the bytes its arrays hold
+    (active) and the freed buffers it keeps for reuse (cache)."""
+    return mx.get_active_memory(), mx.get_cache_memory()
+
+
 def chunk_tokens() -> int:
     return GPU_CHUNK_TOKENS if on_gpu() else CPU_CHUNK_TOKENS
 

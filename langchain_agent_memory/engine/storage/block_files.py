@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors import serialize_file
+from safetensors import SafetensorError, serialize_file
 
 from ..ops.files import TEMP_PREFIX, atomic_write
 from .blocks import (
@@ -104,7 +105,7 @@ class BlockFiles:
         meta = block_checksums([(k, t.data) for k, t in tensors.items()], lineage)
         # safetensors' own writer over host arrays: no MLX op, so any thread may write.
         specs = {k: t.spec() for k, t in tensors.items()}
-        return atomic_write(path, lambda tmp: serialize_file(specs, tmp, metadata=meta))
+        return atomic_write(path, lambda tmp: _serialize(specs, tmp, meta))
 
     def get(self, h: BlockHash, names: Sequence[str] | None = None) -> Block:
         """Read a block (all tensors, or only ``names``), verified against its header.
@@ -288,3 +289,16 @@ def _int_or(value: Any) -> Any:
         return int(value)
     except (TypeError, ValueError):
         return value
+
+
+def _serialize(specs: dict[str, Any], tmp: str, meta: dict[str, str]) -> None:
+    """safetensors' writer, its I/O errors raised as the ``OSError`` they are: its own error
+    type carries a refused write ("No space left on device (os error 28)") as text only, and
+    a save tells a disk that refuses it (``CacheWriteError``) from a bug by ``OSError``."""
+    try:
+        serialize_file(specs, tmp, metadata=meta)
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CacheWriteError
 from .agent_ids import validate_agent_id
 from .block_files import BlockFiles
 from .blocks import (
@@ -147,6 +148,24 @@ class AgentIndex:
         finally:
             db.commit()
 
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in a write transaction, committed at the end (rolled back
+        on an error). A disk that refuses the write (full, an I/O error) is a
+        ``CacheWriteError`` that says what to do, as a refused block file is: nothing was
+        changed, and the server answers it with 507, not as a bug."""
+        db = self.db
+        try:
+            with db:
+                yield db
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+                raise
+            raise CacheWriteError(
+                f"the cache index could not be written ({exc}): nothing was changed; free disk "
+                "space (or fix the cache directory's permissions) and retry"
+            ) from exc
+
     @classmethod
     def open(cls, path: Path, files: BlockFiles) -> AgentIndex:
         """Open (or create) the index at ``path`` and migrate it (under the directory lock)."""
@@ -195,7 +214,7 @@ class AgentIndex:
         validate_agent_id(record.agent_id)
         data = record.to_json()
         refs = [(record.agent_id, i, h) for i, h in enumerate(record.blocks)]
-        with self.db:
+        with self.writing():
             self.db.execute(
                 "INSERT OR REPLACE INTO agents (agent_id, record, used_at) VALUES (?, ?, ?)",
                 (record.agent_id, data, record.updated_at),
@@ -218,7 +237,7 @@ class AgentIndex:
         return (row[0], bool(row[1])) if row else None
 
     def set_sync(self, agent_id: str, version: int | None, pending: bool) -> None:
-        with self.db:
+        with self.writing():
             self.db.execute(
                 "INSERT OR REPLACE INTO remote_sync VALUES (?, ?, ?)", (agent_id, version, int(pending))
             )
@@ -271,7 +290,7 @@ class AgentIndex:
 
     def delete(self, agent_id: str) -> bool:
         validate_agent_id(agent_id)
-        with self.db:
+        with self.writing():
             gone = self.db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,)).rowcount
             self.db.execute("DELETE FROM refs WHERE agent_id = ?", (agent_id,))
             self.db.execute("DELETE FROM remote_sync WHERE agent_id = ?", (agent_id,))
@@ -324,12 +343,12 @@ class AgentIndex:
 
     def note_blocks(self, blocks: Sequence[BlockHash]) -> None:
         """Blocks that arrived on this disk without a save (a shared store's fetch)."""
-        with self.db:
+        with self.writing():
             self.note_sizes(blocks)
 
     def forget_sizes(self) -> None:
         """Drop the size rows of blocks no record names (their files are gone or going)."""
-        with self.db:
+        with self.writing():
             self.db.execute(
                 "DELETE FROM block_sizes WHERE NOT EXISTS "
                 "(SELECT 1 FROM refs r WHERE r.block = block_sizes.block)"

@@ -91,9 +91,8 @@ class DiskMaintenance:
         reads them through, as on any other worker)."""
         for agent in agent_ids if self.on_evict is not None else ():
             self.on_evict(agent)
-        db = self.index.db
         with self.lock:
-            with db:
+            with self.index.writing() as db:
                 chains = set()
                 for agent in agent_ids:
                     chains.update(
@@ -124,7 +123,7 @@ class DiskMaintenance:
             dst = self.files.quarantine_dir / f"agent-{name}.{time.time_ns()}.json"
             dst.parent.mkdir(exist_ok=True)
             atomic_write_bytes(dst, row[0].encode())
-            with db:
+            with self.index.writing() as db:
                 db.execute("DELETE FROM agents WHERE agent_id = ?", (agent_id,))
             return dst
 
