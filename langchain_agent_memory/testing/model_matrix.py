@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.engine import Engine, GenerationParams, GenerationResult
+from ..engine.model import cuda_quantized
 from ..engine.model.families import VERDICTS_FILE
 from ..engine.model.loading import unload_models
 from ..engine.model.structure import UnsupportedModelError
@@ -71,12 +72,24 @@ def exact() -> bool:
     return weight_dtype() == "float32" and (not device.on_gpu() or os.environ.get("MLX_ENABLE_TF32") == "0")
 
 
+def _mlx_lm_load(model_dir: Path) -> tuple[Any, Any]:
+    """mlx-lm's own load of ``model_dir`` (not the engine's instance). On CUDA its quantized
+    layers multiply more than one row dequantized, as the engine's do (``cuda_quantized``:
+    mlx's multi-row quantized matmul there did not return): the same weights, the same
+    model code, a product mlx can run."""
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(model_dir))
+    if cuda_quantized.needed():
+        cuda_quantized.dequantize_rows(model)
+    return model, tokenizer
+
+
 def _mlx_lm_logits(model_dir: Path, ids: list[int], dtype: mx.Dtype | None) -> mx.array:
     """mlx-lm's own model's float32 logits after ``ids`` (its weights cast to ``dtype``)."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load
 
-    model, _ = load(str(model_dir))
+    model, _ = _mlx_lm_load(model_dir)
     if dtype is not None:
         model.set_dtype(dtype)
     logits = model(mx.array(ids)[None], cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
@@ -203,9 +216,8 @@ class _Engines:
 def _mlx_lm_greedy(model_dir: Path, ids: list[int], n: int) -> tuple[list[int], str]:
     """mlx-lm's own greedy tokens after ``ids`` (its own load, not the engine's instance)."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.utils import load
 
-    model, tokenizer = load(str(model_dir))
+    model, tokenizer = _mlx_lm_load(model_dir)
     tokens = []
     for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
         tokens.append(int(token))

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.nn as mx_nn
 import pytest
 from mlx.utils import tree_flatten
 
@@ -138,6 +139,42 @@ def test_a_quantized_checkpoint_runs_as_mlx_lm_runs_it(
     finally:
         engine.close()
         unload_models(quantized)
+
+
+def test_quantized_layers_multiplying_rows_dequantized_give_mlx_lms_logits(
+    workspace: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """CUDA's way around mlx's multi-row quantized matmul there (``cuda_quantized``: the
+    loaded instance's quantized layers multiply more than one row through their dequantized
+    weights), run on the CPU where both products exist: a prompt's logits and then a decode
+    step's equal those of mlx's quantized kernel (a one-row call is that kernel itself)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from langchain_agent_memory.engine.model import cuda_quantized
+    from langchain_agent_memory.engine.ops.runtime import mx
+
+    root, tokenizer = workspace
+    path = build_quantized("llama", "affine", 4, root / "models", tokenizer, tmp_path / "llama-affine4")
+    (plain, _), (changed, _) = load(str(path)), load(str(path))
+    quantized = [m for _, m in plain.named_modules() if type(m).__name__.startswith("Quantized")]
+    assert cuda_quantized.dequantize_rows(changed) == len(quantized) > 0
+    assert not any(
+        type(m) in (mx_nn.QuantizedLinear, mx_nn.QuantizedEmbedding) for _, m in changed.named_modules()
+    )
+    ids = mx.array([[5 + 7 * i % 300 for i in range(40)]])
+    runs = []
+    for model in (plain, changed):
+        cache = make_prompt_cache(model)
+        prompt = model(ids, cache=cache)
+        step = model(mx.array([[11]]), cache=cache)
+        mx.eval(prompt, step)
+        runs.append((prompt, step))
+    (p0, s0), (p1, s1) = runs
+    scale = mx.abs(p0).max().item()
+    assert mx.abs(p1 - p0).max().item() <= 1e-4 * scale, "a prompt's rows differ beyond rounding"
+    assert mx.abs(s1 - s0).max().item() <= 1e-4 * scale  # its keys and values came from the prompt's rows
+    unload_models(path)
 
 
 def test_a_self_check_pass_is_remembered_and_a_new_mlx_lm_checks_again(

@@ -24,6 +24,7 @@ from typing import Any
 from ..ops import device
 from ..ops.process import RUNTIME
 from ..ops.runtime import mx, release_memory
+from . import cuda_quantized
 from . import self_check as checks
 from .adapters import adapt_model
 from .families import check_refused, model_type
@@ -275,6 +276,8 @@ def _load(
     _check_mlx_lm_has(path)
     mdl, tok = mlx_load(str(path), lazy=True)
     layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
+    if cuda_quantized.needed() and cuda_quantized.dequantize_rows(mdl):
+        logger.info("%s: quantized layers multiply more than one row dequantized (mlx's CUDA kernel)", name)
     settle(mdl)  # made here, run on the engine's worker
     structure = describe(mdl)
     memo = Path(cache_dir) / "models"
