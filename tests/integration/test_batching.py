@@ -437,3 +437,26 @@ def test_repeat_penalties_equal_mlx_lm_and_batched_equals_alone(
     alone = {a: alone_engine.generate(a, p, mixed[a]).text for a, p in prompts.items()}
     both = together(engine, prompts, mixed)
     assert {a: r.text for a, r in both.items()} == alone
+
+
+def test_the_gpu_kernel_warm_up_joins_filters_and_dissolves_a_stored_batch(
+    smollm: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What an engine runs at start on a GPU (``ModelRunner.warm_up``: throwaway caches, so
+    that mlx compiles a first turn's kernels before a request waits), run here on the CPU
+    over the stored form: a batch forms, a member joins it and one leaves it with the others
+    kept, and nothing is left behind; the engine then serves as before."""
+    from langchain_agent_memory.engine.requests.runner import ModelRunner
+
+    engine = Engine("smollm2-135m", cache_dir=tmp_path, attention="stored")
+    runner = ModelRunner(engine.lm.model, engine.lm.batches)
+    sizes: list[int] = []
+    leave = runner.leave
+    runner.leave = lambda *keys: sizes.append(len(runner._members)) or leave(*keys)  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        engine._worker.call(runner.warm_up, engine.agents.new_layers, engine.tokenizer)
+    assert "warm-up" not in caplog.text, caplog.text
+    assert sizes == [3] and runner._caches is None and not runner._members
+    reply = engine.generate("after", PROMPTS["lawyer"], GREEDY)
+    assert reply.text and str(reply.outcome).startswith("cold")
+    engine.close()
