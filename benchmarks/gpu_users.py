@@ -104,7 +104,7 @@ def _one(engine: Any, barrier: threading.Barrier, replies: dict[str, str], agent
     replies[agent] = engine.generate(agent, text, GenerationParams(max_tokens=DECODE, temperature=0.0)).text
 
 
-def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
+def capacity(model_dir: Path, root: Path, runs: tuple[int, ...] = CAPACITY_N) -> dict[str, Any]:
     import mlx.core as mx
 
     from langchain_agent_memory.engine.engine import Engine, GenerationParams
@@ -112,7 +112,7 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"ours": [], "mlx_lm": []}
     engine = Engine(model_dir, cache_dir=root / "capacity", kv_bits=4, context_length=4 * CONTEXT)
     tok = engine.tokenizer
-    texts = _texts(tok, max(CAPACITY_N))
+    texts = _texts(tok, max(runs))
     # Kernels of these shapes compiled before the clock: one agent, two turns, then deleted.
     engine.generate("warmup", texts[0][:2000], GenerationParams(max_tokens=4))
     engine.generate("warmup", texts[0][:2000] + extension(1), GenerationParams(max_tokens=4))
@@ -120,7 +120,7 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
     engine.admin.delete("warmup")
     base = _active()
     out["model_bytes"] = base
-    for run, n in enumerate(CAPACITY_N):
+    for run, n in enumerate(runs):
         ids = [f"r{run}-a{i}" for i in range(n)]
         prompts = {a: texts[i] for i, a in enumerate(ids)}
         row: dict[str, Any] = {"n": n}
@@ -164,7 +164,7 @@ def capacity(model_dir: Path, root: Path) -> dict[str, Any]:
         out["ours"].append(row)
         # The agents stay resident: the next N adds to them (the slope over N is per agent),
         # as in the run this repeats; the memory above is over all agents so far.
-    out["ours_total_agents"] = sum(CAPACITY_N)
+    out["ours_total_agents"] = sum(runs)
     engine.close()
     gc.collect()
     mx.clear_cache()
@@ -618,6 +618,7 @@ def device(
     limit_s: float,
     quantized_only: int | None = None,
     contexts: tuple[int, ...] = (4096, 32768),
+    capacity_n: tuple[int, ...] = CAPACITY_N,
 ) -> None:
     import mlx.core as mx
 
@@ -646,7 +647,7 @@ def device(
                     SCALE_CONFIGS["llama-3.1-8b"], model_dir, tokenizer_dir(), dtype="bfloat16"
                 )
             if part == "capacity":
-                data[part] = capacity(model_dir, root)
+                data[part] = capacity(model_dir, root, capacity_n)
             elif part == "profile":
                 data[part] = decode_profile(model_dir, root, contexts[-1])
             elif part == "first":  # a process of its own: nothing compiled before it
@@ -727,6 +728,11 @@ def main() -> None:
     d.add_argument("--contexts", default="4096,32768", help="the decode part's context lengths")
     d.add_argument("--quantized", type=int, default=None, help="only the first N checkpoints")
     d.add_argument("--limit-s", type=float, default=60.0)
+    d.add_argument(
+        "--capacity-n",
+        default=",".join(map(str, CAPACITY_N)),
+        help="the capacity part's runs of N agents (a size twice: a first use told from a steady cost)",
+    )
     f = sub.add_parser("first")
     f.add_argument("model_dir", type=Path)
     f.add_argument("root", type=Path)
@@ -735,7 +741,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "device":
         contexts = tuple(int(c) for c in args.contexts.split(","))
-        device(args.out, args.parts.split(","), args.limit_s, args.quantized, contexts)
+        runs = tuple(int(n) for n in args.capacity_n.split(","))
+        device(args.out, args.parts.split(","), args.limit_s, args.quantized, contexts, runs)
     elif args.cmd == "first":
         print(json.dumps(first_request(args.model_dir, args.root)), flush=True)
     else:
