@@ -19,9 +19,12 @@ Parts (each in a process of its own, so that a crash of one leaves the others' r
 - ``decode``: one agent's decode tokens/s at 4K and 32K: ours at 16-bit and 4-bit KV,
   mlx-lm's ``generate_step``, in one process.
 - ``quantized``: mlx-lm's quantized checkpoints (affine 4 / 8, mxfp4; dense and MoE) of
-  the family matrix's small random models, each first through plain mlx-lm (a forward and
-  8 greedy tokens) and then through the engine, each in a process of its own with a time
-  limit: a crash or a hang is told apart from the engine's.
+  the family matrix's small random models, each in a process of its own with a time limit
+  (a crash or a hang is told apart from the engine's): mlx-lm's model with our way around
+  CUDA's multi-row quantized matmul (``cuda_quantized``; a forward and 8 greedy tokens),
+  the engine against that oracle, then plain mlx-lm for 20 s at most (on CUDA it did not
+  return, 12-07).
+- ``qmm``: mlx's own ``quantized_matmul`` alone, a process per shape, rows and format.
 """
 
 from __future__ import annotations
@@ -518,6 +521,9 @@ import sys, time, mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 model, tok = load(sys.argv[1])
+if sys.argv[2:] == ["dequantize-rows"]:  # ours: more than one row through the dequantized weight
+    from langchain_agent_memory.engine.model.cuda_quantized import dequantize_rows
+    print("modules changed", dequantize_rows(model), flush=True)
 ids = mx.array(tok.encode("The quick brown fox jumps over the lazy dog. " * 8))
 t0 = time.perf_counter()
 logits = model(ids[None]); mx.eval(logits)
@@ -560,7 +566,8 @@ def qmm(limit_s: float) -> list[dict[str, Any]]:
     """mlx's own quantized matmul alone, one process per shape (a crash ends only its
     own): which shapes of a quantized checkpoint's layers CUDA runs, for an upstream report."""
     rows = []
-    for d_in, d_out in ((64, 64), (64, 256), (128, 128), (256, 1024), (4096, 4096), (4096, 14336)):
+    # The two of 12-07 (64 x 64 hung from 8 rows on) and an 8B model's projections.
+    for d_in, d_out in ((64, 64), (4096, 4096), (4096, 14336)):
         for bits, mode in ((4, "affine"), (8, "affine"), (4, "mxfp4")):
             for n in (1, 8, 300):
                 row: dict[str, Any] = {"in": d_in, "out": d_out, "bits": bits, "mode": mode, "rows": n}
@@ -586,14 +593,16 @@ def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[
         row: dict[str, Any] = {"family": family, "mode": mode, "bits": bits}
         try:
             dst = build_quantized(family, mode, bits, root / "models", tok, root / f"{family}-{mode}{bits}")
-            for name, code, args in (
-                ("mlx_lm", _MLX_ALONE, [str(dst)]),
-                ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")]),
+            # Plain mlx-lm last, and for a short time: on CUDA it did not return (12-07).
+            for name, code, args, limit in (
+                ("mlx_lm_rows_dequantized", _MLX_ALONE, [str(dst), "dequantize-rows"], limit_s),
+                ("engine", _ENGINE, [str(dst), str(root / f"kv-{family}")], limit_s),
+                ("mlx_lm", _MLX_ALONE, [str(dst)], min(limit_s, 20.0)),
             ):
                 t0 = time.perf_counter()
                 try:
                     p = subprocess.run(
-                        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=limit_s
+                        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=limit
                     )
                     row[name] = {
                         "rc": p.returncode,
@@ -601,7 +610,7 @@ def quantized(root: Path, limit_s: float, only: int | None = None) -> list[dict[
                         "out": (p.stdout + p.stderr)[-1500:],
                     }
                 except subprocess.TimeoutExpired as exc:
-                    row[name] = {"rc": "timeout", "s": limit_s, "out": str(exc.stdout or "")[-800:]}
+                    row[name] = {"rc": "timeout", "s": limit, "out": str(exc.stdout or "")[-800:]}
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         log(f"quantized {json.dumps(row)[:1500]}")
