@@ -31,7 +31,7 @@ from .urls import redacted
 #: that does not resolve, a timeout), as opposed to a server's own error.
 UNREACHABLE = (
     "error sending request", "Connection refused", "connection refused", "dns error", "timed out",
-    "operation timed out", "No route to host", "tcp connect error",
+    "operation timed out", "No route to host", "tcp connect error", "TimedOut", "kind: Timeout",
 )  # fmt: skip
 
 
@@ -189,9 +189,9 @@ class ObjectBlocks:
                 return RemoteUnavailableError(f"object store {self.url}: {hint}. The server said: {text}")
         if any(sign in text for sign in UNREACHABLE):
             return RemoteUnavailableError(
-                f"object store {self.url}: could not {what}: no answer from its endpoint. Check that the "
-                "S3 server runs and that the URL's endpoint (scheme http/https, host, port) reaches it "
-                f"from this host. The client said: {text}"
+                f"object store {self.url}: could not {what}: unreachable (no answer from its endpoint in "
+                f"time). Check that the S3 server runs and that the URL's endpoint (scheme http/https, host, "
+                f"port) reaches it from this host. The client said: {text}"
             )
         if "AccessDenied" in text or "lacked the necessary privileges" in text:
             text = (

@@ -157,10 +157,12 @@ def open_store(
             catalog.bind_blocks(objects.identity)
         except (RemoteUnavailableError, RemoteConfigError) as exc:
             catalog.close()
+            # Down or slow is not misconfigured: say which the cause is.
+            fix = "Start it (or wait until it answers)" if "unreachable" in str(exc) else "Fix the setting"
             raise RemoteConfigError(
-                f"the shared store cannot be used: {exc}. Fix the setting; or start anyway with "
-                "lazy_store=True (AGENT_MEMORY_LAZY_STORE=1, agent-memory serve --lazy-store): replies "
-                "then come from this worker's copies and saves upload once the store answers"
+                f"the shared store cannot be used: {exc}. {fix}; or start anyway with lazy_store=True "
+                "(AGENT_MEMORY_LAZY_STORE=1, agent-memory serve --lazy-store): replies then come from "
+                "this worker's copies and saves upload once the store answers"
             ) from exc
     local = DiskBlockStore(root, fingerprint, tier=True)
     return SharedBlockStore(
