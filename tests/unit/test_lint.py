@@ -147,8 +147,8 @@ def test_nothing_assigns_to_another_librarys_modules_or_classes() -> None:
     """mlx-lm (and mlx, langchain, langgraph) are never patched for the whole process: no
     name that stands for them (imported, or handed on by a module of ours, as runtime hands
     out ``mx``) is assigned to, and nothing calls setattr on them. The one instance-level
-    change (a module instance of one loaded model switched to a subclass, in
-    engine/model/adapters.py) is the only ``__class__`` assignment."""
+    change (a module instance of one loaded model switched to a subclass) goes through
+    ``adapters.switch_instance_class``, the only ``__class__`` assignment."""
     assert not patch_offenders(ROOT / "langchain_agent_memory")
 
 

@@ -252,6 +252,15 @@ class _SplitEmbedding(nn.Embedding):
         return super().as_linear(x) if out is None else out
 
 
+def switch_instance_class(module: Any, cls: type) -> None:
+    """Switch this one module instance to ``cls``, a subclass of its own class (or back to
+    the class it had): the one way this package changes another library's object (its
+    class, and every other instance of it, stay as they are)."""
+    if not (issubclass(cls, type(module)) or issubclass(type(module), cls)):
+        raise TypeError(f"{cls.__name__} is neither a subclass nor a base of {type(module).__name__}")
+    module.__class__ = cls
+
+
 def _adapt_head(model: Any) -> int:
     """Switch this instance's vocabulary projection to its split form where it is large."""
     lm = text_model(model)
@@ -262,7 +271,7 @@ def _adapt_head(model: Any) -> int:
     for head in heads:
         if type(head) not in (nn.Linear, nn.Embedding) or "bias" in head or head.weight.nbytes < _SPLIT_BYTES:
             continue
-        head.__class__ = _SplitHead if type(head) is nn.Linear else _SplitEmbedding
+        switch_instance_class(head, _SplitHead if type(head) is nn.Linear else _SplitEmbedding)
         n += 1
     return n
 
@@ -298,7 +307,7 @@ def select_stack_rows(stack: Any) -> None:
     ``STACK_ROWS`` (unset: unchanged) before the model's head sees it; only this instance
     changes, once."""
     if not getattr(type(stack), _CUTS_ROWS, False):
-        stack.__class__ = _cutting(type(stack))
+        switch_instance_class(stack, _cutting(type(stack)))
 
 
 def _probe_input(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -409,13 +418,13 @@ def adapt_model(model: Any) -> int:
         sub = _adapted_class(cls, kernels)
         if sub is None:
             continue
-        module.__class__ = sub  # this instance only
+        switch_instance_class(module, sub)
         if sub.__call__ in _NORM_CALLS:
             key = (cls, module.weight.dtype)
             if key not in matches:
                 matches[key] = _norm_matches(module)
             if not matches[key]:
-                module.__class__ = cls
+                switch_instance_class(module, cls)
                 logger.info("%s keeps its own code: the compiled norm differs", cls.__qualname__)
                 continue
         if _is_rope(cls):
@@ -423,7 +432,7 @@ def adapt_model(model: Any) -> int:
             if signature is not None and signature not in matches:
                 matches[signature] = _rope_matches(module)
             if signature is None or not matches[signature]:
-                module.__class__ = cls
+                switch_instance_class(module, cls)
                 logger.info("%s keeps its own code: not the form of a rotation table", cls.__qualname__)
                 continue
             module._agent_memory_rope = ropes.setdefault(signature, _RopeTables(module))

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.nn as nn
 
 from ..ops.runtime import mx
+from .adapters import switch_instance_class
 
 
 def _rows(x: mx.array) -> int:
@@ -77,7 +78,7 @@ def dequantize_rows(model: Any) -> int:
     for _, module in model.named_modules():
         swap = _SWAPS.get(type(module))
         if swap is not None:
-            module.__class__ = swap
+            switch_instance_class(module, swap)
             changed += 1
     return changed
 
