@@ -57,7 +57,16 @@ class CommitConflictError(CacheWriteError):
 
 
 class RemoteUnavailableError(ConnectionError):
-    """The shared store (PostgreSQL or the object store) did not answer in time."""
+    """The shared store (PostgreSQL or the object store) could not be used.
+
+    ``unreachable``: no answer came (a server down, frozen or behind a wrong address: start
+    it or wait); False where the store answered and refused (a missing bucket or database,
+    wrong keys or password: the setting is to fix). At start the two call for different
+    fixes (``storage.remote.open_store``); while serving both leave saves pending."""
+
+    def __init__(self, message: str, *, unreachable: bool = True) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class BlocksUnavailableError(RemoteUnavailableError):

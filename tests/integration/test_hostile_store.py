@@ -373,11 +373,12 @@ def test_wrong_settings_fail_at_start_with_their_cause(
                 Engine("smollm2-135m", cache_dir=tmp_path / "w", store=s, blocks=b)
             said = str(err.value)
             assert cause in said and "lazy_store" in said, (what, said)
-            # what to do: a store that does not answer is started, a wrong one is fixed
-            if what in ("no such bucket", "wrong S3 secret", "unknown S3 key", "wrong password"):
-                assert "Fix the setting" in said, (what, said)
-            if what == "no object store there":
+            # what to do: a store that answered and refused is fixed, one that did not answer
+            # is started (``RemoteUnavailableError.unreachable``, not the message's words)
+            if what in ("no object store there", "no server there", "wrong port"):
                 assert "Start it" in said and "Fix the setting" not in said, (what, said)
+            else:
+                assert "Fix the setting" in said and "Start it" not in said, (what, said)
             assert not any(secret in said for secret in ("Secret-1", "Wrong-2")), (what, said)  # masked
             caught += 1
     finally:

@@ -17,9 +17,12 @@ TIMED_OUT = (
 
 def test_a_probe_that_timed_out_is_unreachable_and_a_wrong_key_is_not() -> None:
     objects = ObjectBlocks("s3://soak/kv?endpoint=http://127.0.0.1:20562")
-    timed_out = str(objects._unavailable("write a probe object", ".probe/x", RuntimeError(TIMED_OUT)))
-    assert "unreachable" in timed_out and "S3 server runs" in timed_out
+    timed_out = objects._unavailable("write a probe object", ".probe/x", RuntimeError(TIMED_OUT))
+    assert timed_out.unreachable and "S3 server runs" in str(timed_out)
+    for answer in ("InvalidAccessKeyId", "NoSuchBucket", "AccessDenied", "InternalError"):
+        refused = objects._unavailable("write a probe object", ".probe/x", RuntimeError(answer))
+        assert not refused.unreachable and "unreachable" not in str(refused), answer
     wrong_key = str(
         objects._unavailable("write a probe object", ".probe/x", RuntimeError("InvalidAccessKeyId"))
     )
-    assert "unreachable" not in wrong_key and "AWS_ACCESS_KEY_ID" in wrong_key
+    assert "AWS_ACCESS_KEY_ID" in wrong_key

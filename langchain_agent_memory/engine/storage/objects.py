@@ -169,7 +169,9 @@ class ObjectBlocks:
         try:
             self._obs.put(self._store, key, b"probe")
             if bytes(self._obs.get(self._store, key).bytes()) != b"probe":
-                raise RemoteUnavailableError(f"object store {self.url}: a probe object read back wrong")
+                raise RemoteUnavailableError(
+                    f"object store {self.url}: a probe object read back wrong", unreachable=False
+                )
             self._obs.delete(self._store, key)
         except RemoteUnavailableError:
             raise
@@ -182,11 +184,14 @@ class ObjectBlocks:
         text = " ".join(str(exc).split(" Debug source:")[0].split())[:2000] or type(exc).__name__
         if "NoSuchBucket" in str(exc) or "bucket does not exist" in str(exc).lower():
             return RemoteUnavailableError(
-                f"object store {self.url}: bucket {self.bucket!r} does not exist; create it first"
+                f"object store {self.url}: bucket {self.bucket!r} does not exist; create it first",
+                unreachable=False,
             )
         for code, hint in KEY_ERRORS.items():
             if code in text:
-                return RemoteUnavailableError(f"object store {self.url}: {hint}. The server said: {text}")
+                return RemoteUnavailableError(
+                    f"object store {self.url}: {hint}. The server said: {text}", unreachable=False
+                )
         if any(sign in text for sign in UNREACHABLE):
             return RemoteUnavailableError(
                 f"object store {self.url}: could not {what}: unreachable (no answer from its endpoint in "
@@ -198,4 +203,7 @@ class ObjectBlocks:
                 f"access denied: bucket {self.bucket!r} does not exist, or these credentials (AWS_* "
                 f"variables) may not use it. The server said: {text}"
             )
-        return RemoteUnavailableError(f"object store {self.url}: could not {what} {key}: {text}")
+        # The server answered, with an error of its own: a setting (or the server) to fix.
+        return RemoteUnavailableError(
+            f"object store {self.url}: could not {what} {key}: {text}", unreachable=False
+        )

@@ -321,7 +321,11 @@ class PgSession:
                 raise CommitConflictError(f"{what}: another writer holds the record", leased=True) from exc
             self._trip()
             why = f"no answer in {call.severed}" if call is not None and call.severed else str(exc)
-            raise RemoteUnavailableError(f"store {self.safe_url}: could not {what}: {why}") from exc
+            # A server that answered and refused (a wrong password, database or user) says
+            # FATAL; a refused or timed-out connection is no answer.
+            raise RemoteUnavailableError(
+                f"store {self.safe_url}: could not {what}: {why}", unreachable="FATAL" not in why
+            ) from exc
 
     def _take(self, what: str, probing: bool) -> Any:
         """A connection, or ``RemoteUnavailableError`` at once when the session is closed or

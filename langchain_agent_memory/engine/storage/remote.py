@@ -158,7 +158,10 @@ def open_store(
         except (RemoteUnavailableError, RemoteConfigError) as exc:
             catalog.close()
             # Down or slow is not misconfigured: say which the cause is.
-            fix = "Start it (or wait until it answers)" if "unreachable" in str(exc) else "Fix the setting"
+            if isinstance(exc, RemoteUnavailableError) and exc.unreachable:
+                fix = "Start it (or wait until it answers; if it runs, check the URL's host and port)"
+            else:
+                fix = "Fix the setting"
             raise RemoteConfigError(
                 f"the shared store cannot be used: {exc}. {fix}; or start anyway with lazy_store=True "
                 "(AGENT_MEMORY_LAZY_STORE=1, agent-memory serve --lazy-store): replies then come from "
