@@ -111,9 +111,10 @@ def attention() -> str:
     """What a served agent attends over by default.
 
     On a GPU, its stored form (``kv.stored``; on CUDA through ``kv.stored_cuda``'s kernels):
-    on the H200 (benchmarks/gpu_served.py, random-weight Llama-3.1-8B shape) a 32K agent is
-    served in 1.70 GB against mlx-lm's 4.60 GB, decodes at 0.90x mlx-lm's speed alone and
-    16 agents decode at 1.9x the speed they do over working copies. Metal takes the same
+    the most agents in the device's memory. On the H100 (benchmarks/gpu_users.py, 12-07,
+    random-weight Llama-3.1-8B shape) 2.85x mlx-lm's agents of 8K in the same memory, at the
+    price of decode alone at 0.59x mlx-lm's speed at 32K, where a working copy decodes at
+    1.15x (``"copy"``: docs/guides/gpu.md says when to choose it). Metal takes the same
     path through mlx's own ``quantized_matmul`` (not measured here: no Apple machine).
 
     On the CPU, a full-precision working copy within ``work_budget_bytes``: mlx's quantized
