@@ -78,13 +78,45 @@ void spill(const char* path, const std::vector<float>& x) {
 _TYPES = {np.float32: "float", np.uint32: "uint32_t", np.float16: "__half", np.int32: "int32_t"}
 
 
+#: mlx's names of a dtype in a kernel's template (``template_arguments_hash``) and the
+#: emulation's C++ type for it.
+_TEMPLATE_TYPES = {
+    mx.float32: ("float32", "float"),
+    mx.float16: ("float16", "__half"),
+    mx.bfloat16: ("bfloat16", "uint16_t"),
+}
+
+
+def _constant(name: str, value: int | bool | mx.Dtype) -> str:
+    """A template entry as mlx writes it at the top of a kernel's body."""
+    if isinstance(value, bool):
+        return f"  constexpr bool {name} = {str(value).lower()};\n"
+    if isinstance(value, mx.Dtype):
+        return f"  using {name} = {_TEMPLATE_TYPES[value][1]};\n"
+    return f"  constexpr int {name} = {value};\n"
+
+
+def mlx_kernel_name(name: str, template: list[tuple[str, int | bool | mx.Dtype]]) -> str:
+    """The name mlx compiles a custom kernel under and finds it by again: its name and its
+    template's values, nothing of its inputs (mlx/backend/cuda/custom_kernel.cpp)."""
+    parts = []
+    for _, v in template:
+        if isinstance(v, bool):
+            parts.append("_t" if v else "_f")
+        elif isinstance(v, mx.Dtype):
+            parts.append("_" + _TEMPLATE_TYPES[v][0])
+        else:
+            parts.append(f"_{v}")
+    return f"custom_kernel_{name}{''.join(parts)}"
+
+
 def _run(
     where: Path,
     name: str,
     source: str,
     inputs: list[tuple[str, np.ndarray, tuple[int, ...], tuple[int, ...]]],
     outputs: list[tuple[str, tuple[int, ...]]],
-    template: list[tuple[str, int | bool]],
+    template: list[tuple[str, int | bool | mx.Dtype]],
     blocks: tuple[int, int, int],
 ) -> list[np.ndarray]:
     """Compile ``source`` as mlx would wrap it (inputs, ``_shape`` / ``_strides`` where the
@@ -107,12 +139,7 @@ def _run(
         params.append(f"float* {n}")
         load.append(f"std::vector<float> o{j}({math.prod(shape)}, NAN);")
         call.append(f"o{j}.data()")
-    constants = "".join(
-        f"  constexpr bool {k} = {str(v).lower()};\n"
-        if isinstance(v, bool)
-        else f"  constexpr int {k} = {v};\n"
-        for k, v in template
-    )
+    constants = "".join(_constant(k, v) for k, v in template)
     threads = stored_cuda.THREADS
     saves = "".join(f'  spill("{where}/out{j}.bin", o{j});\n' for j in range(len(outputs)))
     program = f"""{EMULATION}
@@ -297,3 +324,21 @@ def test_the_kernels_on_the_gpu_equal_their_oracle(case: Case) -> None:
     want = stored_cuda.reference_attention(queries, *args, sinks).astype(mx.float32)
     assert got.shape == want.shape
     assert mx.abs(got - want).max().item() < 2e-2
+
+
+@CASES
+def test_models_of_another_dtype_get_a_kernel_of_their_own(case: Case) -> None:
+    """mlx compiles a custom kernel once per name and template, and declares its inputs'
+    types in the source: two models of one process whose dtypes differ (a server of a bf16
+    and an fp16 checkpoint) must not share a compiled kernel, or the second reads its keys
+    as the first's type. Calls of one dtype share one (it compiles once)."""
+    names = {}
+    for dtype in (mx.bfloat16, mx.float16, mx.float32, mx.bfloat16):
+        queries, args, _ = case.inputs(dtype)
+        names.setdefault(dtype, set()).add(
+            mlx_kernel_name(
+                "agent_memory_stored_partial", stored_cuda.partial_call(queries, *args)["template"]
+            )
+        )
+    assert all(len(n) == 1 for n in names.values()), names
+    assert len(set.union(*names.values())) == 3, names

@@ -166,6 +166,15 @@ def attention(
     return out.astype(queries.dtype)
 
 
+def _input_types(**inputs: mx.array) -> list[tuple[str, mx.Dtype]]:
+    """Template entries naming the dtypes of the inputs whose dtype varies (the model's:
+    bf16, fp16 or float32). mlx names a compiled custom kernel by its template alone, though
+    its source declares each input's type: without these, a process whose models differ in
+    dtype (a server of a bf16 and an fp16 checkpoint) ran the second one's attention through
+    the kernel compiled for the first's, reading its keys as the other type."""
+    return [(f"{name.upper()}_T", x.dtype) for name, x in inputs.items()]
+
+
 def partial_call(
     queries: mx.array,
     scale: float,
@@ -219,6 +228,7 @@ def partial_call(
             ("CHUNK", CHUNK), ("THREADS", THREADS),
             ("KROT", keys.rotate), ("VROT", values.rotate), ("HAS_HEAD", head is not None),
             ("BODY16", body16),
+            *_input_types(queries=queries, fk=fk, hk=hk, pk=pending[0]),
         ],
         "grid": (n_split * THREADS, kv_heads, B),
         "threadgroup": (THREADS, 1, 1),
