@@ -276,6 +276,7 @@ def _load(
     _check_mlx_lm_has(path)
     mdl, tok = mlx_load(str(path), lazy=True)
     layout_of(mdl)  # a cache kind the engine cannot store is refused before the weights load
+    _check_cpu_experts(mdl, name)
     if cuda_quantized.needed() and cuda_quantized.dequantize_rows(mdl):
         logger.info("%s: quantized layers multiply more than one row dequantized (mlx's CUDA kernel)", name)
     settle(mdl)  # made here, run on the engine's worker
@@ -311,6 +312,26 @@ def _check_mlx_lm_has(path: Path) -> None:
             f"{path}: model family {model_type(path)!r} is not one mlx-lm {_mlx_lm_version()} runs "
             "(no module of that name in mlx_lm.models): a newer mlx-lm may have it"
         ) from exc
+
+
+def _check_cpu_experts(model: Any, name: str) -> None:
+    """``UnsupportedModelError`` where the model's MoE experts hold 16-bit weights and mlx runs
+    on the CPU: its CPU ``gather_mm`` multiplies float32 only ("[GatherMM::eval] Currently
+    only supports float32", raised from the first forward, mlx-lm's own too). Quantized
+    experts (``gather_qmm``, mlx-community's 4-bit checkpoints) run there at any dtype."""
+    if device.on_gpu():
+        return
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    dtypes = {m.weight.dtype for _, m in model.named_modules() if isinstance(m, SwitchLinear)}
+    dtypes.discard(mx.float32)
+    if dtypes:
+        dtype = str(dtypes.pop()).removeprefix("mlx.core.")
+        raise UnsupportedModelError(
+            f"{name}: its MoE experts are {dtype} weights, which mlx's CPU backend cannot multiply "
+            "(gather_mm runs in float32 only). Run it on a GPU, or convert it for the CPU: "
+            "4-bit (python -m mlx_lm convert --hf-path <model> -q) or float32 (--dtype float32)"
+        )
 
 
 class _SelfCheck:
