@@ -135,11 +135,16 @@ class Engine:
             rows = reserve_rows(self.spec, context_length, cfg.alone_chunk_tokens, cfg.work_budget_bytes)
             parts.callback(WorkReserve(self.spec, rows).release)
         schedule = Schedule(tool_ttl_s=cfg.tool_ttl_s, follow=cfg.eviction == "schedule", loop=self._worker)
+        # A prefill in the codec's rotated space (the CPU kernels) rounds otherwise than one in
+        # the model's space where the model computes in 16 bits: a warm turn (its copy built
+        # rotated) then parted from the hot one (its copy refreshed in the model's space) on
+        # bf16 weights (the matrix's apertus and exaone4, 4-bit KV). At float32 the two agree.
+        prefill_rotated = is_adapted(self.lm.model) and self.spec.dtype == "float32"
         self.agents = AgentCaches(
             spec=self.spec, quant=self.quant, store=self._store, pool=self.pool,
             tokenizer=self.tokenizer, policy=HotPolicy(cfg.hot_agents, cfg.work_budget_bytes, cfg.hot_bytes),
             schedule=schedule,
-            prefill_rotated=is_adapted(self.lm.model), serve_stored=self.attention == "stored",
+            prefill_rotated=prefill_rotated, serve_stored=self.attention == "stored",
             state_budget=cfg.state_budget, reserved_rows=rows, owner=self._worker.owner,
         )  # fmt: skip
         # The prefix index starts from every chain the store holds (read here, taken in on the
