@@ -158,10 +158,16 @@ class AgentAdmin:
 
     def agent_records(self, prefix: str = "", *, wait: bool = True) -> list[AgentRecord]:
         """The stored records of every agent whose id starts with ``prefix``, the saves
-        queued so far included; ``wait=False``: as the store holds them now, without waiting
-        for those saves (a server's list, which must answer while a large one is written)."""
-        store = self.store if wait else self._store
-        return list(store.records.list(prefix))  # the store's reads: not the model steps' lock
+        queued so far included; ``wait=False``: without waiting for those saves (a server's
+        list, which must answer while a large one is written): the store's records, and
+        those of the saves not written yet in their place (the loop's published map), so
+        that a turn answered is listed before its save lands."""
+        if wait:
+            return list(self.store.records.list(prefix))
+        # The map first: a save written between the two reads is then in the store's list.
+        saving = {a: r for a, r in self.agents.writes.saving_records.items() if a.startswith(prefix)}
+        merged = {r.agent_id: r for r in self._store.records.list(prefix)} | saving
+        return sorted(merged.values(), key=lambda r: r.agent_id)
 
     def agent_record(self, agent_id: str) -> AgentRecord | None:
         """The agent's stored record (None: no cache), its saves queued so far included."""

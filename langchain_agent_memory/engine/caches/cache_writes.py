@@ -11,6 +11,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ..errors import CacheFormatError, CommitConflictError
 from ..kv import RecurrentCache
@@ -58,6 +59,10 @@ class CacheWrites:
         self._queued: dict[BlockHash, Block] = {}
         self._queued_saves: Counter[BlockHash] = Counter()
         self._saving: Counter[str] = Counter()
+        #: Each agent's latest record whose save is not written yet, for readers on other
+        #: threads (a server's listing, which must not wait for saves but must list a turn
+        #: it answered): published by the loop, replaced whole, never changed in place.
+        self.saving_records: Mapping[str, AgentRecord] = MappingProxyType({})
 
     def commit(self, agent_id: str, start: Admission, known: TokenizedText) -> PendingSave:
         """The end of a request that began at ``start`` and now stands for ``known``, on the
@@ -91,6 +96,7 @@ class CacheWrites:
         self._queued.update(blocks)
         self._queued_saves.update(blocks.keys())
         self._saving[agent_id] += 1
+        self.saving_records = MappingProxyType({**self.saving_records, agent_id: record})
         for layer in layers:
             if layer.spec.window is not None:
                 layer.drop_before(kept_from(layer, n))
@@ -196,6 +202,10 @@ class CacheWrites:
         # Counter subtraction drops what reaches zero: a block no save holds leaves.
         self._queued_saves -= Counter(save.blocks.keys())
         self._saving -= Counter([save.record.agent_id])
+        if save.record.agent_id not in self._saving:  # its last queued save: the store's now
+            published = dict(self.saving_records)
+            published.pop(save.record.agent_id, None)
+            self.saving_records = MappingProxyType(published)
         for h in save.blocks:
             if h not in self._queued_saves:
                 self._queued.pop(h, None)
