@@ -386,11 +386,18 @@ class Engine:
         Call it when no request is in progress (again: nothing happens)."""
         if self._closed:
             return
-        if self._worker.has_waiting or (
-            self._admissions is not None and self._worker.call(self._admissions.busy)
-        ):
+        if self._worker.call(self._requests_in_progress):
             raise RuntimeError("close() while requests are in progress: let them finish first")
         self._parts.close()  # admissions, saves, memory, subscribers, store, reserve, thread
+
+    def _requests_in_progress(self) -> bool:
+        """On the loop, after every job queued before the question: whether a request is
+        being prepared or run. Asked from outside, the loop's queue alone said so wrongly
+        when a finished save's result waited in it (``close`` right after a reply raised)."""
+        stepper = self._worker.stepper
+        return (stepper is not None and stepper.has_work()) or (
+            self._admissions is not None and bool(self._admissions.busy())
+        )
 
     def _forget_memory(self) -> None:
         """Live caches and the in-memory block tier freed, their buffers given back to the

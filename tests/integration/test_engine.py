@@ -107,6 +107,25 @@ def test_close_frees_the_engine_and_keeps_the_cache(smollm: LoadedModel, tmp_pat
     assert str(again.outcome) == "warm-diverge" and again.text == first.text
 
 
+def test_close_right_after_a_reply_is_not_refused_but_one_during_a_reply_is(
+    smollm: LoadedModel, tmp_path: Path
+) -> None:
+    """A finished save's result waiting in the loop's queue is no request in progress:
+    close() right after a reply raised "requests are in progress" when the save thread had
+    just posted it (the full-disk test failed so on a clean clone). A reply streaming is."""
+    import time
+
+    eng = Engine("smollm2-135m", cache_dir=tmp_path)
+    stream = eng.stream("a", "Hello there.", GenerationParams(max_tokens=64))
+    next(iter(stream))
+    with pytest.raises(RuntimeError, match="in progress"):
+        eng.close()
+    for _ in stream:
+        pass
+    eng._worker.post(time.sleep, 0.3)  # a message queued for the loop, as a save's result is
+    eng.close()
+
+
 def test_exact_extend_diverge(smollm: LoadedModel, tmp_path: Path) -> None:
     eng = Engine("smollm2-135m", cache_dir=tmp_path, kv_bits=4)
     p = _chat(eng, SYSTEM, [("Summarise the license in one line.", None)])
