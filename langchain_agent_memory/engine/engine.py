@@ -394,10 +394,8 @@ class Engine:
         """On the loop, after every job queued before the question: whether a request is
         being prepared or run. Asked from outside, the loop's queue alone said so wrongly
         when a finished save's result waited in it (``close`` right after a reply raised)."""
-        stepper = self._worker.stepper
-        return (stepper is not None and stepper.has_work()) or (
-            self._admissions is not None and bool(self._admissions.busy())
-        )
+        preparing = self._admissions.busy() if self._admissions is not None else set()
+        return self._scheduler.has_work() or bool(preparing)
 
     def _forget_memory(self) -> None:
         """Live caches and the in-memory block tier freed, their buffers given back to the
