@@ -27,7 +27,8 @@ Invariants (the run fails, exit 1, if one breaks):
 - bounded resources per worker process (memory, open files, threads) and database
   connections: after warm-up (the first third of a worker's life) the peak of its last third
   is within ``GROWTH`` of the peak of its middle third. Memory is judged as mlx's arrays less
-  what the caches hold (the live caches and the block pool, from the worker's ``/metrics``):
+  what the caches hold (the hot tier, the block pool, the caches of requests in flight and
+  the blocks of saves not written yet, from the worker's ``/metrics``):
   those fill to their budgets over a life, and a leak is what grows besides them (RSS is
   plotted, not judged: memory the caches let go stays in mlx's buffer cache and the C
   allocator);
@@ -73,7 +74,12 @@ PREFIX = "You answer questions about this license in one short line.\n\n" + corp
 GROWTH = {"unheld_mb": 0.25, "fds": 0.25, "threads": 0.25}
 SLACK = {"unheld_mb": 64, "fds": 16, "threads": 8}  # absolute slack on top (small numbers)
 #: The worker's gauges of what its caches hold, and of mlx's memory (plotted beside RSS).
-HELD = ("agent_memory_hot_bytes", "agent_memory_pool_bytes")
+HELD = (
+    "agent_memory_hot_bytes",
+    "agent_memory_pool_bytes",
+    "agent_memory_serving_bytes",
+    "agent_memory_queued_save_bytes",
+)
 MLX = ("agent_memory_mlx_active_bytes", "agent_memory_mlx_cache_bytes")
 MAX_CONVERSATION = len(PREFIX) + 6000
 FAULTS = ("kill worker", "stop worker", "stop postgres", "stop seaweedfs", "disk full")
@@ -149,6 +155,7 @@ class Worker:
             "unheld_mb": None if held is None or active is None else active - held,
             "fds": fds,
             "threads": int(fields["Threads"]),
+            "gauges_mb": {n.removeprefix("agent_memory_"): round(v, 1) for n, v in mb.items()},
         }
 
     def gauges(self) -> dict[str, float] | None:

@@ -370,6 +370,11 @@ class Engine:
             "turns": turns,
             "hot_rate": turns.get("hot", 0) / max(1, sum(turns.values())),
             "pool": dataclasses.asdict(self.pool.snapshot_stats()),
+            # memory the caches hold besides the tier and the pool (requests in flight, saves
+            # not written): with them, what mlx holds beyond the weights is accounted for
+            **self.agents.memory_beside_the_tier(
+                r.start.layers for r in self._scheduler.in_flight() if isinstance(r, Request) and r.start
+            ),
             "prefix_index": self.agents.index.stats(),
             # agents whose requests wait on the shared store's part of their admission
             **({"admitting": len(self._admissions.busy())} if self._admissions is not None else {}),

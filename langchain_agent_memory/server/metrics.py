@@ -212,6 +212,8 @@ _GAUGES = {
     "hot_bytes": "Bytes of the live caches (stored form and working copies).",
     "hot_budget_bytes": "The live caches' byte budget (absent: none).",
     "pool_bytes": "Bytes of stored blocks the block pool keeps in memory (bounded by its budget).",
+    "serving_bytes": "Bytes of the caches of requests in flight that the hot tier does not hold.",
+    "queued_save_bytes": "Bytes of blocks held in memory until their save is written.",
     "disk_bytes": "Bytes of the stored caches on this server's disk.",
     "disk_budget_bytes": "The stored caches' disk budget (absent: none).",
     "queued_saves": "Saves queued on this server and not written yet.",
@@ -234,6 +236,8 @@ def _engine_values(engine: Engine, stats: dict[str, Any]) -> dict[str, float | i
         "hot_bytes": tier["bytes"],
         "hot_budget_bytes": tier["hot_bytes"],
         "pool_bytes": stats["pool"]["hot_bytes"],
+        "serving_bytes": stats["serving_bytes"],
+        "queued_save_bytes": stats["queued_save_bytes"],
         "disk_bytes": engine.admin.disk_bytes(),
         "disk_budget_bytes": budget.get("max_bytes"),  # type: ignore[arg-type]
         "queued_saves": status.queued_saves,

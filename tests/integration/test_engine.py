@@ -473,6 +473,49 @@ def test_blocks_cut_from_a_commits_run_hold_the_bytes_of_blocks_built_one_by_one
     engine.close()
 
 
+def test_agents_parked_after_decoding_together_hold_what_the_hot_tier_counts(tmp_path: Path) -> None:
+    """Agents that decoded in one batch over a stored prompt, parked after three turns: the
+    memory mlx holds beyond the weights is what the hot tier and the pool count, and nothing
+    is in flight (the gauges an operator and the soak read). A leaver's working copy was a
+    view of the batch's merged buffer, or a lazy join over one, which kept every member's
+    rows and the room alive: in a soak, a worker's parked agents took up to ~1.5x what the
+    tier counted (the view itself: ``test_batch_cache``)."""
+    import threading
+
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    # One system prompt, stored: the members start from its blocks and decode them once,
+    # together (a fan-out's way; ``DecodedPrefix``)
+    system = "Answer in one short line.\n\n" + corpus.apache_license()[:1200]
+    engine.generate("first", system, GenerationParams(max_tokens=2))
+    engine.flush()
+    engine.admin.clear_memory()
+    mx.synchronize()
+    before = mx.get_active_memory()
+    texts = {f"agent-{i}": system + corpus.python_docs()[i * 300 : i * 300 + 200 * (i + 1)] for i in range(4)}
+
+    def turn(agent: str, i: int, n: int) -> None:
+        prompt = texts[agent] + f"\nQ: and point {n}?\nA:"
+        texts[agent] = prompt + engine.generate(agent, prompt, GenerationParams(max_tokens=6 + 4 * i)).text
+
+    for n in range(3):  # first turns, then turns that extend the parked copies
+        threads = [threading.Thread(target=turn, args=(a, i, n)) for i, a in enumerate(texts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        engine.flush()
+    mx.synchronize()
+    stats = engine.stats()
+    assert stats["max_decode_batch"] >= 2, stats["max_decode_batch"]  # they decoded together
+    assert stats["hot_tier"]["agents"] == len(texts)
+    assert stats["turns"]["warm"] >= 2  # from the stored prompt
+    counted = stats["hot_tier"]["bytes"] + stats["pool"]["hot_bytes"]
+    held = mx.get_active_memory() - before
+    assert stats["serving_bytes"] == 0 and stats["queued_save_bytes"] == 0
+    assert held < 1.1 * counted, (held, counted)
+    engine.close()
+
+
 def test_a_save_in_flight_holds_no_copy_of_a_stored_form_agent(smollm: LoadedModel, tmp_path: Path) -> None:
     """Served from the stored form (a GPU's way), a turn's save reads its blocks' rows from
     the agent's own buffers while it waits to be written: memory while it waits is the

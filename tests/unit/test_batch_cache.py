@@ -76,3 +76,29 @@ def test_members_join_and_leave_and_each_attends_as_alone() -> None:
         mine[m].commit()
         alone[m].commit()
         _close(mine[m].keys[0], alone[m].keys[0])  # type: ignore[index]
+
+
+def _shares(a: mx.array, b: mx.array) -> bool:
+    mx.eval(a, b)
+    return bool(np.shares_memory(np.asarray(memoryview(a)), np.asarray(memoryview(b))))
+
+
+def test_a_member_that_leaves_holds_its_own_rows_not_the_batchs_buffer() -> None:
+    # A view of the merged buffer kept all members' rows (and its room) alive in every parked
+    # agent's working copy: memory beyond what the hot tier counts (``work_nbytes``).
+    caches = [_agent(n, i) for i, n in enumerate(LENGTHS.values())]
+    batch = BatchLayerCache(caches, mx.array([c.offset for c in caches]))
+    batch.step(mx.array([c.offset for c in caches]))
+    _, k, v = _step(1)
+    batch.update_and_fetch(mx.concatenate([k] * 3), mx.concatenate([v] * 3))
+    merged = batch._merged
+    assert merged is not None
+    batch.filter([1, 2])  # "a" leaves
+    batch.dissolve()  # the rest
+    for cache in caches:
+        work = cache.work.buf
+        assert work is not None and work.k.shape[0] == 1
+        assert not _shares(work.k, merged.k) and not _shares(work.v, merged.v)
+        assert work.k.nbytes < merged.k.nbytes / 2  # its rows, not the batch's
+        pending_k, _ = cache.pending.joined()
+        assert pending_k is not None and not _shares(pending_k, merged.k)

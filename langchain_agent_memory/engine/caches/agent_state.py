@@ -5,7 +5,7 @@ from and prefills), a pending save, and the policy of which agents stay hot."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..kv import LayerCache, RecurrentCache
@@ -135,7 +135,12 @@ class HotPolicy:
 
 def live_bytes(state: AgentState) -> int:
     """Bytes an agent's live caches hold (stored form and working copies)."""
-    return sum(layer.nbytes + layer.work_nbytes for layer in state.layers or ())
+    return layers_bytes(state.layers or ())
+
+
+def layers_bytes(layers: Iterable[LayerCache | RecurrentCache]) -> int:
+    """Bytes live layer caches hold (stored form and working copies)."""
+    return sum(layer.nbytes + layer.work_nbytes for layer in layers)
 
 
 def kept_from(layer: LayerCache, n_tokens: int) -> int:

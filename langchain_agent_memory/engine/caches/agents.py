@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from ..storage.budget import EvictionReport
 from ..storage.objects import BlocksUnavailableError
 from ..storage.pool import BlockPool
 from ..storage.protocols import BlockStore, Lease, StoreReads, seen_version, take_lease
-from .agent_state import Admission, AgentState, HotPolicy, holds_window, record_tokens
+from .agent_state import Admission, AgentState, HotPolicy, holds_window, layers_bytes, record_tokens
 from .cache_writes import CacheWrites
 from .hot_agents import HotAgents
 from .prefix_index import NOTHING, IndexView, OwnCache, PrefixIndex, Prompt, ReusePlan
@@ -415,6 +415,16 @@ class AgentCaches:
 
     def working_copy_bytes(self) -> int:
         return self.hot.working_copy_bytes()
+
+    def memory_beside_the_tier(
+        self, serving: Iterable[Sequence[LayerCache | RecurrentCache]]
+    ) -> dict[str, int]:
+        """What the caches hold in memory besides the hot tier and the pool: the layers of
+        the requests in flight (``serving``) that no hot agent holds, and the blocks of saves
+        not written yet. With the tier and the pool, what a leak would be told apart from."""
+        tier = {id(layer) for state in self.hot.states() for layer in state.layers or ()}
+        own = {id(layer): layer for layers in serving for layer in layers if id(layer) not in tier}
+        return {"serving_bytes": layers_bytes(own.values()), "queued_save_bytes": self.writes.queued_bytes()}
 
     def hot_tier(self) -> dict[str, Any]:
         """The hot tier's bounds and state (``Engine.stats``)."""

@@ -219,6 +219,11 @@ class CacheWrites:
         """A block a save has not written yet (held in memory until it is)."""
         return self._queued.get(h)
 
+    def queued_bytes(self) -> int:
+        """Bytes of the blocks saves hold in memory until written (those the pool's tier
+        holds too counted there)."""
+        return sum(b.nbytes for h, b in self._queued.items() if not self.pool.is_hot(h))
+
     def queued_hashes(self) -> list[BlockHash]:
         """The blocks of saves not written yet."""
         return list(self._queued)

@@ -91,6 +91,9 @@ class HotAgents:
         elif only is None or self._states.get(agent_id) is only:
             self._states.pop(agent_id, None)
 
+    def states(self) -> list[AgentState]:
+        return list(self._states.values())
+
     def live_bytes(self) -> int:
         """Bytes the live agents' caches hold (stored form and working copies)."""
         return sum(live_bytes(state) for state in self._states.values())

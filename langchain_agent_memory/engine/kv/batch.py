@@ -12,12 +12,12 @@ from typing import Any
 from ..ops.cpu_attention import attention_over_decoded_prefix
 from ..ops.runtime import mx
 from . import fetches
-from .buffers import Working, grown_rows, in_space
+from .buffers import Working, grown_rows, in_space, own_copy
 from .codecs import rotation
 from .layer import LayerCache
 from .recurrent import BatchRecurrentCache, RecurrentCache
 from .stored import attention, positional_mask
-from .stored_batch import StoredBatch
+from .stored_batch import StoredBatch, evaluated
 
 #: Fewer prefix rows than this: each member attends over its own copy (the prefix path's few
 #: extra ops cost more than reading so few rows once per member saves).
@@ -367,8 +367,13 @@ class _Merged:
         self.added = [a + n for a in self.added]
 
     def hand_back(self, i: int, cache: LayerCache) -> None:
-        """Give member ``i`` its rows: its newest tokens as pending, the rest as its working copy."""
-        k, v = self.k[i : i + 1, :, self.pads[i] : self.end], self.v[i : i + 1, :, self.pads[i] : self.end]
+        """Give member ``i`` its rows, copied out of the merged buffer (``own_copy``): its
+        newest tokens as pending, the rest as its working copy. As views, a parked agent's
+        copy kept the whole batch's buffer alive (four agents that decoded together: each
+        held all four's rows and the room, beyond what the hot tier's budget counts)."""
+        k = own_copy(self.k[i : i + 1, :, self.pads[i] : self.end])
+        v = own_copy(self.v[i : i + 1, :, self.pads[i] : self.end])
+        evaluated(k, v)  # now: the merged buffer is free once the batch lets go of it
         new = self.added[i]
         if new:
             cache.offset -= new

@@ -39,6 +39,12 @@ def with_room(x: mx.array, used: int, rows: int) -> mx.array:
     return mx.concatenate([x[:, :, :used], spare_rows(x, rows - used)], axis=2)
 
 
+def own_copy(x: mx.array) -> mx.array:
+    """A copy of ``x`` (a view of a batch's rows) in a buffer of its own: a view would keep
+    the whole batch's buffer alive while any member holds one, memory no budget counts."""
+    return mx.contiguous(x)
+
+
 def in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:
     """``x`` (rotated or not) moved into the rotated space or out of it, as wanted; in
     ``x``'s dtype. NOTE: the float32 rotation would promote a bf16 / fp16 ``x`` to float32:

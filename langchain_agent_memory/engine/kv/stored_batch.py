@@ -17,6 +17,7 @@ from typing import Any
 
 from ..ops.runtime import mx
 from . import stored_cuda
+from .buffers import own_copy
 from .codecs import FULL, HALF_DTYPE, KVQuant
 from .layer import LayerCache
 from .stored import Parts, Segment, stored_attention
@@ -95,7 +96,7 @@ def _join(groups: list[Group]) -> Group:
     return head, body, pending, held
 
 
-def _evaluated(*trees: Any) -> None:
+def evaluated(*trees: Any) -> None:
     """Build now what a batch change made (one layer at a time): what it was made from is
     then free at once, rather than held beside it until the whole step's graph runs (a
     batch of agents whose K/V fill most of the device's memory has no room for two)."""
@@ -128,7 +129,7 @@ class StoredBatch:
         batch._reset(held)
         for c in caches:  # handed over: the batch holds them now
             _release(c)
-        _evaluated(batch.head, batch.body, batch.pending)
+        evaluated(batch.head, batch.body, batch.pending)
         return batch
 
     def _reset(self, held: list[tuple[int, int, int]]) -> None:
@@ -170,7 +171,7 @@ class StoredBatch:
         self._reset(held)
         for c in caches:
             _release(c)
-        _evaluated(self.head, self.body, self.pending)
+        evaluated(self.head, self.body, self.pending)
 
     def filter(self, keep: list[int], caches: list[LayerCache]) -> None:
         """Members ``keep`` (indices into ``caches``, the current members in order) stay;
@@ -190,7 +191,7 @@ class StoredBatch:
         pk, pv = (x[idx, :, self.end - p : self.end] for x in self.pending)
         self.pending = (pk, pv)
         self._reset(held)
-        _evaluated(self.head, self.body, self.pending)
+        evaluated(self.head, self.body, self.pending)
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """One step's keys and values, one column for every member."""
@@ -235,22 +236,19 @@ class StoredBatch:
         for i in rows:
             c, (h, b, p) = caches[i], self.held[i]
             if self.head is not None and h:
-                hk, hv = (_own(x[i : i + 1, :, self.n_head - h :]) for x in self.head)
+                hk, hv = (own_copy(x[i : i + 1, :, self.n_head - h :]) for x in self.head)
                 c.committed.head_k, c.committed.head_v = hk, hv
                 made += [hk, hv]
             if self.body is not None and b:
-                bk, bv = (tuple(_own(x[i : i + 1, :, self.n_body - b :]) for x in side) for side in self.body)
+                bk, bv = (
+                    tuple(own_copy(x[i : i + 1, :, self.n_body - b :]) for x in side) for side in self.body
+                )
                 c.committed.set_body(bk, bv)
                 made += [*bk, *bv]
-            k, v = (_own(x[i : i + 1, :, self.end - p : self.end]) for x in (pk, pv))
+            k, v = (own_copy(x[i : i + 1, :, self.end - p : self.end]) for x in (pk, pv))
             c.set_pending(k, v)
             made += [k, v]
-        _evaluated(made)
-
-
-def _own(x: mx.array) -> mx.array:
-    """A copy of ``x`` (a view of a batch's rows) in a buffer of its own."""
-    return mx.contiguous(x)
+        evaluated(made)
 
 
 def _release(c: LayerCache) -> None:
