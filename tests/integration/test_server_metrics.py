@@ -97,6 +97,9 @@ def test_counters_move_with_each_reply_and_the_gauges_say_what_is_held(server: s
     hot = value(refused, "agent_memory_hot_bytes", model=MODEL)
     assert hot > 0 and value(refused, "agent_memory_mlx_active_bytes") >= hot
     assert ("agent_memory_mlx_cache_bytes", frozenset()) in refused
+    # at rest: no request in flight holds a cache of its own, no save waits in memory
+    assert value(refused, "agent_memory_serving_bytes", model=MODEL) == 0
+    assert ("agent_memory_queued_save_bytes", frozenset({("model", MODEL)})) in refused
     assert value(refused, "agent_memory_decode_steps_total", model=MODEL, batch="1") > 0
     assert (
         "agent_memory_shared_store_reachable",
