@@ -12,12 +12,12 @@ from typing import Any
 from ..ops.cpu_attention import attention_over_decoded_prefix
 from ..ops.runtime import mx
 from . import fetches
-from .buffers import Working, grown_rows, in_space, own_copy
+from .buffers import Working, evaluated, grown_rows, in_space, own_copy
 from .codecs import rotation
 from .layer import LayerCache
 from .recurrent import BatchRecurrentCache, RecurrentCache
 from .stored import attention, positional_mask
-from .stored_batch import StoredBatch, evaluated
+from .stored_batch import StoredBatch
 
 #: Fewer prefix rows than this: each member attends over its own copy (the prefix path's few
 #: extra ops cost more than reading so few rows once per member saves).

@@ -1,11 +1,13 @@
 """Buffers of a layer's keys and values that grow in place: room for appends (``grown_rows``,
-``with_room``), views of stored parts (``slice_parts``), the move between the model's space
+``with_room``), views of stored parts (``slice_parts``), a batch member's rows copied out
+and built at once (``own_copy``, ``evaluated``), the move between the model's space
 and the codec's rotated one (``in_space``), a request's full-precision working copy
 (``Working``) and its tokens as appended (``Pending``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..ops.runtime import mx
 from .codecs import rotation
@@ -43,6 +45,13 @@ def own_copy(x: mx.array) -> mx.array:
     """A copy of ``x`` (a view of a batch's rows) in a buffer of its own: a view would keep
     the whole batch's buffer alive while any member holds one, memory no budget counts."""
     return mx.contiguous(x)
+
+
+def evaluated(*trees: Any) -> None:
+    """Build now what a batch change made (one layer at a time): what it was made from is
+    then free at once, rather than held beside it until the whole step's graph runs (a
+    batch of agents whose K/V fill most of the device's memory has no room for two)."""
+    mx.eval([t for t in trees if t is not None])
 
 
 def in_space(x: mx.array, rotated: bool, want_rotated: bool) -> mx.array:

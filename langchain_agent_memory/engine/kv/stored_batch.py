@@ -13,11 +13,10 @@ K/V once, in the stored form, and each gets views of its rows back when it leave
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..ops.runtime import mx
 from . import stored_cuda
-from .buffers import own_copy
+from .buffers import evaluated, own_copy
 from .codecs import FULL, HALF_DTYPE, KVQuant
 from .layer import LayerCache
 from .stored import Parts, Segment, stored_attention
@@ -94,13 +93,6 @@ def _join(groups: list[Group]) -> Group:
         for side in (0, 1)
     )
     return head, body, pending, held
-
-
-def evaluated(*trees: Any) -> None:
-    """Build now what a batch change made (one layer at a time): what it was made from is
-    then free at once, rather than held beside it until the whole step's graph runs (a
-    batch of agents whose K/V fill most of the device's memory has no room for two)."""
-    mx.eval([t for t in trees if t is not None])
 
 
 @dataclass(slots=True)
