@@ -193,13 +193,20 @@ class SeaweedServer:
     def start(self) -> None:
         p = self.ports
         self.log = open(self.root / "log", "ab")  # noqa: SIM115 - open as long as the server runs
+        # Every bucket is a collection, and weed grows a collection's first write by 7 volumes,
+        # of at most ``-volume.max``; with 0 (free disk / volume size) a disk with 30 GB free
+        # took 68 buckets, and the suite's session server makes more: the next PUT was a 500
+        # ("no free volumes left"). One volume a collection (master.toml, read from weed's
+        # working directory) and a fixed count: the buckets a run makes no longer depend on
+        # the disk. Volumes are not preallocated: a count costs no disk.
+        (self.root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
         self.proc = subprocess.Popen(
             [self.weed, "server", f"-dir={self.root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
-             "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=0",
+             "-s3", f"-s3.port={p['s3']}", "-master.volumeSizeLimitMB=64", "-volume.max=2000",
              # no fixed-port extras (a second server would collide), no telemetry (offline)
              "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", *self.extra],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.root,
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
