@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import sqlite3
 import subprocess
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from langchain_agent_memory import ChatAgentMemory, corpus
 from langchain_agent_memory.engine.engine import Engine, GenerationParams
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.files import TEMP_PREFIX
+from langchain_agent_memory.engine.ops.runtime import mx
 from langchain_agent_memory.engine.storage import block_files as files_module
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.index import AgentIndex
@@ -105,6 +107,36 @@ def test_a_failed_save_keeps_the_previous_cache(
     figures["write errors"] = (
         figures.get("write errors", "") + f"{fault}: raised, old cache loads, retry saves; "
     )
+
+
+def test_a_failed_save_holds_no_memory_while_its_error_waits_for_flush(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server never calls ``flush``: a failed save's error waits there for good, and its
+    traceback's frames held the save's blocks and the agent's layer caches, which had left
+    the hot tier (the soak's disk-full fault: ~110 MB of a worker that nothing counted)."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    engine.generate("first", FIRST, GREEDY)
+    engine.flush()
+
+    def uncounted() -> int:
+        """mlx's memory beyond what the caches say they hold (``Engine.stats``)."""
+        gc.collect()
+        mx.synchronize()
+        stats = engine.stats()
+        counted = stats["hot_tier"]["bytes"] + stats["pool"]["hot_bytes"]
+        return mx.get_active_memory() - counted - stats["serving_bytes"] - stats["queued_save_bytes"]
+
+    before = uncounted()
+    _failing_file_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    reply = engine.generate("long", "Answer.\n\n" + corpus.apache_license()[:6000], GREEDY)
+    assert reply.saved == "pending"
+    assert engine._save_queue.wait()
+    grew = uncounted() - before
+    assert grew < 8e6, f"{grew / 1e6:.0f} MB held beyond the caches after a failed save"  # was ~78
+    with pytest.raises(CacheWriteError, match="No space left"):  # the error is kept all the same
+        engine.flush()
+    engine.close()
 
 
 def test_the_error_reaches_a_langchain_caller(

@@ -72,10 +72,13 @@ class SaveQueue:
                 return save()
             except BaseException as exc:
                 logger.warning("%s was not saved: %s", what, exc)
+                logger.debug("%s: the failure", what, exc_info=exc)
                 self._failed = self._failed or exc
                 raise
 
-        return self._queue(run)
+        future = self._queue(run)
+        future.add_done_callback(_frames_let_go)
+        return future
 
     def call(self, op: Callable[[], T]) -> T:
         """Run ``op`` after every save submitted before it and return what it returns (a
@@ -130,6 +133,22 @@ class SaveQueue:
         self._thread.shutdown(wait=False)
         with RUNTIME.lock:
             _QUEUES.discard(self)
+
+
+def _frames_let_go(future: Future[Any]) -> None:
+    """A failed save's error without its traceback (logged at debug level where it was
+    caught): the traceback's frames, finished, still held the save's job, its blocks and the
+    agent's layer caches (a frame keeps its function, and so its closure, even once cleared),
+    which the error, kept for ``flush``, the settled message and the future then kept alive
+    after the agent had left the hot tier: in a server, which never flushes, until the
+    process ended (~110 MB a failed turn in the soak's disk-full fault)."""
+    if future.cancelled():
+        return
+    error, seen = future.exception(), set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 def _nothing() -> None:
