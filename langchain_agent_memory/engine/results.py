@@ -138,11 +138,15 @@ class GenerationResult:
         """Wait for this turn's save and set ``saved`` to its outcome; a save that failed is
         False (said in a log line: the agent's previous cache is intact, and ``flush``
         raises the error)."""
-        try:
+        if self.save_done is None:
             self.saved = self.wait_saved()
-        except Exception as exc:
-            logger.warning("this turn's cache was not saved: %s", exc)
-            self.saved = False
+            return self.saved
+        # Asked, not raised: a raise would add this turn's frames to the error's traceback,
+        # and the error (kept for ``flush``) would keep the turn through them.
+        error = self.save_done.exception()
+        if error is not None:
+            logger.warning("this turn's cache was not saved: %s", error)
+        self.saved = False if error is not None else self.save_done.result()
         return self.saved
 
 
@@ -185,7 +189,12 @@ def asettled(
                 result = chunk.result
                 if result is not None:
                     if result.save_done is not None:
-                        await asyncio.wait([asyncio.wrap_future(result.save_done)])
+                        saving = asyncio.wrap_future(result.save_done)
+                        await asyncio.wait([saving])
+                        if not saving.cancelled():
+                            # asked here (asyncio logs an error for a future's never asked);
+                            # ``settle`` says how the save ended
+                            saving.exception()
                     result.settle()
                 yield chunk
         finally:

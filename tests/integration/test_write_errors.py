@@ -7,11 +7,14 @@ disk is writable again saves normally."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import gc
+import logging
 import sqlite3
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,10 +22,11 @@ import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
 
 from langchain_agent_memory import ChatAgentMemory, corpus
-from langchain_agent_memory.engine.engine import Engine, GenerationParams
+from langchain_agent_memory.engine.engine import Engine, GenerationParams, StreamChunk
 from langchain_agent_memory.engine.model.loading import LoadedModel
 from langchain_agent_memory.engine.ops.files import TEMP_PREFIX
 from langchain_agent_memory.engine.ops.runtime import mx
+from langchain_agent_memory.engine.requests import saves as saves_module
 from langchain_agent_memory.engine.storage import block_files as files_module
 from langchain_agent_memory.engine.storage.blocks import CacheWriteError
 from langchain_agent_memory.engine.storage.index import AgentIndex
@@ -118,25 +122,124 @@ def test_a_failed_save_holds_no_memory_while_its_error_waits_for_flush(
     engine = Engine("smollm2-135m", cache_dir=tmp_path)
     engine.generate("first", FIRST, GREEDY)
     engine.flush()
-
-    def uncounted() -> int:
-        """mlx's memory beyond what the caches say they hold (``Engine.stats``)."""
-        gc.collect()
-        mx.synchronize()
-        stats = engine.stats()
-        counted = stats["hot_tier"]["bytes"] + stats["pool"]["hot_bytes"]
-        return mx.get_active_memory() - counted - stats["serving_bytes"] - stats["queued_save_bytes"]
-
-    before = uncounted()
+    before = _uncounted(engine)
     _failing_file_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     reply = engine.generate("long", "Answer.\n\n" + corpus.apache_license()[:6000], GREEDY)
     assert reply.saved == "pending"
     assert engine._save_queue.wait()
-    grew = uncounted() - before
+    grew = _uncounted(engine) - before
     assert grew < 8e6, f"{grew / 1e6:.0f} MB held beyond the caches after a failed save"  # was ~78
     with pytest.raises(CacheWriteError, match="No space left"):  # the error is kept all the same
         engine.flush()
     engine.close()
+
+
+def test_a_failed_saves_error_reaches_its_waiter_without_the_saves_frames(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a waiter keeps of a failed save's error holds nothing of the save. A server's
+    waiter (``asettled``) wraps the turn's ``save_done`` in an asyncio future, which keeps
+    the traceback it is handed (``_exception_tb``); when the error reached it while the save
+    thread was still raising it, that traceback's frames held the save's blocks and the
+    agent's layer caches for as long as the error was kept (the first failure, for
+    ``flush``: a server's whole life; the soak's disk-full fault, now and then: ~100 MB of a
+    worker that nothing counted). Here the save thread is held in its log line until the
+    waiter has the error, the order a busy machine gives it now and then."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    engine.generate("first", FIRST, GREEDY)
+    engine.flush()
+    before = _uncounted(engine)
+    attached, handed = threading.Event(), threading.Event()
+    kept: list[object] = []  # the error's traceback, as asyncio's future keeps it
+    frames: list[list[str]] = []
+
+    class HoldTheSaveThread(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "was not saved" in record.getMessage():
+                handed.wait(2.0)  # until the waiter has the error (if it can have it yet)
+
+    real = files_module.atomic_write
+
+    def atomic_write(path: Path, write: Callable[[str], object], suffix: str = ".tmp") -> int:
+        attached.wait(30)  # the test holds the turn's future before its save fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    hold = HoldTheSaveThread(logging.WARNING)
+    logging.getLogger(saves_module.__name__).addHandler(hold)
+    monkeypatch.setattr(files_module, "atomic_write", atomic_write)
+    try:
+        *_, last = engine.stream("long", "Answer.\n\n" + corpus.apache_license()[:6000], GREEDY)
+        assert last.result is not None and last.result.save_done is not None
+        last.result.save_done.add_done_callback(
+            lambda done: (
+                kept.append(done.exception().__traceback__),  # type: ignore[union-attr]
+                frames.append(_frames(done.exception())),
+                handed.set(),
+            )
+        )
+        attached.set()
+        with pytest.raises(CacheWriteError, match="No space left"):
+            last.result.wait_saved(30)
+        assert engine._save_queue.wait(30)
+    finally:
+        logging.getLogger(saves_module.__name__).removeHandler(hold)
+        monkeypatch.setattr(files_module, "atomic_write", real)
+    grew = _uncounted(engine) - before
+    assert grew < 8e6, f"{grew / 1e6:.0f} MB held beyond the caches by the traceback handed on ({frames})"
+    assert frames == [[]], f"the waiter was handed the save thread's frames: {frames}"
+    with pytest.raises(CacheWriteError, match="No space left"):  # the error is kept all the same
+        engine.flush()
+    engine.close()
+
+
+def test_a_stream_that_waits_for_its_failed_save_says_so_and_keeps_nothing_of_the_turn(
+    smollm: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A streamed turn on an event loop (the server's) that waits for its save, which fails:
+    the last chunk says the save was not kept, in one warning, and the error (kept for
+    ``flush``: a server's whole life) carries no frames, of the save thread or of the wait.
+    The wait raised it to learn the outcome, which put the turn's frames in its traceback:
+    the error kept the turn, its futures, and the asyncio future the wait made, which then
+    logged an error with the save's whole traceback when it went ("Future exception was
+    never retrieved")."""
+    engine = Engine("smollm2-135m", cache_dir=tmp_path)
+    _failing_file_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    params = GenerationParams(max_tokens=4, wait_for_save=True)
+
+    async def turn() -> list[StreamChunk]:
+        return [chunk async for chunk in engine.astream("long", FIRST, params)]
+
+    with caplog.at_level(logging.WARNING):
+        *_, last = asyncio.run(turn())
+    assert last.result is not None and last.result.saved is False
+    assert caplog.text.count("this turn's cache was not saved") == 1, caplog.text
+    assert last.result.save_done is not None
+    assert _frames(last.result.save_done.exception()) == []
+    with pytest.raises(CacheWriteError, match="No space left"):
+        engine.flush()
+    engine.close()
+
+
+def _frames(error: BaseException | None) -> list[str]:
+    """The functions of the frames ``error`` and its causes carry."""
+    names, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            names.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return names
+
+
+def _uncounted(engine: Engine) -> int:
+    """mlx's memory beyond what the caches say they hold (``Engine.stats``)."""
+    gc.collect()
+    mx.synchronize()
+    stats = engine.stats()
+    counted = stats["hot_tier"]["bytes"] + stats["pool"]["hot_bytes"]
+    return mx.get_active_memory() - counted - stats["serving_bytes"] - stats["queued_save_bytes"]
 
 
 def test_the_error_reaches_a_langchain_caller(

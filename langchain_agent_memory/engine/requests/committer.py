@@ -51,8 +51,9 @@ class Committer:
         job = self.caches.writes.write_job(save)
         done: Future[Saved] = Future()
         agent_id = save.record.agent_id
+        what = f"agent {agent_id!r}'s cache"
 
-        def write() -> Saved:  # on the save thread
+        def write() -> None:  # on the save thread
             written, saved = Written(False, WriteOutcome()), False
             error: BaseException | None = None
             try:
@@ -71,12 +72,11 @@ class Committer:
                 # queued there and ``flush`` waits for it forever.
                 error = exc
             finally:
+                if error is not None:  # reported, and let go of this thread's frames, first
+                    self.saves.failed(error, what)
                 self.loop.post(self._written, save, written, saved, error, done)
-            if error is not None:
-                raise error  # logged and kept for ``flush`` (``SaveQueue``)
-            return saved
 
-        self.saves.submit(write, f"agent {agent_id!r}'s cache", done)
+        self.saves.submit(write, what, done)
         return done
 
     def evict(self, budget: StorageBudget, in_use: set[str], low_water: float) -> EvictionReport:

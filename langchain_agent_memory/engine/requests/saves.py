@@ -60,25 +60,36 @@ class SaveQueue:
         with RUNTIME.lock:
             _QUEUES.add(self)
 
-    def submit(self, save: Callable[[], T], what: str, settled: Future[Any] | None = None) -> Future[T]:
-        """Run ``save`` after every save submitted before it; a failure is logged (naming
-        ``what``) and kept for ``flush``. ``settled``: done once the save's outcome has been
-        taken in where it goes (the loop's message), which ``wait`` waits for too."""
+    def submit(self, save: Callable[[], object], what: str, settled: Future[Any] | None = None) -> None:
+        """Run ``save`` after every save submitted before it. A save reports its own failure
+        (``failed``) before it hands it to another thread; one that raises is reported here.
+        ``settled``: done once the save's outcome has been taken in where it goes (the
+        loop's message), which ``wait`` waits for too."""
         if settled is not None:
             self._settled = settled
 
-        def run() -> T:
+        def run() -> None:
             try:
-                return save()
-            except BaseException as exc:
-                logger.warning("%s was not saved: %s", what, exc)
-                logger.debug("%s: the failure", what, exc_info=exc)
-                self._failed = self._failed or exc
-                raise
+                save()
+            except BaseException as exc:  # not raised on: the future is no one's to read
+                self.failed(exc, what)
 
-        future = self._queue(run)
-        future.add_done_callback(_frames_let_go)
-        return future
+        self._queue(run)
+
+    def failed(self, error: BaseException, what: str) -> None:
+        """A save's failure (on the save thread, before ``error`` goes to any other): logged,
+        its traceback at debug level; kept for ``flush`` if it is the first since the last;
+        and let go of its frames. Those frames, finished, still hold the save's job, its
+        blocks and the agent's layer caches (a frame keeps its function, and so its closure,
+        even once cleared): whatever kept the error kept them, after the agent had left the
+        hot tier, and the turn's waiter is handed the error while the save thread may still
+        be raising it (an asyncio future keeps the traceback it is handed). The first
+        failure waits for ``flush``, which a server never calls: 78 MB for one failed
+        1.5K-token turn of SmolLM2, for the process's life."""
+        logger.warning("%s was not saved: %s", what, error)
+        logger.debug("%s: the failure", what, exc_info=error)
+        _drop_frames(error)
+        self._failed = self._failed or error
 
     def call(self, op: Callable[[], T]) -> T:
         """Run ``op`` after every save submitted before it and return what it returns (a
@@ -135,20 +146,17 @@ class SaveQueue:
             _QUEUES.discard(self)
 
 
-def _frames_let_go(future: Future[Any]) -> None:
-    """A failed save's error without its traceback (logged at debug level where it was
-    caught): the traceback's frames, finished, still held the save's job, its blocks and the
-    agent's layer caches (a frame keeps its function, and so its closure, even once cleared),
-    which the error, kept for ``flush``, the settled message and the future then kept alive
-    after the agent had left the hot tier: in a server, which never flushes, until the
-    process ended (78 MB for one failed 1.5K-token turn of SmolLM2)."""
-    if future.cancelled():
-        return
-    error, seen = future.exception(), set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+def _drop_frames(error: BaseException) -> None:
+    """``error`` and the errors it chains (causes and contexts) without their tracebacks."""
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [error]
+    while chain:
+        e = chain.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        chain += [e.__cause__, e.__context__]
 
 
 def _nothing() -> None:
