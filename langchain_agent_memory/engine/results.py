@@ -144,9 +144,11 @@ class GenerationResult:
         # Asked, not raised: a raise would add this turn's frames to the error's traceback,
         # and the error (kept for ``flush``) would keep the turn through them.
         error = self.save_done.exception()
-        if error is not None:
+        if error is None:
+            self.saved = self.save_done.result()
+        else:
             logger.warning("this turn's cache was not saved: %s", error)
-        self.saved = False if error is not None else self.save_done.result()
+            self.saved = False
         return self.saved
 
 
